@@ -1,0 +1,337 @@
+"""The ``hetplan`` command line.
+
+    hetplan plan      best plans for a model on a cluster (default: AMP's GPT-2 on
+                      its heterogeneous cluster), with time, throughput, memory and why
+    hetplan compare   several planners side by side on the same inputs
+    hetplan estimate  cost one plan file, or one uniform dp/tp/pp setting
+    hetplan models    list model presets
+    hetplan clusters  list cluster presets and GPU types
+    hetplan train/run train with a plan (runtime; needs torch)
+
+A user mistake prints one line ``hetplan: error: ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from hetplan.errors import HetplanError
+
+DEFAULT_MODEL = "gpt2-amp"
+DEFAULT_CLUSTER = "amp-heterogeneous"
+DEFAULT_GLOBAL_BATCH = 32
+DEFAULT_PLANNER = "uniform"
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _global_batch(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    return _positive_int(text)
+
+
+def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> None:
+    p.add_argument("--model", default=None, help=f"preset name, HF config.json or ModelSpec .json (default {DEFAULT_MODEL})")
+    p.add_argument("--cluster", default=None, help=f"preset name, NxGPU, or cluster .yaml (default {DEFAULT_CLUSTER})")
+    p.add_argument("--global-batch", type=_global_batch if batch_auto else _positive_int, default=None,
+                   help=f"samples per step (default {DEFAULT_GLOBAL_BATCH})" + ("; 'auto' lets batch-searching "
+                                                                                 "planners choose" if batch_auto else ""))
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length for HF configs")
+    p.add_argument("--memory-limit", default=None, help="usable memory per GPU, e.g. 8GB (default: the GPU's)")
+    p.add_argument("--optimizer", default="", help="adam-mixed (16-bit models), adam-fp32, sgd-fp32")
+    p.add_argument("--profile", default=None, help="measured layer times (ProfileDB JSON)")
+    p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetplan", description="Plan and run parallel training on "
+                                     "heterogeneous GPU clusters.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="find the best plans for a model on a cluster")
+    _add_workload_args(p)
+    p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"planner (default {DEFAULT_PLANNER}); see 'hetplan planners'")
+    p.add_argument("--top", type=_positive_int, default=5, help="how many plans to show")
+    p.add_argument("--quiet", action="store_true", help="only the table")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("compare", help="run several planners on the same inputs")
+    _add_workload_args(p)
+    p.add_argument("--planners", default=None, help="comma-separated planner names (default: all)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("estimate", help="cost a plan file or one uniform dp/tp/pp setting")
+    p.add_argument("plan_file", nargs="?", default=None, help="plan JSON from 'hetplan plan --json'")
+    _add_workload_args(p, batch_auto=False)
+    p.add_argument("--tp", type=_positive_int, default=None)
+    p.add_argument("--pp", type=_positive_int, default=None)
+    p.add_argument("--dp", type=_positive_int, default=None)
+    p.add_argument("--micro-batch", type=_positive_int, default=None, help="samples per dp replica per micro-batch")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("models", help="list model presets")
+    p.add_argument("--json", dest="json_path", default=None)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("clusters", help="list cluster presets and GPU types")
+    p.add_argument("--json", dest="json_path", default=None)
+    p.set_defaults(func=cmd_clusters)
+
+    p = sub.add_parser("planners", help="list planners")
+    p.set_defaults(func=cmd_planners)
+
+    try:
+        from hetplan.runtime import cli as runtime_cli
+    except ImportError:
+        runtime_cli = None  # runtime package not present in this build
+    if runtime_cli is not None and hasattr(runtime_cli, "register"):
+        runtime_cli.register(sub)
+    return parser
+
+
+# --- helpers ---------------------------------------------------------------------
+def load_workload(args: argparse.Namespace, global_batch: int | None = None) -> Any:
+    from hetplan.cluster import load_cluster
+    from hetplan.cost import Workload
+    from hetplan.model import load_model
+    from hetplan.profile import ProfileDB
+    from hetplan.units import parse_memory_size
+
+    model = load_model(args.model or DEFAULT_MODEL, seq_len=args.seq_len)
+    cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
+    gbs = global_batch if global_batch is not None else (args.global_batch or DEFAULT_GLOBAL_BATCH)
+    limit = parse_memory_size(args.memory_limit) if args.memory_limit else 0
+    profile = ProfileDB.load(args.profile) if args.profile else None
+    return Workload(model, cluster, gbs, optimizer=args.optimizer, memory_limit_bytes=limit,
+                    overlap_grad_sync=not args.no_overlap, profile=profile)
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    except OSError as exc:
+        raise HetplanError(f"cannot write {path}: {exc.strerror}") from None
+    print(f"wrote {path}")
+
+
+def _header(workload: Any, extra: str = "") -> str:
+    from hetplan.units import format_bytes
+
+    m, c = workload.model, workload.cluster
+    lines = [f"model    {m.name}: {m.num_layers} layers, {m.total_params / 1e9:.2f} B params, seq {m.seq_len}",
+             f"cluster  {c.name}: {c.summary()}",
+             f"batch    {workload.global_batch_size} samples/step, optimizer {workload.optimizer}"
+             + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
+    if extra:
+        lines.append(extra)
+    return "\n".join(lines)
+
+
+def _run_planner(planner: Any, workload: Any, top_k: int, auto_batch: bool) -> list[Any]:
+    if auto_batch:
+        if not getattr(planner, "searches_batch_size", False):
+            raise HetplanError(f"planner {planner.name!r} does not search the batch size; "
+                               "give --global-batch N or use a galvatron planner")
+        return planner.plan_auto_batch(workload, top_k)
+    return planner.plan(workload, top_k)
+
+
+# --- commands -------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hetplan.report.text import breakdown, explain, memory_table, ranked_table
+    from hetplan.search import get_planner
+
+    auto = args.global_batch == "auto"
+    workload = load_workload(args, global_batch=1 if auto else None)
+    planner = get_planner(args.planner)
+    start = time.perf_counter()
+    ranked = _run_planner(planner, workload, args.top, auto)
+    elapsed = time.perf_counter() - start
+    best = ranked[0]
+    if auto:
+        workload = load_workload(args, global_batch=best.plan.global_batch_size)
+    print(_header(workload, f"planner  {planner.name}: searched in {elapsed:.2f} s"))
+    print()
+    print(ranked_table(ranked, show_planner_cost=any(r.planner_cost_s is not None for r in ranked)))
+    if not args.quiet:
+        print()
+        print(f"best plan: {best.plan.describe()}")
+        print(breakdown(best.estimate))
+        print()
+        print(memory_table(best.plan, best.estimate, workload))
+        print()
+        for line in explain(best.plan, best.estimate, workload):
+            print(f"- {line}")
+        for note in best.plan.notes:
+            print(f"- note: {note}")
+    _write_json(args.json_path, {"planner": planner.name, "search_time_s": elapsed,
+                                 "plans": [r.to_dict() for r in ranked]})
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hetplan.report.text import table
+    from hetplan.search import get_planner, planner_names
+    from hetplan.units import format_time
+
+    auto = args.global_batch == "auto"
+    workload = load_workload(args, global_batch=1 if auto else None)
+    names = [n.strip() for n in args.planners.split(",")] if args.planners else planner_names()
+    rows_json, results = [], []
+    for name in names:
+        planner = get_planner(name)
+        start = time.perf_counter()
+        try:
+            best = _run_planner(planner, workload, 1, auto and getattr(planner, "searches_batch_size", False))[0]
+            error = ""
+        except HetplanError as exc:
+            best, error = None, str(exc)
+        results.append((name, best, time.perf_counter() - start, error))
+    base = next((r for r in results if r[0] == "megatron" and r[1] is not None), None)
+    base = base or next((r for r in results if r[1] is not None), None)
+    rows = []
+    for name, best, elapsed, error in results:
+        if best is None:
+            rows.append([name, f"no plan: {error}", "-", "-", "-", "no", f"{elapsed:.2f} s"])
+            rows_json.append({"planner": name, "error": error, "search_time_s": elapsed, "fits": False})
+            continue
+        e = best.estimate
+        speedup = base[1].estimate.iteration_time_s / e.iteration_time_s if base else 1.0
+        rows.append([name, best.plan.describe(), format_time(e.iteration_time_s), f"{e.samples_per_s:.2f}",
+                     f"{speedup:.2f}x", "yes" if e.fits else "OOM", f"{elapsed:.2f} s"])
+        rows_json.append({"planner": name, "iteration_time_s": e.iteration_time_s, "samples_per_s": e.samples_per_s,
+                          "speedup": speedup, "fits": e.fits, "search_time_s": elapsed,
+                          "global_batch_size": best.plan.global_batch_size,
+                          "plan": best.plan.to_dict(), "estimate": e.to_dict()})
+    print(_header(workload))
+    print()
+    base_name = base[0] if base else "-"
+    print(table(["planner", "best plan", "iter time", "samples/s", f"vs {base_name}", "fits", "search"], rows,
+                [False, False, True, True, True, False, True]))
+    _write_json(args.json_path, rows_json)
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from hetplan.cost import CostModel
+    from hetplan.plan import RankedPlan, load_plan
+    from hetplan.report.text import breakdown, memory_table, ranked_table
+    from hetplan.search.uniform import uniform_plan
+    from hetplan.validate import validate_plan
+
+    degrees = (args.tp, args.pp, args.dp, args.micro_batch)
+    if args.plan_file:
+        if any(d is not None for d in degrees):
+            raise HetplanError("give either a plan file or --tp/--pp/--dp/--micro-batch, not both")
+        plan = load_plan(args.plan_file)
+        args.model = args.model or plan.model
+        args.cluster = args.cluster or plan.cluster
+        workload = load_workload(args, global_batch=plan.global_batch_size)
+        validate_plan(plan, workload.model, workload.cluster)
+    else:
+        missing = [n for n, d in zip(("--tp", "--pp", "--dp", "--micro-batch"), degrees) if d is None]
+        if missing:
+            raise HetplanError(f"estimate needs a plan file or all of --tp --pp --dp --micro-batch (missing {' '.join(missing)})")
+        workload = load_workload(args)
+        plan = uniform_plan(workload, args.dp, args.tp, args.pp, args.micro_batch, args.zero, args.recompute,
+                            args.schedule, args.sequence_parallel, planner="manual")
+        validate_plan(plan, workload.model, workload.cluster)
+    estimate = CostModel(workload).estimate(plan)
+    print(_header(workload))
+    print()
+    print(ranked_table([RankedPlan(plan, estimate)]))
+    print()
+    print(breakdown(estimate))
+    print()
+    print(memory_table(plan, estimate, workload))
+    _write_json(args.json_path, {"plans": [RankedPlan(plan, estimate).to_dict()]})
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from hetplan.model import get_model, model_descriptions
+    from hetplan.report.text import table
+
+    rows, data = [], []
+    for name, desc in model_descriptions().items():
+        m = get_model(name)
+        rows.append([name, f"{m.total_params / 1e9:.3f}", m.num_layers, m.seq_len, desc])
+        data.append({"name": name, "params": m.total_params, "layers": m.num_layers, "seq_len": m.seq_len,
+                     "description": desc})
+    print(table(["model", "params (B)", "layers", "seq", "description"], rows, [False, True, True, True, False]))
+    _write_json(args.json_path, data)
+    return 0
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from hetplan.cluster import GPU_CATALOG, cluster_descriptions, get_cluster
+    from hetplan.report.text import table
+    from hetplan.units import format_bytes
+
+    rows, data = [], []
+    for name, desc in cluster_descriptions().items():
+        gpus = get_cluster(name).num_devices if "<" not in name else "-"
+        rows.append([name, gpus, desc])
+        data.append({"name": name, "gpus": gpus, "description": desc})
+    print(table(["cluster", "GPUs", "description"], rows, [False, True, False]))
+    print()
+    gpu_rows = [[g.name, format_bytes(g.memory_bytes), f"{g.peak_flops / 1e12:g}", f"{g.peak_flops_fp32 / 1e12:g}",
+                 f"{g.memory_bandwidth_bytes_per_s / 1e9:g}"] for g in GPU_CATALOG.values()]
+    print(table(["GPU", "memory", "TFLOP/s 16-bit", "TFLOP/s fp32", "GB/s"], gpu_rows))
+    _write_json(args.json_path, {"clusters": data, "gpus": [
+        {"name": g.name, "memory_bytes": g.memory_bytes, "peak_flops": g.peak_flops,
+         "peak_flops_fp32": g.peak_flops_fp32, "memory_bandwidth_bytes_per_s": g.memory_bandwidth_bytes_per_s,
+         "source": g.source} for g in GPU_CATALOG.values()]})
+    return 0
+
+
+def cmd_planners(args: argparse.Namespace) -> int:
+    from hetplan.report.text import table
+    from hetplan.search import planner_descriptions
+
+    print(table(["planner", "what it does"], list(planner_descriptions().items()), [False, False]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        args = parser.parse_args(["plan", *(argv or [])])
+    try:
+        return int(args.func(args) or 0)
+    except HetplanError as exc:
+        print(f"hetplan: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("hetplan: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Built-in clusters: every cluster of the AMP, Galvatron-BMW and Metis papers,
+generic homogeneous clusters (``64xA100-80GB``) and local CPU "clusters" for
+running the runtime's tests with gloo (``local-cpu-4``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from hetplan.cluster.catalog import get_gpu
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
+from hetplan.errors import HetplanError
+
+# Link speeds per direction, Gbit/s.
+PCIE3_X16_GBPS = 126.0  # PCI-SIG PCIe 3.0: 8 GT/s x16 lanes, 128b/130b = 15.75 GB/s
+PCIE4_X16_GBPS = 252.0  # PCI-SIG PCIe 4.0: 16 GT/s x16 = 31.5 GB/s
+NVLINK2_V100_GBPS = 1200.0  # NVIDIA V100 datasheet: NVLink 300 GB/s bidirectional
+NVLINK3_A100_GBPS = 2400.0  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional
+NVLINK4_H100_GBPS = 3600.0  # NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional
+IB_HDR_GBPS = 200.0  # InfiniBand HDR, one 200 Gb/s HCA per GPU (NVIDIA DGX A100 user guide)
+IB_NDR_GBPS = 400.0  # InfiniBand NDR, one 400 Gb/s HCA per GPU (NVIDIA DGX H100 user guide)
+
+_INTRA_BY_GPU = {
+    "V100-16GB": NVLINK2_V100_GBPS, "V100-32GB": NVLINK2_V100_GBPS,
+    "A100-40GB": NVLINK3_A100_GBPS, "A100-80GB": NVLINK3_A100_GBPS,
+    "H100": NVLINK4_H100_GBPS, "H200": NVLINK4_H100_GBPS,
+    "A10": PCIE4_X16_GBPS, "L4": PCIE4_X16_GBPS, "RTX-3090": PCIE4_X16_GBPS, "RTX-4090": PCIE4_X16_GBPS,
+    "T4": PCIE3_X16_GBPS, "P100": PCIE3_X16_GBPS, "RTX-TITAN": PCIE3_X16_GBPS,
+}
+_NIC_PER_GPU_BY_GPU = {"A100-40GB": IB_HDR_GBPS, "A100-80GB": IB_HDR_GBPS, "H100": IB_NDR_GBPS, "H200": IB_NDR_GBPS}
+DEFAULT_INTER_GBPS = 100.0  # a 100 Gb/s InfiniBand EDR / Ethernet NIC per node
+
+_Factory = Callable[[], ClusterSpec]
+_PRESETS: dict[str, tuple[_Factory, str]] = {}
+
+
+def _register(name: str, description: str, factory: _Factory) -> None:
+    _PRESETS[name] = (factory, description)
+
+
+def _nodes(gpu: str, count: int, per_node: int, intra_gbps: float, prefix: str) -> list[NodeSpec]:
+    return [NodeSpec(gpu, per_node, intra_gbps, name=f"{prefix}{i}") for i in range(count)]
+
+
+# --- AMP (§4.1) -----------------------------------------------------------
+# g4dn.12xlarge: 4 T4, 50 Gbps PCIe inside and 50 Gbps between instances;
+# p3.8xlarge: 4 V100-16GB, ~170 Gbps NVLink inside, 10 Gbps between instances.
+AMP_G4DN_GBPS = 50.0
+AMP_P3_NVLINK_GBPS = 170.0
+AMP_P3_INTER_GBPS = 10.0
+
+
+def _amp_homogeneous() -> ClusterSpec:
+    return ClusterSpec(
+        "amp-homogeneous", tuple(_nodes("T4", 4, 4, AMP_G4DN_GBPS, "g4dn-")), AMP_G4DN_GBPS,
+        description="AMP §4.1: 4x g4dn.12xlarge (4 T4 each), 50 Gbps inside and between nodes",
+    )
+
+
+def _amp_heterogeneous() -> ClusterSpec:
+    p3 = [NodeSpec("V100-16GB", 4, AMP_P3_NVLINK_GBPS, AMP_P3_INTER_GBPS, name=f"p3-{i}") for i in range(3)]
+    g4 = [NodeSpec("T4", 4, AMP_G4DN_GBPS, AMP_G4DN_GBPS, name="g4dn-0")]
+    return ClusterSpec(
+        "amp-heterogeneous", tuple(p3 + g4), AMP_P3_INTER_GBPS,
+        description="AMP §4.1: 3x p3.8xlarge (4 V100, ~170 Gbps NVLink, 10 Gbps network) "
+        "+ 1x g4dn.12xlarge (4 T4, 50 Gbps)",
+    )
+
+
+def _amp_hetero_model() -> ClusterSpec:
+    p3 = [NodeSpec("V100-16GB", 4, AMP_P3_NVLINK_GBPS, AMP_P3_INTER_GBPS, name=f"p3-{i}") for i in range(4)]
+    return ClusterSpec(
+        "amp-hetero-model", tuple(p3), AMP_P3_INTER_GBPS,
+        description="AMP §4.1 heterogeneous-model setting: 4x p3.8xlarge (4 V100 each)",
+    )
+
+
+_register("amp-homogeneous", "AMP: 4x g4dn.12xlarge, 16 T4, 50 Gbps", _amp_homogeneous)
+_register("amp-heterogeneous", "AMP: 3x p3.8xlarge (V100) + 1x g4dn.12xlarge (T4), 10 Gbps", _amp_heterogeneous)
+_register("amp-hetero-model", "AMP: 4x p3.8xlarge, 16 V100", _amp_hetero_model)
+
+# --- Galvatron-BMW (§VII-A, §VII-E) ----------------------------------------
+GALVATRON_IB_GBPS = 100.0  # "100 Gb InfiniBand network" (Galvatron-BMW §VII-E)
+
+
+def _galvatron(name: str, gpu: str, num_nodes: int, description: str) -> _Factory:
+    return lambda: ClusterSpec(
+        name, tuple(_nodes(gpu, num_nodes, 8, _INTRA_BY_GPU[get_gpu(gpu).name], "node-")),
+        GALVATRON_IB_GBPS, description=description,
+    )
+
+
+_register("galvatron-8x-titan", "Galvatron: 8 RTX TITAN 24GB on PCIe 3.0",
+          _galvatron("galvatron-8x-titan", "RTX-TITAN", 1, "Galvatron-BMW §VII-A: 8 RTX TITAN, PCIe 3.0"))
+_register("galvatron-16x-titan", "Galvatron: 2x8 RTX TITAN, 100 Gb InfiniBand",
+          _galvatron("galvatron-16x-titan", "RTX-TITAN", 2, "Galvatron-BMW §VII-E low-performance cluster"))
+_register("galvatron-16x-a100", "Galvatron: 2x8 A100 NVLink, 100 Gb InfiniBand",
+          _galvatron("galvatron-16x-a100", "A100-40GB", 2, "Galvatron-BMW §VII-E high-performance cluster"))
+_register("galvatron-64x-a100", "Galvatron: 8x8 A100 NVLink, 100 Gb InfiniBand",
+          _galvatron("galvatron-64x-a100", "A100-40GB", 8, "Galvatron-BMW §VII-E industrial cluster"))
+
+# --- Metis (§5, Table 3, Fig. 5) -------------------------------------------
+# GCP n1 machines, "the interconnect network bandwidth between nodes is 16 Gbps";
+# GPUs attach over PCIe 3.0 (the paper names no NVLink).
+METIS_INTER_GBPS = 16.0
+_METIS_TYPES = {"p100": "P100", "t4": "T4", "v100": "V100-16GB"}
+_METIS_SHAPES = {4: (1, 2), 8: (1, 4), 16: (2, 4), 32: (4, 4)}  # Table 3: nodes x GPUs per type
+
+
+def _metis_mix(types: tuple[str, str], total: int) -> _Factory:
+    num_nodes, per_node = _METIS_SHAPES[total]
+    name = f"metis-{types[0]}-{types[1]}-{total}"
+
+    def build() -> ClusterSpec:
+        nodes: list[NodeSpec] = []
+        for t in types:
+            nodes += _nodes(_METIS_TYPES[t], num_nodes, per_node, PCIE3_X16_GBPS, f"{t}-")
+        return ClusterSpec(name, tuple(nodes), METIS_INTER_GBPS,
+                           description=f"Metis Table 3: {num_nodes}x{per_node} {types[0]} + "
+                           f"{num_nodes}x{per_node} {types[1]}, 16 Gbps between nodes")
+
+    return build
+
+
+for _pair in (("p100", "t4"), ("t4", "v100"), ("p100", "v100")):
+    for _total in _METIS_SHAPES:
+        _register(f"metis-{_pair[0]}-{_pair[1]}-{_total}",
+                  f"Metis Table 3: {_pair[0].upper()} + {_pair[1].upper()}, {_total} GPUs", _metis_mix(_pair, _total))
+
+
+def _metis_uneven(name: str, shape: list[tuple[str, int]], description: str) -> _Factory:
+    def build() -> ClusterSpec:
+        nodes = [NodeSpec(_METIS_TYPES[t], n, PCIE3_X16_GBPS, name=f"{t}-{i}") for i, (t, n) in enumerate(shape)]
+        return ClusterSpec(name, tuple(nodes), METIS_INTER_GBPS, description=description)
+
+    return build
+
+
+_register("metis-uneven-a", "Metis Fig. 5(a): 1x1 V100 + 1x1 P100 + 1x2 P100 (weak GPUs dominant)",
+          _metis_uneven("metis-uneven-a", [("v100", 1), ("p100", 1), ("p100", 2)], "Metis Fig. 5(a)"))
+_register("metis-uneven-b", "Metis Fig. 5(b): 1x1 P100 + 1x1 V100 + 1x2 V100 (strong GPUs dominant)",
+          _metis_uneven("metis-uneven-b", [("p100", 1), ("v100", 1), ("v100", 2)], "Metis Fig. 5(b)"))
+_register("metis-uneven-c", "Metis Fig. 5(c): 1x1 V100 + 1x1 P100 + 1x2 P100 + 1x4 P100",
+          _metis_uneven("metis-uneven-c", [("v100", 1), ("p100", 1), ("p100", 2), ("p100", 4)], "Metis Fig. 5(c)"))
+_register("metis-uneven-d", "Metis Fig. 5(d): 1x1 P100 + 1x1 V100 + 1x2 V100 + 1x4 V100",
+          _metis_uneven("metis-uneven-d", [("p100", 1), ("v100", 1), ("v100", 2), ("v100", 4)], "Metis Fig. 5(d)"))
+
+
+# --- generic forms ----------------------------------------------------------
+_GENERIC = re.compile(r"^(\d+)x([A-Za-z0-9-]+)$")
+_LOCAL_CPU = re.compile(r"^local-cpu-(\d+)$")
+LOCAL_LOOPBACK_GBPS = 10.0  # gloo over loopback TCP; order of magnitude measured in the runtime tests
+
+
+def homogeneous_cluster(num_gpus: int, gpu_type: str, gpus_per_node: int = 8) -> ClusterSpec:
+    """``num_gpus`` GPUs of one type, 8 per node with the type's usual links:
+    NVLink inside DGX-class nodes (else PCIe) and one InfiniBand HCA per GPU
+    (else a 100 Gb/s NIC per node)."""
+    gpu = get_gpu(gpu_type)
+    if num_gpus <= 0:
+        raise HetplanError(f"cluster size must be positive, got {num_gpus}")
+    per_node = min(gpus_per_node, num_gpus)
+    if num_gpus % per_node:
+        raise HetplanError(f"{num_gpus} GPUs do not fill nodes of {per_node}; use a multiple of {per_node}")
+    intra = _INTRA_BY_GPU.get(gpu.name, PCIE3_X16_GBPS)
+    inter = _NIC_PER_GPU_BY_GPU.get(gpu.name, DEFAULT_INTER_GBPS / per_node) * per_node
+    nodes = _nodes(gpu.name, num_gpus // per_node, per_node, intra, "node-")
+    return ClusterSpec(f"{num_gpus}x{gpu.name}", tuple(nodes), inter,
+                       description=f"{num_gpus} {gpu.name}, {per_node} per node")
+
+
+def local_cpu_cluster(num_processes: int) -> ClusterSpec:
+    """N CPU processes on this machine (gloo): for the runtime's tests."""
+    if num_processes <= 0:
+        raise HetplanError("local-cpu-N needs N >= 1")
+    node = NodeSpec("CPU", num_processes, LOCAL_LOOPBACK_GBPS, name="localhost")
+    return ClusterSpec(f"local-cpu-{num_processes}", (node,), LOCAL_LOOPBACK_GBPS,
+                       description=f"{num_processes} CPU processes on this machine (gloo)")
+
+
+def cluster_names() -> list[str]:
+    return sorted(_PRESETS)
+
+
+def cluster_descriptions() -> dict[str, str]:
+    descriptions = {name: desc for name, (_, desc) in sorted(_PRESETS.items())}
+    descriptions["<N>x<GPU>"] = "homogeneous: e.g. 64xA100-80GB (8 per node, NVLink + InfiniBand)"
+    descriptions["local-cpu-<N>"] = "N CPU processes on this machine (gloo), for runtime tests"
+    return descriptions
+
+
+def register_cluster(name: str, description: str, factory: _Factory) -> None:
+    """Add a preset (used by other modules, e.g. Metis's mixed 64-GPU cluster)."""
+    _register(name, description, factory)
+
+
+def get_cluster(name: str) -> ClusterSpec:
+    """A preset, the generic ``<N>x<GPU>`` form, or ``local-cpu-N``."""
+    if name in _PRESETS:
+        return _PRESETS[name][0]()
+    if m := _LOCAL_CPU.match(name):
+        return local_cpu_cluster(int(m.group(1)))
+    if m := _GENERIC.match(name):
+        return homogeneous_cluster(int(m.group(1)), m.group(2))
+    raise HetplanError(
+        f"unknown cluster preset {name!r}; run 'hetplan clusters' to list presets, "
+        "use the form 64xA100-80GB, or pass a cluster .yaml path"
+    )

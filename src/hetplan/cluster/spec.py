@@ -1,0 +1,204 @@
+"""ClusterSpec: nodes of GPUs (possibly of different types and counts) and links.
+
+Devices get global ids node by node: node 0's GPUs are 0..n0-1, node 1's follow,
+and so on; a Plan names devices by these ids. Bandwidths are in gigabits per
+second as links are sold (``*_gbps``); ``bandwidth_bytes_per_s`` converts.
+Between two nodes the usable bandwidth is the smaller of the two nodes' network
+bandwidth (a node's NIC is shared by its GPUs); a full device-to-device matrix
+overrides everything when given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterable, Sequence
+
+from hetplan.cluster.catalog import GPUSpec, get_gpu
+from hetplan.errors import HetplanError
+from hetplan.units import gbps_to_bytes_per_s
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A machine with ``num_gpus`` GPUs of one type.
+
+    Attributes:
+        gpu_type: catalog name (see ``hetplan.cluster.catalog``).
+        num_gpus: GPUs in this node.
+        intra_bandwidth_gbps: GPU-to-GPU bandwidth inside the node, per direction.
+        inter_bandwidth_gbps: this node's network bandwidth to other nodes;
+            0 means the cluster-wide default.
+        memory_bytes: per-GPU memory override (0 = catalog value).
+        name: label used in reports.
+    """
+
+    gpu_type: str
+    num_gpus: int
+    intra_bandwidth_gbps: float
+    inter_bandwidth_gbps: float = 0.0
+    memory_bytes: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        get_gpu(self.gpu_type)  # raises a clear error for unknown types
+        if self.num_gpus <= 0:
+            raise HetplanError(f"node {self.name or self.gpu_type!r}: num_gpus must be positive")
+        if self.intra_bandwidth_gbps <= 0:
+            raise HetplanError(
+                f"node {self.name or self.gpu_type!r}: intra-node bandwidth must be positive, "
+                f"got {self.intra_bandwidth_gbps}"
+            )
+        if self.inter_bandwidth_gbps < 0:
+            raise HetplanError(f"node {self.name or self.gpu_type!r}: inter-node bandwidth must be positive")
+
+    @property
+    def gpu(self) -> GPUSpec:
+        return get_gpu(self.gpu_type)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU: its global id, node, position in the node, and type."""
+
+    id: int
+    node: int
+    local_rank: int
+    gpu: GPUSpec
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster: nodes plus how fast they talk to each other.
+
+    Attributes:
+        name: preset or file name.
+        nodes: the machines, in device-id order.
+        inter_bandwidth_gbps: default node-to-node network bandwidth.
+        bandwidth_matrix_gbps: optional full device-to-device matrix (overrides
+            the node model; diagonal ignored).
+        description: where the cluster comes from (paper, file).
+    """
+
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    inter_bandwidth_gbps: float
+    bandwidth_matrix_gbps: tuple[tuple[float, ...], ...] | None = None
+    description: str = ""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        if not self.nodes:
+            raise HetplanError(f"cluster {self.name!r} has no nodes")
+        if len(self.nodes) > 1 and self.inter_bandwidth_gbps <= 0 and any(
+            n.inter_bandwidth_gbps <= 0 for n in self.nodes
+        ):
+            raise HetplanError(
+                f"cluster {self.name!r}: inter-node bandwidth must be positive, got {self.inter_bandwidth_gbps}"
+            )
+        if self.bandwidth_matrix_gbps is not None:
+            n = self.num_devices
+            rows = self.bandwidth_matrix_gbps
+            if len(rows) != n or any(len(r) != n for r in rows):
+                raise HetplanError(
+                    f"cluster {self.name!r}: bandwidth matrix must be {n}x{n} (one row per GPU)"
+                )
+            for i, row in enumerate(rows):
+                for j, value in enumerate(row):
+                    if i != j and value <= 0:
+                        raise HetplanError(
+                            f"cluster {self.name!r}: bandwidth between GPU {i} and {j} must be positive"
+                        )
+            object.__setattr__(self, "bandwidth_matrix_gbps", tuple(tuple(map(float, r)) for r in rows))
+
+    @cached_property
+    def devices(self) -> tuple[Device, ...]:
+        devices = []
+        for node_index, node in enumerate(self.nodes):
+            gpu = node.gpu
+            memory = node.memory_bytes or gpu.memory_bytes
+            for local in range(node.num_gpus):
+                devices.append(Device(len(devices), node_index, local, gpu, memory))
+        return tuple(devices)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(node.num_gpus for node in self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def max_gpus_per_node(self) -> int:
+        return max(node.num_gpus for node in self.nodes)
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """Distinct GPU types, in node order."""
+        seen: list[str] = []
+        for node in self.nodes:
+            if node.gpu.name not in seen:
+                seen.append(node.gpu.name)
+        return tuple(seen)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        return len(self.gpu_types) == 1 and len({n.num_gpus for n in self.nodes}) == 1
+
+    def node_devices(self, node_index: int) -> list[int]:
+        return [d.id for d in self.devices if d.node == node_index]
+
+    def node_inter_gbps(self, node_index: int) -> float:
+        node = self.nodes[node_index]
+        return node.inter_bandwidth_gbps or self.inter_bandwidth_gbps
+
+    def link_gbps(self, a: int, b: int) -> float:
+        """Bandwidth between devices ``a`` and ``b`` in Gbit/s (per direction)."""
+        if self.bandwidth_matrix_gbps is not None:
+            if a == b:
+                return float("inf")
+            return self.bandwidth_matrix_gbps[a][b]
+        da, db = self.devices[a], self.devices[b]
+        if a == b:
+            return float("inf")
+        if da.node == db.node:
+            return self.nodes[da.node].intra_bandwidth_gbps
+        return min(self.node_inter_gbps(da.node), self.node_inter_gbps(db.node))
+
+    def bandwidth_bytes_per_s(self, a: int, b: int) -> float:
+        return gbps_to_bytes_per_s(self.link_gbps(a, b))
+
+    def min_bandwidth_bytes_per_s(self, group: Sequence[int]) -> float:
+        """Slowest link inside a group: what a flat ring all-reduce runs at (AMP eq. 3)."""
+        if len(group) < 2:
+            return float("inf")
+        return min(
+            self.bandwidth_bytes_per_s(a, b) for i, a in enumerate(group) for b in group[i + 1:]
+        )
+
+    def nodes_of(self, group: Iterable[int]) -> dict[int, list[int]]:
+        """The group's devices, by node."""
+        by_node: dict[int, list[int]] = {}
+        for d in group:
+            by_node.setdefault(self.devices[d].node, []).append(d)
+        return by_node
+
+    def total_memory_bytes(self) -> int:
+        return sum(d.memory_bytes for d in self.devices)
+
+    def summary(self) -> str:
+        """One line such as '3x4 V100-16GB + 1x4 T4 (16 GPUs)'."""
+        parts: list[str] = []
+        runs: list[list[Any]] = []
+        for node in self.nodes:
+            key = (node.num_gpus, node.gpu.name)
+            if runs and runs[-1][0] == key:
+                runs[-1][1] += 1
+            else:
+                runs.append([key, 1])
+        for (count, gpu), repeat in runs:
+            parts.append(f"{repeat}x{count} {gpu}")
+        return f"{' + '.join(parts)} ({self.num_devices} GPUs)"

@@ -1,0 +1,104 @@
+"""Collective and point-to-point communication times over a ClusterSpec.
+
+Ring all-reduce of M bytes over n devices moves 2(n−1)M/n bytes through each
+device's slowest link (AMP eq. 3; Patarasuk & Yuan 2009). All-gather and
+reduce-scatter move half of that. A group that spans several nodes is costed
+hierarchically — reduce-scatter inside each node, all-reduce of the shards
+between nodes over the nodes' shared NICs, all-gather inside each node — which
+is how NCCL's tree/ring algorithms behave on multi-GPU nodes; the flat ring over
+the slowest link (AMP's formula) is kept as ``flat_ring_allreduce_time``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hetplan.cluster.spec import ClusterSpec
+from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY
+
+
+def flat_ring_allreduce_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
+                             efficiency: float = 1.0) -> float:
+    """AMP eq. 3: 2(n−1)M / (n·B_min) with B_min the slowest link in the group."""
+    n = len(group)
+    if n < 2 or num_bytes <= 0:
+        return 0.0
+    bandwidth = cluster.min_bandwidth_bytes_per_s(group) * efficiency
+    return 2.0 * (n - 1) * num_bytes / (n * bandwidth)
+
+
+def _ring_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float, factor: float) -> float:
+    """factor·(n−1)/n·M / B_min for a ring inside one node (or a matrix cluster)."""
+    n = len(group)
+    if n < 2 or num_bytes <= 0:
+        return 0.0
+    bandwidth = cluster.min_bandwidth_bytes_per_s(group) * COLLECTIVE_BANDWIDTH_EFFICIENCY
+    return factor * (n - 1) * num_bytes / (n * bandwidth)
+
+
+def _hierarchical(cluster: ClusterSpec, group: Sequence[int], num_bytes: float, factor: float,
+                  concurrent_groups: int = 1) -> float:
+    """Collective over a multi-node group: intra-node part on NVLink/PCIe,
+    inter-node part on the nodes' NICs (each node's GPUs share its NIC, so the
+    inter-node phase moves the node's whole share through one NIC, and
+    ``concurrent_groups`` groups running at once — the TP ranks of a stage
+    each syncing their own shard — split it)."""
+    by_node = cluster.nodes_of(group)
+    if cluster.bandwidth_matrix_gbps is not None or len(by_node) == 1:
+        return _ring_time(cluster, group, num_bytes, factor)
+    # intra phase: the slowest node, on its slice of the group
+    intra = max(_ring_time(cluster, members, num_bytes, factor / 2.0) for members in by_node.values())
+    nodes = list(by_node)
+    num_nodes = len(nodes)
+    nic = (min(cluster.node_inter_gbps(n) for n in nodes) * 1e9 / 8.0 * COLLECTIVE_BANDWIDTH_EFFICIENCY
+           / max(1, concurrent_groups))
+    # each node pushes its data across the network once per collective phase
+    inter = factor * (num_nodes - 1) * num_bytes / (num_nodes * nic)
+    # all-reduce = reduce-scatter + all-gather inside nodes around the inter part
+    return inter + (2.0 * intra if factor == 2.0 else intra)
+
+
+def allreduce_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
+                   concurrent_groups: int = 1) -> float:
+    """All-reduce of ``num_bytes`` (each device's buffer size) across ``group``."""
+    return _hierarchical(cluster, group, num_bytes, 2.0, concurrent_groups)
+
+
+def allgather_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
+                   concurrent_groups: int = 1) -> float:
+    """All-gather producing ``num_bytes`` on every device (each contributes 1/n)."""
+    return _hierarchical(cluster, group, num_bytes, 1.0, concurrent_groups)
+
+
+def reduce_scatter_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
+                        concurrent_groups: int = 1) -> float:
+    """Reduce-scatter of a ``num_bytes`` buffer (each device keeps 1/n)."""
+    return _hierarchical(cluster, group, num_bytes, 1.0, concurrent_groups)
+
+
+def p2p_time(cluster: ClusterSpec, src: Sequence[int], dst: Sequence[int], num_bytes: float) -> float:
+    """Send ``num_bytes`` from one device group to the next (pipeline p2p: v/b).
+
+    The data is split evenly over min(|src|, |dst|) parallel streams, paired in
+    order; the time is that of the slowest pair. Streams leaving one node for
+    another share that node's NIC.
+    """
+    if num_bytes <= 0:
+        return 0.0
+    streams = max(1, min(len(src), len(dst)))
+    per_stream = num_bytes / streams
+    worst = 0.0
+    crossing: dict[tuple[int, int], int] = {}
+    pairs = [(src[i % len(src)], dst[i % len(dst)]) for i in range(streams)]
+    for a, b in pairs:
+        na, nb = cluster.devices[a].node, cluster.devices[b].node
+        if na != nb and cluster.bandwidth_matrix_gbps is None:
+            crossing[(na, nb)] = crossing.get((na, nb), 0) + 1
+    for a, b in pairs:
+        if a == b:
+            continue
+        bandwidth = cluster.bandwidth_bytes_per_s(a, b)
+        na, nb = cluster.devices[a].node, cluster.devices[b].node
+        share = crossing.get((na, nb), 1) if na != nb else 1
+        worst = max(worst, per_stream * share / bandwidth)
+    return worst

@@ -1,0 +1,59 @@
+"""Workload: a model on a cluster with a batch size and training settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetplan.cluster.spec import ClusterSpec
+from hetplan.cost.constants import OPTIMIZER_STATE_BYTES
+from hetplan.errors import HetplanError
+from hetplan.model.spec import ModelSpec
+from hetplan.profile.db import ProfileDB
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to train, where, and how.
+
+    Attributes:
+        model, cluster: the ModelSpec and ClusterSpec.
+        global_batch_size: samples per optimizer step.
+        optimizer: key of ``OPTIMIZER_STATE_BYTES`` ("adam-mixed" for 16-bit
+            models, "adam-fp32" for fp32 ones by default).
+        memory_limit_bytes: cap on usable memory per GPU (Galvatron's budgets);
+            0 means each GPU's own capacity.
+        overlap_grad_sync: overlap gradient sync with the last backward pass
+            (Galvatron-BMW §V), paying the overlap slowdown.
+        profile: measured layer times, preferred over FLOP estimates.
+    """
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    global_batch_size: int
+    optimizer: str = ""
+    memory_limit_bytes: int = 0
+    overlap_grad_sync: bool = True
+    profile: ProfileDB | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size <= 0:
+            raise HetplanError(f"global batch size must be positive, got {self.global_batch_size}")
+        if not self.optimizer:
+            object.__setattr__(self, "optimizer", "adam-mixed" if self.model.dtype_bytes == 2 else "adam-fp32")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise HetplanError(
+                f"unknown optimizer {self.optimizer!r}; choose one of {sorted(OPTIMIZER_STATE_BYTES)}"
+            )
+        if self.memory_limit_bytes < 0:
+            raise HetplanError("memory limit must be positive")
+
+    @property
+    def state_bytes(self) -> tuple[int, int, int]:
+        """(weight, gradient, optimizer-state) bytes per parameter."""
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    def device_capacity_bytes(self, device: int) -> int:
+        capacity = self.cluster.devices[device].memory_bytes
+        if self.memory_limit_bytes:
+            capacity = min(capacity, self.memory_limit_bytes)
+        return capacity

@@ -1,0 +1,36 @@
+"""Models as ordered layer lists (ModelSpec), presets and importers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hetplan.errors import HetplanError
+from hetplan.model.presets import get_model, model_descriptions, model_names
+from hetplan.model.spec import LayerSpec, ModelSpec
+
+
+def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
+    """A preset name, a HF ``config.json`` (or a directory holding one), or a
+    ModelSpec JSON written by hetplan (it has a "layers" list)."""
+    if os.path.isdir(name_or_path) or name_or_path.endswith(".json") or os.path.sep in name_or_path:
+        path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise HetplanError(f"model file {path} is not valid JSON (line {exc.lineno}): fix the syntax") from None
+            except OSError as exc:
+                raise HetplanError(f"cannot read model file {path}: {exc.strerror}") from None
+            if isinstance(data, dict) and "layers" in data:
+                return ModelSpec.from_dict(data)
+        from hetplan.model.hf import model_from_hf_config
+
+        return model_from_hf_config(name_or_path, seq_len=seq_len)
+    if seq_len is not None:
+        raise HetplanError("--seq-len applies to HF configs; presets have their papers' sequence length")
+    return get_model(name_or_path)
+
+
+__all__ = ["LayerSpec", "ModelSpec", "get_model", "load_model", "model_names", "model_descriptions"]

@@ -1,0 +1,287 @@
+"""Analytic layer builders: parameters, FLOPs and activation bytes from shapes.
+
+The transformer accounting follows Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (arXiv:2205.05198), §4.1, which counts
+per layer ``sbh(34 + 5as/h)`` bytes at 16-bit precision, of which ``10sbh`` are
+replicated across tensor-parallel ranks and ``5as²b`` form the attention core
+that selective recomputation drops. We write each saved tensor out so the same
+formula also covers fp32 training (4-byte elements), grouped-query attention,
+gated (SwiGLU) MLPs and models without dropout. Dropout masks are 1 byte per
+element (Korthikanti §4.1).
+
+FLOPs follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model
+Training on GPU Clusters", eq. in §5.1): a multiply-add is 2 FLOPs, so a
+``(s×h)·(h×k)`` matmul is ``2shk``; attention scores and scores·V are
+``2s²h`` each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetplan.model.spec import LayerSpec
+
+MASK_BYTES = 1  # dropout masks are stored as 1 byte per element (Korthikanti §4.1)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """Shape of one transformer block.
+
+    Attributes:
+        hidden: model width h.
+        heads: attention heads a.
+        ffn: MLP inner width (4h in GPT/BERT; ~8h/3 in SwiGLU models).
+        seq: sequence length s this block sees.
+        kv_heads: key/value heads (grouped-query attention); 0 means = heads.
+        gated_mlp: SwiGLU-style MLP with three matrices instead of two.
+        bias: linears carry biases (GPT/BERT: yes; Llama: no).
+        rms_norm: RMSNorm (weight only) instead of LayerNorm (weight + bias).
+        dropout: dropout after attention scores, attention and MLP (training).
+        cross_attention: a decoder block that also attends to an encoder output
+            of length ``cross_seq`` (T5 decoder).
+        cross_seq: encoder sequence length for cross-attention.
+    """
+
+    hidden: int
+    heads: int
+    ffn: int
+    seq: int
+    kv_heads: int = 0
+    gated_mlp: bool = False
+    bias: bool = True
+    rms_norm: bool = False
+    dropout: bool = True
+    cross_attention: bool = False
+    cross_seq: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+
+@dataclass
+class _Tally:
+    """Accumulates one layer's cost while its tensors are written out."""
+
+    params: int = 0
+    params_replicated: int = 0
+    flops: float = 0.0
+    attention_flops: float = 0.0
+    gemms: int = 0
+    act: float = 0.0
+    act_replicated: float = 0.0
+    act_core: float = 0.0
+    mem_traffic: float = 0.0
+    tp_comm: float = 0.0
+
+    def linear(self, rows: int, d_in: int, d_out: int, bias: bool, row_parallel: bool) -> None:
+        """A linear layer applied to ``rows`` tokens. Column-parallel biases are
+        split by TP, a row-parallel bias is added after the all-reduce (replicated)."""
+        self.params += d_in * d_out + (d_out if bias else 0)
+        if bias and row_parallel:
+            self.params_replicated += d_out
+        self.flops += 2.0 * rows * d_in * d_out
+        self.gemms += 1
+
+    def norm(self, width: int, rms: bool) -> None:
+        n = width if rms else 2 * width
+        self.params += n
+        self.params_replicated += n
+
+    def save(self, num_bytes: float, replicated: bool = False, core: bool = False) -> None:
+        self.act += num_bytes
+        if replicated:
+            self.act_replicated += num_bytes
+        if core:
+            self.act_core += num_bytes
+
+
+def _attention(t: _Tally, shape: BlockShape, p: int, q_len: int, kv_len: int, kv_is_self: bool) -> None:
+    """Self- or cross-attention sub-block with its pre-norm, residual and dropout."""
+    h, a, d = shape.hidden, shape.heads, shape.head_dim
+    kv_width = shape.num_kv_heads * d
+    t.norm(h, shape.rms_norm)
+    t.save(p * q_len * h, replicated=True)  # norm input
+    t.save(p * q_len * h, replicated=True)  # QKV input (norm output)
+    t.linear(q_len, h, h, shape.bias, row_parallel=False)  # Q
+    t.linear(kv_len, h, 2 * kv_width, shape.bias, row_parallel=False)  # K and V
+    if not kv_is_self:
+        t.save(p * kv_len * h, replicated=True)  # encoder output feeding K/V
+    t.save(p * q_len * h)  # Q for QK^T
+    t.save(p * kv_len * kv_width)  # K for QK^T
+    scores = a * q_len * kv_len
+    core_flops = 2.0 * q_len * kv_len * h * 2  # QK^T and scores·V
+    t.flops += core_flops
+    t.attention_flops += core_flops
+    t.gemms += 2
+    t.save(p * scores, core=True)  # softmax output
+    # elementwise traffic: scale+mask, softmax, (dropout) read+write the scores
+    t.mem_traffic += p * scores * (2 + 2 + (2 if shape.dropout else 0))
+    if shape.dropout:
+        t.save(MASK_BYTES * scores, core=True)  # attention-dropout mask
+        t.save(p * scores, core=True)  # attention-dropout output (input of scores·V)
+    t.save(p * kv_len * kv_width)  # V for scores·V
+    t.save(p * q_len * h)  # output-projection input
+    t.linear(q_len, h, h, shape.bias, row_parallel=True)  # output projection
+    t.tp_comm += p * q_len * h  # all-reduce after the row-parallel projection
+    if shape.dropout:
+        t.save(MASK_BYTES * q_len * h, replicated=True)
+    # norm (r+w), dropout (r+w), residual add (2r+w)
+    t.mem_traffic += p * q_len * h * (2 + (2 if shape.dropout else 0) + 3)
+
+
+def _mlp(t: _Tally, shape: BlockShape, p: int, s: int) -> None:
+    h, f = shape.hidden, shape.ffn
+    t.norm(h, shape.rms_norm)
+    t.save(p * s * h, replicated=True)  # norm input
+    t.save(p * s * h, replicated=True)  # first linear input (norm output)
+    if shape.gated_mlp:
+        t.linear(s, h, 2 * f, shape.bias, row_parallel=False)  # gate and up
+        t.save(p * s * f)  # activation-function input (gate)
+        t.save(p * s * f)  # up projection output
+        t.save(p * s * f)  # product: down-projection input
+        t.mem_traffic += p * s * f * 5  # silu (r+w) and product (2r+w)
+    else:
+        t.linear(s, h, f, shape.bias, row_parallel=False)
+        t.save(p * s * f)  # activation-function input
+        t.save(p * s * f)  # second linear input
+        t.mem_traffic += p * s * f * 2  # gelu (r+w)
+    t.linear(s, f, h, shape.bias, row_parallel=True)
+    t.tp_comm += p * s * h
+    if shape.dropout:
+        t.save(MASK_BYTES * s * h, replicated=True)
+    t.mem_traffic += p * s * h * (2 + (2 if shape.dropout else 0) + 3)
+
+
+def transformer_block(name: str, kind: str, shape: BlockShape, dtype_bytes: int) -> LayerSpec:
+    """One pre-/post-norm transformer block (attention + MLP), per sample.
+
+    With 16-bit elements, ``ffn = 4h``, ``kv_heads = heads`` and dropout, the
+    activation total is exactly Korthikanti's ``sh(34 + 5as/h)``, replicated
+    part ``10sh`` and attention core ``5as²``.
+    """
+    p, s = dtype_bytes, shape.seq
+    t = _Tally()
+    _attention(t, shape, p, s, s, kv_is_self=True)
+    if shape.cross_attention:
+        _attention(t, shape, p, s, shape.cross_seq, kv_is_self=False)
+    _mlp(t, shape, p, s)
+    return LayerSpec(
+        name=name,
+        kind=kind,
+        params=t.params,
+        params_tp_replicated=t.params_replicated,
+        fwd_flops=t.flops,
+        fwd_mem_bytes=t.mem_traffic,
+        attention_flops=t.attention_flops,
+        gemm_count=t.gemms,
+        act_bytes=t.act,
+        act_tp_replicated_bytes=t.act_replicated,
+        act_attention_core_bytes=t.act_core,
+        input_bytes=p * s * shape.hidden,
+        output_bytes=p * s * shape.hidden,
+        tp_comm_bytes=t.tp_comm,
+        tp_max=shape.num_kv_heads,
+    )
+
+
+def embedding_layer(
+    name: str,
+    vocab: int,
+    hidden: int,
+    seq: int,
+    dtype_bytes: int,
+    positions: int = 0,
+    token_types: int = 0,
+    norm: bool = False,
+    dropout: bool = True,
+    tied_group: str = "",
+) -> LayerSpec:
+    """Token (+ learned position / type) embedding. Vocabulary-parallel under TP
+    (Megatron), so its output is all-reduced across the TP group."""
+    p = dtype_bytes
+    params = vocab * hidden + positions * hidden + token_types * hidden + (2 * hidden if norm else 0)
+    act = 0.0
+    if norm:
+        act += p * seq * hidden
+    if dropout:
+        act += MASK_BYTES * seq * hidden
+    return LayerSpec(
+        name=name,
+        kind="embedding",
+        params=params,
+        params_tp_replicated=positions * hidden + token_types * hidden + (2 * hidden if norm else 0),
+        fwd_flops=0.0,
+        fwd_mem_bytes=p * seq * hidden * 3.0,
+        gemm_count=1,
+        act_bytes=act,
+        act_tp_replicated_bytes=act,
+        input_bytes=8.0 * seq,  # int64 token ids
+        output_bytes=p * seq * hidden,
+        tp_comm_bytes=p * seq * hidden,
+        tied_group=tied_group,
+    )
+
+
+def lm_head_layer(
+    name: str,
+    vocab: int,
+    hidden: int,
+    seq: int,
+    dtype_bytes: int,
+    norm: bool = True,
+    rms_norm: bool = False,
+    transform: bool = False,
+    tied_group: str = "",
+    own_weight: bool = True,
+) -> LayerSpec:
+    """Final norm + vocabulary projection + cross-entropy.
+
+    The logits are kept for backward in fp32 by the loss (softmax of a
+    16-bit input is computed in fp32 in Megatron and HF), so they count 4
+    bytes per element whatever the training precision. ``own_weight=False``
+    means the projection reuses the embedding matrix (tied, counted there).
+    ``transform`` adds BERT's dense + GELU + LayerNorm prediction transform.
+    """
+    p = dtype_bytes
+    params = 0
+    replicated = 0
+    act = 0.0
+    flops = 0.0
+    if transform:
+        params += hidden * hidden + hidden + 2 * hidden
+        replicated += 3 * hidden
+        flops += 2.0 * seq * hidden * hidden
+        act += p * seq * hidden * 3
+    if norm:
+        n = hidden if rms_norm else 2 * hidden
+        params += n
+        replicated += n
+        act += p * seq * hidden
+    act += p * seq * hidden  # projection input
+    if own_weight:
+        params += vocab * hidden
+    elif tied_group:
+        params += vocab * hidden  # the tied copy; ModelSpec counts the group once
+    flops += 2.0 * seq * hidden * vocab
+    act += 4.0 * seq * vocab  # fp32 logits / softmax for the loss
+    return LayerSpec(
+        name=name,
+        kind="head",
+        params=params,
+        params_tp_replicated=replicated,
+        fwd_flops=flops,
+        fwd_mem_bytes=4.0 * seq * vocab * 3,
+        gemm_count=2 if transform else 1,
+        act_bytes=act,
+        act_tp_replicated_bytes=p * seq * hidden * (2 if norm else 1),
+        input_bytes=p * seq * hidden,
+        output_bytes=4.0,
+        tp_comm_bytes=0.0,
+        tied_group=tied_group,
+    )

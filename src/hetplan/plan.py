@@ -1,0 +1,348 @@
+"""Plan and Estimate: what to run, and what the cost model predicts for it.
+
+A :class:`Plan` is everything the runtime needs: the pipeline stages in order,
+each with its contiguous layers, its device group (physical GPU ids of the
+cluster), its data- and tensor-parallel degrees, how one micro-batch is split
+across its data-parallel replicas, and per layer the sharding (ZeRO stage) and
+recomputation choice. Different stages may use different (dp, tp) — Metis's
+plans do — and a stage's dp replicas may get unequal shares of a micro-batch
+when their GPUs differ.
+
+Device-group layout inside a stage: ``devices`` has ``dp * tp`` ids, replica
+``r`` owns ``devices[r*tp:(r+1)*tp]`` (TP innermost, as torchtitan and Megatron
+lay out meshes).
+
+An :class:`Estimate` is the cost model's prediction for one Plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Sequence
+
+from hetplan.errors import HetplanError
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class LayerStrategy:
+    """How one layer runs inside its stage.
+
+    Attributes:
+        zero: 0 = plain data parallel (replicated states), 1 = optimizer states
+            sharded across dp, 2 = + gradients, 3 = + parameters (FSDP / SDP).
+        recompute: "none", "selective" (attention core only, Korthikanti §5) or
+            "full" (activation checkpointing: keep only the layer input).
+        tp: this layer's own TP degree on the stage's devices (0 = the stage's
+            tp). Galvatron-BMW picks a (dp, tp) per layer; the layer's dp is
+            then len(devices) / tp, and its TP groups are runs of ``tp``
+            consecutive devices of the stage.
+    """
+
+    zero: int = 0
+    recompute: str = "none"
+    tp: int = 0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage.
+
+    Attributes:
+        layers: indices of the model's layers run by this stage (contiguous,
+            ascending).
+        devices: physical GPU ids, ``dp * tp`` of them, TP innermost.
+        dp, tp: data- and tensor-parallel degree inside the stage.
+        dp_split: samples of one micro-batch given to each dp replica; sums to
+            the plan's ``micro_batch_size``. Equal on equal GPUs.
+        strategies: one LayerStrategy per layer in ``layers`` (same order).
+        sequence_parallel: shard the TP-replicated activations along the
+            sequence (Megatron-SP), which also makes TP comm reduce-scatter +
+            all-gather.
+    """
+
+    layers: tuple[int, ...]
+    devices: tuple[int, ...]
+    dp: int
+    tp: int
+    dp_split: tuple[int, ...]
+    strategies: tuple[LayerStrategy, ...]
+    sequence_parallel: bool = False
+
+    def replica_devices(self, replica: int) -> tuple[int, ...]:
+        return self.devices[replica * self.tp:(replica + 1) * self.tp]
+
+    def layer_degrees(self, position: int) -> tuple[int, int]:
+        """(dp, tp) of the ``position``-th layer of this stage."""
+        tp = self.strategies[position].tp or self.tp
+        return len(self.devices) // tp, tp
+
+    @property
+    def has_layer_degrees(self) -> bool:
+        """Some layer runs with a (dp, tp) other than the stage's."""
+        return any(st.tp and st.tp != self.tp for st in self.strategies)
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        return [self.replica_devices(r) for r in range(self.dp)]
+
+    def dp_groups(self) -> list[tuple[int, ...]]:
+        """For each TP rank, the devices holding the same shard in every replica."""
+        return [tuple(self.devices[r * self.tp + t] for r in range(self.dp)) for t in range(self.tp)]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete parallel training plan.
+
+    Attributes:
+        model: model name the plan was made for (checked on load).
+        cluster: cluster name the plan was made for.
+        global_batch_size: samples per optimizer step.
+        micro_batch_size: samples per pipeline micro-batch (summed over the dp
+            replicas of a stage).
+        num_micro_batches: micro-batches per step (gradient accumulation steps).
+        schedule: "1f1b", "gpipe" or "interleaved-1f1b".
+        stages: pipeline stages in order.
+        planner: who made it.
+        virtual_stages: model chunks per device for interleaved 1F1B (1 otherwise).
+        notes: free-form remarks from the planner (why, what was not honoured).
+    """
+
+    model: str
+    cluster: str
+    global_batch_size: int
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str
+    stages: tuple[Stage, ...]
+    planner: str = ""
+    virtual_stages: int = 1
+    notes: tuple[str, ...] = ()
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(len(s.devices) for s in self.stages)
+
+    def describe(self) -> str:
+        """Compact one-line summary.
+
+        Uniform stages: 'dp4 tp1 pp4 layers 7/7/6/6 z1 mbs 4 x 8 1f1b';
+        stages that differ: 'pp2 [dp2 tp2 13L | dp4 tp1 13L split 3:1:...] mbs 8 x 4 1f1b'.
+        """
+
+        def extras(s: Stage) -> str:
+            zeros = {st.zero for st in s.strategies}
+            recs = {st.recompute for st in s.strategies}
+            text = ""
+            if zeros != {0}:
+                text += " z" + "/".join(str(z) for z in sorted(zeros))
+            if recs != {"none"}:
+                text += " rc:" + "/".join(sorted(r for r in recs if r != "none"))
+            if s.sequence_parallel:
+                text += " sp"
+            return text
+
+        def uneven(s: Stage) -> str:
+            return " split " + ":".join(map(str, s.dp_split)) if len(set(s.dp_split)) > 1 else ""
+
+        tail = f"mbs {self.micro_batch_size} x {self.num_micro_batches} {self.schedule}"
+        if self.virtual_stages > 1:
+            tail += f" v{self.virtual_stages}"
+        first = self.stages[0]
+        same = all((s.dp, s.tp, extras(s), uneven(s)) == (first.dp, first.tp, extras(first), uneven(first))
+                   for s in self.stages)
+        if same:
+            counts = "/".join(str(s.num_layers) for s in self.stages)
+            layers = f" layers {counts}" if self.pp > 1 else ""
+            return f"dp{first.dp} tp{first.tp} pp{self.pp}{layers}{extras(first)}{uneven(first)} {tail}"
+        parts = [f"dp{s.dp} tp{s.tp} {s.num_layers}L{extras(s)}{uneven(s)}" for s in self.stages]
+        return f"pp{self.pp} [{' | '.join(parts)}] {tail}"
+
+    # --- serialisation -----------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Plan:
+        """Inverse of to_dict; malformed data raises HetplanError."""
+        if not isinstance(data, dict):
+            raise HetplanError("a plan must be a JSON object")
+        try:
+            stages = tuple(
+                Stage(
+                    layers=tuple(int(x) for x in s["layers"]),
+                    devices=tuple(int(x) for x in s["devices"]),
+                    dp=int(s["dp"]),
+                    tp=int(s["tp"]),
+                    dp_split=tuple(int(x) for x in s["dp_split"]),
+                    strategies=tuple(LayerStrategy(**st) for st in s["strategies"]),
+                    sequence_parallel=bool(s.get("sequence_parallel", False)),
+                )
+                for s in data["stages"]
+            )
+            return Plan(
+                model=str(data["model"]),
+                cluster=str(data["cluster"]),
+                global_batch_size=int(data["global_batch_size"]),
+                micro_batch_size=int(data["micro_batch_size"]),
+                num_micro_batches=int(data["num_micro_batches"]),
+                schedule=str(data["schedule"]),
+                stages=stages,
+                planner=str(data.get("planner", "")),
+                virtual_stages=int(data.get("virtual_stages", 1)),
+                notes=tuple(data.get("notes", ())),
+            )
+        except KeyError as exc:
+            raise HetplanError(f"plan is missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise HetplanError(f"plan has a malformed field: {exc}") from None
+
+    def with_changes(self, **changes: Any) -> Plan:
+        return replace(self, **changes)
+
+
+def uniform_stage(
+    layers: Sequence[int], devices: Sequence[int], dp: int, tp: int, micro_batch_size: int,
+    zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
+) -> Stage:
+    """A stage whose replicas split the micro-batch evenly and whose layers all
+    use the same strategy."""
+    if micro_batch_size % dp:
+        raise HetplanError(f"micro-batch {micro_batch_size} does not split evenly over dp={dp}")
+    return Stage(
+        layers=tuple(layers), devices=tuple(devices), dp=dp, tp=tp,
+        dp_split=(micro_batch_size // dp,) * dp,
+        strategies=(LayerStrategy(zero, recompute),) * len(layers),
+        sequence_parallel=sequence_parallel,
+    )
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """Per-stage numbers behind an Estimate."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    tp_comm_s: float
+    p2p_s: float
+    dp_sync_s: float
+    memory_bytes: tuple[int, ...]  # per device of the stage, in its device order
+    memory_capacity_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the cost model predicts for one Plan.
+
+    Times are seconds per training iteration (one optimizer step); the parts
+    are what the critical path spends on each kind of work, so they add up to
+    ``iteration_time_s``.
+    """
+
+    iteration_time_s: float
+    compute_s: float
+    bubble_s: float
+    p2p_s: float
+    dp_sync_s: float
+    tp_comm_s: float
+    recompute_s: float
+    optimizer_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_bytes: dict[int, int]
+    memory_capacity_bytes: dict[int, int]
+    fits: bool
+    stages: tuple[StageEstimate, ...] = field(default=())
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max(self.peak_memory_bytes.values())
+
+    @property
+    def min_headroom_bytes(self) -> int:
+        """Smallest free memory over all GPUs (negative: out of memory)."""
+        return min(self.memory_capacity_bytes[d] - m for d, m in self.peak_memory_bytes.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
+        data["memory_capacity_bytes"] = {str(k): v for k, v in self.memory_capacity_bytes.items()}
+        data["max_memory_bytes"] = self.max_memory_bytes
+        data["min_headroom_bytes"] = self.min_headroom_bytes
+        return data
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Estimate:
+        try:
+            stages = tuple(
+                StageEstimate(**{**s, "memory_bytes": tuple(s["memory_bytes"]),
+                                 "memory_capacity_bytes": tuple(s["memory_capacity_bytes"])})
+                for s in data.get("stages", ())
+            )
+            fields = {k: v for k, v in data.items() if k not in ("max_memory_bytes", "min_headroom_bytes")}
+            fields["peak_memory_bytes"] = {int(k): int(v) for k, v in data["peak_memory_bytes"].items()}
+            fields["memory_capacity_bytes"] = {int(k): int(v) for k, v in data["memory_capacity_bytes"].items()}
+            fields["stages"] = stages
+            return Estimate(**fields)
+        except (KeyError, TypeError) as exc:
+            raise HetplanError(f"malformed estimate: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    """A plan with its shared-cost-model estimate (and a planner's own score)."""
+
+    plan: Plan
+    estimate: Estimate
+    planner_cost_s: float | None = None  # the planner's own objective, if it has one
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"plan": self.plan.to_dict(), "estimate": self.estimate.to_dict()}
+        if self.planner_cost_s is not None:
+            data["planner_cost_s"] = self.planner_cost_s
+        return data
+
+
+def save_plan(path: str | os.PathLike[str], plan: Plan, estimate: Estimate | None = None) -> None:
+    data: dict[str, Any] = {"plan": plan.to_dict()}
+    if estimate is not None:
+        data["estimate"] = estimate.to_dict()
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan file written by ``hetplan plan/estimate --json`` (either a
+    single plan or a ranked list, whose first entry is taken)."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise HetplanError(f"cannot read plan file {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise HetplanError(f"plan file {path} is not valid JSON (line {exc.lineno}): fix or regenerate it") from None
+    if isinstance(data, dict) and "plans" in data:
+        data = data["plans"]
+    if isinstance(data, list):
+        if not data:
+            raise HetplanError(f"plan file {path} holds no plans")
+        data = data[0]
+    if isinstance(data, dict) and "plan" in data:
+        data = data["plan"]
+    return Plan.from_dict(data)

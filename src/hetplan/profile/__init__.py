@@ -1,0 +1,5 @@
+"""Measured layer costs (ProfileDB) and the profiler that measures them."""
+
+from hetplan.profile.db import ProfileDB, ProfileEntry
+
+__all__ = ["ProfileDB", "ProfileEntry"]

@@ -1,0 +1,1 @@
+"""Text tables and JSON for plans, estimates and comparisons."""

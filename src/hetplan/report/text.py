@@ -1,0 +1,110 @@
+"""Plain-text tables: ranked plans, an estimate's breakdown, memory per GPU."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hetplan.cost.workload import Workload
+from hetplan.plan import Estimate, Plan, RankedPlan
+from hetplan.units import format_bytes, format_time
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], align_right: Sequence[bool] | None = None) -> str:
+    """A fixed-width table; numbers right-aligned by default."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, c in enumerate(row):
+            widths[i] = max(widths[i], len(c))
+    if align_right is None:
+        align_right = [all(_is_number(r[i]) for r in cells) if cells else False for i in range(len(headers))]
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if right else c.ljust(w) for c, w, right in zip(row, widths, align_right)).rstrip()
+
+    lines = [fmt(list(headers)), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in cells]
+    return "\n".join(lines)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.split()[0].rstrip("%x"))
+        return True
+    except (ValueError, IndexError):
+        return False
+
+
+def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool = False) -> str:
+    headers = ["#", "plan", "iter time", "samples/s", "tokens/s", "MFU", "max mem/GPU", "fits"]
+    if show_planner_cost:
+        headers.insert(3, "planner cost")
+    rows = []
+    for i, r in enumerate(ranked, 1):
+        e = r.estimate
+        row: list[object] = [i, r.plan.describe(), format_time(e.iteration_time_s), f"{e.samples_per_s:.2f}",
+                             f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", format_bytes(e.max_memory_bytes),
+                             "yes" if e.fits else "OOM"]
+        if show_planner_cost:
+            row.insert(3, format_time(r.planner_cost_s) if r.planner_cost_s is not None else "-")
+        rows.append(row)
+    return table(headers, rows, [True, False] + [True] * (len(headers) - 2))
+
+
+def breakdown(estimate: Estimate) -> str:
+    """Where the iteration time goes (the parts add up to the total)."""
+    parts = [
+        ("compute (bottleneck stage)", estimate.compute_s),
+        ("pipeline bubble", estimate.bubble_s),
+        ("pipeline p2p", estimate.p2p_s),
+        ("data-parallel sync (exposed)", estimate.dp_sync_s),
+        ("tensor-parallel comm", estimate.tp_comm_s),
+        ("recompute", estimate.recompute_s),
+        ("optimizer step", estimate.optimizer_s),
+    ]
+    total = estimate.iteration_time_s
+    rows = [(name, format_time(t), f"{100 * t / total:.1f}%") for name, t in parts if t > 1e-9]
+    rows.append(("total", format_time(total), "100.0%"))
+    return table(["time goes to", "seconds", "share"], rows, [False, True, True])
+
+
+def memory_table(plan: Plan, estimate: Estimate, workload: Workload) -> str:
+    """Peak memory per stage and GPU type (min/max over the stage's GPUs)."""
+    rows = []
+    for j, (stage, se) in enumerate(zip(plan.stages, estimate.stages)):
+        gpus = sorted({workload.cluster.devices[d].gpu.name for d in stage.devices})
+        worst = max(range(len(se.memory_bytes)), key=lambda i: se.memory_bytes[i] / se.memory_capacity_bytes[i])
+        used, cap = se.memory_bytes[worst], se.memory_capacity_bytes[worst]
+        first, last = stage.layers[0], stage.layers[-1]
+        names = f"{workload.model.layers[first].name}..{workload.model.layers[last].name}"
+        rows.append([j, ",".join(gpus), f"{stage.dp}x{stage.tp}", f"{stage.num_layers} ({names})",
+                     format_bytes(used), format_bytes(cap), f"{100 * used / cap:.0f}%",
+                     "ok" if used <= cap else "OOM"])
+    return table(["stage", "GPUs", "dp x tp", "layers", "peak mem/GPU", "capacity", "used", ""], rows,
+                 [True, False, False, False, True, True, True, False])
+
+
+def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:
+    """A few plain sentences on why this plan is fast and where it loses time."""
+    lines = []
+    e = estimate
+    biggest = max(
+        [("the pipeline bubble", e.bubble_s), ("data-parallel gradient sync", e.dp_sync_s),
+         ("tensor-parallel communication", e.tp_comm_s), ("pipeline transfers", e.p2p_s),
+         ("recomputation", e.recompute_s)], key=lambda x: x[1])
+    lines.append(f"{100 * e.compute_s / e.iteration_time_s:.0f}% of the step is useful compute on the slowest "
+                 f"stage; the largest overhead is {biggest[0]} ({format_time(biggest[1])}).")
+    if plan.pp > 1:
+        lines.append(f"{plan.pp} pipeline stages with {plan.num_micro_batches} micro-batches: bubble "
+                     f"{100 * e.bubble_s / e.iteration_time_s:.0f}% of the step.")
+    types = {workload.cluster.devices[d].gpu.name for s in plan.stages for d in s.devices}
+    if len(types) > 1:
+        layers_by_type: dict[str, list[int]] = {}
+        for s in plan.stages:
+            key = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
+            layers_by_type.setdefault(key, []).append(s.num_layers)
+        per_type = [f"{key} stages run {sum(c)} layers ({len(c)} stage{'s' if len(c) > 1 else ''})"
+                    for key, c in layers_by_type.items()]
+        lines.append("heterogeneous GPUs: " + "; ".join(per_type) + ".")
+    lines.append(f"tightest GPU has {format_bytes(e.min_headroom_bytes)} of memory to spare.")
+    return lines

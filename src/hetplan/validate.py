@@ -1,0 +1,120 @@
+"""Plan validation: reject an inconsistent Plan with a message naming the problem.
+
+Checks are about consistency with the model and cluster (every layer exactly
+once, in order; every device real and used once; degrees that multiply out;
+batch arithmetic; TP degrees the layers support). Memory is not checked here:
+a plan that does not fit is valid but gets ``fits = False`` from the cost model.
+"""
+
+from __future__ import annotations
+
+from hetplan.cluster.spec import ClusterSpec
+from hetplan.errors import HetplanError
+from hetplan.model.spec import ModelSpec
+from hetplan.plan import RECOMPUTE, SCHEDULES, ZERO_STAGES, Plan
+
+
+class InvalidPlanError(HetplanError):
+    """The plan contradicts itself, the model or the cluster."""
+
+
+def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, check_names: bool = False) -> None:
+    """Raise InvalidPlanError naming the first problem found."""
+    if check_names and plan.model != model.name:
+        raise InvalidPlanError(f"plan was made for model {plan.model!r}, not {model.name!r}")
+    if check_names and plan.cluster != cluster.name:
+        raise InvalidPlanError(f"plan was made for cluster {plan.cluster!r}, not {cluster.name!r}")
+    if not plan.stages:
+        raise InvalidPlanError("plan has no pipeline stages")
+    if plan.schedule not in SCHEDULES:
+        raise InvalidPlanError(f"unknown schedule {plan.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if plan.micro_batch_size <= 0 or plan.num_micro_batches <= 0:
+        raise InvalidPlanError("micro-batch size and number of micro-batches must be positive")
+    if plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
+        raise InvalidPlanError(
+            f"micro-batch size {plan.micro_batch_size} x {plan.num_micro_batches} micro-batches = "
+            f"{plan.micro_batch_size * plan.num_micro_batches}, not the global batch {plan.global_batch_size}"
+        )
+    if plan.virtual_stages < 1:
+        raise InvalidPlanError("virtual_stages must be >= 1")
+    if plan.schedule == "interleaved-1f1b" and plan.virtual_stages > 1 and plan.num_micro_batches % plan.pp:
+        raise InvalidPlanError(
+            f"interleaved 1F1B needs the number of micro-batches ({plan.num_micro_batches}) "
+            f"to be a multiple of the number of stages ({plan.pp})"
+        )
+    expected = 0
+    used: set[int] = set()
+    for j, stage in enumerate(plan.stages):
+        where = f"stage {j}"
+        if not stage.layers:
+            raise InvalidPlanError(f"{where} has no layers")
+        for index in stage.layers:
+            if index != expected:
+                if index >= model.num_layers or index < 0:
+                    raise InvalidPlanError(f"{where} names layer {index}, but the model has {model.num_layers}")
+                raise InvalidPlanError(
+                    f"{where} starts or continues at layer {index}, expected layer {expected}: "
+                    "stages must cover the layers in order, each exactly once"
+                )
+            expected += 1
+        if stage.dp <= 0 or stage.tp <= 0:
+            raise InvalidPlanError(f"{where}: dp and tp must be positive")
+        if len(stage.devices) != stage.dp * stage.tp:
+            raise InvalidPlanError(
+                f"{where} has {len(stage.devices)} devices but dp x tp = {stage.dp} x {stage.tp} = {stage.dp * stage.tp}"
+            )
+        for d in stage.devices:
+            if d < 0 or d >= cluster.num_devices:
+                raise InvalidPlanError(f"{where} uses GPU {d}, but cluster {cluster.name!r} has {cluster.num_devices}")
+            if d in used:
+                raise InvalidPlanError(f"{where} uses GPU {d}, which another stage or replica already uses")
+            used.add(d)
+        if len(stage.dp_split) != stage.dp:
+            raise InvalidPlanError(f"{where}: dp_split has {len(stage.dp_split)} entries for dp={stage.dp}")
+        if any(b <= 0 for b in stage.dp_split):
+            raise InvalidPlanError(f"{where}: every dp replica needs at least one sample per micro-batch")
+        if sum(stage.dp_split) != plan.micro_batch_size:
+            raise InvalidPlanError(
+                f"{where}: dp_split {list(stage.dp_split)} sums to {sum(stage.dp_split)}, "
+                f"not the micro-batch size {plan.micro_batch_size}"
+            )
+        if len(stage.strategies) != len(stage.layers):
+            raise InvalidPlanError(f"{where}: {len(stage.strategies)} layer strategies for {len(stage.layers)} layers")
+        for index, strategy in zip(stage.layers, stage.strategies):
+            if strategy.zero not in ZERO_STAGES:
+                raise InvalidPlanError(f"{where}: layer {index} has ZeRO stage {strategy.zero}; use 0-3")
+            if strategy.recompute not in RECOMPUTE:
+                raise InvalidPlanError(
+                    f"{where}: layer {index} recompute {strategy.recompute!r}; use one of {', '.join(RECOMPUTE)}"
+                )
+            layer = model.layers[index]
+            if strategy.tp:
+                n = len(stage.devices)
+                if strategy.tp < 0 or n % strategy.tp:
+                    raise InvalidPlanError(
+                        f"{where}: layer {index} has tp={strategy.tp}, which does not divide the stage's {n} GPUs"
+                    )
+                if strategy.tp != stage.tp and len(set(stage.dp_split)) > 1:
+                    raise InvalidPlanError(
+                        f"{where}: layer {index} changes tp inside a stage with an uneven dp_split; "
+                        "use an even split or one tp per stage"
+                    )
+                if plan.micro_batch_size % (n // strategy.tp):
+                    raise InvalidPlanError(
+                        f"{where}: layer {index} runs dp={n // strategy.tp}, which does not divide "
+                        f"the micro-batch {plan.micro_batch_size}"
+                    )
+            layer_tp = strategy.tp or stage.tp
+            if layer_tp > layer.tp_max:
+                raise InvalidPlanError(
+                    f"{where}: tp={layer_tp} exceeds what layer {layer.name!r} supports ({layer.tp_max})"
+                )
+            if layer_tp > 1 and layer.kind not in ("embedding", "head") and layer.tp_max < (1 << 30) \
+                    and layer.tp_max % layer_tp:
+                raise InvalidPlanError(
+                    f"{where}: tp={layer_tp} does not divide the {layer.tp_max} attention heads of {layer.name!r}"
+                )
+    if expected != model.num_layers:
+        raise InvalidPlanError(
+            f"stages cover layers 0-{expected - 1}, but the model has {model.num_layers} layers"
+        )
