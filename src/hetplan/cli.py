@@ -4,6 +4,7 @@
                       its heterogeneous cluster), with time, throughput, memory and why
     hetplan compare   several planners side by side on the same inputs
     hetplan estimate  cost one plan file, or one uniform dp/tp/pp setting
+    hetplan export    a plan as torchtitan / Megatron / DeepSpeed settings
     hetplan models    list model presets
     hetplan clusters  list cluster presets and GPU types
     hetplan train/run train with a plan (runtime; needs torch)
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("export", help="write a plan as torchtitan/Megatron/DeepSpeed settings or module lists")
+    p.add_argument("plan_file", help="plan JSON from 'hetplan plan --json'")
+    p.add_argument("--format", required=True, choices=("modules", "torchtitan", "megatron", "deepspeed"))
+    p.add_argument("--model", default=None, help="model the plan was made for (default: the name in the plan)")
+    p.add_argument("--out", default=None, help="write here instead of printing")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("models", help="list model presets")
     p.add_argument("--json", dest="json_path", default=None)
@@ -267,6 +275,36 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print()
     print(memory_table(plan, estimate, workload))
     _write_json(args.json_path, {"plans": [RankedPlan(plan, estimate).to_dict()]})
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hetplan.export import export_plan, to_toml
+    from hetplan.model import load_model
+    from hetplan.plan import load_plan
+
+    plan = load_plan(args.plan_file)
+    model = load_model(args.model or plan.model)
+    result = export_plan(plan, model, args.format)
+    if args.format == "torchtitan":
+        text = to_toml(result)
+    elif args.format == "megatron":
+        text = " ".join(result)
+    else:
+        text = json.dumps(result, indent=2)
+    if args.format == "deepspeed" and plan.pp > 1:
+        from hetplan.export import deepspeed_pipeline_note
+
+        print(f"note: {deepspeed_pipeline_note(plan)}", file=sys.stderr)
+    if args.out:
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            raise HetplanError(f"cannot write {args.out}: {exc.strerror}") from None
+        print(f"wrote {args.out}")
+    else:
+        print(text)
     return 0
 
 

@@ -41,6 +41,34 @@ class BlockShape:
         cross_attention: a decoder block that also attends to an encoder output
             of length ``cross_seq`` (T5 decoder).
         cross_seq: encoder sequence length for cross-attention.
+        kv_channels: width of one attention head when it is not
+            ``hidden // heads`` (T5-3B/11B, Qwen3, Gemma: Megatron's
+            ``kv_channels``); 0 means ``hidden // heads`` and an attention
+            width of ``hidden``.
+
+    The fields below are optional refinements used by presets to describe what
+    a given implementation really keeps for backward; their defaults give
+    exactly the Korthikanti accounting above.
+
+        activation: "gelu" (saves its input; the next linear saves its output)
+            or "relu" (saves its output, which is also the next linear's input,
+            so one tensor fewer unless ``mlp_dropout`` follows it).
+        mlp_dropout: dropout on the MLP hidden activation (T5's DenseReluDense):
+            a 1-byte mask and a separate dropout output of width ``ffn``.
+        norm_saves_normalized: an eager RMSNorm written as
+            ``weight * (x * rsqrt(mean(x^2)))`` (HF T5LayerNorm) keeps the
+            normalized tensor as well as its input and output: one more
+            hidden-sized tensor per norm.
+        softmax_saves_input: PyTorch before 1.11 kept the *input* of softmax
+            and log_softmax for backward as well as the output (pytorch issue
+            #64000, fixed by PR #65242 in 1.11): one more score-sized tensor.
+        attn_window: attend within windows of this many tokens (Swin, TransGAN
+            local attention) instead of over the whole sequence; 0 = global.
+        fused_attention: a fused kernel (FlashAttention / SDPA) that keeps only
+            the output and a float32 log-sum-exp per query row, no score matrix.
+        save_cross_input: count the encoder output that feeds cross-attention
+            K/V in this layer's activations. All decoder layers share one such
+            tensor, so a model counts it in one decoder layer only.
     """
 
     hidden: int
@@ -54,10 +82,27 @@ class BlockShape:
     dropout: bool = True
     cross_attention: bool = False
     cross_seq: int = 0
+    kv_channels: int = 0
+    activation: str = "gelu"
+    mlp_dropout: bool = False
+    norm_saves_normalized: bool = False
+    softmax_saves_input: bool = False
+    attn_window: int = 0
+    fused_attention: bool = False
+    save_cross_input: bool = True
+
+    def __post_init__(self) -> None:
+        if self.activation not in ("gelu", "relu"):
+            raise ValueError(f"BlockShape.activation must be 'gelu' or 'relu', not {self.activation!r}")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
+
+    @property
+    def attn_width(self) -> int:
+        """Width of Q and of the output-projection input (heads x head_dim)."""
+        return self.heads * self.kv_channels if self.kv_channels else self.hidden
 
     @property
     def num_kv_heads(self) -> int:
@@ -104,30 +149,39 @@ class _Tally:
 def _attention(t: _Tally, shape: BlockShape, p: int, q_len: int, kv_len: int, kv_is_self: bool) -> None:
     """Self- or cross-attention sub-block with its pre-norm, residual and dropout."""
     h, a, d = shape.hidden, shape.heads, shape.head_dim
+    inner = shape.attn_width
     kv_width = shape.num_kv_heads * d
     t.norm(h, shape.rms_norm)
     t.save(p * q_len * h, replicated=True)  # norm input
+    if shape.norm_saves_normalized:
+        t.save(p * q_len * h, replicated=True)  # normalized tensor before the weight
     t.save(p * q_len * h, replicated=True)  # QKV input (norm output)
-    t.linear(q_len, h, h, shape.bias, row_parallel=False)  # Q
+    t.linear(q_len, h, inner, shape.bias, row_parallel=False)  # Q
     t.linear(kv_len, h, 2 * kv_width, shape.bias, row_parallel=False)  # K and V
-    if not kv_is_self:
+    if not kv_is_self and shape.save_cross_input:
         t.save(p * kv_len * h, replicated=True)  # encoder output feeding K/V
-    t.save(p * q_len * h)  # Q for QK^T
+    t.save(p * q_len * inner)  # Q for QK^T
     t.save(p * kv_len * kv_width)  # K for QK^T
-    scores = a * q_len * kv_len
-    core_flops = 2.0 * q_len * kv_len * h * 2  # QK^T and scores·V
+    score_len = min(shape.attn_window, kv_len) if shape.attn_window else kv_len
+    scores = a * q_len * score_len
+    core_flops = 2.0 * q_len * score_len * inner * 2  # QK^T and scores·V
     t.flops += core_flops
     t.attention_flops += core_flops
     t.gemms += 2
-    t.save(p * scores, core=True)  # softmax output
-    # elementwise traffic: scale+mask, softmax, (dropout) read+write the scores
-    t.mem_traffic += p * scores * (2 + 2 + (2 if shape.dropout else 0))
-    if shape.dropout:
-        t.save(MASK_BYTES * scores, core=True)  # attention-dropout mask
-        t.save(p * scores, core=True)  # attention-dropout output (input of scores·V)
+    if shape.fused_attention:
+        t.save(4.0 * a * q_len, core=True)  # float32 log-sum-exp per query row
+    else:
+        if shape.softmax_saves_input:
+            t.save(p * scores, core=True)  # softmax input (kept by PyTorch < 1.11)
+        t.save(p * scores, core=True)  # softmax output
+        # elementwise traffic: scale+mask, softmax, (dropout) read+write the scores
+        t.mem_traffic += p * scores * (2 + 2 + (2 if shape.dropout else 0))
+        if shape.dropout:
+            t.save(MASK_BYTES * scores, core=True)  # attention-dropout mask
+            t.save(p * scores, core=True)  # attention-dropout output (input of scores·V)
     t.save(p * kv_len * kv_width)  # V for scores·V
-    t.save(p * q_len * h)  # output-projection input
-    t.linear(q_len, h, h, shape.bias, row_parallel=True)  # output projection
+    t.save(p * q_len * inner)  # output-projection input
+    t.linear(q_len, inner, h, shape.bias, row_parallel=True)  # output projection
     t.tp_comm += p * q_len * h  # all-reduce after the row-parallel projection
     if shape.dropout:
         t.save(MASK_BYTES * q_len * h, replicated=True)
@@ -139,6 +193,8 @@ def _mlp(t: _Tally, shape: BlockShape, p: int, s: int) -> None:
     h, f = shape.hidden, shape.ffn
     t.norm(h, shape.rms_norm)
     t.save(p * s * h, replicated=True)  # norm input
+    if shape.norm_saves_normalized:
+        t.save(p * s * h, replicated=True)  # normalized tensor before the weight
     t.save(p * s * h, replicated=True)  # first linear input (norm output)
     if shape.gated_mlp:
         t.linear(s, h, 2 * f, shape.bias, row_parallel=False)  # gate and up
@@ -146,9 +202,24 @@ def _mlp(t: _Tally, shape: BlockShape, p: int, s: int) -> None:
         t.save(p * s * f)  # up projection output
         t.save(p * s * f)  # product: down-projection input
         t.mem_traffic += p * s * f * 5  # silu (r+w) and product (2r+w)
+        if shape.mlp_dropout:
+            t.save(MASK_BYTES * s * f)  # dropout mask on the product
+            t.save(p * s * f)  # dropout output: down-projection input
+            t.mem_traffic += p * s * f * 2
+    elif shape.activation == "relu":
+        t.linear(s, h, f, shape.bias, row_parallel=False)
+        t.save(p * s * f)  # relu output (its backward, and the next linear's input)
+        t.mem_traffic += p * s * f * 2  # relu (r+w)
+        if shape.mlp_dropout:
+            t.save(MASK_BYTES * s * f)  # dropout mask
+            t.save(p * s * f)  # dropout output: second linear input
+            t.mem_traffic += p * s * f * 2
     else:
         t.linear(s, h, f, shape.bias, row_parallel=False)
         t.save(p * s * f)  # activation-function input
+        if shape.mlp_dropout:
+            t.save(MASK_BYTES * s * f)  # dropout mask on the activation output
+            t.mem_traffic += p * s * f * 2
         t.save(p * s * f)  # second linear input
         t.mem_traffic += p * s * f * 2  # gelu (r+w)
     t.linear(s, f, h, shape.bias, row_parallel=True)
@@ -284,4 +355,65 @@ def lm_head_layer(
         output_bytes=4.0,
         tp_comm_bytes=0.0,
         tied_group=tied_group,
+    )
+
+
+def moe_block(
+    name: str,
+    kind: str,
+    shape: BlockShape,
+    dtype_bytes: int,
+    num_experts: int,
+    top_k: int = 2,
+    capacity_factor: float = 1.0,
+) -> LayerSpec:
+    """A transformer block whose MLP is a mixture of ``num_experts`` experts
+    with top-``top_k`` gating (GShard, Lepikhin et al. 2020, §2.2).
+
+    Parameters count every expert; FLOPs and activations count only the
+    ``top_k`` routed copies of each token (times ``capacity_factor``, the
+    padding of the expert buffers). The router is a ``hidden x num_experts``
+    linear whose float32 softmax is kept for backward; the one-hot dispatch
+    and combine tensors of the einsum formulation are not counted (index-based
+    dispatch does not materialise them).
+    """
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"moe_block {name!r}: need 1 <= top_k <= num_experts")
+    p, s, h, f = dtype_bytes, shape.seq, shape.hidden, shape.ffn
+    rows = top_k * s * capacity_factor  # token copies the experts process
+    t = _Tally()
+    _attention(t, shape, p, s, s, kv_is_self=True)
+    t.norm(h, shape.rms_norm)
+    t.save(p * s * h, replicated=True)  # norm input
+    t.save(p * s * h, replicated=True)  # router and dispatch input (norm output)
+    t.linear(s, h, num_experts, False, row_parallel=False)  # router
+    t.save(4.0 * s * num_experts)  # float32 router softmax, kept for backward
+    t.params += num_experts * (h * f + f * h + (f + h if shape.bias else 0))  # all experts
+    t.flops += 2.0 * rows * (h * f + f * h)
+    t.gemms += 2
+    t.save(p * rows * h)  # dispatched expert inputs
+    t.save(p * rows * f)  # activation-function input
+    t.save(p * rows * f)  # second expert linear input
+    t.save(p * rows * h)  # expert outputs, weighted by the gates when combined
+    t.mem_traffic += p * rows * (2 * h + 2 * f + 2 * h)  # dispatch, gelu, combine
+    t.tp_comm += p * s * h
+    if shape.dropout:
+        t.save(MASK_BYTES * s * h, replicated=True)
+    t.mem_traffic += p * s * h * (2 + (2 if shape.dropout else 0) + 3)
+    return LayerSpec(
+        name=name,
+        kind=kind,
+        params=t.params,
+        params_tp_replicated=t.params_replicated,
+        fwd_flops=t.flops,
+        fwd_mem_bytes=t.mem_traffic,
+        attention_flops=t.attention_flops,
+        gemm_count=t.gemms,
+        act_bytes=t.act,
+        act_tp_replicated_bytes=t.act_replicated,
+        act_attention_core_bytes=t.act_core,
+        input_bytes=p * s * h,
+        output_bytes=p * s * h,
+        tp_comm_bytes=t.tp_comm,
+        tp_max=shape.num_kv_heads,
     )

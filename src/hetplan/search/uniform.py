@@ -2,7 +2,8 @@
 
 What a user of Megatron-LM / torchtitan would try by hand: every factorisation
 ``dp × tp × pp`` of the GPUs (TP inside a node), every per-replica micro-batch
-size, layers split evenly by count, the same ZeRO stage and recomputation on
+size, transformer blocks split evenly (embedding on the first stage, head on
+the last, as Megatron-LM does), the same ZeRO stage and recomputation on
 every layer, devices laid out TP-innermost, then DP, then PP (Megatron's
 order). ``uniform_plan`` builds one such plan (``hetplan estimate --tp/--pp/--dp``).
 """
@@ -13,6 +14,7 @@ from typing import Iterator
 
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
+from hetplan.model.spec import ModelSpec
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan, uniform_stage
 from hetplan.search.base import rank_plans
@@ -37,6 +39,26 @@ def even_split(num_layers: int, pp: int) -> list[range]:
     return ranges
 
 
+def block_split(model: ModelSpec, pp: int) -> list[range]:
+    """Megatron's split: the repeated blocks evenly over the stages (earlier
+    stages get the extra one), the leading embedding on the first stage and the
+    trailing head on the last. Falls back to an even split of all layers when
+    there are fewer blocks than stages."""
+    layers = model.layers
+    first = 0
+    while first < len(layers) and layers[first].kind == "embedding":
+        first += 1
+    last = len(layers)
+    while last > first and layers[last - 1].kind == "head":
+        last -= 1
+    if last - first < pp:
+        return even_split(len(layers), pp)
+    ranges = [range(r.start + first, r.stop + first) for r in even_split(last - first, pp)]
+    ranges[0] = range(0, ranges[0].stop)
+    ranges[-1] = range(ranges[-1].start, len(layers))
+    return ranges
+
+
 def uniform_plan(
     workload: Workload, dp: int, tp: int, pp: int, micro_batch_per_replica: int,
     zero: int = 0, recompute: str = "none", schedule: str = "1f1b", sequence_parallel: bool = False,
@@ -58,7 +80,7 @@ def uniform_plan(
         raise HetplanError(
             f"global batch {workload.global_batch_size} is not a multiple of dp x micro-batch = {micro}"
         )
-    split = layer_split or even_split(model.num_layers, pp)
+    split = layer_split or block_split(model, pp)
     stages = []
     for j, layers in enumerate(split):
         first = j * dp * tp

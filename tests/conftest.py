@@ -1,0 +1,19 @@
+"""Shared fixtures: small models and clusters built from the presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetplan.cluster import load_cluster
+from hetplan.cost import CostModel, Workload
+from hetplan.model.presets import get_model
+
+
+@pytest.fixture
+def gpt2_hetero() -> Workload:
+    return Workload(get_model("gpt2-amp"), load_cluster("amp-heterogeneous"), 32)
+
+
+@pytest.fixture
+def gpt2_cost(gpt2_hetero: Workload) -> CostModel:
+    return CostModel(gpt2_hetero)
