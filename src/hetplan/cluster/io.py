@@ -128,4 +128,4 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
 
 
 def dump_cluster_yaml(cluster: ClusterSpec) -> str:
-    return yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False)
+    return yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False, allow_unicode=True)

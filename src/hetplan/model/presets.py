@@ -7,9 +7,19 @@ be compared with the papers' own numbers.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from hetplan.errors import HetplanError
+from hetplan.model.families import (
+    bert_model,
+    llama_decoder,
+    moe_decoder,
+    swin_model,
+    t5_model,
+    transgan_generator,
+    vit_model,
+    wide_resnet,
+)
 from hetplan.model.layers import BlockShape, embedding_layer, lm_head_layer, transformer_block
 from hetplan.model.spec import ModelSpec
 
@@ -58,6 +68,7 @@ def gpt_decoder(
     dtype_bytes: int = 2,
     family: str = "gpt",
     tied_embeddings: bool = True,
+    meta: dict[str, Any] | None = None,
 ) -> ModelSpec:
     """A GPT-2/GPT-3 style decoder: learned positions, LayerNorm, GELU MLP,
     LM head tied to the token embedding."""
@@ -70,10 +81,171 @@ def gpt_decoder(
     )
     return ModelSpec(
         name=name, family=family, layers=tuple(layers), seq_len=seq, dtype_bytes=dtype_bytes,
-        hidden_size=hidden, num_heads=heads, vocab_size=vocab,
+        hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=dict(meta or {}),
     )
 
 
 @preset("gpt2-amp", "GPT-2 as in AMP §4.1: 24 layers, hidden 1024, 16 heads, seq 1024")
 def _gpt2_amp() -> ModelSpec:
-    return gpt_decoder("gpt2-amp", num_layers=24, hidden=1024, heads=16, seq=1024)
+    return gpt_decoder("gpt2-amp", num_layers=24, hidden=1024, heads=16, seq=1024,
+                       meta={"source": "AMP (NeurIPS'22) §4.3: GPT-2 (L = 24, H = 1024), global batch 32"})
+
+
+# ----------------------------------------------------------------------------- AMP
+
+@preset("transgan-het", "AMP's heterogeneous TransGAN generator: 12 layers dim 1024 (81 tokens) "
+        "+ 12 layers dim 16 (82,944 tokens, 18x18 windows), fp16")
+def _transgan_het() -> ModelSpec:
+    return transgan_generator("transgan-het", meta={
+        "source": "AMP (NeurIPS'22) §4.3 heterogeneous model; shapes from AMP's code "
+                  "(het_model.py, ds_pretrain_transgan_pipe.sh: g_depth 12,0,0,0,0,12, bottom_width 9, "
+                  "g_window_size 18, gf_dim 1024, --fp16)"})
+
+
+# ----------------------------------------------------------------- Galvatron-BMW Table I
+#
+# Galvatron-BMW trained these models from HF transformers 4.16.2 on torch 1.10.2
+# in float32 (its training scripts use no autocast; its memory model counts
+# 4 x parameter bytes for fp32 Adam). See docs/models.md for how the activation
+# sizes of Table I follow from that setup.
+
+_GALVATRON = dict(dtype_bytes=4, softmax_saves_input=True)
+_TABLE_I = "Galvatron-BMW (arXiv:2307.02031) Table I"
+
+
+def _galvatron_meta(extra: str) -> dict[str, Any]:
+    return {"source": f"{_TABLE_I}; {extra}",
+            "training": "HF transformers 4.16.2, torch 1.10.2, fp32 (Galvatron requirements.txt)"}
+
+
+for _name, _layers, _hidden, _heads in (
+    ("bert-huge-32", 32, 1280, 16),
+    ("bert-huge-48", 48, 1280, 16),
+    ("bert-xhuge", 128, 2560, 32),
+):
+    def _make_bert(name: str = _name, layers: int = _layers, hidden: int = _hidden,
+                   heads: int = _heads) -> ModelSpec:
+        return bert_model(name, layers, hidden, heads, seq=512, vocab=30522, **_GALVATRON,
+                          meta=_galvatron_meta("BERT pre-training (MLM+NSP), seq 512, vocab 30522"))
+
+    preset(_name, f"BERT {_layers} layers, hidden {_hidden}, {_heads} heads, seq 512, fp32 "
+           f"(Galvatron-BMW Table I)")(_make_bert)
+
+for _name, _layers, _hidden, _heads in (
+    ("vit-huge-32", 32, 1280, 16),
+    ("vit-huge-48", 48, 1280, 16),
+    ("vit-xhuge", 128, 2560, 32),
+):
+    def _make_vit(name: str = _name, layers: int = _layers, hidden: int = _hidden,
+                  heads: int = _heads) -> ModelSpec:
+        return vit_model(name, layers, hidden, heads, image_size=224, patch_size=16, **_GALVATRON,
+                         meta=_galvatron_meta("ViT on ImageNet-1K, 224x224, patch 16 (197 tokens), no dropout"))
+
+    preset(_name, f"ViT {_layers} layers, hidden {_hidden}, {_heads} heads, 224px patch 16, fp32 "
+           f"(Galvatron-BMW Table I)")(_make_vit)
+
+for _name, _enc, _dec_seq in (
+    ("t5-large-32", 16, 512),
+    ("t5-large-48", 24, 512),
+    ("t5-512-4-32", 16, 4),
+    ("t5-512-4-48", 24, 4),
+):
+    def _make_t5(name: str = _name, layers: int = _enc, dec_seq: int = _dec_seq) -> ModelSpec:
+        return t5_model(name, layers, layers, hidden=1024, heads=16, ffn=4096, vocab=32128,
+                        encoder_seq=512, decoder_seq=dec_seq, **_GALVATRON,
+                        meta=_galvatron_meta(f"T5-Large (v1.0) {layers} enc + {layers} dec, "
+                                             f"encoder seq 512, decoder seq {dec_seq}"))
+
+    preset(_name, f"T5-Large {_enc} enc + {_enc} dec, hidden 1024, encoder seq 512, decoder seq "
+           f"{_dec_seq}, fp32 (Galvatron-BMW Table I)")(_make_t5)
+
+for _name, _depths in (
+    ("swin-huge-32", (2, 2, 26, 2)),
+    ("swin-huge-48", (2, 2, 42, 2)),
+):
+    def _make_swin(name: str = _name, depths: tuple[int, ...] = _depths) -> ModelSpec:
+        return swin_model(name, depths, embed_dim=320, heads=(8, 16, 32, 64), window=7, **_GALVATRON,
+                          meta=_galvatron_meta("Swin-Huge, widths 320/640/1280/2560, heads 8/16/32/64, "
+                                               "window 7, 224px patch 4"))
+
+    preset(_name, f"Swin-Huge depths {'/'.join(map(str, _depths))}, widths 320/640/1280/2560, "
+           f"window 7, fp32 (Galvatron-BMW Table I)")(_make_swin)
+
+
+# --------------------------------------------------------------------- Metis Table 2
+#
+# Metis runs on Alpa and uses Alpa's benchmark models (alpa benchmark suites:
+# gpt_specs, moe_specs, wresnet_specs).
+
+_METIS = "Metis (ATC'24) Table 2; shapes from Alpa's benchmark suites"
+
+for _name, _layers, _hidden, _heads in (
+    ("gpt3-1.3b", 24, 2048, 32),
+    ("gpt3-2.6b", 32, 2560, 32),
+    ("gpt3-6.7b", 32, 4096, 32),
+    ("gpt3-15b", 48, 5120, 40),
+):
+    def _make_gpt(name: str = _name, layers: int = _layers, hidden: int = _hidden,
+                  heads: int = _heads) -> ModelSpec:
+        return gpt_decoder(name, num_layers=layers, hidden=hidden, heads=heads, seq=1024, vocab=51200,
+                           meta={"source": f"{_METIS} (suite_manual_gpt gpt_specs)"})
+
+    preset(_name, f"GPT-3 {_layers} layers, hidden {_hidden}, {_heads} heads, seq 1024, vocab 51200 "
+           f"(Metis Table 2)")(_make_gpt)
+
+for _name, _layers, _hidden, _experts in (
+    ("moe-1.3b", 16, 768, 16),
+    ("moe-2.4b", 16, 1024, 16),
+    ("moe-10b", 16, 1536, 32),
+    ("moe-27b", 16, 2048, 48),
+):
+    def _make_moe(name: str = _name, layers: int = _layers, hidden: int = _hidden,
+                  experts: int = _experts) -> ModelSpec:
+        return moe_decoder(name, layers, hidden, heads=16, num_experts=experts, seq=1024, vocab=32000,
+                           meta={"source": f"{_METIS} (suite_manual_moe moe_specs); GShard top-2 gating "
+                                           "(Lepikhin et al. 2020)"})
+
+    preset(_name, f"GShard MoE {_layers} layers (every other MoE), hidden {_hidden}, {_experts} experts, "
+           f"top-2, seq 1024 (Metis Table 2)")(_make_moe)
+
+for _name, _filters, _width in (
+    ("wresnet-1b", 320, 2),
+    ("wresnet-2b", 448, 2),
+    ("wresnet-4b", 640, 2),
+    ("wresnet-6.8b", 320, 16),
+):
+    def _make_wresnet(name: str = _name, filters: int = _filters, width: int = _width) -> ModelSpec:
+        return wide_resnet(name, filters, width, meta={
+            "source": f"{_METIS} (suite_wresnet wresnet_specs: 224px, 50 layers, fp32)"})
+
+    preset(_name, f"Wide-ResNet-50, base channels {_filters}, width factor {_width}, 224px, fp32 "
+           f"(Metis Table 2)")(_make_wresnet)
+
+
+# ---------------------------------------------------------------- other reference models
+
+@preset("gpt3-175b", "GPT-3 175B: 96 layers, hidden 12288, 96 heads, seq 2048")
+def _gpt3_175b() -> ModelSpec:
+    return gpt_decoder("gpt3-175b", num_layers=96, hidden=12288, heads=96, seq=2048, vocab=50257,
+                       meta={"source": "Brown et al. 2020 (GPT-3) Table 2.1; Korthikanti et al. 2022 Table 3"})
+
+
+for _name, _layers, _hidden, _heads, _kv, _ffn, _vocab, _seq, _src in (
+    ("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, "Touvron et al. 2023 (Llama 2); HF config"),
+    ("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, "Touvron et al. 2023 (Llama 2); HF config"),
+    ("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, "Llama 3 (Meta 2024); HF config"),
+    ("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, "Llama 3 (Meta 2024); HF config"),
+):
+    def _make_llama(name: str = _name, layers: int = _layers, hidden: int = _hidden, heads: int = _heads,
+                    kv: int = _kv, ffn: int = _ffn, vocab: int = _vocab, seq: int = _seq,
+                    src: str = _src) -> ModelSpec:
+        return llama_decoder(name, layers, hidden, heads, kv, ffn, vocab, seq, meta={"source": src})
+
+    preset(_name, f"Llama {_layers} layers, hidden {_hidden}, {_heads} heads / {_kv} KV heads, SwiGLU "
+           f"{_ffn}, vocab {_vocab}, seq {_seq}, bf16")(_make_llama)
+
+
+@preset("tiny-gpt", "Tiny GPT for runtime tests: 4 layers, hidden 64, 4 heads, vocab 256, seq 32, fp32")
+def _tiny_gpt() -> ModelSpec:
+    return gpt_decoder("tiny-gpt", num_layers=4, hidden=64, heads=4, seq=32, vocab=256, dtype_bytes=4,
+                       meta={"source": "hetplan test model (GPT-2 style, tied embeddings)"})

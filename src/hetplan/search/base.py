@@ -42,6 +42,14 @@ def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
 
 
 def no_fit_error(workload: Workload, ranked: list[RankedPlan]) -> OutOfMemoryError:
+    states = workload.model.total_params * sum(workload.state_bytes)
+    total = sum(workload.device_capacity_bytes(d.id) for d in workload.cluster.devices)
+    if states > total:
+        return OutOfMemoryError(
+            f"model {workload.model.name!r} needs {format_bytes(states)} for weights, gradients and optimizer "
+            f"states alone, more than the {format_bytes(total)} of all {workload.cluster.num_devices} GPUs; "
+            "use a larger cluster or a smaller model"
+        )
     closest = min(ranked, key=lambda r: -r.estimate.min_headroom_bytes)
     est = closest.estimate
     worst = max(est.peak_memory_bytes, key=lambda d: est.peak_memory_bytes[d] - est.memory_capacity_bytes[d])

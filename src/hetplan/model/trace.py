@@ -1,0 +1,915 @@
+"""Build a ModelSpec from any ``torch.nn.Module`` by running it on the meta device.
+
+The module's forward pass is run once on ``torch.device("meta")``: tensors have
+shapes and dtypes but no data, so a 70B-parameter model traces in a second
+without allocating memory. During that pass we measure, per layer:
+
+* **parameters** — exact: every parameter the layer's modules own or that its
+  operators read (found by storage, so ``lm_head.weight is wte.weight`` ties
+  are seen), counted in each layer that uses it, with ``tied_group`` set;
+* **forward FLOPs** — ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
+  convolutions, attention kernels). On the meta device
+  ``scaled_dot_product_attention`` runs its math decomposition (two ``bmm``),
+  so its FLOPs *are* counted (torch 2.13). Under ``FakeTensorMode`` on CPU it
+  dispatches to a fused CPU kernel the counter does not know and counts 0;
+  if a call to ``F.scaled_dot_product_attention`` ever counts 0 here we add
+  ``4·B·H·Lq·Lk·E`` analytically (``meta["sdpa_flops_added"]`` says so);
+* **activation bytes kept for backward** — every tensor autograd saves, via
+  ``torch.autograd.graph.saved_tensors_hooks``; parameters and buffers are
+  excluded, and a storage is counted once (views of one tensor, or one tensor
+  saved by two layers, count once, in the first layer that saved it). The
+  SDPA math path upcasts 16-bit inputs to fp32 internally; tensors it saves
+  are counted at the input precision (what Megatron's unfused softmax keeps);
+* **bytes in and out of each layer** (pipeline point-to-point), and an
+  estimate of memory-bound (elementwise) traffic.
+
+What the meta pass cannot know is how a tensor-parallel implementation would
+split a layer; three fields are estimated from shapes assuming Megatron-style
+TP (see ``docs/model-import.md``): ``act_tp_replicated_bytes`` (saved tensors
+shaped like the layer's hidden state), ``act_attention_core_bytes`` (saved
+tensors shaped like attention scores, i.e. like a >=3-D softmax output) and
+``tp_comm_bytes`` (one all-reduce of the hidden state per attention call and
+one per MLP/embedding).
+
+All numbers are divided by the example batch size: the spec is per sample.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterator
+
+from hetplan.errors import HetplanError
+from hetplan.model.spec import LayerSpec, ModelSpec
+
+_LAYER_FIELDS = {f.name for f in fields(LayerSpec)}
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise HetplanError(
+            "tracing an nn.Module needs torch, which is not installed; run: pip install -e .[torch]"
+        ) from None
+    return torch
+
+
+def make_layer(**values: Any) -> LayerSpec:
+    """A LayerSpec from ``values``, passing optional fields (``tied_params``,
+    ``modules``) only when this version of LayerSpec has them."""
+    optional = {"tied_params", "modules"}
+    return LayerSpec(**{k: v for k, v in values.items() if k not in optional or k in _LAYER_FIELDS})
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _tensors(obj: Any, torch: Any) -> Iterator[Any]:
+    """All tensors in a nested structure of tuples, lists and dicts (ModelOutput too)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value, torch)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value, torch)
+
+
+def _storage_key(t: Any) -> int:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except Exception:  # tensor subclasses without a plain storage
+        return id(t)
+
+
+def _storage_nbytes(t: Any) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return int(t.numel() * t.element_size())
+
+
+def _unique_bytes(tensors: list[Any]) -> float:
+    seen: set[int] = set()
+    total = 0.0
+    for t in tensors:
+        key = _storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _activation_inputs(tensors: list[Any]) -> list[Any]:
+    """The tensors that carry activations into a layer: those that require grad
+    (they depend on earlier parameters); failing that the floating ones (a
+    model's raw input); failing that all (token ids)."""
+    grad = [t for t in tensors if t.requires_grad]
+    if grad:
+        return grad
+    floating = [t for t in tensors if t.is_floating_point()]
+    return floating or tensors
+
+
+def _main_shape(tensors: list[Any]) -> tuple[int, ...]:
+    if not tensors:
+        return ()
+    return tuple(max(tensors, key=lambda t: t.numel()).shape)
+
+
+def _is_ancestor(parent: str, child: str) -> bool:
+    """``parent`` is a proper ancestor of module path ``child`` ("" is the root)."""
+    return parent != child and (parent == "" or child.startswith(parent + "."))
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _owns_params(module: Any) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def block_containers(root: Any) -> list[str]:
+    """Paths of the ModuleLists/Sequentials that hold the model's repeated blocks.
+
+    A container qualifies when at least two of its children with parameters
+    are of the same class. Containers whose repeated children are composite
+    (blocks made of several modules) win over containers of plain leaf layers
+    (a Sequential MLP stack); among the winners only the top-most are kept,
+    so the MLP ``Sequential`` inside each transformer block is not a container.
+    """
+    torch = _import_torch()
+    nn = torch.nn
+    composite: list[str] = []
+    leafy: list[str] = []
+    for path, module in root.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = [c for c in module.children() if _owns_params(c)]
+        counts = Counter(type(c) for c in kids)
+        repeated = [c for c in kids if counts[type(c)] >= 2]
+        if len(repeated) < 2:
+            continue
+        if any(any(True for _ in c.children()) for c in repeated):
+            composite.append(path)
+        else:
+            leafy.append(path)
+    chosen = composite or leafy
+    return [p for p in chosen if not any(_is_ancestor(q, p) for q in chosen)]
+
+
+def expand_layer_names(root: Any, names: list[str]) -> list[str]:
+    """Resolve user layer names; ``*`` matches one path segment
+    (``"layers.*.blocks.*"``). Errors name the first bad entry."""
+    all_paths = [p for p, _ in root.named_modules() if p]
+    out: list[str] = []
+    for name in names:
+        if "*" in name:
+            depth = name.count(".")
+            hits = [
+                p
+                for p in all_paths
+                if p.count(".") == depth
+                and all(fnmatch.fnmatchcase(a, b) for a, b in zip(p.split("."), name.split(".")))
+            ]
+            if not hits:
+                raise HetplanError(f"layer pattern {name!r} matches no submodule of {type(root).__name__}")
+            out.extend(hits)
+        else:
+            try:
+                root.get_submodule(name)
+            except AttributeError:
+                examples = ", ".join(all_paths[:6])
+                raise HetplanError(
+                    f"{type(root).__name__} has no submodule {name!r}; module names look like: {examples}"
+                ) from None
+            out.append(name)
+    if len(set(out)) != len(out):
+        dup = next(n for n in out if out.count(n) > 1)
+        raise HetplanError(f"layer {dup!r} is listed twice in layer_names")
+    for a in out:
+        for b in out:
+            if _is_ancestor(a, b):
+                raise HetplanError(f"layer_names lists both {a!r} and its submodule {b!r}; keep one")
+    return out
+
+
+# --------------------------------------------------------------------------- tracing state
+
+
+@dataclass
+class _Segment:
+    """Work done while one layer anchor (or no anchor) was running."""
+
+    anchor: int | None  # index into anchors, None for work between/around anchors
+    after: int | None = None  # free segments: the anchor that ran last before this one
+    interlude: bool = False  # free segment started by a module outside the previous stack
+    flops: float = 0.0
+    attention_flops: float = 0.0
+    gemms: int = 0
+    param_gemms: int = 0
+    embeddings: int = 0
+    attention_calls: int = 0
+    mem_bytes: float = 0.0
+    params_used: set[str] = field(default_factory=set)
+    modules: list[str] = field(default_factory=list)
+    saved: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
+    scores_dims: set[tuple[int, int]] = field(default_factory=set)
+    heads: int = 0
+    vocab: int = 0
+
+
+@dataclass
+class _Anchor:
+    path: str
+    group: int  # container index; anchors in one group are consecutive blocks
+    calls: int = 0
+    input_bytes: float = 0.0
+    input_shape: tuple[int, ...] = ()
+    output_bytes: float = 0.0
+
+
+class _Tracer:
+    def __init__(self, torch: Any, param_names: dict[int, str], buffer_keys: set[int]) -> None:
+        self.torch = torch
+        self.param_names = param_names  # storage key -> canonical parameter name
+        self.buffer_keys = buffer_keys
+        self.anchors: list[_Anchor] = []
+        self.structural: set[str] = {""}
+        self.segments: list[_Segment] = [_Segment(anchor=None)]
+        self.module_stack: list[str] = []
+        self.saved_seen: set[int] = set()
+        self.keep_alive: list[Any] = []
+        self.in_sdpa_dtype: Any = None
+        self.sdpa_added = 0.0
+        self.flop_counter: Any = None
+        self.group_parent: dict[int, str] = {}
+        self.anchor_paths: set[str] = set()
+
+    @property
+    def seg(self) -> _Segment:
+        return self.segments[-1]
+
+    # -- module hooks
+    def enter_module(self, path: str) -> None:
+        seg = self.seg
+        if path in self.anchor_paths:
+            self.module_stack.append(path)
+            return
+        if seg.anchor is None and all(p in self.structural for p in self.module_stack) and path not in self.structural:
+            if seg.after is not None and not seg.interlude:
+                stack_parent = self.group_parent.get(self.anchors[seg.after].group, "")
+                if not _is_ancestor(stack_parent, path) and (seg.modules or seg.flops or seg.params_used or seg.saved):
+                    seg = _Segment(anchor=None, after=seg.after, interlude=True)
+                    self.segments.append(seg)
+                elif not _is_ancestor(stack_parent, path):
+                    seg.interlude = True
+            seg.modules.append(path)
+        self.module_stack.append(path)
+
+    def exit_module(self, path: str) -> None:
+        if self.module_stack and self.module_stack[-1] == path:
+            self.module_stack.pop()
+
+    def enter_anchor(self, index: int, args: tuple, kwargs: dict) -> None:
+        anchor = self.anchors[index]
+        if anchor.calls == 0:
+            tensors = _activation_inputs(list(_tensors((args, kwargs), self.torch)))
+            anchor.input_bytes = _unique_bytes(tensors)
+            anchor.input_shape = _main_shape(tensors)
+        anchor.calls += 1
+        self.segments.append(_Segment(anchor=index))
+
+    def exit_anchor(self, index: int, output: Any) -> None:
+        tensors = _activation_inputs(list(_tensors(output, self.torch)))
+        self.anchors[index].output_bytes = _unique_bytes(tensors)
+        self.segments.append(_Segment(anchor=None, after=index))
+
+    # -- autograd saved tensors
+    def on_saved(self, t: Any) -> Any:
+        key = _storage_key(t)
+        if key in self.param_names or key in self.buffer_keys or key in self.saved_seen:
+            return t
+        self.saved_seen.add(key)
+        self.keep_alive.append(t)  # storage addresses stay unique while tracing
+        nbytes = float(_storage_nbytes(t))
+        if self.in_sdpa_dtype is not None and t.is_floating_point() and t.element_size() > self.in_sdpa_dtype.itemsize:
+            nbytes *= self.in_sdpa_dtype.itemsize / t.element_size()
+        self.seg.saved.append((tuple(t.shape), nbytes))
+        return t
+
+    # -- operators
+    def on_op(self, func: Any, args: tuple, kwargs: dict, run: Callable[[], Any]) -> Any:
+        torch = self.torch
+        before = self.flop_counter.get_total_flops()
+        out = run()
+        flops = self.flop_counter.get_total_flops() - before
+        seg = self.seg
+        inputs = list(_tensors((args, kwargs), torch))
+        uses_param = False
+        for t in inputs:
+            name = self.param_names.get(_storage_key(t))
+            if name is not None:
+                seg.params_used.add(name)
+                uses_param = True
+        packet = func.overloadpacket
+        aten = torch.ops.aten
+        if flops > 0:
+            seg.flops += flops
+            seg.gemms += 1
+            if uses_param:
+                seg.param_gemms += 1
+            else:
+                seg.attention_flops += flops  # activation x activation: attention core
+        elif not func.is_view:
+            outs = list(_tensors(out, torch))
+            out_bytes = sum(t.numel() * t.element_size() for t in outs)
+            cap = max((t.numel() * t.element_size() for t in outs), default=0)
+            in_bytes = sum(min(t.numel() * t.element_size(), cap) for t in inputs)
+            seg.mem_bytes += out_bytes + in_bytes
+        if packet is aten.embedding and uses_param:
+            seg.embeddings += 1
+            if not seg.vocab and inputs:
+                seg.vocab = int(inputs[0].shape[0])
+        if packet in (aten._softmax, aten._safe_softmax) and isinstance(out, torch.Tensor) and out.dim() >= 3:
+            seg.scores_dims.add(tuple(out.shape[-2:]))
+            seg.attention_calls += 1
+            if out.dim() >= 4:
+                heads = int(out.shape[-3])
+                seg.heads = min(seg.heads, heads) if seg.heads else heads
+        return out
+
+
+def _make_modes(tracer: _Tracer) -> tuple[Any, Any]:
+    torch = tracer.torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    class _FunctionMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            kwargs = kwargs or {}
+            if func is not sdpa:
+                return func(*args, **kwargs)
+            q, k = args[0], args[1]
+            v = args[2] if len(args) > 2 else kwargs["value"]
+            before = tracer.flop_counter.get_total_flops()
+            outer = tracer.in_sdpa_dtype
+            tracer.in_sdpa_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                tracer.in_sdpa_dtype = outer
+            if tracer.flop_counter.get_total_flops() == before:
+                # the kernel was not counted (e.g. a fused CPU kernel): QK^T and scores·V
+                batch = 1
+                for d in q.shape[:-2]:
+                    batch *= int(d)
+                added = 2.0 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+                seg = tracer.seg
+                seg.flops += added
+                seg.attention_flops += added
+                seg.gemms += 2
+                seg.attention_calls += 1
+                tracer.sdpa_added += added
+            return out
+
+    class _DispatchMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            kwargs = kwargs or {}
+            return tracer.on_op(func, args, kwargs, lambda: func(*args, **kwargs))
+
+    return _FunctionMode(), _DispatchMode()
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def model_from_module(
+    module_or_factory: Any,
+    example_inputs: Any,
+    name: str = "custom",
+    layer_names: list[str] | None = None,
+    dtype_bytes: int | None = None,
+    *,
+    family: str = "custom",
+    seq_len: int | None = None,
+) -> ModelSpec:
+    """Trace ``module_or_factory`` on the meta device into a per-sample ModelSpec.
+
+    Args:
+        module_or_factory: an ``nn.Module`` (on any device: its parameters are
+            replaced by meta tensors for the trace, the module is not changed)
+            or a zero-argument callable returning one, which is called under
+            ``torch.device("meta")`` so nothing is allocated.
+        example_inputs: what the forward takes: a tensor, a tuple/list of
+            positional arguments, or a dict of keyword arguments. Dim 0 of the
+            first tensor is the batch size; results are divided by it.
+        name: the ModelSpec name.
+        layer_names: module paths to use as layers (``*`` matches one path
+            segment, e.g. ``"layers.*.blocks.*"``). Default: the blocks of the
+            model's ModuleList/Sequential block stacks, with the modules before
+            them as the first layer and those after as the last.
+        dtype_bytes: training precision (2 = bf16, 4 = fp32); default: that of
+            the module's floating-point parameters.
+        family: ModelSpec family label.
+        seq_len: tokens per sample; default: dim 1 of the first input if it
+            has one, else 1.
+
+    Returns:
+        A ModelSpec whose layers are in execution order; ``meta["layer_modules"]``
+        lists, per layer, the module paths that ran in it.
+    """
+    torch = _import_torch()
+    nn = torch.nn
+    module = _materialize(module_or_factory, torch)
+    dtype = _target_dtype(module, dtype_bytes, torch)
+    args, kwargs, batch = _meta_inputs(example_inputs, dtype, torch)
+
+    # -- meta copies of parameters and buffers (ties preserved by identity)
+    state: dict[str, Any] = {}
+    param_names: dict[int, str] = {}  # storage key -> canonical name
+    param_numel: dict[str, int] = {}
+    param_holders: dict[str, set[str]] = {}  # canonical name -> every module path holding it
+    by_identity: dict[int, Any] = {}
+    canonical: dict[int, str] = {}
+    for pname, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in by_identity:
+            new_dtype = dtype if p.is_floating_point() else p.dtype
+            meta_p = nn.Parameter(torch.empty(p.shape, dtype=new_dtype, device="meta"), requires_grad=p.requires_grad)
+            by_identity[id(p)] = meta_p
+            canonical[id(p)] = pname
+            param_names[_storage_key(meta_p)] = pname
+            param_numel[pname] = p.numel()
+        param_holders.setdefault(canonical[id(p)], set()).add(_parent(pname))
+        state[pname] = by_identity[id(p)]
+    buffer_keys: set[int] = set()
+    for bname, b in module.named_buffers(remove_duplicate=False):
+        if id(b) not in by_identity:
+            new_dtype = dtype if b.is_floating_point() else b.dtype
+            by_identity[id(b)] = torch.empty(b.shape, dtype=new_dtype, device="meta")
+            buffer_keys.add(_storage_key(by_identity[id(b)]))
+        state[bname] = by_identity[id(b)]
+
+    # -- anchors: the modules that become layers
+    tracer = _Tracer(torch, param_names, buffer_keys)
+    modules = dict(module.named_modules())
+    if layer_names:
+        paths = expand_layer_names(module, list(layer_names))
+        groups = [0] * len(paths)
+        user_mode = True
+    else:
+        user_mode = False
+        paths, groups = [], []
+        containers = block_containers(module)
+        for gi, cpath in enumerate(containers):
+            tracer.group_parent[gi] = _parent(cpath) if cpath else ""
+            for child_name, child in modules[cpath].named_children():
+                if _owns_params(child):
+                    paths.append(f"{cpath}.{child_name}" if cpath else child_name)
+                    groups.append(gi)
+        if not paths:  # no block stack: the root's children with parameters
+            for child_name, child in module.named_children():
+                if _owns_params(child):
+                    paths.append(child_name)
+                    groups.append(len(groups))
+        if not paths:
+            paths, groups = [""], [0]
+    tracer.anchors = [_Anchor(path=p, group=g) for p, g in zip(paths, groups)]
+    tracer.anchor_paths = set(paths)
+    for p in paths:
+        tracer.structural.update(q for q in modules if _is_ancestor(q, p))
+
+    handles = []
+    anchor_index = {p: i for i, p in enumerate(paths)}
+    try:
+        for mpath, sub in modules.items():
+            handles.append(sub.register_forward_pre_hook(lambda m, a, path=mpath: tracer.enter_module(path)))
+            handles.append(sub.register_forward_hook(lambda m, a, o, path=mpath: tracer.exit_module(path)))
+            if mpath in anchor_index:
+                i = anchor_index[mpath]
+                handles.append(
+                    sub.register_forward_pre_hook(
+                        lambda m, a, kw, i=i: tracer.enter_anchor(i, a, kw), with_kwargs=True
+                    )
+                )
+                handles.append(sub.register_forward_hook(lambda m, a, o, i=i: tracer.exit_anchor(i, o)))
+        output = _run(module, state, args, kwargs, tracer, torch)
+    finally:
+        for h in handles:
+            h.remove()
+
+    out_tensors = [t for t in _tensors(output, torch) if t.is_floating_point()] or list(_tensors(output, torch))
+    model_output_bytes = _unique_bytes(out_tensors)
+    input_bytes = _unique_bytes(list(_tensors((args, kwargs), torch)))
+    return _assemble(
+        tracer=tracer,
+        name=name,
+        family=family,
+        module=module,
+        batch=batch,
+        dtype=dtype,
+        user_mode=user_mode,
+        param_numel=param_numel,
+        param_holders=param_holders,
+        model_input_bytes=input_bytes,
+        model_output_bytes=model_output_bytes,
+        seq_len=seq_len if seq_len is not None else _infer_seq_len(args, kwargs, torch),
+    )
+
+
+def _materialize(module_or_factory: Any, torch: Any) -> Any:
+    nn = torch.nn
+    if isinstance(module_or_factory, nn.Module):
+        return module_or_factory
+    if not callable(module_or_factory):
+        raise HetplanError(
+            f"model_from_module needs an nn.Module or a factory returning one, got {type(module_or_factory).__name__}"
+        )
+    try:
+        with torch.device("meta"):
+            module = module_or_factory()
+    except HetplanError:
+        raise
+    except Exception as exc:  # the user's factory failed: say where, not a deep traceback
+        raise HetplanError(f"the model factory raised {type(exc).__name__}: {_first_line(exc)}") from exc
+    if not isinstance(module, nn.Module):
+        raise HetplanError(f"the model factory returned {type(module).__name__}, not an nn.Module")
+    return module
+
+
+def _target_dtype(module: Any, dtype_bytes: int | None, torch: Any) -> Any:
+    floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    current = floats[0] if floats else torch.float32
+    if dtype_bytes is None:
+        if current.itemsize not in (2, 4):
+            raise HetplanError(f"parameters are {current}; pass dtype_bytes=2 (bf16) or 4 (fp32)")
+        return current
+    if dtype_bytes not in (2, 4):
+        raise HetplanError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
+    if current.itemsize == dtype_bytes:
+        return current
+    return torch.bfloat16 if dtype_bytes == 2 else torch.float32
+
+
+def _meta_inputs(example_inputs: Any, dtype: Any, torch: Any) -> tuple[tuple, dict, int]:
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            new_dtype = dtype if x.is_floating_point() else x.dtype
+            return torch.empty(x.shape, dtype=new_dtype, device="meta")
+        if isinstance(x, dict):
+            return {k: to_meta(v) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(to_meta(v) for v in x)
+        return x
+
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), to_meta(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(to_meta(v) for v in example_inputs), {}
+    else:
+        args, kwargs = (to_meta(example_inputs),), {}
+    first = next(_tensors((args, kwargs), torch), None)
+    if first is None:
+        raise HetplanError("example_inputs holds no tensor; pass e.g. torch.zeros(batch, seq, dtype=torch.long)")
+    if first.dim() == 0 or first.shape[0] < 1:
+        raise HetplanError(
+            f"the first example input has shape {tuple(first.shape)}; its dim 0 must be a batch size >= 1"
+        )
+    return args, kwargs, int(first.shape[0])
+
+
+def _infer_seq_len(args: tuple, kwargs: dict, torch: Any) -> int:
+    """Token ids (B, S) and hidden states (B, S, H) have a sequence; feature
+    vectors (B, D) and images (B, C, H, W) count as one position."""
+    first = next(_tensors((args, kwargs), torch))
+    if first.is_floating_point():
+        return int(first.shape[1]) if first.dim() == 3 else 1
+    return int(first.shape[1]) if first.dim() >= 2 else 1
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _run(module: Any, state: dict, args: tuple, kwargs: dict, tracer: _Tracer, torch: Any) -> Any:
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    modes = {m: m.training for m in module.modules()}
+    module.train()  # training costs: dropout masks and everything backward needs
+    function_mode, dispatch_mode = _make_modes(tracer)
+    try:
+        with torch.device("meta"), torch.enable_grad(), FlopCounterMode(display=False) as counter:
+            tracer.flop_counter = counter
+            with function_mode, dispatch_mode, torch.autograd.graph.saved_tensors_hooks(tracer.on_saved, lambda t: t):
+                return functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
+    except HetplanError:
+        raise
+    except Exception as exc:
+        hint = ""
+        text = str(exc)
+        if "meta" in text.lower() or isinstance(exc, NotImplementedError):
+            hint = " (the forward reads tensor values, e.g. .item() or data-dependent control flow, which the meta device cannot provide)"
+        raise HetplanError(
+            f"tracing {type(module).__name__} on the meta device failed: {type(exc).__name__}: {_first_line(exc)}{hint}"
+        ) from exc
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+@dataclass
+class _Layer:
+    name: str
+    kind: str
+    segments: list[_Segment]
+    anchor: int | None
+    modules: list[str]
+    input_bytes: float = 0.0
+    output_bytes: float = 0.0
+    hidden_shape: tuple[int, ...] = ()
+    params_used: set[str] = field(default_factory=set)
+
+
+def _assemble(
+    *,
+    tracer: _Tracer,
+    name: str,
+    family: str,
+    module: Any,
+    batch: int,
+    dtype: Any,
+    user_mode: bool,
+    param_numel: dict[str, int],
+    param_holders: dict[str, set[str]],
+    model_input_bytes: float,
+    model_output_bytes: float,
+    seq_len: int,
+) -> ModelSpec:
+    anchors = tracer.anchors
+    segments = [s for s in tracer.segments if s.anchor is not None or _has_work(s)]
+    ran = [i for i, a in enumerate(anchors) if a.calls > 0]
+    if not ran:
+        raise HetplanError(
+            f"none of the layer modules ({', '.join(a.path or '<root>' for a in anchors[:4])}) ran in the forward pass"
+        )
+    if user_mode:
+        missing = [a.path for a in anchors if a.calls == 0]
+        if missing:
+            raise HetplanError(f"layer {missing[0]!r} was not called in the forward pass; remove it from layer_names")
+
+    # order anchors by first execution
+    order: list[int] = []
+    for s in tracer.segments:
+        if s.anchor is not None and s.anchor not in order:
+            order.append(s.anchor)
+    anchor_layers: dict[int, _Layer] = {}
+    for i in order:
+        path = anchors[i].path
+        anchor_layers[i] = _Layer(
+            name=path or "model",
+            kind="layer" if user_mode else "block",
+            segments=[],
+            anchor=i,
+            modules=[path],
+            hidden_shape=anchors[i].input_shape,
+        )
+    position = {i: k for k, i in enumerate(order)}
+
+    # free segments: prologue, epilogue, glue (-> previous block), interlude (own layer)
+    prologue: list[_Segment] = []
+    epilogue: list[_Segment] = []
+    interludes: dict[int, list[_Segment]] = {}  # keyed by the previous anchor
+    last_anchor_pos = max(position.values())
+    for s in segments:
+        if s.anchor is not None:
+            anchor_layers[s.anchor].segments.append(s)
+            continue
+        if s.after is None:
+            prologue.append(s)
+        elif position[s.after] == last_anchor_pos and not _anchor_follows(tracer.segments, s):
+            epilogue.append(s)
+        else:
+            nxt = _next_anchor(tracer.segments, s)
+            different_stack = nxt is not None and anchors[nxt].group != anchors[s.after].group
+            if not user_mode and different_stack and s.interlude:
+                interludes.setdefault(s.after, []).append(s)
+            else:
+                anchor_layers[s.after].segments.append(s)
+                anchor_layers[s.after].modules.extend(m for m in s.modules if m not in anchor_layers[s.after].modules)
+
+    layers: list[_Layer] = []
+    first = anchor_layers[order[0]]
+    if prologue and not user_mode and _uses_params(prologue):
+        layers.append(_free_layer(prologue, "embedding", first_name=True, holders=param_holders))
+    elif prologue:
+        first.segments[:0] = prologue
+        first.modules[:0] = [m for s in prologue for m in s.modules]
+    for i in order:
+        layers.append(anchor_layers[i])
+        if i in interludes:
+            segs = interludes[i]
+            if _uses_params(segs):
+                layers.append(_free_layer(segs, "embedding", first_name=True, holders=param_holders))
+            else:
+                anchor_layers[i].segments.extend(segs)
+    if epilogue and not user_mode and _uses_params(epilogue):
+        layers.append(_free_layer(epilogue, "head", first_name=False, holders=param_holders))
+    elif epilogue:
+        last = anchor_layers[order[-1]]
+        last.segments.extend(epilogue)
+        last.modules.extend(m for s in epilogue for m in s.modules if m not in last.modules)
+
+    # boundaries: inputs and outputs
+    for k, layer in enumerate(layers):
+        if k == 0:
+            layer.input_bytes = model_input_bytes
+        elif layer.anchor is not None:
+            layer.input_bytes = anchors[layer.anchor].input_bytes
+        else:
+            prev = layers[k - 1]
+            layer.input_bytes = anchors[prev.anchor].output_bytes if prev.anchor is not None else prev.output_bytes
+    for k, layer in enumerate(layers):
+        layer.output_bytes = model_output_bytes if k == len(layers) - 1 else layers[k + 1].input_bytes
+    for k, layer in enumerate(layers):
+        if not layer.hidden_shape:
+            neighbours = layers[k + 1 :] if layer.kind == "embedding" else layers[:k][::-1]
+            layer.hidden_shape = next((n.hidden_shape for n in neighbours if n.hidden_shape), ())
+
+    # parameters: used by the layer, plus everything inside an anchor module
+    used_anywhere: set[str] = set()
+    for layer in layers:
+        layer.params_used = set().union(*(s.params_used for s in layer.segments)) if layer.segments else set()
+        if layer.anchor is not None:
+            prefix = anchors[layer.anchor].path
+            layer.params_used |= {
+                n for n, holders in param_holders.items() if any(h == prefix or _is_ancestor(prefix, h) for h in holders)
+            }
+        used_anywhere |= layer.params_used
+    unused = [n for n in param_numel if n not in used_anywhere]
+    for n in unused:  # never read in the forward pass: keep them countable, say so in meta
+        target = layers[-1]
+        for layer in layers:
+            if layer.anchor is not None and _is_ancestor(anchors[layer.anchor].path, n):
+                target = layer
+        target.params_used.add(n)
+
+    # tied parameters
+    users: dict[str, list[int]] = {}
+    for k, layer in enumerate(layers):
+        for n in layer.params_used:
+            users.setdefault(n, []).append(k)
+    tied_names = {n for n, ks in users.items() if len(ks) > 1}
+
+    specs = []
+    layer_modules: dict[str, list[str]] = {}
+    tied_params_meta: dict[str, int] = {}
+    names_seen: set[str] = set()
+    p_bytes = dtype.itemsize
+    for k, layer in enumerate(layers):
+        stats = _sum_segments(layer.segments)
+        params = sum(param_numel[n] for n in layer.params_used)
+        replicated_params = sum(
+            param_numel[n] for n in layer.params_used if _looks_replicated(n, param_numel, layer.hidden_shape)
+        )
+        tied_here = sorted(n for n in layer.params_used if n in tied_names)
+        tied_params = sum(param_numel[n] for n in tied_here if users[n][0] != k)
+        act = repl = core = 0.0
+        for shape, nbytes in stats["saved"]:
+            act += nbytes
+            if len(shape) >= 3 and tuple(shape[-2:]) in stats["scores_dims"]:
+                core += nbytes
+            elif layer.hidden_shape and shape == layer.hidden_shape:
+                repl += nbytes
+        hidden_bytes = 0.0
+        if layer.hidden_shape:
+            n_el = 1
+            for d in layer.hidden_shape:
+                n_el *= d
+            hidden_bytes = n_el * p_bytes
+        is_last = k == len(layers) - 1
+        allreduces = stats["attention_calls"] + (1 if stats["param_gemms"] or stats["embeddings"] else 0)
+        tp_comm = 0.0 if is_last else allreduces * hidden_bytes
+        lname = layer.name
+        if lname in names_seen:
+            lname = f"{lname}#{k}"
+        names_seen.add(lname)
+        layer_modules[lname] = layer.modules
+        if tied_params:
+            tied_params_meta[lname] = tied_params
+        specs.append(
+            make_layer(
+                name=lname,
+                kind=layer.kind,
+                params=params,
+                params_tp_replicated=replicated_params,
+                fwd_flops=stats["flops"] / batch,
+                fwd_mem_bytes=stats["mem_bytes"] / batch,
+                attention_flops=stats["attention_flops"] / batch,
+                gemm_count=max(1, stats["gemms"]),
+                act_bytes=act / batch,
+                act_tp_replicated_bytes=repl / batch,
+                act_attention_core_bytes=core / batch,
+                input_bytes=layer.input_bytes / batch,
+                output_bytes=layer.output_bytes / batch,
+                tp_comm_bytes=tp_comm / batch,
+                tp_max=stats["heads"] or (1 << 30),
+                tied_group="+".join(tied_here),
+                tied_params=tied_params,
+                modules=tuple(layer.modules),
+            )
+        )
+    hidden = 0
+    first_block = next((layer for layer in layers if layer.anchor is not None), None)
+    if first_block is not None and len(first_block.hidden_shape) >= 2:
+        hidden = int(first_block.hidden_shape[-1])
+    heads = min((s.heads for s in tracer.segments if s.heads), default=0)
+    vocab = next((s.vocab for s in tracer.segments if s.vocab), 0)
+    meta = {
+        "source": "traced nn.Module",
+        "module_class": type(module).__name__,
+        "example_batch": batch,
+        "layer_modules": layer_modules,
+        "tied_params": tied_params_meta,
+        "unused_params": unused,
+        "sdpa_flops_added": tracer.sdpa_added / batch,
+        "estimated_fields": ["act_tp_replicated_bytes", "act_attention_core_bytes", "tp_comm_bytes", "params_tp_replicated"],
+    }
+    return ModelSpec(
+        name=name,
+        family=family,
+        layers=tuple(specs),
+        seq_len=int(seq_len),
+        dtype_bytes=p_bytes,
+        hidden_size=hidden,
+        num_heads=heads,
+        vocab_size=vocab,
+        meta=meta,
+    )
+
+
+def _has_work(s: _Segment) -> bool:
+    return bool(s.flops or s.mem_bytes or s.saved or s.params_used or s.modules)
+
+
+def _uses_params(segs: list[_Segment]) -> bool:
+    return any(s.params_used for s in segs)
+
+
+def _anchor_follows(all_segments: list[_Segment], s: _Segment) -> bool:
+    return _next_anchor(all_segments, s) is not None
+
+
+def _next_anchor(all_segments: list[_Segment], s: _Segment) -> int | None:
+    idx = next(i for i, x in enumerate(all_segments) if x is s)
+    return next((x.anchor for x in all_segments[idx + 1 :] if x.anchor is not None), None)
+
+
+def _free_layer(segs: list[_Segment], kind: str, first_name: bool, holders: dict[str, set[str]]) -> _Layer:
+    modules: list[str] = []
+    for s in segs:
+        modules.extend(m for m in s.modules if m not in modules)
+    used = set().union(*(s.params_used for s in segs))
+    with_params = [m for m in modules if any(h == m or _is_ancestor(m, h) for n in used for h in holders[n])]
+    if with_params:
+        name = with_params[0] if first_name else with_params[-1]
+    else:  # parameters read by functional code in a parent module
+        name = sorted(min(holders[n]) for n in used)[0] if used else (modules[0] if modules else kind)
+    return _Layer(name=name, kind=kind, segments=list(segs), anchor=None, modules=modules or [name])
+
+
+def _sum_segments(segs: list[_Segment]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "flops": 0.0,
+        "attention_flops": 0.0,
+        "gemms": 0,
+        "param_gemms": 0,
+        "embeddings": 0,
+        "attention_calls": 0,
+        "mem_bytes": 0.0,
+        "saved": [],
+        "scores_dims": set(),
+        "heads": 0,
+    }
+    for s in segs:
+        for key in ("flops", "attention_flops", "gemms", "param_gemms", "embeddings", "attention_calls", "mem_bytes"):
+            out[key] += getattr(s, key)
+        out["saved"].extend(s.saved)
+        out["scores_dims"] |= s.scores_dims
+        if s.heads:
+            out["heads"] = min(out["heads"], s.heads) if out["heads"] else s.heads
+    return out
+
+
+def _looks_replicated(pname: str, numel: dict[str, int], hidden_shape: tuple[int, ...]) -> bool:
+    """Megatron keeps norms and row-parallel biases whole on every TP rank: the
+    1-D parameters as wide as the hidden state."""
+    return bool(hidden_shape) and numel[pname] == hidden_shape[-1] and not pname.endswith("embeddings.weight")

@@ -1,0 +1,123 @@
+"""The command line: default run, JSON output, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetplan.model.presets import gpt_decoder
+
+HETPLAN = [sys.executable, "-m", "hetplan.cli"]
+
+
+def run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETPLAN, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_default_plan_prints_ranked_table_quickly() -> None:
+    start = time.perf_counter()
+    result = run()
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert elapsed < 5.0
+    out = result.stdout
+    assert "amp-heterogeneous" in out and "gpt2-amp" in out
+    for column in ("iter time", "samples/s", "tokens/s", "MFU", "max mem/GPU", "fits"):
+        assert column in out
+    assert "time goes to" in out and "peak mem/GPU" in out
+
+
+def test_plan_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "plans.json"
+    result = run("plan", "--top", "3", "--json", str(out), "--quiet")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert len(data["plans"]) == 3
+    est = data["plans"][0]["estimate"]
+    for key in ("iteration_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits"):
+        assert key in est
+    times = [p["estimate"]["iteration_time_s"] for p in data["plans"]]
+    assert times == sorted(times)
+    # the written plan can be costed again and gives the same time
+    again = run("estimate", str(out), "--json", str(tmp_path / "e.json"))
+    assert again.returncode == 0, again.stderr
+    est2 = json.loads((tmp_path / "e.json").read_text())["plans"][0]["estimate"]
+    assert est2["iteration_time_s"] == pytest.approx(est["iteration_time_s"])
+
+
+def test_estimate_uniform_setting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "e.json"
+    result = run("estimate", "--model", "gpt2-amp", "--cluster", "amp-homogeneous", "--global-batch", "32",
+                 "--tp", "2", "--pp", "2", "--dp", "4", "--micro-batch", "2", "--zero", "1",
+                 "--recompute", "full", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())["plans"][0]["plan"]
+    assert [(s["dp"], s["tp"]) for s in plan["stages"]] == [(4, 2), (4, 2)]
+    assert plan["num_micro_batches"] == 4
+
+
+def test_list_commands(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert "gpt2-amp" in run("models").stdout
+    clusters = run("clusters", "--json", str(tmp_path / "c.json"))
+    assert "amp-heterogeneous" in clusters.stdout and "H100" in clusters.stdout
+    assert any(g["name"] == "T4" for g in json.loads((tmp_path / "c.json").read_text())["gpus"])
+    assert "uniform" in run("planners").stdout
+
+
+def _model_file(tmp_path, layers: int, hidden: int, heads: int, name: str) -> str:  # type: ignore[no-untyped-def]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(gpt_decoder(name, layers, hidden, heads, 2048).to_dict()))
+    return str(path)
+
+
+def _bad(tmp_path, *args: str) -> str:  # type: ignore[no-untyped-def]
+    result = run(*args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetplan: error: ")
+    return lines[0]
+
+
+def test_bad_inputs_give_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("nodes: [")
+    assert "not valid YAML" in _bad(tmp_path, "plan", "--cluster", str(bad_yaml))
+    zero_bw = tmp_path / "zero.yaml"
+    zero_bw.write_text("nodes:\n  - {gpu: T4, gpus: 4, intra_node_bandwidth_gbps: 0}\n")
+    assert "must be positive" in _bad(tmp_path, "plan", "--cluster", str(zero_bw))
+    unknown_gpu = tmp_path / "gpu.yaml"
+    unknown_gpu.write_text("nodes:\n  - {gpu: Z80, gpus: 4, intra_node_bandwidth_gbps: 10}\n")
+    assert "unknown GPU type 'Z80'" in _bad(tmp_path, "plan", "--cluster", str(unknown_gpu))
+    assert "unknown cluster preset" in _bad(tmp_path, "plan", "--cluster", "moon-base")
+    assert "unknown model preset" in _bad(tmp_path, "plan", "--model", "gpt-9")
+    bad_json = tmp_path / "broken.json"
+    bad_json.write_text("{\"layers\": [")
+    assert "not valid JSON" in _bad(tmp_path, "plan", "--model", str(bad_json))
+    assert "not valid JSON" in _bad(tmp_path, "estimate", str(bad_json))
+    assert "unknown planner" in _bad(tmp_path, "plan", "--planner", "oracle")
+    assert "memory size" in _bad(tmp_path, "plan", "--memory-limit", "lots")
+    # a 3-layer model on 64 GPUs needs dp >= 4, so a batch of 2 cannot be divided
+    tiny = _model_file(tmp_path, 1, 256, 4, "tiny")
+    assert "cannot be divided" in _bad(tmp_path, "plan", "--model", tiny, "--cluster", "64xA100-80GB",
+                                       "--global-batch", "2")
+    # 175B parameters cannot fit 16 T4s
+    huge = _model_file(tmp_path, 96, 12288, 96, "huge")
+    assert "more than the" in _bad(tmp_path, "plan", "--model", huge, "--cluster", "amp-homogeneous")
+    # fits overall but not on any plan at this batch on tiny memory
+    assert "no plan fits in memory" in _bad(tmp_path, "plan", "--memory-limit", "1.2GB")
+    assert "missing --micro-batch" in _bad(tmp_path, "estimate", "--tp", "1", "--pp", "1", "--dp", "16")
+    assert "not a multiple" in _bad(tmp_path, "estimate", "--tp", "1", "--pp", "1", "--dp", "16",
+                                    "--micro-batch", "3")
+    assert "does not search the batch size" in _bad(tmp_path, "plan", "--global-batch", "auto",
+                                                      "--planner", "uniform")
+
+
+def test_argparse_errors_exit_2() -> None:
+    result = run("plan", "--global-batch", "-4")
+    assert result.returncode == 2 and "must be positive" in result.stderr

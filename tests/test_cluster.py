@@ -1,0 +1,102 @@
+"""Cluster presets, YAML files and the GPU catalog."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from hetplan.cluster import GPU_CATALOG, cluster_names, get_cluster, get_gpu, load_cluster
+from hetplan.cluster.io import cluster_from_dict, dump_cluster_yaml, load_cluster_yaml
+from hetplan.errors import HetplanError
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters")
+REQUIRED_GPUS = ["V100-16GB", "V100-32GB", "P100", "T4", "A100-40GB", "A100-80GB", "H100", "H200", "A10", "L4",
+                 "RTX-TITAN", "RTX-3090", "RTX-4090"]
+
+
+@pytest.mark.parametrize("name", REQUIRED_GPUS)
+def test_catalog_has_cited_specs(name: str) -> None:
+    gpu = get_gpu(name)
+    assert gpu.memory_bytes >= 16 * 2**30 and gpu.peak_flops > gpu.peak_flops_fp32 > 0
+    assert gpu.memory_bandwidth_bytes_per_s > 1e11 and "datasheet" in gpu.source.lower() or "whitepaper" in gpu.source
+
+
+def test_gpu_aliases() -> None:
+    assert get_gpu("a100").name == "A100-40GB"
+    assert get_gpu("titan rtx").name == "RTX-TITAN"
+    with pytest.raises(HetplanError, match="unknown GPU type 'B300'"):
+        get_gpu("B300")
+
+
+@pytest.mark.parametrize("name", cluster_names() + ["64xA100-80GB", "16xH100", "local-cpu-4"])
+def test_every_preset_loads(name: str) -> None:
+    cluster = get_cluster(name)
+    assert cluster.num_devices == len(cluster.devices) > 0
+    assert all(cluster.link_gbps(0, d.id) > 0 for d in cluster.devices[1:])
+
+
+def test_paper_clusters() -> None:
+    amp = get_cluster("amp-heterogeneous")
+    assert amp.num_devices == 16 and amp.gpu_types == ("V100-16GB", "T4")
+    assert amp.link_gbps(0, 1) == 170 and amp.link_gbps(0, 4) == 10 and amp.link_gbps(12, 13) == 50
+    assert amp.link_gbps(0, 12) == 10  # p3 <-> g4dn limited by the p3's 10 Gbps
+    assert get_cluster("amp-homogeneous").is_homogeneous
+    uneven = get_cluster("metis-uneven-a")
+    assert [n.num_gpus for n in uneven.nodes] == [1, 1, 2] and len(uneven.gpu_types) == 2
+    assert get_cluster("metis-t4-v100-16").summary() == "2x4 T4 + 2x4 V100-16GB (16 GPUs)"
+    assert get_cluster("galvatron-64x-a100").num_nodes == 8
+
+
+def test_generic_form_needs_full_nodes() -> None:
+    with pytest.raises(HetplanError, match="multiple of 8"):
+        get_cluster("12xA100-80GB")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml"))))
+def test_example_files_load(path: str) -> None:
+    cluster = load_cluster(path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name in cluster_names():  # a generated copy of a preset must equal it
+        preset = get_cluster(name)
+        assert [(n.gpu.name, n.num_gpus, n.intra_bandwidth_gbps) for n in cluster.nodes] == \
+            [(n.gpu.name, n.num_gpus, n.intra_bandwidth_gbps) for n in preset.nodes]
+        assert all(cluster.link_gbps(a.id, b.id) == preset.link_gbps(a.id, b.id)
+                   for a in cluster.devices for b in cluster.devices)
+
+
+def test_yaml_round_trip_with_matrix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = {"name": "m", "nodes": [{"gpu": "T4", "gpus": 2, "intra_node_bandwidth_gbps": 50}],
+            "bandwidth_matrix_gbps": [[0, 7], [7, 0]]}
+    cluster = cluster_from_dict(data)
+    assert cluster.link_gbps(0, 1) == 7
+    path = tmp_path / "m.yaml"
+    path.write_text(dump_cluster_yaml(cluster))
+    assert load_cluster_yaml(path).link_gbps(1, 0) == 7
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nodes: [", "not valid YAML at line"),
+    ("- 1\n- 2", "expected a mapping"),
+    ("nodes: []", "non-empty list"),
+    ("nodes:\n  - gpu: T4\n    gpus: 4", "missing 'intra_node_bandwidth_gbps'"),
+    ("nodes:\n  - gpu: X9\n    gpus: 4\n    intra_node_bandwidth_gbps: 10", "unknown GPU type 'X9'"),
+    ("nodes:\n  - gpu: T4\n    gpus: 4\n    intra_node_bandwidth_gbps: -5", "must be positive"),
+    ("nodes:\n  - gpu: T4\n    gpus: 4\n    intra_node_bandwidth_gbps: 5\n    colour: red", "unknown key"),
+    ("inter_node_bandwidth_gbps: 0\nnodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, count: 2}",
+     "must be positive"),
+    ("nodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, count: 2}", "no 'inter_node_bandwidth_gbps'"),
+    ("nodes:\n  - {gpu: T4, gpus: 2.5, intra_node_bandwidth_gbps: 5}", "whole numbers"),
+    ("nodes:\n  - {gpu: T4, gpus: 2, intra_node_bandwidth_gbps: 5}\nbandwidth_matrix_gbps: [[0, 1]]", "2x2"),
+])
+def test_bad_yaml_gives_one_clear_line(tmp_path, text: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(HetplanError, match=message) as info:
+        load_cluster_yaml(path)
+    assert "\n" not in str(info.value)
+
+
+def test_catalog_is_complete() -> None:
+    assert set(REQUIRED_GPUS) <= set(GPU_CATALOG)
