@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"planner (default {DEFAULT_PLANNER}); see 'hetplan planners'")
     p.add_argument("--top", type=_positive_int, default=5, help="how many plans to show")
     p.add_argument("--quiet", action="store_true", help="only the table")
+    p.add_argument("--timeline", default=None, help="write the best plan's pipeline timeline here (.svg)")
+    p.add_argument("--memory-chart", default=None, help="write the best plan's memory per GPU here (.svg)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("compare", help="run several planners on the same inputs")
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--timeline", default=None, help="write the pipeline timeline here (.svg)")
+    p.add_argument("--memory-chart", default=None, help="write memory per GPU here (.svg)")
+    p.add_argument("--simulate", action="store_true", help="replay the schedule event by event and compare")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("export", help="write a plan as torchtitan/Megatron/DeepSpeed settings or module lists")
@@ -196,7 +201,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"- note: {note}")
     _write_json(args.json_path, {"planner": planner.name, "search_time_s": elapsed,
                                  "plans": [r.to_dict() for r in ranked]})
+    _write_pictures(args, workload, best)
     return 0
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise HetplanError(f"cannot write {path}: {exc.strerror}") from None
+    print(f"wrote {path}")
+
+
+def _write_pictures(args: argparse.Namespace, workload: Any, ranked: Any) -> None:
+    """--timeline and --memory-chart: SVG pictures of one plan."""
+    from hetplan.cost import CostModel
+    from hetplan.report.svg import memory_svg, timeline_svg
+    from hetplan.simulate import simulate_plan
+
+    plan, estimate = ranked.plan, ranked.estimate
+    if getattr(args, "timeline", None):
+        events = simulate_plan(CostModel(workload), plan, estimate)
+        labels = []
+        for s in plan.stages:
+            gpus = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
+            labels.append(f"{gpus} dp{s.dp} tp{s.tp}")
+        _write_text(args.timeline, timeline_svg(events, labels, plan.describe()))
+    if getattr(args, "memory_chart", None):
+        _write_text(args.memory_chart, memory_svg(plan, estimate, workload, f"peak memory per GPU: {plan.describe()}"))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -274,7 +307,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(breakdown(estimate))
     print()
     print(memory_table(plan, estimate, workload))
+    if args.simulate:
+        from hetplan.simulate import build_schedule, format_schedule, makespan, simulate_plan
+
+        events = simulate_plan(CostModel(workload), plan, estimate)
+        pipeline = estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
+        print()
+        if plan.num_micro_batches * plan.pp <= 64:
+            print(format_schedule(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches)))
+        print(f"simulated pipeline {makespan(events) * 1e3:.2f} ms vs closed form {pipeline * 1e3:.2f} ms")
     _write_json(args.json_path, {"plans": [RankedPlan(plan, estimate).to_dict()]})
+    _write_pictures(args, workload, RankedPlan(plan, estimate))
     return 0
 
 

@@ -1,0 +1,62 @@
+"""The event simulator against the closed-form pipeline time, and the pictures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hetplan.cost import CostModel, Workload
+from hetplan.cost.pipeline import pipeline_time
+from hetplan.report.svg import memory_svg, timeline_svg
+from hetplan.search.uniform import uniform_plan
+from hetplan.simulate import build_schedule, makespan, simulate, simulate_plan
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_balanced_pipeline_equals_closed_form(schedule: str) -> None:
+    for pp in range(1, 7):
+        for m in range(1, 12):
+            events = simulate(build_schedule(schedule, pp, m), [1.0] * pp, [2.0] * pp, [0.0] * (pp - 1))
+            assert makespan(events) == pytest.approx((m + pp - 1) * 3.0)
+
+
+def test_1f1b_keeps_at_most_pp_minus_j_in_flight() -> None:
+    pp, m = 4, 10
+    for j, actions in enumerate(build_schedule("1f1b", pp, m)):
+        live = peak = 0
+        for a in actions:
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == min(pp - j, m)
+        assert sorted(a.micro_batch for a in actions if a.kind == "B") == list(range(m))
+
+
+def test_closed_form_is_close_on_random_pipelines() -> None:
+    rng = random.Random(7)
+    ratios = []
+    for _ in range(500):
+        pp, m = rng.randint(1, 6), rng.randint(1, 12)
+        fwd = [rng.uniform(0.5, 3) for _ in range(pp)]
+        bwd = [f * rng.uniform(1.5, 2.5) for f in fwd]
+        p2p = [rng.uniform(0, 0.5) for _ in range(pp - 1)]
+        simulated = makespan(simulate(build_schedule("1f1b", pp, m), fwd, bwd, p2p))
+        closed = pipeline_time([f + b for f, b in zip(fwd, bwd)], p2p, m)
+        ratios.append(simulated / closed)
+        # never faster than the bottleneck stage alone or the first micro-batch's round trip
+        assert simulated >= m * max(f + b for f, b in zip(fwd, bwd)) - 1e-9
+        assert simulated >= sum(fwd) + sum(bwd) + 2 * sum(p2p) - 1e-9
+    assert 0.75 <= min(ratios) and max(ratios) <= 1.15  # documented band in docs/cost-model.md
+
+
+def test_plan_simulation_and_svgs(gpt2_hetero: Workload, gpt2_cost: CostModel) -> None:
+    plan = uniform_plan(gpt2_hetero, 4, 1, 4, 1)
+    estimate = gpt2_cost.estimate(plan)
+    events = simulate_plan(gpt2_cost, plan, estimate)
+    assert len(events) == 2 * plan.pp * plan.num_micro_batches
+    pipeline = estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
+    assert makespan(events) == pytest.approx(pipeline, rel=0.15)
+    svg = timeline_svg(events, [f"stage {j}" for j in range(plan.pp)], plan.describe())
+    assert svg.startswith("<svg") and svg.count("<rect") >= len(events)
+    mem = memory_svg(plan, estimate, gpt2_hetero)
+    assert mem.count("<title>GPU") == plan.num_devices
