@@ -85,7 +85,7 @@ def gpt_decoder(
     )
 
 
-@preset("gpt2-amp", "GPT-2 as in AMP §4.1: 24 layers, hidden 1024, 16 heads, seq 1024")
+@preset("gpt2-amp", "GPT-2 as in AMP §4.3: 24 layers, hidden 1024, 16 heads, seq 1024")
 def _gpt2_amp() -> ModelSpec:
     return gpt_decoder("gpt2-amp", num_layers=24, hidden=1024, heads=16, seq=1024,
                        meta={"source": "AMP (NeurIPS'22) §4.3: GPT-2 (L = 24, H = 1024), global batch 32"})

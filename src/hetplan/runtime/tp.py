@@ -1,0 +1,232 @@
+"""Tensor-parallel plans: which submodule is split how, per module class.
+
+Like SageMaker's ``smp.tp_register``, a module class is mapped to a function
+that returns a ``parallelize_module`` plan (submodule name -> ParallelStyle)
+for one instance::
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    import hetplan.runtime as hr
+
+    @hr.register_tp_plan(MyBlock)
+    def my_block_plan(block, settings):
+        if block.n_heads % settings.tp:
+            raise hr.HetplanError(f"tp={settings.tp} does not divide {block.n_heads} heads")
+        return {"attn.wq": ColwiseParallel(), "attn.wo": RowwiseParallel(), ...}
+
+When a stage has ``tp > 1`` the runtime walks each layer of the stage from the
+top and applies the plan of the first registered class it meets on every
+branch (subclasses match too; a match stops the walk below it). Built-in plans
+cover the runtime's GPT/Llama decoder (Megatron layout: Q/K/V and the first MLP
+linears column-parallel, the output projections row-parallel, the token
+embedding vocabulary-parallel, the LM head column-parallel with its logits
+gathered); with ``sequence_parallel`` the norms run on sequence shards and the
+row-parallel outputs are reduce-scattered along the sequence (Korthikanti et
+al. 2022, as torchtitan does). HF transformers models can use their config's
+``base_model_tp_plan`` via :func:`hf_tp_plan`.
+
+A layer with parameters and no registered plan runs replicated on its TP
+group (correct, just not split); the runtime says so in its notes. With
+sequence parallelism such a layer is an error, because it would see only a
+slice of the sequence.
+
+Also here: the registry of submodules that *selective* recomputation
+checkpoints (the attention core, Korthikanti §5); a layer without one falls
+back to full recomputation, and the runtime says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hetplan.errors import HetplanError
+
+
+@dataclass(frozen=True)
+class TPSettings:
+    """What a TP plan function is told about where its module runs.
+
+    Attributes:
+        tp: tensor-parallel degree of the stage.
+        sequence_parallel: shard norms/residuals along the sequence too.
+        name: the module's name in the model (e.g. ``layers.3``).
+    """
+
+    tp: int
+    sequence_parallel: bool
+    name: str
+
+
+TPPlanFn = Callable[[Any, TPSettings], "dict[str, Any]"]
+_TP_PLANS: dict[type, TPPlanFn] = {}
+_SELECTIVE: set[type] = set()
+
+
+def register_tp_plan(module_cls: type, fn: TPPlanFn | None = None) -> Any:
+    """Map ``module_cls`` to a TP plan function ``fn(module, settings) -> {name: ParallelStyle}``.
+
+    Names are relative to the module; ``""`` applies a style to the module
+    itself. Usable as a decorator: ``@register_tp_plan(MyBlock)``.
+    """
+    def register(f: TPPlanFn) -> TPPlanFn:
+        _TP_PLANS[module_cls] = f
+        return f
+
+    if fn is not None:
+        return register(fn)
+    return register
+
+
+def unregister_tp_plan(module_cls: type) -> None:
+    _TP_PLANS.pop(module_cls, None)
+
+
+def register_selective_recompute(module_cls: type) -> type:
+    """Mark a (parameter-free) submodule class as what ``recompute="selective"``
+    checkpoints, e.g. the attention core softmax(QK^T)V."""
+    _SELECTIVE.add(module_cls)
+    return module_cls
+
+
+def tp_plan_for(module: Any) -> TPPlanFn | None:
+    for cls in type(module).__mro__:
+        if cls in _TP_PLANS:
+            return _TP_PLANS[cls]
+    return None
+
+
+def is_selective_target(module: Any) -> bool:
+    return any(cls in _SELECTIVE for cls in type(module).__mro__)
+
+
+def _heads_check(name: str, heads: int, kv_heads: int, tp: int) -> None:
+    if heads % tp:
+        raise HetplanError(
+            f"tp={tp} does not divide the {heads} attention heads of layer {name!r}; use a tp that divides {heads}"
+        )
+    if kv_heads % tp:
+        raise HetplanError(
+            f"tp={tp} does not divide the {kv_heads} key/value heads of layer {name!r}; "
+            f"use a tp that divides {kv_heads}"
+        )
+
+
+def _register_builtins() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from hetplan.runtime import models as m
+
+    def embed_plan(module: m.Embed, s: TPSettings) -> dict[str, Any]:
+        if module.tok.num_embeddings % s.tp:
+            raise HetplanError(
+                f"tp={s.tp} does not divide the vocabulary of {module.tok.num_embeddings} in layer {s.name!r}"
+            )
+        plan: dict[str, Any] = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+        if s.sequence_parallel:
+            plan[""] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                           use_local_output=True)
+        return plan
+
+    def block_plan(module: m.Block, s: TPSettings) -> dict[str, Any]:
+        _heads_check(s.name, module.attn.heads, module.attn.kv_heads, s.tp)
+        ffn = module.mlp.fc.out_features
+        if ffn % s.tp:
+            raise HetplanError(f"tp={s.tp} does not divide the MLP width {ffn} of layer {s.name!r}")
+        sp = s.sequence_parallel
+        out = Shard(1) if sp else Replicate()
+        plan: dict[str, Any] = {
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=out),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(output_layouts=out),
+        }
+        if module.mlp.gate is not None:
+            plan["mlp.gate"] = ColwiseParallel()
+        if sp:
+            plan.update({
+                "ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        return plan
+
+    def head_plan(module: m.Head, s: TPSettings) -> dict[str, Any]:
+        if module.proj.out_features % s.tp:
+            raise HetplanError(
+                f"tp={s.tp} does not divide the vocabulary of {module.proj.out_features} in layer {s.name!r}"
+            )
+        plan: dict[str, Any] = {
+            "proj": ColwiseParallel(input_layouts=Shard(1) if s.sequence_parallel else Replicate(),
+                                    output_layouts=Replicate(), use_local_output=True),
+        }
+        if s.sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        return plan
+
+    register_tp_plan(m.Embed, embed_plan)
+    register_tp_plan(m.Block, block_plan)
+    register_tp_plan(m.Head, head_plan)
+    register_selective_recompute(m.AttentionCore)
+
+
+_BUILTINS_DONE = False
+
+
+def ensure_builtins() -> None:
+    """Register the built-in plans (imports torch; called by the runtime)."""
+    global _BUILTINS_DONE
+    if not _BUILTINS_DONE:
+        _register_builtins()
+        _BUILTINS_DONE = True
+
+
+# --- HF transformers --------------------------------------------------------------
+_HF_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
+
+
+def hf_tp_plan(model: Any) -> dict[str, Any]:
+    """A ``parallelize_module`` plan for an HF transformers model from its
+    config's ``base_model_tp_plan`` (keys relative to the base model, with
+    ``*`` for layer indices) plus the model's own ``_tp_plan`` (e.g. the LM
+    head). Styles: colwise, rowwise, colwise_rep (output gathered), rowwise_rep,
+    sequence_parallel; others raise a clear error."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not base:
+        raise HetplanError(
+            f"{type(model).__name__}'s config has no base_model_tp_plan; register a TP plan with "
+            "hetplan.runtime.register_tp_plan"
+        )
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        base = {f"{prefix}.{k}": v for k, v in base.items()}
+    for k, v in (getattr(model, "_tp_plan", None) or {}).items():
+        if not k.startswith(prefix + ".") or k not in base:
+            base.setdefault(k, v)
+
+    def style(name: str, kind: str) -> Any:
+        if kind == "colwise":
+            return ColwiseParallel()
+        if kind == "rowwise":
+            return RowwiseParallel()
+        if kind == "colwise_rep":
+            return ColwiseParallel(output_layouts=Replicate())
+        if kind == "rowwise_rep":
+            return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+        if kind == "sequence_parallel":
+            return SequenceParallel()
+        raise HetplanError(
+            f"HF TP style {kind!r} for {name!r} is not supported by hetplan (supported: {', '.join(_HF_STYLES)})"
+        )
+
+    return {k: style(k, v) for k, v in base.items()}
