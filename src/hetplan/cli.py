@@ -150,10 +150,10 @@ def _write_json(path: str | None, data: Any) -> None:
 
 
 def _header(workload: Any, extra: str = "") -> str:
-    from hetplan.units import format_bytes
+    from hetplan.units import format_bytes, format_count
 
     m, c = workload.model, workload.cluster
-    lines = [f"model    {m.name}: {m.num_layers} layers, {m.total_params / 1e9:.2f} B params, seq {m.seq_len}",
+    lines = [f"model    {m.name}: {m.num_layers} layers, {format_count(m.total_params)} params, seq {m.seq_len}",
              f"cluster  {c.name}: {c.summary()}",
              f"batch    {workload.global_batch_size} samples/step, optimizer {workload.optimizer}"
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
@@ -354,14 +354,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from hetplan.model import get_model, model_descriptions
     from hetplan.report.text import table
+    from hetplan.units import format_count
 
     rows, data = [], []
     for name, desc in model_descriptions().items():
         m = get_model(name)
-        rows.append([name, f"{m.total_params / 1e9:.3f}", m.num_layers, m.seq_len, desc])
+        rows.append([name, format_count(m.total_params), m.num_layers, m.seq_len, desc])
         data.append({"name": name, "params": m.total_params, "layers": m.num_layers, "seq_len": m.seq_len,
                      "description": desc})
-    print(table(["model", "params (B)", "layers", "seq", "description"], rows, [False, True, True, True, False]))
+    print(table(["model", "params", "layers", "seq", "description"], rows, [False, True, True, True, False]))
     _write_json(args.json_path, data)
     return 0
 

@@ -59,3 +59,12 @@ def format_time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} us"
+
+
+def format_count(count: float) -> str:
+    """Parameter counts as people say them: '355M', '1.32B', '52.5K'."""
+    for unit, factor in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(count) >= factor:
+            value = count / factor
+            return f"{value:.3g}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{count:.0f}"

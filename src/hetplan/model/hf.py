@@ -41,7 +41,7 @@ from typing import Any
 from hetplan.errors import HetplanError
 from hetplan.model.layers import MASK_BYTES, BlockShape, embedding_layer, lm_head_layer, transformer_block
 from hetplan.model.spec import LayerSpec, ModelSpec
-from hetplan.model.trace import block_containers, make_layer
+from hetplan.model.trace import make_layer
 
 _FAMILIES = {
     "gpt2": "gpt",
@@ -203,7 +203,7 @@ def hf_layout(model: Any) -> list[tuple[str, list[str]]]:
     join its last block, and the rest (the decoder's embedding) form a layer.
     Kinds: "embedding", "block:<list index>", "head".
     """
-    containers = block_containers(model) or _single_block_lists(model)
+    containers = _block_lists(model)
     if not containers:
         raise HetplanError(f"{type(model).__name__}: found no list of transformer blocks")
     items: list[tuple[str, Any]] = []  # ("free", path) or ("blocks", container index)
@@ -248,15 +248,18 @@ def hf_layout(model: Any) -> list[tuple[str, list[str]]]:
     return layers
 
 
-def _single_block_lists(model: Any) -> list[str]:
-    """Block lists holding a single block (1-layer configs), which
-    ``block_containers`` cannot tell from other lists."""
+def _block_lists(model: Any) -> list[str]:
+    """The top-most ModuleLists whose children are all blocks of one class
+    (``transformer.h``, ``model.layers``, ``encoder.block``), even with a
+    single block (1-layer configs)."""
     torch, _ = _import_transformers()
     found = []
     for path, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == 1:
-            child = module[0]
-            if any(True for _ in child.parameters()) and any(True for _ in child.children()):
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 1:
+            kids = list(module.children())
+            if len({type(k) for k in kids}) == 1 and all(
+                any(True for _ in k.parameters()) and any(True for _ in k.children()) for k in kids
+            ):
                 found.append(path)
     return [p for p in found if not any(p.startswith(q + ".") for q in found)]
 
@@ -287,7 +290,7 @@ def _shape_facts(config: Any, family: str) -> dict[str, Any]:
         h = c.n_embd
         return dict(
             hidden=h, heads=c.n_head, kv_heads=0, ffn=c.n_inner or 4 * h, vocab=c.vocab_size,
-            max_seq=c.n_positions, gated=False, bias=True, rms=False,
+            max_seq=c.n_positions, positions=c.n_positions, gated=False, bias=True, rms=False,
             dropout=(c.attn_pdrop > 0 or c.resid_pdrop > 0), emb_dropout=c.embd_pdrop > 0, kv_channels=0,
         )
     if family == "bert":
@@ -297,7 +300,7 @@ def _shape_facts(config: Any, family: str) -> dict[str, Any]:
             max_seq -= (c.pad_token_id or 0) + 1  # positions start after the padding index
         return dict(
             hidden=h, heads=c.num_attention_heads, kv_heads=0, ffn=c.intermediate_size, vocab=c.vocab_size,
-            max_seq=max_seq, gated=False, bias=True, rms=False,
+            max_seq=max_seq, positions=c.max_position_embeddings, gated=False, bias=True, rms=False,
             dropout=(c.hidden_dropout_prob > 0 or c.attention_probs_dropout_prob > 0),
             emb_dropout=c.hidden_dropout_prob > 0, kv_channels=0,
         )
@@ -305,7 +308,7 @@ def _shape_facts(config: Any, family: str) -> dict[str, Any]:
         h, a, d = c.d_model, c.num_heads, c.d_kv
         return dict(
             hidden=h, heads=a, kv_heads=0, ffn=c.d_ff, vocab=c.vocab_size,
-            max_seq=getattr(c, "n_positions", None) or T5_DEFAULT_SEQ_LEN, gated=bool(c.is_gated_act),
+            max_seq=getattr(c, "n_positions", None) or T5_DEFAULT_SEQ_LEN, positions=0, gated=bool(c.is_gated_act),
             bias=False, rms=True, dropout=c.dropout_rate > 0, emb_dropout=c.dropout_rate > 0,
             kv_channels=d if a * d != h else 0,
         )
@@ -314,7 +317,7 @@ def _shape_facts(config: Any, family: str) -> dict[str, Any]:
     d = getattr(c, "head_dim", None) or h // a
     return dict(
         hidden=h, heads=a, kv_heads=getattr(c, "num_key_value_heads", None) or a, ffn=c.intermediate_size,
-        vocab=c.vocab_size, max_seq=c.max_position_embeddings, gated=True,
+        vocab=c.vocab_size, max_seq=c.max_position_embeddings, positions=0, gated=True,
         bias=bool(getattr(c, "attention_bias", False)), rms=True,
         dropout=(getattr(c, "attention_dropout", 0.0) or 0.0) > 0, emb_dropout=False,
         kv_channels=d if a * d != h else 0,
@@ -361,8 +364,7 @@ def _analytic_layers(
         if kind == "embedding":
             layer = embedding_layer(
                 f"layer{i}", vocab, h, s, p,
-                positions=f["max_seq"] + (2 if config.model_type in ("roberta", "xlm-roberta", "camembert") else 0)
-                if family in ("gpt", "bert") else 0,
+                positions=f["positions"],
                 token_types=getattr(config, "type_vocab_size", 0) if family == "bert" else 0,
                 norm=family == "bert", dropout=f["emb_dropout"],
             )
@@ -380,7 +382,7 @@ def _analytic_layers(
             layer = transformer_block(f"layer{i}", block_kind, shape, p)
             if family == "t5":
                 if nth == 0:  # relative position bias: gather the bias (write) and add it to the scores (r+w)
-                    extra = p * f["heads"] * s * s * 3 * (2 if decoder_side else 1)
+                    extra = p * f["heads"] * s * s * 3
                     layer = replace(layer, fwd_mem_bytes=layer.fwd_mem_bytes + extra, profile_key="")
                 if decoder_side:  # every decoder block passes the encoder output on
                     layer = replace(layer, output_bytes=layer.output_bytes + p * seq * h)

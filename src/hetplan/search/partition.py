@@ -359,7 +359,6 @@ def reference_partition(problem: PartitionProblem) -> Partition | None:
     possible = np.unique(np.concatenate([[0.0], finite]))
     index = np.searchsorted(possible, np.where(np.isfinite(seg), seg, 0.0))
     positions = np.arange(len(possible))
-    straggle = [[None] * (n + 1) for _ in range(k)]  # (gas−1)·max(0, t − m), cached per (j, a, b) below
 
     def penalty(t: float) -> np.ndarray:
         return w * np.maximum(0.0, t - possible)
@@ -389,7 +388,6 @@ def reference_partition(problem: PartitionProblem) -> Partition | None:
             arg[i] = best_arg
         table = new
         choices.append(arg)
-    del straggle
     if not math.isfinite(table[n, 0]):
         return None
     # walk back: at stage j, layer count i, tolerance index m
@@ -484,6 +482,9 @@ def problem_from_cost_model(
 
     model, cluster, workload = cost_model.model, cost_model.cluster, cost_model.workload
     k, n = len(stage_devices), model.num_layers
+    if zero >= 3:
+        raise HetplanError("ZeRO-3's exposed parameter gathers make a stage's time non-additive over its "
+                           "layers; use zero 0, 1 or 2 here")
     if micro_batch_size % dp:
         raise HetplanError(f"micro-batch {micro_batch_size} does not split evenly over dp={dp}")
     batch = micro_batch_size / dp
@@ -512,7 +513,7 @@ def problem_from_cost_model(
             links[j, c] = 2.0 * comm.p2p_time(cluster, stage_devices[j], stage_devices[j + 1], num_bytes)
     fits = None
     if memory_limit:
-        weight_b, grad_b, opt_b = workload.state_bytes
+        weight_b = workload.state_bytes[0]
         fits = np.zeros((k, n + 1, n + 1), dtype=bool)
         params = np.array([layer_params_per_device(layer, tp) for layer in model.layers])
         state = np.array([model_state_bytes(p, zero, dp, workload.state_bytes) for p in params])
@@ -542,5 +543,4 @@ def problem_from_cost_model(
                     total = (prefix[b] - prefix[a] - duplicate + running_work
                              + ZERO3_GATHERED_LAYERS * running_gather + framework_overhead_bytes(is_cpu))
                     fits[j, a, b] = total <= capacity
-        del grad_b, opt_b
     return PartitionProblem.from_segments(segments, num_micro_batches, links, fits)
