@@ -8,6 +8,7 @@ from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.plan import Plan, RankedPlan
+from hetplan.progress import Progress
 from hetplan.units import format_bytes
 
 
@@ -32,7 +33,12 @@ def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
     With ``require_fit`` an OutOfMemoryError explains the closest miss when no
     plan fits; otherwise non-fitting plans are ranked after fitting ones.
     """
-    ranked = [RankedPlan(p, cost_model.estimate(p)) for p in plans]
+    plans = list(plans)
+    ranked = []
+    with Progress("costing plans", total=len(plans)) as progress:
+        for p in plans:
+            ranked.append(RankedPlan(p, cost_model.estimate(p)))
+            progress.advance()
     if not ranked:
         raise HetplanError("no valid plan exists for this model, cluster and batch size")
     ranked.sort(key=rank_key)
