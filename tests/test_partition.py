@@ -1,0 +1,169 @@
+"""Pipeline layer assignment: the fast solver, AMP's DP (§3.5) and brute force agree."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hetplan.cluster.presets import get_cluster
+from hetplan.cost import CostModel, Workload
+from hetplan.errors import HetplanError
+from hetplan.model.presets import get_model
+from hetplan.search.partition import (
+    PartitionProblem,
+    balanced_partition,
+    brute_force_partition,
+    fast_partition,
+    problem_from_cost_model,
+    reference_partition,
+)
+from hetplan.search.uniform import uniform_plan
+
+
+def same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@st.composite
+def instances(draw: st.DrawFn, memory: bool = False) -> PartitionProblem:
+    """L ≤ 12 layers, k ≤ 4 stages; random layer costs (sometimes integers, so
+    ties happen), stage speeds, link bandwidths and activation sizes."""
+    num_layers = draw(st.integers(1, 12))
+    k = draw(st.integers(1, min(4, num_layers)))
+    integral = draw(st.booleans())
+    cost = st.integers(0, 6).map(float) if integral else st.floats(0.0, 10.0, allow_nan=False)
+    layer_cost = np.array(draw(st.lists(cost, min_size=num_layers, max_size=num_layers)))
+    speeds = np.array(draw(st.lists(st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0]) if integral
+                                    else st.floats(0.2, 5.0), min_size=k, max_size=k)))
+    times = layer_cost[None, :] / speeds[:, None]
+    links = None
+    if k > 1 and draw(st.booleans()):
+        volume = np.array(draw(st.lists(st.floats(0.0, 4.0), min_size=num_layers - 1, max_size=num_layers - 1)))
+        bandwidth = np.array(draw(st.lists(st.floats(0.25, 8.0), min_size=k - 1, max_size=k - 1)))
+        links = volume[None, :] / bandwidth[:, None]
+    micro_batches = draw(st.integers(1, 32))
+    if not memory:
+        return PartitionProblem(times, micro_batches, links)
+    layer_memory = np.array(draw(st.lists(st.floats(0.0, 3.0), min_size=num_layers, max_size=num_layers)))
+    in_flight = np.array([min(k - j, micro_batches) for j in range(k)], dtype=float)  # 1F1B
+    per_stage = layer_memory[None, :] * (0.5 + 0.5 * in_flight[:, None])
+    capacity = np.array(draw(st.lists(st.floats(0.5, 12.0), min_size=k, max_size=k)))
+    return PartitionProblem(times, micro_batches, links, per_stage, capacity)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_fast_equals_reference_equals_brute_force(problem: PartitionProblem) -> None:
+    brute = brute_force_partition(problem)
+    fast = fast_partition(problem)
+    reference = reference_partition(problem)
+    assert brute is not None and fast is not None and reference is not None
+    assert same(fast.cost_s, brute.cost_s), (fast, brute)
+    assert same(reference.cost_s, brute.cost_s), (reference, brute)
+    # the splits they return really cost what they say
+    assert same(problem.cost(fast.boundaries), fast.cost_s)
+    assert same(problem.cost(reference.boundaries), reference.cost_s)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(memory=True))
+def test_fast_with_memory_limits_equals_brute_force(problem: PartitionProblem) -> None:
+    brute = brute_force_partition(problem)
+    fast = fast_partition(problem)
+    if brute is None:
+        assert fast is None
+        return
+    assert fast is not None and problem.fits(fast.boundaries)
+    assert same(fast.cost_s, brute.cost_s)
+
+
+def test_objective_is_amp_eq5() -> None:
+    # 4 layers, 2 stages; stage 1 twice as slow; cut after layer 1 or 2 or 3
+    problem = PartitionProblem([[1, 2, 3, 4], [2, 4, 6, 8]], 5, [[0.5, 0.25, 0.125]])
+    # cut after 2 layers: t = (3, 14), e = 0.25 → 4·14 + 17 + 0.25
+    assert problem.cost((0, 2, 4)) == pytest.approx(4 * 14 + 17 + 0.25)
+    best = fast_partition(problem)
+    assert best is not None and best.boundaries == (0, 3, 4)  # t = (6, 8): 4·8 + 14 + 0.125
+    assert best.cost_s == pytest.approx(46.125)
+
+
+def test_memory_limit_forces_a_worse_split() -> None:
+    times = [1.0] * 6
+    free = fast_partition(PartitionProblem(times, 8, num_stages=2))
+    assert free is not None and free.sizes == (3, 3)
+    # stage 0 keeps 2 micro-batches of activations, stage 1 one (1F1B): stage 0 can hold 2 layers
+    limited = PartitionProblem(times, 8, stage_layer_memory=[[2.0] * 6, [1.0] * 6], stage_memory_capacity=4.5,
+                               num_stages=2)
+    best = fast_partition(limited)
+    assert best is not None and best.sizes == (2, 4)
+    assert fast_partition(PartitionProblem(times, 8, stage_layer_memory=[5.0] * 6, stage_memory_capacity=4.0,
+                                           num_stages=2)) is None
+
+
+def test_large_instance_matches_reference() -> None:
+    rng = np.random.default_rng(7)
+    problem = PartitionProblem(rng.uniform(0.5, 1.5, size=32), 8, rng.uniform(0, 0.3, size=(5, 31)), num_stages=6)
+    fast, reference = fast_partition(problem), reference_partition(problem)
+    assert fast is not None and reference is not None and same(fast.cost_s, reference.cost_s)
+
+
+def test_balanced_partition_minimises_the_heaviest_stage() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(1, 9))
+        k = int(rng.integers(1, n + 1))
+        weights = rng.integers(0, 5, size=n).astype(float)
+        bounds = balanced_partition(weights, k)
+        assert bounds[0] == 0 and bounds[-1] == n and all(a < b for a, b in zip(bounds, bounds[1:]))
+        heaviest = max(weights[a:b].sum() for a, b in zip(bounds, bounds[1:]))
+        best = min(max(weights[a:b].sum() for a, b in zip((0, *c), (*c, n)))
+                   for c in itertools.combinations(range(1, n), k - 1))
+        assert heaviest == best
+
+
+def test_bad_inputs_say_what_to_change() -> None:
+    with pytest.raises(HetplanError, match="at least one layer"):
+        PartitionProblem([1.0, 2.0], 1, num_stages=3)
+    with pytest.raises(HetplanError, match="num_stages"):
+        PartitionProblem([1.0, 2.0], 1)
+    with pytest.raises(HetplanError, match=">= 0"):
+        PartitionProblem([1.0, -2.0], 1, num_stages=1)
+    with pytest.raises(HetplanError, match="micro-batches"):
+        PartitionProblem([1.0, 2.0], 0, num_stages=1)
+    with pytest.raises(HetplanError, match="shape"):
+        PartitionProblem([[1.0, 2.0]] * 2, 1, boundary_times=[[1.0, 2.0]])
+    with pytest.raises(HetplanError, match="memory limit"):
+        reference_partition(PartitionProblem([1.0, 2.0], 2, stage_layer_memory=[1, 1], stage_memory_capacity=5,
+                                             num_stages=2))
+
+
+def test_problem_from_cost_model_matches_the_estimate() -> None:
+    """Under the shared cost model, the problem's objective is the estimate's
+    pipeline part and its memory verdict is the estimate's ``fits``."""
+    workload = Workload(get_model("gpt2-amp"), get_cluster("amp-heterogeneous"), 32, memory_limit_bytes=6 << 30)
+    cost_model = CostModel(workload)
+    dp, tp, pp, u = 2, 2, 4, 2
+    base = uniform_plan(workload, dp, tp, pp, u)
+    devices = [s.devices for s in base.stages]
+    problem = problem_from_cost_model(cost_model, devices, dp, tp, base.micro_batch_size, base.num_micro_batches)
+    n = workload.model.num_layers
+    rng = np.random.default_rng(0)
+    splits = [tuple(sorted(rng.choice(np.arange(1, n), pp - 1, replace=False))) for _ in range(12)]
+    verdicts = set()
+    for cuts in splits:
+        bounds = (0, *map(int, cuts), n)
+        plan = uniform_plan(workload, dp, tp, pp, u, layer_split=[range(a, b) for a, b in zip(bounds, bounds[1:])])
+        estimate = cost_model.estimate(plan)
+        part = problem.evaluate(bounds)
+        stage_times = [s.fwd_s + s.bwd_s + s.recompute_s + s.tp_comm_s for s in estimate.stages]
+        assert np.allclose(part.stage_times_s, stage_times, rtol=1e-9)
+        assert problem.fits(bounds) == estimate.fits
+        verdicts.add(estimate.fits)
+    assert verdicts == {True, False}  # the 6 GiB limit separates the splits
+    best = fast_partition(problem)
+    assert best is not None and problem.fits(best.boundaries)
