@@ -95,7 +95,7 @@ def device_memory(
         params = layer_params_per_device(layer, tp)
         if layer.tied_group:
             if layer.tied_group in seen_tied:
-                params = 0.0  # a tied copy already held by this stage
+                params -= layer.tied_params / tp  # the shared weight is already held by this stage
             seen_tied.add(layer.tied_group)
         states += model_state_bytes(params, strategy.zero, dp, state_bytes)
         if strategy.zero >= 3:

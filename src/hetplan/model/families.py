@@ -98,6 +98,7 @@ def bert_model(
         fwd_flops=2.0 * seq * hidden * vocab, fwd_mem_bytes=4.0 * seq * vocab * 3,
         act_bytes=head_act, act_tp_replicated_bytes=p * seq * hidden,
         input_bytes=p * seq * hidden, output_bytes=4.0, tied_group="word_embeddings",
+        tied_params=vocab * hidden,
     ))
     return ModelSpec(name=name, family="bert", layers=tuple(layers), seq_len=seq, dtype_bytes=p,
                      hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=dict(meta or {}))
@@ -273,7 +274,8 @@ def t5_model(
     dec_embed = embedding_layer("decoder.embed", vocab, hidden, decoder_seq, p, dropout=True,
                                 tied_group="shared")
     layers.append(replace(dec_embed, input_bytes=enc_out + 8.0 * decoder_seq,
-                          output_bytes=dec_embed.output_bytes + enc_out, profile_key=""))
+                          output_bytes=dec_embed.output_bytes + enc_out, profile_key="",
+                          tied_params=vocab * hidden))
     for i in range(num_decoder_layers):
         shape = replace(enc_shape, seq=decoder_seq, cross_attention=True, cross_seq=encoder_seq,
                         save_cross_input=(i == 0))
@@ -295,6 +297,7 @@ def t5_model(
         fwd_mem_bytes=4.0 * decoder_seq * vocab * 3, act_bytes=head_act,
         act_tp_replicated_bytes=p * decoder_seq * hidden,
         input_bytes=p * decoder_seq * hidden, output_bytes=4.0, tied_group="shared",
+        tied_params=vocab * hidden,
     ))
     info = {"encoder_seq": encoder_seq, "decoder_seq": decoder_seq}
     info.update(meta or {})

@@ -10,7 +10,7 @@ the HF model (``transformer.h.3``, ``model.layers.0``, ``bert.encoder.layer.5``,
 * **Parameters are measured**: each layer's count is ``numel`` summed over the
   parameters of its modules on the meta model. A tied parameter (GPT-2's
   ``lm_head`` is ``transformer.wte``; T5's ``shared`` embedding is used by the
-  encoder, the decoder and, in T5 v1.0, the LM head) is counted in every layer
+  encoder, the decoder and the LM head) is counted in every layer
   that uses it (each pipeline stage holding such a layer keeps a copy) and the
   layers get the same ``tied_group``; ``tied_params`` (or, if LayerSpec lacks
   that field, ``meta["tied_params"]``) says how much of a layer an earlier
@@ -21,7 +21,11 @@ the HF model (``transformer.h.3``, ``model.layers.0``, ``bert.encoder.layer.5``,
   attention-core parts), TP communication, from the config's shape: hidden
   size, heads, KV heads, head width, MLP width, gated MLP, biases, LayerNorm vs
   RMSNorm, dropout, vocabulary, T5's cross-attention and relative position bias.
-  ``hetplan.model.trace`` measures the same things on the meta model instead.
+  Attention is costed as fused (no score matrix kept) when the model is built
+  with SDPA/FlashAttention, which transformers does by default; T5 gets the
+  same HF-specific flags as the T5 presets (ReLU, MLP dropout, eager RMSNorm).
+  ``hetplan.model.trace`` measures the same things on the meta model instead;
+  ``docs/model-import.md`` compares the two.
 
 Model types with analytic rules: GPT-2, BERT/RoBERTa/XLM-R/CamemBERT (masked
 LM), T5/mT5 (seq2seq LM), Llama/Mistral/Qwen2/Qwen3 (causal LM). Any other
@@ -31,12 +35,13 @@ ids (or pixel values for vision models) as the example input.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hetplan.errors import HetplanError
 from hetplan.model.layers import MASK_BYTES, BlockShape, embedding_layer, lm_head_layer, transformer_block
@@ -66,10 +71,13 @@ _AUTO_CLASS = {
 # fill in its defaults (a config without "n_layer" becomes a 12-layer GPT-2).
 # Each entry lists the accepted spellings.
 _REQUIRED = {
-    "gpt": [("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"), ("vocab_size",)],
-    "bert": [("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",), ("intermediate_size",), ("vocab_size",)],
+    "gpt": [("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
+            ("vocab_size",)],
+    "bert": [("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",), ("intermediate_size",),
+             ("vocab_size",)],
     "t5": [("d_model",), ("num_layers",), ("num_heads",), ("d_ff",), ("d_kv",), ("vocab_size",)],
-    "llama": [("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",), ("intermediate_size",), ("vocab_size",)],
+    "llama": [("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",), ("intermediate_size",),
+              ("vocab_size",)],
 }
 T5_DEFAULT_SEQ_LEN = 512  # T5 has relative positions; 512 is the paper's input length (Raffel et al. 2020, §3.1.2)
 
@@ -145,11 +153,23 @@ def _config_from_dict(data: dict[str, Any], where: str, transformers: Any) -> An
                 )
     config_class = CONFIG_MAPPING[model_type]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet(transformers):
             return config_class.from_dict({k: v for k, v in data.items() if k != "model_type"})
     except Exception as exc:
         raise HetplanError(f"{where}: invalid {model_type} config: {_first_line(exc)}") from None
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """Silence transformers' logger and Python warnings (config advice, meta-device notes)."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -166,15 +186,12 @@ def build_meta_model(config: Any, where: str = "config") -> Any:
         if hasattr(transformers, arch):
             candidates.append(arch)
     candidates += ["AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModel"]
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
     last_error: Exception | None = None
-    try:
+    with _quiet(transformers):
         for cls_name in candidates:
             cls = getattr(transformers, cls_name)
             try:
-                with warnings.catch_warnings(), torch.device("meta"):
-                    warnings.simplefilter("ignore")
+                with torch.device("meta"):
                     if cls_name.startswith("Auto"):
                         return cls.from_config(config)
                     return cls._from_config(config)
@@ -185,9 +202,9 @@ def build_meta_model(config: Any, where: str = "config") -> Any:
                 raise HetplanError(f"{where}: cannot build the {config.model_type} model: {_first_line(exc)}") from None
             except Exception as exc:
                 raise HetplanError(f"{where}: cannot build the {config.model_type} model: {_first_line(exc)}") from None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    raise HetplanError(f"{where}: transformers has no model class for {config.model_type!r} ({_first_line(last_error)})")
+    raise HetplanError(
+        f"{where}: transformers has no model class for {config.model_type!r} ({_first_line(last_error)})"
+    )
 
 
 # --------------------------------------------------------------------------- layout
@@ -311,6 +328,9 @@ def _shape_facts(config: Any, family: str) -> dict[str, Any]:
             max_seq=getattr(c, "n_positions", None) or T5_DEFAULT_SEQ_LEN, positions=0, gated=bool(c.is_gated_act),
             bias=False, rms=True, dropout=c.dropout_rate > 0, emb_dropout=c.dropout_rate > 0,
             kv_channels=d if a * d != h else 0,
+            # HF T5: ReLU (v1.0) with dropout on the MLP hidden state, eager T5LayerNorm
+            activation="relu" if c.dense_act_fn == "relu" and not c.is_gated_act else "gelu",
+            mlp_dropout=c.dropout_rate > 0, norm_saves_normalized=True,
         )
     # llama-like
     h, a = c.hidden_size, c.num_attention_heads
@@ -324,18 +344,22 @@ def _shape_facts(config: Any, family: str) -> dict[str, Any]:
     )
 
 
-def _block_shape(f: dict[str, Any], seq: int, cross_seq: int = 0) -> BlockShape:
+def _block_shape(f: dict[str, Any], seq: int, fused: bool, cross_seq: int = 0, save_cross: bool = True) -> BlockShape:
     return BlockShape(
         hidden=f["hidden"], heads=f["heads"], ffn=f["ffn"], seq=seq, kv_heads=f["kv_heads"],
         gated_mlp=f["gated"], bias=f["bias"], rms_norm=f["rms"], dropout=f["dropout"],
         cross_attention=cross_seq > 0, cross_seq=cross_seq, kv_channels=f["kv_channels"],
+        activation=f.get("activation", "gelu"), mlp_dropout=f.get("mlp_dropout", False),
+        norm_saves_normalized=f.get("norm_saves_normalized", False), fused_attention=fused,
+        save_cross_input=save_cross,
     )
 
 
 def _with_final_norm(layer: LayerSpec, f: dict[str, Any], seq: int, p: int) -> LayerSpec:
     """A block followed by its stack's final norm and dropout (T5 encoder)."""
     h = f["hidden"]
-    extra = p * seq * h + (MASK_BYTES * seq * h if f["dropout"] else 0)
+    kept = 2 if f.get("norm_saves_normalized") else 1  # norm input (and normalized tensor)
+    extra = kept * p * seq * h + (MASK_BYTES * seq * h if f["dropout"] else 0)
     return replace(
         layer,
         params_tp_replicated=layer.params_tp_replicated + (h if f["rms"] else 2 * h),
@@ -347,7 +371,7 @@ def _with_final_norm(layer: LayerSpec, f: dict[str, Any], seq: int, p: int) -> L
 
 
 def _analytic_layers(
-    config: Any, family: str, layout: list[tuple[str, list[str]]], seq: int, dec_seq: int, p: int
+    config: Any, family: str, layout: list[tuple[str, list[str]]], seq: int, dec_seq: int, p: int, fused: bool
 ) -> list[LayerSpec]:
     """Analytic LayerSpecs in layout order (names and params are set later)."""
     f = _shape_facts(config, family)
@@ -368,30 +392,45 @@ def _analytic_layers(
                 token_types=getattr(config, "type_vocab_size", 0) if family == "bert" else 0,
                 norm=family == "bert", dropout=f["emb_dropout"],
             )
-            if decoder_side:  # the decoder embedding also forwards the encoder output
-                layer = replace(layer, output_bytes=layer.output_bytes + p * seq * h)
+            if decoder_side:  # in a pipeline the decoder embedding also receives and passes on the encoder output
+                layer = replace(
+                    layer, input_bytes=layer.input_bytes + p * seq * h, output_bytes=layer.output_bytes + p * seq * h
+                )
         elif kind.startswith("block:"):
             nth = blocks_seen.get(kind, 0)
             blocks_seen[kind] = nth + 1
             if family == "t5":
                 block_kind = "decoder" if decoder_side else "encoder"
-                shape = _block_shape(f, s, cross_seq=seq if decoder_side else 0)
+                # the encoder output read by every cross-attention is one tensor: count it once
+                shape = _block_shape(f, s, fused, cross_seq=seq if decoder_side else 0, save_cross=nth == 0)
             else:
                 block_kind = "encoder" if family == "bert" else "decoder"
-                shape = _block_shape(f, s)
+                shape = _block_shape(f, s, fused)
             layer = transformer_block(f"layer{i}", block_kind, shape, p)
             if family == "t5":
                 if nth == 0:  # relative position bias: gather the bias (write) and add it to the scores (r+w)
                     extra = p * f["heads"] * s * s * 3
                     layer = replace(layer, fwd_mem_bytes=layer.fwd_mem_bytes + extra, profile_key="")
-                if decoder_side:  # every decoder block passes the encoder output on
-                    layer = replace(layer, output_bytes=layer.output_bytes + p * seq * h)
+                if decoder_side:  # every decoder block receives and passes on the encoder output
+                    layer = replace(
+                        layer,
+                        input_bytes=layer.input_bytes + p * seq * h,
+                        output_bytes=layer.output_bytes + p * seq * h,
+                    )
                 elif i + 1 < len(kinds) and kinds[i + 1] == "embedding":
                     layer = _with_final_norm(layer, f, s, p)
         else:
             layer = lm_head_layer(
                 f"layer{i}", vocab, h, s, p, norm=family != "bert", rms_norm=f["rms"], transform=family == "bert"
             )
+            if family == "t5":  # eager final norm keeps the normalized tensor; dropout after it
+                extra = (p if f["norm_saves_normalized"] else 0) * s * h + (MASK_BYTES * s * h if f["dropout"] else 0)
+                layer = replace(
+                    layer,
+                    act_bytes=layer.act_bytes + extra,
+                    act_tp_replicated_bytes=layer.act_tp_replicated_bytes + extra,
+                    profile_key="",
+                )
         out.append(layer)
     return out
 
@@ -406,6 +445,7 @@ def model_from_hf_config(
     name: str | None = None,
     *,
     decoder_seq_len: int | None = None,
+    fused_attention: bool | None = None,
 ) -> ModelSpec:
     """A per-sample ModelSpec for the HF model described by ``source``.
 
@@ -420,6 +460,10 @@ def model_from_hf_config(
             config file's directory or stem, else the model type.
         decoder_seq_len: T5 only: target length (default ``seq_len``), e.g. 4
             for Galvatron's T5-512/4.
+        fused_attention: whether attention runs in a fused kernel that keeps
+            no score matrix for backward (SDPA / FlashAttention on a GPU).
+            Default: what the model is built with; transformers picks
+            ``"sdpa"`` unless the config sets ``"_attn_implementation": "eager"``.
 
     Returns:
         A ModelSpec with one layer per embedding, block and head;
@@ -445,7 +489,9 @@ def model_from_hf_config(
             "use a shorter seq_len or raise max_position_embeddings/n_positions"
         )
     layout = hf_layout(model)
-    analytic = _analytic_layers(config, family, layout, seq, dec_seq, dtype_bytes)
+    if fused_attention is None:
+        fused_attention = _uses_fused_attention(model)
+    analytic = _analytic_layers(config, family, layout, seq, dec_seq, dtype_bytes, fused_attention)
     layers, layer_modules, tied_meta = _measured_params(model, layout, analytic)
     meta: dict[str, Any] = {
         "source": where,
@@ -456,6 +502,7 @@ def model_from_hf_config(
         "params": "measured on the meta-device model",
         "costs": "analytic (hetplan.model.layers, Korthikanti et al. 2022)",
     }
+    meta["fused_attention"] = fused_attention
     if family == "t5":
         meta["decoder_seq_len"] = dec_seq
     return ModelSpec(
@@ -515,6 +562,12 @@ def _measured_params(
         )
         layers.append(make_layer(**values))
     return layers, layer_modules, tied_meta
+
+
+def _uses_fused_attention(model: Any) -> bool:
+    """SDPA and FlashAttention keep no score matrix on a GPU (``eager`` does)."""
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    return implementation != "eager"
 
 
 def _default_name(config: Any, source: Any, where: str) -> str:

@@ -355,6 +355,7 @@ def lm_head_layer(
         output_bytes=4.0,
         tp_comm_bytes=0.0,
         tied_group=tied_group,
+        tied_params=vocab * hidden if (tied_group and not own_weight) else 0,
     )
 
 

@@ -57,6 +57,9 @@ class LayerSpec:
         tp_max: largest TP degree this layer supports (e.g. number of heads).
         tied_group: layers with the same non-empty tied_group share their
             parameters (e.g. input embedding and LM head).
+        tied_params: parameters of this layer that an earlier layer of its
+            tied_group already owns (counted once in the model's total; held
+            again only by a stage that does not hold the earlier layer).
         profile_key: layers with equal keys have equal cost (profiled once).
     """
 
@@ -76,12 +79,17 @@ class LayerSpec:
     tp_comm_bytes: float = 0.0
     tp_max: int = 1 << 30
     tied_group: str = ""
+    tied_params: int = 0
     profile_key: str = ""
 
     def __post_init__(self) -> None:
         for attr in ("params", "fwd_flops", "act_bytes", "input_bytes", "output_bytes"):
             if getattr(self, attr) < 0:
                 raise HetplanError(f"layer {self.name!r}: {attr} must be >= 0")
+        if not 0 <= self.tied_params <= self.params:
+            raise HetplanError(f"layer {self.name!r}: tied_params must be between 0 and its {self.params} params")
+        if self.tied_params and not self.tied_group:
+            raise HetplanError(f"layer {self.name!r}: tied_params needs a tied_group")
         if self.act_tp_replicated_bytes + self.act_attention_core_bytes > self.act_bytes * 1.000001:
             raise HetplanError(
                 f"layer {self.name!r}: replicated + attention-core activations exceed the total"
@@ -141,16 +149,8 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        """Parameters of the model, counting each tied group once."""
-        seen: set[str] = set()
-        total = 0
-        for layer in self.layers:
-            if layer.tied_group:
-                if layer.tied_group in seen:
-                    continue
-                seen.add(layer.tied_group)
-            total += layer.params
-        return total
+        """Parameters of the model, counting tied parameters once."""
+        return sum(layer.params - layer.tied_params for layer in self.layers)
 
     @property
     def fwd_flops_per_sample(self) -> float:

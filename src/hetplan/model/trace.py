@@ -19,14 +19,16 @@ without allocating memory. During that pass we measure, per layer:
   excluded, and a storage is counted once (views of one tensor, or one tensor
   saved by two layers, count once, in the first layer that saved it). The
   SDPA math path upcasts 16-bit inputs to fp32 internally; tensors it saves
-  are counted at the input precision (what Megatron's unfused softmax keeps);
+  are counted at the input precision (what Megatron's unfused softmax keeps).
+  Off CUDA, dropout multiplies by a mask drawn in the input's dtype; CUDA's
+  fused dropout keeps a bool mask, so masks count 1 byte per element;
 * **bytes in and out of each layer** (pipeline point-to-point), and an
   estimate of memory-bound (elementwise) traffic.
 
 What the meta pass cannot know is how a tensor-parallel implementation would
 split a layer; three fields are estimated from shapes assuming Megatron-style
 TP (see ``docs/model-import.md``): ``act_tp_replicated_bytes`` (saved tensors
-shaped like the layer's hidden state), ``act_attention_core_bytes`` (saved
+shaped like the layer's hidden state or a 2-D view of it), ``act_attention_core_bytes`` (saved
 tensors shaped like attention scores, i.e. like a >=3-D softmax output) and
 ``tp_comm_bytes`` (one all-reduce of the hidden state per attention call and
 one per MLP/embedding).
@@ -250,6 +252,7 @@ class _Tracer:
         self.flop_counter: Any = None
         self.group_parent: dict[int, str] = {}
         self.anchor_paths: set[str] = set()
+        self.mask_keys: set[int] = set()  # storages of dropout masks
 
     @property
     def seg(self) -> _Segment:
@@ -261,14 +264,18 @@ class _Tracer:
         if path in self.anchor_paths:
             self.module_stack.append(path)
             return
-        if seg.anchor is None and all(p in self.structural for p in self.module_stack) and path not in self.structural:
+        top_level = all(p in self.structural for p in self.module_stack) and path not in self.structural
+        if seg.anchor is None and top_level:
+            # After a block stack, modules of that stack (T5's encoder.final_layer_norm)
+            # stay with its last block; the first module outside it starts an interlude.
             if seg.after is not None and not seg.interlude:
                 stack_parent = self.group_parent.get(self.anchors[seg.after].group, "")
-                if not _is_ancestor(stack_parent, path) and (seg.modules or seg.flops or seg.params_used or seg.saved):
-                    seg = _Segment(anchor=None, after=seg.after, interlude=True)
-                    self.segments.append(seg)
-                elif not _is_ancestor(stack_parent, path):
-                    seg.interlude = True
+                if not _is_ancestor(stack_parent, path):
+                    if _has_work(seg):
+                        seg = _Segment(anchor=None, after=seg.after, interlude=True)
+                        self.segments.append(seg)
+                    else:
+                        seg.interlude = True
             seg.modules.append(path)
         self.module_stack.append(path)
 
@@ -281,7 +288,11 @@ class _Tracer:
         if anchor.calls == 0:
             tensors = _activation_inputs(list(_tensors((args, kwargs), self.torch)))
             anchor.input_bytes = _unique_bytes(tensors)
-            anchor.input_shape = _main_shape(tensors)
+            # the hidden state: by convention the first positional argument
+            # (T5 blocks also take a larger position-bias tensor)
+            first = next(_tensors(args, self.torch), None)
+            floating = first is not None and first.is_floating_point()
+            anchor.input_shape = tuple(first.shape) if floating else _main_shape(tensors)
         anchor.calls += 1
         self.segments.append(_Segment(anchor=index))
 
@@ -298,8 +309,11 @@ class _Tracer:
         self.saved_seen.add(key)
         self.keep_alive.append(t)  # storage addresses stay unique while tracing
         nbytes = float(_storage_nbytes(t))
-        if self.in_sdpa_dtype is not None and t.is_floating_point() and t.element_size() > self.in_sdpa_dtype.itemsize:
-            nbytes *= self.in_sdpa_dtype.itemsize / t.element_size()
+        if key in self.mask_keys:  # a dropout mask: 1 byte per element, as CUDA's fused dropout keeps it
+            nbytes = float(t.untyped_storage().nbytes() // max(t.element_size(), 1))
+        low = self.in_sdpa_dtype
+        if low is not None and t.is_floating_point() and t.element_size() > low.itemsize:
+            nbytes *= low.itemsize / t.element_size()  # the math path's fp32 upcast
         self.seg.saved.append((tuple(t.shape), nbytes))
         return t
 
@@ -332,6 +346,12 @@ class _Tracer:
             cap = max((t.numel() * t.element_size() for t in outs), default=0)
             in_bytes = sum(min(t.numel() * t.element_size(), cap) for t in inputs)
             seg.mem_bytes += out_bytes + in_bytes
+        if packet in (aten.bernoulli_, aten.bernoulli):
+            # dropout off CUDA draws a mask in the input's dtype and multiplies by it;
+            # CUDA's fused native_dropout keeps a bool mask
+            self.mask_keys.update(_storage_key(t) for t in _tensors(out, torch))
+        elif packet is aten.native_dropout and isinstance(out, tuple) and len(out) == 2:
+            self.mask_keys.add(_storage_key(out[1]))
         if packet is aten.embedding and uses_param:
             seg.embeddings += 1
             if not seg.vocab and inputs:
@@ -377,6 +397,8 @@ def _make_modes(tracer: _Tracer) -> tuple[Any, Any]:
                 seg.attention_flops += added
                 seg.gemms += 2
                 seg.attention_calls += 1
+                if q.dim() >= 3:
+                    seg.heads = min(seg.heads, int(q.shape[-3])) if seg.heads else int(q.shape[-3])
                 tracer.sdpa_added += added
             return out
 
@@ -617,7 +639,10 @@ def _run(module: Any, state: dict, args: tuple, kwargs: dict, tracer: _Tracer, t
         hint = ""
         text = str(exc)
         if "meta" in text.lower() or isinstance(exc, NotImplementedError):
-            hint = " (the forward reads tensor values, e.g. .item() or data-dependent control flow, which the meta device cannot provide)"
+            hint = (
+                " (the forward reads tensor values, e.g. .item() or data-dependent control flow,"
+                " which the meta device cannot provide)"
+            )
         raise HetplanError(
             f"tracing {type(module).__name__} on the meta device failed: {type(exc).__name__}: {_first_line(exc)}{hint}"
         ) from exc
@@ -751,7 +776,9 @@ def _assemble(
         if layer.anchor is not None:
             prefix = anchors[layer.anchor].path
             layer.params_used |= {
-                n for n, holders in param_holders.items() if any(h == prefix or _is_ancestor(prefix, h) for h in holders)
+                n
+                for n, holders in param_holders.items()
+                if any(h == prefix or _is_ancestor(prefix, h) for h in holders)
             }
         used_anywhere |= layer.params_used
     unused = [n for n in param_numel if n not in used_anywhere]
@@ -783,18 +810,15 @@ def _assemble(
         tied_here = sorted(n for n in layer.params_used if n in tied_names)
         tied_params = sum(param_numel[n] for n in tied_here if users[n][0] != k)
         act = repl = core = 0.0
+        hidden_numel = _numel(layer.hidden_shape)
         for shape, nbytes in stats["saved"]:
             act += nbytes
-            if len(shape) >= 3 and tuple(shape[-2:]) in stats["scores_dims"]:
-                core += nbytes
-            elif layer.hidden_shape and shape == layer.hidden_shape:
+            # the hidden state or a 2-D view of it, e.g. (B*S, H) for a linear
+            if hidden_numel and _numel(shape) == hidden_numel and shape[-1:] == layer.hidden_shape[-1:]:
                 repl += nbytes
-        hidden_bytes = 0.0
-        if layer.hidden_shape:
-            n_el = 1
-            for d in layer.hidden_shape:
-                n_el *= d
-            hidden_bytes = n_el * p_bytes
+            elif len(shape) >= 3 and tuple(shape[-2:]) in stats["scores_dims"]:
+                core += nbytes
+        hidden_bytes = float(hidden_numel * p_bytes)
         is_last = k == len(layers) - 1
         allreduces = stats["attention_calls"] + (1 if stats["param_gemms"] or stats["embeddings"] else 0)
         tp_comm = 0.0 if is_last else allreduces * hidden_bytes
@@ -841,7 +865,12 @@ def _assemble(
         "tied_params": tied_params_meta,
         "unused_params": unused,
         "sdpa_flops_added": tracer.sdpa_added / batch,
-        "estimated_fields": ["act_tp_replicated_bytes", "act_attention_core_bytes", "tp_comm_bytes", "params_tp_replicated"],
+        "estimated_fields": [
+            "act_tp_replicated_bytes",
+            "act_attention_core_bytes",
+            "tp_comm_bytes",
+            "params_tp_replicated",
+        ],
     }
     return ModelSpec(
         name=name,
@@ -854,6 +883,13 @@ def _assemble(
         vocab_size=vocab,
         meta=meta,
     )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n if shape else 0
 
 
 def _has_work(s: _Segment) -> bool:
