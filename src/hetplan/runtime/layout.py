@@ -19,6 +19,12 @@ chunk ``c`` runs on the devices of stage ``c % pp`` and the chunks of one
 device together hold exactly as many layers as the plan's stage ``j``
 (Megatron's and torch pipelining's interleaved layout: device ``j`` owns chunks
 ``j, j + pp, ...``). With ``V == 1`` the interleaved schedule is plain 1F1B.
+
+Stages may differ in (dp, tp) and in how they split a micro-batch (Metis):
+the layout is then *heterogeneous* and the runtime runs its own pipeline
+executor (hetplan.runtime.hetero) instead of torch.distributed.pipelining,
+which connects stage k to stage k+1 one-to-one. Such plans run GPipe or 1F1B,
+without sequence parallelism or interleaving.
 """
 
 from __future__ import annotations
@@ -66,14 +72,15 @@ class PlanLayout:
     layer_names: tuple[str, ...]
     devices: tuple[int, ...]  # plan devices in rank order
     pp: int
-    dp: int
-    tp: int
-    dp_split: tuple[int, ...]
+    dp: int  # of stage 0 (of every stage unless heterogeneous; see stage_dp)
+    tp: int  # of stage 0 (see stage_tp)
+    dp_split: tuple[int, ...]  # of stage 0 (see stage_split)
     sequence_parallel: bool
     virtual_stages: int
     schedule: str  # "gpipe", "1f1b" or "interleaved-1f1b" as the runtime runs it
     chunk_layers: tuple[tuple[int, ...], ...]  # layer indices per pipeline chunk, in order
     notes: tuple[str, ...] = ()
+    heterogeneous: bool = False  # stages differ in (dp, tp) or dp_split (see module doc)
 
     # --- construction ----------------------------------------------------------
     @staticmethod
@@ -89,36 +96,38 @@ class PlanLayout:
                 f"{len(names)} layers (0-{len(names) - 1}); make the plan for this model"
             )
         first = plan.stages[0]
+        heterogeneous = False
         for j, s in enumerate(plan.stages):
-            if (s.dp, s.tp) != (first.dp, first.tp):
-                raise PlanNotSupportedError(
-                    f"stage {j} uses dp={s.dp} tp={s.tp} but stage 0 uses dp={first.dp} tp={first.tp}: the runtime "
-                    "runs one (dp, tp) for all stages, because torch.distributed.pipelining connects stage k to "
-                    "stage k+1 one-to-one inside a pipeline group and cannot re-split activations between stages "
-                    "of different widths (see docs/runtime.md); use a plan with equal (dp, tp) in every stage"
-                )
-            if tuple(s.dp_split) != tuple(first.dp_split):
-                raise PlanNotSupportedError(
-                    f"stage {j} splits each micro-batch {list(s.dp_split)} over its replicas but stage 0 splits it "
-                    f"{list(first.dp_split)}: one replica's samples must flow through the same pipeline, so every "
-                    "stage needs the same dp_split"
-                )
-            if s.sequence_parallel != first.sequence_parallel:
-                raise PlanNotSupportedError(
-                    f"stage {j} has sequence_parallel={s.sequence_parallel} but stage 0 has "
-                    f"{first.sequence_parallel}: use the same setting in every stage"
-                )
             if len(s.devices) != s.dp * s.tp or len(s.dp_split) != s.dp:
                 raise PlanNotSupportedError(f"stage {j}: devices/dp_split do not match dp={s.dp} tp={s.tp}")
+            if sum(s.dp_split) != plan.micro_batch_size or any(b <= 0 for b in s.dp_split):
+                raise PlanNotSupportedError(
+                    f"stage {j}: dp_split {list(s.dp_split)} must give every replica >= 1 sample and sum to the "
+                    f"micro-batch size {plan.micro_batch_size}"
+                )
+            if (s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)):
+                heterogeneous = True
+        if heterogeneous:
+            if any(s.sequence_parallel for s in plan.stages):
+                raise PlanNotSupportedError(
+                    "sequence parallelism in a plan whose stages differ in (dp, tp) or dp_split is not supported: "
+                    "activations cross stage boundaries whole; turn sequence_parallel off"
+                )
+            if plan.schedule == "interleaved-1f1b" and plan.virtual_stages > 1:
+                raise PlanNotSupportedError(
+                    "interleaved 1F1B needs equal (dp, tp) and dp_split in every stage; use 1f1b or gpipe"
+                )
+        else:
+            for j, s in enumerate(plan.stages):
+                if s.sequence_parallel != first.sequence_parallel:
+                    raise PlanNotSupportedError(
+                        f"stage {j} has sequence_parallel={s.sequence_parallel} but stage 0 has "
+                        f"{first.sequence_parallel}: use the same setting in every stage"
+                    )
         if plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
             raise PlanNotSupportedError(
                 f"micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} micro-batches is not the "
                 f"global batch {plan.global_batch_size}"
-            )
-        if sum(first.dp_split) != plan.micro_batch_size or any(b <= 0 for b in first.dp_split):
-            raise PlanNotSupportedError(
-                f"dp_split {list(first.dp_split)} must give every replica >= 1 sample and sum to the "
-                f"micro-batch size {plan.micro_batch_size}"
             )
         all_devices = [d for s in plan.stages for d in s.devices]
         if len(set(all_devices)) != len(all_devices):
@@ -132,8 +141,8 @@ class PlanLayout:
         if schedule == "interleaved-1f1b" and virtual == 1:
             schedule = "1f1b"
             notes.append("interleaved-1f1b with one chunk per device is 1F1B; running 1F1B")
-        if pp == 1 and schedule != "gpipe":
-            schedule = "gpipe"  # one stage: micro-batches run one after another, the order does not matter
+        if pp == 1 and (schedule != "gpipe" or virtual > 1):
+            schedule, virtual = "gpipe", 1  # one stage: micro-batches run one after another, the order does not matter
         if schedule == "1f1b" and plan.num_micro_batches < pp:
             notes.append(f"1F1B needs at least as many micro-batches as stages ({plan.num_micro_batches} < {pp}); "
                          "with so few it is GPipe, running GPipe")
@@ -149,7 +158,7 @@ class PlanLayout:
         return PlanLayout(
             plan=plan, layer_names=names, devices=tuple(sorted(all_devices)), pp=pp, dp=first.dp, tp=first.tp,
             dp_split=tuple(first.dp_split), sequence_parallel=first.sequence_parallel, virtual_stages=virtual,
-            schedule=schedule, chunk_layers=chunk_layers, notes=tuple(notes),
+            schedule=schedule, chunk_layers=chunk_layers, notes=tuple(notes), heterogeneous=heterogeneous,
         )
 
     # --- queries ---------------------------------------------------------------
@@ -164,10 +173,43 @@ class PlanLayout:
     def rank_of_device(self, device: int) -> int:
         return self.devices.index(device)
 
+    def stage_dp(self, stage: int) -> int:
+        return self.plan.stages[stage].dp
+
+    def stage_tp(self, stage: int) -> int:
+        return self.plan.stages[stage].tp
+
+    def stage_split(self, stage: int) -> tuple[int, ...]:
+        return tuple(self.plan.stages[stage].dp_split)
+
+    @property
+    def max_tp(self) -> int:
+        return max(s.tp for s in self.plan.stages)
+
+    @property
+    def max_dp(self) -> int:
+        return max(s.dp for s in self.plan.stages)
+
+    def stage_mesh_ranks(self, stage: int) -> list[list[int]]:
+        """Ranks of one stage as a ``[dp][tp]`` nested list (TP innermost)."""
+        s = self.plan.stages[stage]
+        return [[self.rank_of_device(d) for d in s.replica_devices(r)] for r in range(s.dp)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [r for row in self.stage_mesh_ranks(stage) for r in row]
+
     def mesh_ranks(self) -> list[list[list[int]]]:
-        """Ranks as a ``[pp][dp][tp]`` nested list (TP innermost), for DeviceMesh."""
-        return [[[self.rank_of_device(d) for d in s.replica_devices(r)] for r in range(s.dp)]
-                for s in self.plan.stages]
+        """Ranks as a ``[pp][dp][tp]`` nested list (TP innermost), for DeviceMesh.
+        Only for plans whose stages share (dp, tp)."""
+        if self.heterogeneous:
+            raise HetplanError("a heterogeneous plan has no single pp x dp x tp mesh; use stage_mesh_ranks")
+        return [self.stage_mesh_ranks(j) for j in range(self.pp)]
+
+    def sample_range(self, stage: int, dp_index: int) -> tuple[int, int]:
+        """[start, end) of replica ``dp_index``'s samples inside each micro-batch of ``stage``."""
+        split = self.stage_split(stage)
+        start = sum(split[:dp_index])
+        return start, start + split[dp_index]
 
     def position(self, rank: int) -> RankPosition:
         if not 0 <= rank < self.world_size:
@@ -178,28 +220,43 @@ class PlanLayout:
                 k = s.devices.index(device)
                 dp_index, tp_index = divmod(k, s.tp)
                 chunks = tuple(c for c in range(self.num_chunks) if c % self.pp == j)
-                offset = sum(self.dp_split[:dp_index])
-                return RankPosition(rank, device, j, dp_index, tp_index, chunks,
-                                    self.dp_split[dp_index], offset)
+                start, end = self.sample_range(j, dp_index)
+                return RankPosition(rank, device, j, dp_index, tp_index, chunks, end - start, start)
         raise AssertionError("device not in any stage")
+
+    def pp_index_of_layer(self, name: str | None) -> int:
+        """Pipeline rank (plan stage) running the layer called ``name``."""
+        index = self.layer_names.index(name) if name is not None else -1
+        for c, layers in enumerate(self.chunk_layers):
+            if index in layers:
+                return c % self.pp
+        raise HetplanError(f"layer {name!r} is not in the plan")
 
     def chunk_names(self, chunk: int) -> list[str]:
         return [self.layer_names[i] for i in self.chunk_layers[chunk]]
 
-    def loss_scale(self, dp_index: int) -> float:
-        """Factor on one micro-batch's mean loss so that gradients averaged over
-        the dp group equal the gradient of the global-batch mean: ``b_r * dp / B``."""
-        return self.dp_split[dp_index] * self.dp / self.plan.global_batch_size
+    def loss_scale(self, dp_index: int, stage: int | None = None) -> float:
+        """Factor on one micro-batch's mean loss (computed by replica
+        ``dp_index`` of the last stage) so that gradients averaged over the dp
+        group equal the gradient of the global-batch mean: ``b_r * dp / B``."""
+        stage = self.pp - 1 if stage is None else stage
+        return self.stage_split(stage)[dp_index] * self.stage_dp(stage) / self.plan.global_batch_size
 
-    def local_sample_indices(self, dp_index: int) -> list[int]:
-        """Indices into the global batch of the samples replica ``dp_index``
-        processes in one step, micro-batch after micro-batch."""
-        mbs, b = self.plan.micro_batch_size, self.dp_split[dp_index]
-        off = sum(self.dp_split[:dp_index])
-        return [k * mbs + off + i for k in range(self.plan.num_micro_batches) for i in range(b)]
+    def local_sample_indices(self, dp_index: int, stage: int = 0) -> list[int]:
+        """Indices into the global batch of the samples replica ``dp_index`` of
+        ``stage`` processes in one step, micro-batch after micro-batch."""
+        mbs = self.plan.micro_batch_size
+        start, end = self.sample_range(stage, dp_index)
+        return [k * mbs + i for k in range(self.plan.num_micro_batches) for i in range(start, end)]
 
     def describe(self) -> str:
         chunks = " | ".join(f"{self.layer_names[c[0]]}..{self.layer_names[c[-1]]}" for c in self.chunk_layers)
+        if self.heterogeneous:
+            stages = " | ".join(
+                f"dp{s.dp} tp{s.tp}" + ("" if len(set(s.dp_split)) == 1 else f" split {':'.join(map(str, s.dp_split))}")
+                for s in self.plan.stages)
+            return (f"{self.world_size} processes: pp={self.pp} heterogeneous [{stages}] {self.schedule} "
+                    f"m={self.plan.num_micro_batches} [{chunks}]")
         split = "" if len(set(self.dp_split)) == 1 else f" split {':'.join(map(str, self.dp_split))}"
         return (f"{self.world_size} processes: pp={self.pp} dp={self.dp} tp={self.tp}{split}"
                 f"{' sp' if self.sequence_parallel else ''} {self.schedule}"

@@ -188,14 +188,16 @@ def ensure_builtins() -> None:
 
 
 # --- HF transformers --------------------------------------------------------------
-_HF_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
+_HF_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep",
+              "rowwise_split_input", "embedding_rowwise", "sequence_parallel")
 
 
 def hf_tp_plan(model: Any) -> dict[str, Any]:
     """A ``parallelize_module`` plan for an HF transformers model from its
     config's ``base_model_tp_plan`` (keys relative to the base model, with
     ``*`` for layer indices) plus the model's own ``_tp_plan`` (e.g. the LM
-    head). Styles: colwise, rowwise, colwise_rep (output gathered), rowwise_rep,
+    head). Styles: colwise, rowwise, colwise_rep / colwise_gather_output
+    (output gathered), rowwise_rep / rowwise_split_input, embedding_rowwise,
     sequence_parallel; others raise a clear error."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -219,10 +221,12 @@ def hf_tp_plan(model: Any) -> dict[str, Any]:
             return ColwiseParallel()
         if kind == "rowwise":
             return RowwiseParallel()
-        if kind == "colwise_rep":
+        if kind in ("colwise_rep", "colwise_gather_output"):
             return ColwiseParallel(output_layouts=Replicate())
-        if kind == "rowwise_rep":
+        if kind in ("rowwise_rep", "rowwise_split_input"):
             return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+        if kind == "embedding_rowwise":  # vocabulary-parallel embedding, output all-reduced
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if kind == "sequence_parallel":
             return SequenceParallel()
         raise HetplanError(

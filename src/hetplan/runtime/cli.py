@@ -1,0 +1,225 @@
+"""``hetplan train`` and ``hetplan run``: the runtime's commands.
+
+    hetplan train --model tiny-gpt --plan p.json --steps 3 [--verify]
+        train a built-in model on synthetic data with the plan, on this machine
+        (torchrun, one process per device of the plan); print loss and step
+        time. --verify also trains the single-process reference on the same
+        data and seed and exits 1 if a loss or parameter differs by more than
+        1e-5 (relative, fp32).
+
+    hetplan run plan.json [--print] -- train.py [args]
+        start a training script with the plan: torchrun with one process per
+        device on this node (HETPLAN_PLAN tells hetplan.runtime.init where the
+        plan is); for a multi-node plan (or --print) print the torchrun command
+        for every node.
+
+Importing this module does not import torch; the commands do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from hetplan.errors import HetplanError
+
+VERIFY_TOLERANCE = 1e-5
+
+
+def register(subparsers: Any) -> None:
+    """Add ``train`` and ``run`` to the hetplan CLI's subparsers."""
+    p = subparsers.add_parser("train", help="train a built-in model with a plan on this machine (needs torch)")
+    p.add_argument("--model", default=None, help="model preset (default: the plan's model)")
+    p.add_argument("--plan", required=True, help="plan JSON from 'hetplan plan/estimate --json'")
+    p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    p.add_argument("--verify", action="store_true",
+                   help=f"compare with the single-process reference; exit 1 above {VERIFY_TOLERANCE:g} relative")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="sgd (momentum 0.9, default) or adamw; --verify needs sgd (see docs/runtime.md)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
+    p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
+    p.add_argument("--checkpoint-dir", default="", help="save a DCP checkpoint here every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--load", dest="load_from", default="", help="start from this checkpoint (saved under any plan)")
+    p.add_argument("--out", default="", help="write summary.json (and state.pt with --verify) here")
+    p.set_defaults(func=cmd_train)
+
+    p = subparsers.add_parser("run", help="start a training script with a plan via torchrun (needs torch)")
+    p.add_argument("plan_file", help="plan JSON")
+    p.add_argument("--print", dest="print_only", action="store_true",
+                   help="print the torchrun command for every node instead of running")
+    p.add_argument("--master-addr", default="NODE0_ADDRESS", help="address of the first node (multi-node)")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
+    p.set_defaults(func=cmd_run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise HetplanError("the runtime needs torch: pip install 'hetplan[torch]'") from None
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HETPLAN_NUM_THREADS", "1")
+    return env
+
+
+# --- hetplan train -------------------------------------------------------------------------------
+def cmd_train(args: argparse.Namespace) -> int:
+    _require_torch()
+    import torch
+
+    from hetplan.runtime import launch
+    from hetplan.runtime.context import check_plan, preflight
+    from hetplan.runtime.models import build_preset_model
+
+    plan, spec, _cluster, layout = check_plan(args.plan, args.model)
+    with torch.device("meta"):
+        meta = build_preset_model(spec)
+    preflight(layout, spec, meta)
+    nodes = launch.plan_nodes(plan)
+    if len(nodes) > 1:
+        raise HetplanError(
+            f"the plan spans {len(nodes)} nodes; 'hetplan train' runs on this machine only -- use "
+            f"'hetplan run {args.plan} --print -- SCRIPT' for the per-node commands"
+        )
+    if args.verify and args.optimizer != "sgd":
+        raise HetplanError("--verify needs --optimizer sgd: Adam turns rounding noise into full-size steps "
+                           "(see docs/runtime.md)")
+    n = layout.world_size
+    print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
+          f"{plan.global_batch_size} samples, {n} process{'es' if n > 1 else ''}", flush=True)
+    print(f"plan: {layout.describe()}", flush=True)
+    if spec.dtype_bytes == 2:
+        print("note: the plan assumes 16-bit training; hetplan train runs the built-in model in fp32", flush=True)
+    with tempfile.TemporaryDirectory(prefix="hetplan-train-") as tmp:
+        out = args.out or tmp
+        worker_args = ["--plan", os.path.abspath(args.plan), "--model", spec.name, "--steps", str(args.steps),
+                       "--seed", str(args.seed), "--optimizer", args.optimizer, "--clip", str(args.clip),
+                       "--out", out]
+        if args.lr is not None:
+            worker_args += ["--lr", str(args.lr)]
+        if args.verify:
+            worker_args.append("--export")
+        if args.checkpoint_dir:
+            worker_args += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every",
+                            str(args.checkpoint_every or args.steps)]
+        if args.resume:
+            worker_args.append("--resume")
+        if args.load_from:
+            worker_args += ["--load-from", args.load_from]
+        if n == 1:
+            from hetplan.runtime import trainer
+
+            torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
+            trainer.train(trainer.parse_args(worker_args))
+        else:
+            argv = launch.standalone_argv(n, ["-m", "hetplan.runtime.trainer", *worker_args])
+            code = subprocess.call(argv, env=_child_env())
+            if code != 0:
+                print(f"hetplan: error: training failed (torchrun exit status {code}); see the messages above",
+                      file=sys.stderr)
+                return 1
+        if args.verify:
+            return _verify(args, plan, spec, out)
+    return 0
+
+
+def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str) -> int:
+    import json
+
+    import torch
+
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import (
+        build_reference,
+        compare,
+        make_optimizer,
+        synthetic_batch,
+        train_reference,
+    )
+
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    state = torch.load(os.path.join(out, "state.pt"))
+    start = int(summary.get("start_step", 0))
+    if start:
+        raise HetplanError("--verify compares a run from step 0; drop --resume/--load")
+    ref = build_reference(lambda: build_preset_model(spec), args.seed)
+    opt = make_optimizer(ref.parameters(), args.optimizer, args.lr)
+    batches = [synthetic_batch(spec.vocab_size, spec.seq_len, plan.global_batch_size, s, args.seed)
+               for s in range(args.steps)]
+    ref_losses = train_reference(ref, batches, cross_entropy_loss, opt, clip=args.clip or None)
+    result = compare(summary["losses"], ref_losses, state, ref.state_dict())
+    print("verify: single-process reference on the same data, seed and initial values")
+    print(f"{'step':>4}  {'loss (plan)':>14}  {'loss (reference)':>16}  {'rel. diff':>9}")
+    for i, (a, b) in enumerate(zip(summary["losses"], ref_losses)):
+        print(f"{i + 1:>4}  {a:>14.8f}  {b:>16.8f}  {abs(a - b) / max(abs(b), 1e-12):>9.1e}")
+    print(f"largest relative parameter difference {result['param_rel_diff']:.1e} ({result['worst_param']})")
+    worst = max(result["loss_rel_diff"], result["param_rel_diff"])
+    if worst > VERIFY_TOLERANCE or result["missing"]:
+        print(f"verify: FAILED: largest relative difference {worst:.1e} > {VERIFY_TOLERANCE:g}", file=sys.stderr)
+        return 1
+    print(f"verify: OK (largest relative difference {worst:.1e} <= {VERIFY_TOLERANCE:g})")
+    return 0
+
+
+# --- hetplan run ------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    from hetplan.plan import load_plan
+    from hetplan.runtime import launch
+
+    script = list(args.script)
+    if "--" in script:  # options given after the plan file, before "--"
+        cut = script.index("--")
+        head, script = script[:cut], script[cut + 1:]
+        extra = argparse.ArgumentParser(prog="hetplan run", add_help=False)
+        extra.add_argument("--print", dest="print_only", action="store_true")
+        extra.add_argument("--master-addr", default=args.master_addr)
+        extra.add_argument("--master-port", type=int, default=args.master_port)
+        more, unknown = extra.parse_known_args(head)
+        if unknown:
+            raise HetplanError(f"unknown option(s) for 'hetplan run': {' '.join(unknown)}")
+        args.print_only = args.print_only or more.print_only
+        args.master_addr, args.master_port = more.master_addr, more.master_port
+    if not script:
+        raise HetplanError("no training script: use 'hetplan run plan.json -- train.py [args]'")
+    plan = load_plan(args.plan_file)
+    nodes = launch.plan_nodes(plan)
+    if args.print_only or len(nodes) > 1:
+        cmds = launch.torchrun_commands(plan, args.plan_file, script, args.master_addr, args.master_port)
+        n = sum(len(d) for _, d in nodes)
+        print(f"# {n} processes on {len(nodes)} node{'s' if len(nodes) > 1 else ''}; run on each node:")
+        for k, (node, cmd) in enumerate(cmds):
+            devs = nodes[k][1]
+            print(f"# node {node} (GPUs {', '.join(map(str, devs))})")
+            print(cmd)
+        return 0
+    _require_torch()
+    n = len(nodes[0][1])
+    env = _child_env()
+    env["HETPLAN_PLAN"] = os.path.abspath(args.plan_file)
+    argv = launch.standalone_argv(n, script)
+    return subprocess.call(argv, env=env)

@@ -1,0 +1,399 @@
+"""Apply a Plan to a model: split into pipeline parts, then per part TP ->
+activation checkpointing -> FSDP2 / replicate, then materialise and initialise.
+
+The order is torchtitan's and it matters: ``parallelize_module`` finds
+submodules by name, so wrapping a layer for checkpointing *before* TP hides
+them (``checkpoint_wrapper`` renames them and TP is then silently skipped);
+FSDP must come last so that it shards the DTensors TP made.
+
+Checkpointing here wraps the layer's ``forward`` in non-reentrant
+``torch.utils.checkpoint`` instead of replacing the module with a
+``CheckpointWrapper``: module and parameter names stay what the model calls
+them, so a checkpoint written with recomputation on loads without it.
+
+ZeRO stages as FSDP2 settings (per layer; ``zero`` from the plan):
+
+* 0 -- ``replicate`` (FSDP2-based data parallelism: parameters replicated,
+  gradients all-reduced). DDP is not used: it is silently wrong with TP/PP.
+* 1, 2 -- ``fully_shard(reshard_after_forward=False)``: parameters stay gathered
+  from forward to backward (no second all-gather), gradients are
+  reduce-scattered, optimizer states sharded. This is ZeRO-2. FSDP2 has no
+  ZeRO-1 (optimizer-only sharding with all-reduced gradients); ZeRO-2 holds
+  strictly less memory at the same communication volume (reduce-scatter +
+  all-gather = all-reduce), so ZeRO-1 layers run as ZeRO-2 and the runtime says so.
+* 3 -- ``fully_shard(reshard_after_forward=True)``: parameters re-gathered in
+  backward (ZeRO-3 / FSDP).
+
+Initial values do not depend on the plan: every parameter is filled from a
+generator seeded by (seed, its name in the full model), on the full tensor,
+and this rank keeps its shard. So a plan and the single-process reference
+start from the same weights, and so does a run under a different plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import zlib
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+from hetplan.runtime import tp as tp_registry
+
+InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
+
+
+# --- model inspection ------------------------------------------------------------------
+def check_layer_names(model: nn.Module, names: Sequence[str], model_name: str = "") -> None:
+    """Every layer name of the ModelSpec must be a module of the model."""
+    missing = []
+    for name in names:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            missing.append(name)
+    if missing:
+        top = ", ".join(n for n, _ in model.named_children())
+        raise HetplanError(
+            f"the plan's layer {missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} "
+            f"is not a module of the model{f' for {model_name!r}' if model_name else ''} (its top-level modules: "
+            f"{top}); build the model whose module names match the plan's ModelSpec"
+        )
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise HetplanError(f"layer {b!r} lies inside layer {a!r}: layers must be disjoint modules")
+
+
+def param_aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter name -> the first name of the same tensor (tied weights)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases[name] = first.setdefault(id(p), name)
+    return aliases
+
+
+def owner_layer(fqn: str, names: Iterable[str]) -> str | None:
+    for n in names:
+        if fqn.startswith(n + "."):
+            return n
+    return None
+
+
+def uncovered_state(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """Parameters and buffers not inside any layer (a pipeline split would drop them)."""
+    out = []
+    for fqn, _ in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        if owner_layer(fqn, names) is None:
+            out.append(fqn)
+    return out
+
+
+def tied_layer_pairs(model: nn.Module, names: Sequence[str]) -> list[tuple[str, str]]:
+    """(canonical fqn, alias fqn) for tied parameters owned by different layers."""
+    pairs = []
+    for fqn, canon in param_aliases(model).items():
+        if fqn != canon and owner_layer(fqn, names) != owner_layer(canon, names):
+            pairs.append((canon, fqn))
+    return pairs
+
+
+# --- pipeline parts -----------------------------------------------------------------------
+class PipelinePart(nn.Module):
+    """The layers one pipeline chunk (or one rank) runs, at their original
+    module paths so parameter names equal the full model's. ``forward`` runs
+    the layers in order, each taking the previous one's output."""
+
+    def __init__(self, source: nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        self.layer_names = list(names)
+        for name in names:
+            parent: nn.Module = self
+            parts = name.split(".")
+            for p in parts[:-1]:
+                child = parent._modules.get(p)
+                if child is None:
+                    child = nn.Module()
+                    parent._modules[p] = child
+                parent = child
+            parent._modules[parts[-1]] = source.get_submodule(name)
+
+    def forward(self, *args: Any) -> Any:
+        x: Any = args
+        for name in self.layer_names:
+            x = self.get_submodule(name)(*x) if isinstance(x, tuple) else self.get_submodule(name)(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"layers={self.layer_names}"
+
+
+# --- tensor parallelism --------------------------------------------------------------------
+def apply_tp(root: nn.Module, layer_names: Sequence[str], tp_mesh: Any, sequence_parallel: bool,
+             notes: list[str], model_plan: dict[str, Any] | None = None) -> None:
+    """Apply the registered TP plan of every layer (see hetplan.runtime.tp);
+    a layer without one takes the entries of ``model_plan`` (a whole-model
+    plan with ``*`` wildcards, e.g. from an HF config) that fall inside it."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp_registry.ensure_builtins()
+    tp = tp_mesh.size()
+    aliases = param_aliases(root)
+    unplanned = []
+    for name in layer_names:
+        layer = root.get_submodule(name)
+        matched = _apply_registered(layer, name, tp_mesh, tp, sequence_parallel, parallelize_module)
+        if not matched and model_plan:
+            sub = plan_inside(model_plan, name)
+            if sub:
+                own = sub.pop("", None)
+                if sub:
+                    parallelize_module(layer, tp_mesh, sub, src_data_rank=None)
+                if own is not None:
+                    parallelize_module(layer, tp_mesh, own, src_data_rank=None)
+                matched = True
+        if not matched and any(True for _ in layer.parameters()):
+            unplanned.append(f"{name} ({type(layer).__name__})")
+    if unplanned:
+        if sequence_parallel:
+            raise HetplanError(
+                f"layer {unplanned[0]} has no TP plan, and with sequence parallelism it would see only a slice "
+                "of the sequence; register one with hetplan.runtime.register_tp_plan"
+            )
+        notes.append(f"no TP plan registered for {', '.join(unplanned)}: replicated on each TP group "
+                     "(register one with hetplan.runtime.register_tp_plan)")
+    _retie(root, aliases)
+
+
+def plan_inside(model_plan: dict[str, Any], name: str) -> dict[str, Any]:
+    """Entries of a whole-model TP plan under module ``name``, with keys relative
+    to it (``""`` for the module itself); ``*`` matches one name component."""
+    import fnmatch
+
+    head = name.split(".")
+    out = {}
+    for pattern, style in model_plan.items():
+        parts = pattern.split(".")
+        if len(parts) >= len(head) and all(fnmatch.fnmatchcase(h, p) for h, p in zip(head, parts)):
+            out[".".join(parts[len(head):])] = style
+    return out
+
+
+def _apply_registered(module: nn.Module, name: str, mesh: Any, tp: int, sp: bool, parallelize_module: Any) -> bool:
+    fn = tp_registry.tp_plan_for(module)
+    if fn is not None:
+        plan = fn(module, tp_registry.TPSettings(tp=tp, sequence_parallel=sp, name=name))
+        if "" in plan:
+            plan = dict(plan)
+            own = plan.pop("")
+            if plan:
+                parallelize_module(module, mesh, plan, src_data_rank=None)
+            parallelize_module(module, mesh, own, src_data_rank=None)
+        elif plan:
+            parallelize_module(module, mesh, plan, src_data_rank=None)
+        return True
+    matched = False
+    for child_name, child in module.named_children():
+        matched |= _apply_registered(child, f"{name}.{child_name}", mesh, tp, sp, parallelize_module)
+    return matched
+
+
+def _retie(root: nn.Module, aliases: dict[str, str]) -> None:
+    """parallelize_module replaces each module's parameters by new DTensor
+    parameters, which unties shared weights; tie them again."""
+    for fqn, canon in aliases.items():
+        if fqn == canon:
+            continue
+        owner_name, _, pname = fqn.rpartition(".")
+        canon_owner, _, cname = canon.rpartition(".")
+        owner = root.get_submodule(owner_name)
+        src = getattr(root.get_submodule(canon_owner), cname)
+        cur = getattr(owner, pname)
+        if cur is src:
+            continue
+        if type(cur) is not type(src) or getattr(cur, "placements", None) != getattr(src, "placements", None):
+            raise HetplanError(
+                f"tied parameters {canon!r} and {fqn!r} got different tensor-parallel layouts; "
+                "give both modules TP plans that shard the shared weight the same way"
+            )
+        setattr(owner, pname, src)
+
+
+# --- activation checkpointing ------------------------------------------------------------------
+def _checkpoint_forward(module: nn.Module) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
+def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str]) -> None:
+    """``full``: checkpoint the whole layer (keep only its input); ``selective``:
+    checkpoint only its registered attention-core submodules."""
+    tp_registry.ensure_builtins()
+    fallback = []
+    for name, how in recompute.items():
+        if how == "none":
+            continue
+        layer = root.get_submodule(name)
+        if how == "selective":
+            targets = [m for m in layer.modules() if tp_registry.is_selective_target(m)]
+            if targets:
+                for t in targets:
+                    _checkpoint_forward(t)
+                continue
+            fallback.append(name)
+        _checkpoint_forward(layer)
+    if fallback:
+        notes.append(f"selective recompute: no attention core registered in {', '.join(fallback)}; "
+                     "recomputing those layers fully (hetplan.runtime.register_selective_recompute)")
+
+
+# --- data parallelism ---------------------------------------------------------------------------
+def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[str]) -> list[tuple[nn.Module, bool]]:
+    """Wrap each layer per its ZeRO stage, then the part itself (the FSDP root,
+    which also takes parameters shared by two of its layers).
+
+    Returns the wrapped modules with whether each reduces gradients on every
+    micro-batch (ZeRO-3: yes, so unsharded gradients are freed at once) or
+    only on the last one of a step (ZeRO-0/1/2: accumulate locally, reduce once).
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    names = list(zero)
+    shared: set[str | None] = set()
+    for f, c in param_aliases(root).items():
+        if f != c:
+            shared |= {owner_layer(f, names), owner_layer(c, names)}
+    shared.discard(None)
+    if any(z == 1 for z in zero.values()):
+        notes.append("ZeRO-1 runs as ZeRO-2 (FSDP2 reduce-scatters gradients; same traffic, less memory)")
+    wrapped: list[tuple[nn.Module, bool]] = []
+    for name in names:
+        if name in shared:
+            continue
+        layer = root.get_submodule(name)
+        if not any(True for _ in layer.parameters()):
+            continue
+        z = zero[name]
+        if z == 0:
+            replicate(layer, mesh=dp_mesh)
+        else:
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=(z == 3))
+        wrapped.append((layer, z == 3))
+    if all(z == 0 for z in zero.values()):
+        replicate(root, mesh=dp_mesh)
+        wrapped.append((root, False))
+    else:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)
+        wrapped.append((root, any(zero[n] == 3 for n in shared if n)))
+    return wrapped
+
+
+# --- materialisation and initial values -----------------------------------------------------------
+def stable_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
+
+
+def default_init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """Biases 0, 1-D weights (norms) 1, everything else N(0, 0.02)."""
+    with torch.no_grad():
+        if fqn.endswith("bias"):
+            tensor.zero_()
+        elif tensor.dim() <= 1:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+
+
+class InitialValues:
+    """Full initial value of any parameter of the model, by name, independent of the plan.
+
+    With ``init_fn`` (the model's ``init_parameter(fqn, tensor, generator)``),
+    each tensor is filled by it from a generator seeded by (seed, name).
+    Without, the parameter's own module runs ``reset_parameters()`` on a CPU
+    copy under a torch seed derived from (seed, module name) -- PyTorch's
+    default initialisation, made independent of the split -- and parameters of
+    modules without ``reset_parameters`` get :func:`default_init`.
+    """
+
+    def __init__(self, meta_model: nn.Module, seed: int, init_fn: InitFn | None) -> None:
+        self.meta = meta_model
+        self.seed = seed
+        self.init_fn = init_fn
+        self.aliases = param_aliases(meta_model)
+        self._leaf_cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _reset_leaf(self, owner: str, module: nn.Module) -> dict[str, torch.Tensor]:
+        return _reset_leaf_values(module, stable_seed(self.seed, owner))
+
+    def value(self, fqn: str) -> torch.Tensor:
+        canon = self.aliases.get(fqn, fqn)
+        owner, _, pname = canon.rpartition(".")
+        meta_param = self.meta.get_parameter(canon)
+        if self.init_fn is not None:
+            t = torch.empty(meta_param.shape, dtype=meta_param.dtype)
+            g = torch.Generator().manual_seed(stable_seed(self.seed, canon))
+            self.init_fn(canon, t, g)
+            return t
+        module = self.meta.get_submodule(owner) if owner else self.meta
+        if hasattr(module, "reset_parameters") or hasattr(module, "_reset_parameters"):
+            if owner not in self._leaf_cache:
+                self._leaf_cache = {owner: self._reset_leaf(owner, module)}  # one module's values at a time
+            if pname in self._leaf_cache[owner]:
+                return self._leaf_cache[owner][pname]
+        t = torch.empty(meta_param.shape, dtype=meta_param.dtype)
+        default_init(canon, t, torch.Generator().manual_seed(stable_seed(self.seed, canon)))
+        return t
+
+
+def _reset_leaf_values(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """The module's own parameters after its ``reset_parameters()`` on a CPU
+    copy (children's parameters empty: a reset that needs them falls back)."""
+    clone = copy.copy(module)
+    clone._parameters = {k: (None if v is None else nn.Parameter(torch.empty_like(v, device="cpu")))
+                         for k, v in module._parameters.items()}
+    clone._modules = {k: (copy.deepcopy(v).to_empty(device="cpu") if v is not None else None)
+                      for k, v in module._modules.items()}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                (getattr(clone, "reset_parameters", None) or clone._reset_parameters)()
+    except Exception:  # noqa: BLE001 - a reset that cannot run on a bare copy: use the default rule
+        return {}
+    return {k: v.detach() for k, v in clone._parameters.items() if v is not None}
+
+
+def materialize(root: nn.Module, device: torch.device, values: InitialValues) -> None:
+    """Allocate the (sharded) parameters on ``device`` and fill each with its
+    slice of the plan-independent initial value."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = [n for n, _ in root.named_buffers()]
+    if buffers:
+        raise HetplanError(
+            f"the model has buffers ({', '.join(buffers[:3])}), which building on the meta device loses; "
+            "compute them in forward, or use ctx.parallelize(..., meta_init=False)"
+        )
+    aliases = param_aliases(root)
+    root.to_empty(device=device)
+    _retie(root, aliases)  # to_empty makes a new tensor for each module's reference to a shared one
+    with torch.no_grad():
+        for fqn, p in root.named_parameters():
+            full = values.value(fqn).to(device=device, dtype=p.dtype)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.copy_(full)

@@ -1,0 +1,110 @@
+"""The single-process reference a parallel run must reproduce, and synthetic data.
+
+``build_reference`` makes the full model on one device with exactly the
+initial values ``ctx.parallelize`` gives (see hetplan.runtime.parallelize);
+``train_reference`` trains it on the same batches with the same optimizer. In
+fp32 a correct plan matches it to rounding (relative 1e-6 or so after a few
+steps); ``compare`` measures the largest relative difference of the losses
+and of each parameter tensor (``||p - p_ref|| / ||p_ref||``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from hetplan.runtime import parallelize as par
+
+
+def synthetic_batch(vocab_size: int, seq_len: int, batch_size: int, step: int, seed: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable next-token batch, the same for a given (step, seed) on every
+    rank: each sample counts up from a random start by a random stride (mod
+    vocabulary), so a model can bring the loss well below log(vocab)."""
+    g = torch.Generator().manual_seed(par.stable_seed(seed, f"data:{step}"))
+    start = torch.randint(0, vocab_size, (batch_size, 1), generator=g)
+    stride = torch.randint(1, 4, (batch_size, 1), generator=g)
+    tokens = (start + stride * torch.arange(seq_len + 1)[None, :]) % vocab_size
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def build_reference(build_model: Callable[[], nn.Module], seed: int = 0,
+                    init_fn: par.InitFn | None = None, device: str | torch.device = "cpu") -> nn.Module:
+    """The full model on one device with the runtime's plan-independent initial values."""
+    with torch.device("meta"):
+        full = build_model()
+    values = par.InitialValues(copy.deepcopy(full), seed, init_fn or getattr(full, "init_parameter", None))
+    par.materialize(full, torch.device(device), values)
+    return full
+
+
+DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
+
+
+def make_optimizer(params: Iterable[nn.Parameter], name: str = "sgd", lr: float | None = None
+                   ) -> torch.optim.Optimizer:
+    """SGD with momentum (the default: its update is linear in the gradient, so
+    rounding differences stay rounding-sized) or AdamW (which turns the
+    rounding noise of zero-in-theory gradients into full-size steps; a run can
+    then not be compared with a reference to 1e-5)."""
+    lr = DEFAULT_LR.get(name, 1e-3) if lr is None else lr
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=False)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=False)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def train_reference(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                    loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
+                    clip: float | None = None) -> list[float]:
+    """Plain PyTorch training on whole global batches; returns the losses."""
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def compare(losses: list[float], ref_losses: list[float], state: dict[str, torch.Tensor],
+            ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Largest relative loss difference, and the largest relative parameter difference.
+
+    A parameter tensor's difference is ``||p - p_ref|| / max(||p_ref||, s)``
+    where ``s = ||theta_ref|| * sqrt(numel(p) / numel(theta))`` is its share of
+    the whole model's norm. The floor matters for tensors whose true gradient
+    is zero (an attention key bias: softmax ignores a shift shared by all
+    keys), which hold only accumulated rounding noise that no two correct runs
+    share; any real error in a tensor shows up against its own norm.
+    """
+    if len(losses) != len(ref_losses):
+        raise ValueError(f"{len(losses)} losses vs {len(ref_losses)} reference losses")
+    loss_diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)), default=0.0)
+    missing = sorted(set(ref_state) - set(state))
+    extra = sorted(set(state) - set(ref_state))
+    total_sq = sum(float(t.detach().double().pow(2).sum()) for t in ref_state.values())
+    total_n = sum(t.numel() for t in ref_state.values())
+    worst, worst_name = 0.0, ""
+    for name, ref in ref_state.items():
+        if name not in state:
+            continue
+        a, b = state[name].detach().double().cpu(), ref.detach().double().cpu()
+        if a.shape != b.shape:
+            worst, worst_name = float("inf"), f"{name} (shape {tuple(a.shape)} vs {tuple(b.shape)})"
+            break
+        share = (total_sq * b.numel() / max(total_n, 1)) ** 0.5
+        d = float((a - b).norm()) / max(float(b.norm()), share, 1e-30)
+        if d > worst:
+            worst, worst_name = d, name
+    if missing:
+        worst, worst_name = float("inf"), f"{missing[0]} (missing)"
+    return {"loss_rel_diff": loss_diff, "param_rel_diff": worst, "worst_param": worst_name,
+            "missing": missing, "unexpected": extra}

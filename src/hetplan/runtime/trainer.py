@@ -1,0 +1,153 @@
+"""``hetplan train``'s worker: train a built-in model on synthetic data under a plan.
+
+Run by torchrun (``python -m hetplan.runtime.trainer --plan p.json ...``), or
+in-process for a one-device plan, or by the tests through ``run_local``. Rank 0
+prints one line per step (loss, step time) and writes a JSON summary (and,
+for ``--verify``, the full state dict) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class TrainConfig:
+    plan_path: str
+    model: str = ""  # preset name; default: the plan's model
+    steps: int = 3
+    seed: int = 0
+    lr: float | None = None  # default per optimizer (sgd 0.1, adamw 1e-3)
+    optimizer: str = "sgd"
+    clip: float = 1.0
+    out: str = ""  # directory for summary.json (+ state.pt with export)
+    export: bool = False
+    checkpoint_dir: str = ""  # save a DCP checkpoint here every checkpoint_every steps
+    checkpoint_every: int = 0
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    load_from: str = ""  # start from this checkpoint (any plan)
+    die_after: int = 0  # tests: SIGKILL every rank right after this step (and its checkpoint)
+    quiet: bool = False
+
+
+def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
+    """Train and return {losses, step_times_s, notes, state (rank 0, if export)}.
+    ``spec``: a ModelSpec to use instead of looking up ``cfg.model``."""
+    import torch
+
+    from hetplan.plan import load_plan
+    from hetplan.runtime import checkpoint as ck
+    from hetplan.runtime.context import init
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import make_optimizer, synthetic_batch
+
+    plan = load_plan(cfg.plan_path)
+    spec = spec if spec is not None else _spec(cfg.model or plan.model)
+    ctx = init(plan, spec)
+    model = ctx.parallelize(lambda: build_preset_model(spec), seed=cfg.seed)
+    opt = make_optimizer(model.parameters(), cfg.optimizer, cfg.lr)
+    for note in ctx.notes:
+        if not cfg.quiet:
+            ctx.print(f"note: {note}")
+    start = 0
+    if cfg.load_from:
+        start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
+    elif cfg.resume and cfg.checkpoint_dir:
+        found = ck.latest_checkpoint(cfg.checkpoint_dir)
+        if found:
+            start = int(ctx.load(found[0], model, opt).get("step", found[1]))
+            if not cfg.quiet:
+                ctx.print(f"resumed from {found[0]} (step {start})")
+    losses, times = [], []
+    for step in range(start, cfg.steps):
+        x, y = synthetic_batch(spec.vocab_size, spec.seq_len, plan.global_batch_size, step, cfg.seed)
+        t0 = time.perf_counter()
+        loss = ctx.train_step(model, (x, y), cross_entropy_loss, return_outputs=False)
+        if cfg.clip:
+            ctx.clip_grad_norm_(model, cfg.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        times.append(dt)
+        if not cfg.quiet:
+            ctx.print(f"step {step + 1:>4}  loss {loss:.6f}  time {dt * 1e3:8.1f} ms")
+        if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1)
+        if cfg.die_after and step + 1 == cfg.die_after:
+            ctx.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+    state = ctx.full_state_dict(model) if cfg.export else {}
+    result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
+              "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model)}
+    if ctx.rank == 0 and cfg.out:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump({**result, "config": asdict(cfg)}, f, indent=2)
+        if cfg.export:
+            torch.save(state, os.path.join(cfg.out, "state.pt"))
+    result["state"] = state
+    ctx.close()
+    return result
+
+
+def _spec(name: str) -> Any:
+    try:
+        from hetplan.model import load_model  # type: ignore[attr-defined]
+
+        return load_model(name)
+    except ImportError:
+        from hetplan.model import get_model
+
+        return get_model(name)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    p = argparse.ArgumentParser(prog="python -m hetplan.runtime.trainer")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--model", default="")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--out", default="")
+    p.add_argument("--export", action="store_true")
+    p.add_argument("--checkpoint-dir", default="")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--load-from", default="")
+    p.add_argument("--die-after", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    return TrainConfig(a.plan, a.model, a.steps, a.seed, a.lr, a.optimizer, a.clip, a.out, a.export,
+                       a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetplan.errors import HetplanError
+
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", "1")))
+        train(parse_args(argv))
+        code = 0
+    except HetplanError as exc:
+        rank = os.environ.get("RANK", "0")
+        print(f"hetplan: error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown ("terminate called without an active exception")
+
+
+if __name__ == "__main__":
+    main()
