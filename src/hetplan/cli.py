@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved-1f1b"), default="1f1b")
+    p.add_argument("--virtual-stages", type=_positive_int, default=1,
+                   help="model chunks per device for interleaved-1f1b")
     p.add_argument("--timeline", default=None, help="write the pipeline timeline here (.svg)")
     p.add_argument("--memory-chart", default=None, help="write memory per GPU here (.svg)")
     p.add_argument("--simulate", action="store_true", help="replay the schedule event by event and compare")
@@ -296,8 +298,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if missing:
             raise HetplanError(f"estimate needs a plan file or all of --tp --pp --dp --micro-batch (missing {' '.join(missing)})")
         workload = load_workload(args)
+        if args.virtual_stages > 1 and args.schedule != "interleaved-1f1b":
+            raise HetplanError("--virtual-stages needs --schedule interleaved-1f1b")
         plan = uniform_plan(workload, args.dp, args.tp, args.pp, args.micro_batch, args.zero, args.recompute,
-                            args.schedule, args.sequence_parallel, planner="manual")
+                            args.schedule, args.sequence_parallel, planner="manual",
+                            virtual_stages=args.virtual_stages)
         validate_plan(plan, workload.model, workload.cluster)
     estimate = CostModel(workload).estimate(plan)
     print(_header(workload))

@@ -114,6 +114,13 @@ class Plan:
         stages: pipeline stages in order.
         planner: who made it.
         virtual_stages: model chunks per device for interleaved 1F1B (1 otherwise).
+            With ``v`` chunks, stage ``j`` still lists a contiguous run of layers,
+            but only its *count* is binding: the runtime cuts the model into
+            ``pp·v`` chunks in order and deals them round-robin (device group
+            ``j`` runs chunks ``j, j+pp, …``), taking stage ``j``'s count from
+            ``layers``. The cost model costs each stage from its listed layers
+            and divides the fill/drain by ``v`` (cost/pipeline.py), which agrees
+            when layers of one kind repeat.
         notes: free-form remarks from the planner (why, what was not honoured).
     """
 

@@ -62,7 +62,7 @@ def block_split(model: ModelSpec, pp: int) -> list[range]:
 def uniform_plan(
     workload: Workload, dp: int, tp: int, pp: int, micro_batch_per_replica: int,
     zero: int = 0, recompute: str = "none", schedule: str = "1f1b", sequence_parallel: bool = False,
-    planner: str = "uniform", layer_split: list[range] | None = None,
+    planner: str = "uniform", layer_split: list[range] | None = None, virtual_stages: int = 1,
 ) -> Plan:
     """One uniform 3D plan on the first dp·tp·pp GPUs of the cluster."""
     model, cluster = workload.model, workload.cluster
@@ -89,7 +89,7 @@ def uniform_plan(
     return Plan(
         model=model.name, cluster=cluster.name, global_batch_size=workload.global_batch_size,
         micro_batch_size=micro, num_micro_batches=workload.global_batch_size // micro,
-        schedule=schedule, stages=tuple(stages), planner=planner,
+        schedule=schedule, stages=tuple(stages), planner=planner, virtual_stages=virtual_stages,
     )
 
 
