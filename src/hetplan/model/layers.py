@@ -138,6 +138,16 @@ class _Tally:
         self.params += n
         self.params_replicated += n
 
+    def layer(self, name: str, kind: str, boundary_bytes: float, tp_max: int) -> LayerSpec:
+        """The tallied block as a LayerSpec whose input and output are ``boundary_bytes``."""
+        return LayerSpec(
+            name=name, kind=kind, params=self.params, params_tp_replicated=self.params_replicated,
+            fwd_flops=self.flops, fwd_mem_bytes=self.mem_traffic, attention_flops=self.attention_flops,
+            gemm_count=self.gemms, act_bytes=self.act, act_tp_replicated_bytes=self.act_replicated,
+            act_attention_core_bytes=self.act_core, input_bytes=boundary_bytes, output_bytes=boundary_bytes,
+            tp_comm_bytes=self.tp_comm, tp_max=tp_max,
+        )
+
     def save(self, num_bytes: float, replicated: bool = False, core: bool = False) -> None:
         self.act += num_bytes
         if replicated:
@@ -242,23 +252,7 @@ def transformer_block(name: str, kind: str, shape: BlockShape, dtype_bytes: int)
     if shape.cross_attention:
         _attention(t, shape, p, s, shape.cross_seq, kv_is_self=False)
     _mlp(t, shape, p, s)
-    return LayerSpec(
-        name=name,
-        kind=kind,
-        params=t.params,
-        params_tp_replicated=t.params_replicated,
-        fwd_flops=t.flops,
-        fwd_mem_bytes=t.mem_traffic,
-        attention_flops=t.attention_flops,
-        gemm_count=t.gemms,
-        act_bytes=t.act,
-        act_tp_replicated_bytes=t.act_replicated,
-        act_attention_core_bytes=t.act_core,
-        input_bytes=p * s * shape.hidden,
-        output_bytes=p * s * shape.hidden,
-        tp_comm_bytes=t.tp_comm,
-        tp_max=shape.num_kv_heads,
-    )
+    return t.layer(name, kind, p * s * shape.hidden, shape.num_kv_heads)
 
 
 def embedding_layer(
@@ -401,20 +395,4 @@ def moe_block(
     if shape.dropout:
         t.save(MASK_BYTES * s * h, replicated=True)
     t.mem_traffic += p * s * h * (2 + (2 if shape.dropout else 0) + 3)
-    return LayerSpec(
-        name=name,
-        kind=kind,
-        params=t.params,
-        params_tp_replicated=t.params_replicated,
-        fwd_flops=t.flops,
-        fwd_mem_bytes=t.mem_traffic,
-        attention_flops=t.attention_flops,
-        gemm_count=t.gemms,
-        act_bytes=t.act,
-        act_tp_replicated_bytes=t.act_replicated,
-        act_attention_core_bytes=t.act_core,
-        input_bytes=p * s * h,
-        output_bytes=p * s * h,
-        tp_comm_bytes=t.tp_comm,
-        tp_max=shape.num_kv_heads,
-    )
+    return t.layer(name, kind, p * s * h, shape.num_kv_heads)

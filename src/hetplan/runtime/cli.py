@@ -61,13 +61,9 @@ def register(subparsers: Any) -> None:
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+    from hetplan.cli import _positive_int
+
+    return _positive_int(text)
 
 
 def _require_torch() -> None:
