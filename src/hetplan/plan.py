@@ -172,7 +172,7 @@ class Plan:
         same = all((s.dp, s.tp, extras(s), uneven(s)) == (first.dp, first.tp, extras(first), uneven(first))
                    for s in self.stages)
         if same:
-            counts = "/".join(str(s.num_layers) for s in self.stages)
+            counts = "/".join(_runs([s.num_layers for s in self.stages]))
             layers = f" layers {counts}" if self.pp > 1 else ""
             return f"dp{first.dp} tp{first.tp} pp{self.pp}{layers}{extras(first)}{uneven(first)} {tail}"
         parts = [f"dp{s.dp} tp{s.tp} {s.num_layers}L{extras(s)}{uneven(s)}" for s in self.stages]
@@ -219,6 +219,19 @@ class Plan:
 
     def with_changes(self, **changes: Any) -> Plan:
         return replace(self, **changes)
+
+
+def _runs(values: Sequence[int]) -> list[str]:
+    """Run-length form: [3, 2, 2, 2, 4] -> ['3', '2×3', '4']."""
+    out: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        out.append(f"{values[i]}×{j - i}" if j - i > 2 else "/".join([str(values[i])] * (j - i)))
+        i = j
+    return out
 
 
 def uniform_stage(

@@ -31,12 +31,16 @@ class _StageTiming:
     post_step_gather_s: float  # ZeRO-1/2 parameter all-gather after the optimizer step
 
 
-def _overlapped_exposure(comm_s: float, compute_s: float) -> float:
-    """Extra time when ``comm_s`` runs under ``compute_s`` and both slow down by
-    OVERLAP_SLOWDOWN (Galvatron-BMW §V)."""
+def overlapped_exposure(comm_s: float, compute_s: float) -> float:
+    """Extra time when ``comm_s`` runs under ``compute_s``.
+
+    Galvatron-BMW §V (and its code's ``bct_dp_overlap``): the overlapped part
+    runs OVERLAP_SLOWDOWN times slower, so the pair takes
+    ``max(c, p) + (slowdown − 1)·min(c, p)`` instead of ``p``.
+    """
     if comm_s <= 0:
         return 0.0
-    return max(comm_s, compute_s) * OVERLAP_SLOWDOWN - compute_s
+    return max(comm_s, compute_s) + (OVERLAP_SLOWDOWN - 1.0) * min(comm_s, compute_s) - compute_s
 
 
 class CostModel:
@@ -93,7 +97,7 @@ class CostModel:
             segments[-1].append(pos)
         return segments
 
-    def _transform_time(self, stage: Stage, before: int, after: int, micro_batch_size: int) -> float:
+    def transform_time(self, stage: Stage, before: int, after: int, micro_batch_size: int) -> float:
         """Galvatron-BMW's transformation cost R between adjacent layers with
         different (dp, tp): the activation entering ``after`` is gathered over
         the larger TP group (slicing to a smaller group is local)."""
@@ -130,7 +134,7 @@ class CostModel:
             assert worst is not None
             fwd, bwd, rec, tpc = fwd + worst[1], bwd + worst[2], rec + worst[3], tpc + worst[4]
             if s_index > 0:
-                tpc += 2.0 * self._transform_time(stage, segments[s_index - 1][-1], segment[0], micro_batch_size)
+                tpc += 2.0 * self.transform_time(stage, segments[s_index - 1][-1], segment[0], micro_batch_size)
 
         # data-parallel communication, per (dp, tp) shape of the layers
         zero3: dict[int, float] = {}
@@ -157,7 +161,7 @@ class CostModel:
         scatter = sum(worst_time(comm.reduce_scatter_time, tp, p * grad_b) for tp, p in zero3.items())
         zero3_exposed = 0.0
         if zero3:
-            zero3_exposed = _overlapped_exposure(gather, fwd) + _overlapped_exposure(gather + scatter, bwd + rec)
+            zero3_exposed = overlapped_exposure(gather, fwd) + overlapped_exposure(gather + scatter, bwd + rec)
         grad_sync = sum(worst_time(comm.allreduce_time, tp, p * grad_b) for tp, p in other.items())
         gather_after = 0.0
         if sharded_12:
@@ -217,7 +221,7 @@ class CostModel:
                 ahead += timings[j - 1].bwd_s + timings[j - 1].recompute_s + p2p[j - 1]
             if t.grad_sync_s > 0:
                 if self.workload.overlap_grad_sync:
-                    exposed = _overlapped_exposure(t.grad_sync_s, t.bwd_s + t.recompute_s)
+                    exposed = overlapped_exposure(t.grad_sync_s, t.bwd_s + t.recompute_s)
                 else:
                     exposed = t.grad_sync_s
             else:
