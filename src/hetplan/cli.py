@@ -25,7 +25,7 @@ from hetplan.errors import HetplanError
 DEFAULT_MODEL = "gpt2-amp"
 DEFAULT_CLUSTER = "amp-heterogeneous"
 DEFAULT_GLOBAL_BATCH = 32
-DEFAULT_PLANNER = "uniform"
+DEFAULT_PLANNER = "auto"
 EXIT_USAGE = 2
 
 

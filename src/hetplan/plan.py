@@ -176,7 +176,15 @@ class Plan:
             layers = f" layers {counts}" if self.pp > 1 else ""
             return f"dp{first.dp} tp{first.tp} pp{self.pp}{layers}{extras(first)}{uneven(first)} {tail}"
         parts = [f"dp{s.dp} tp{s.tp} {s.num_layers}L{extras(s)}{uneven(s)}" for s in self.stages]
-        return f"pp{self.pp} [{' | '.join(parts)}] {tail}"
+        grouped: list[str] = []
+        i = 0
+        while i < len(parts):
+            j = i
+            while j < len(parts) and parts[j] == parts[i]:
+                j += 1
+            grouped.append(parts[i] + (f" ×{j - i}" if j - i > 1 else ""))
+            i = j
+        return f"pp{self.pp} [{' | '.join(grouped)}] {tail}"
 
     # --- serialisation -----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
