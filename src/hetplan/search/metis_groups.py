@@ -30,7 +30,7 @@ and ties are broken by explicit keys, never by hash order.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from hetplan.cluster.spec import ClusterSpec
@@ -45,6 +45,18 @@ def node_class(cluster: ClusterSpec, node: int) -> NodeClass:
     return (spec.gpu.name, spec.num_gpus, spec.intra_bandwidth_gbps, cluster.node_inter_gbps(node))
 
 
+_UIDS: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+def _uid(cluster_name: str, devices: tuple[int, ...]) -> int:
+    """A small integer naming a device group (cheap to hash in caches)."""
+    key = (cluster_name, devices)
+    uid = _UIDS.get(key)
+    if uid is None:
+        uid = _UIDS[key] = len(_UIDS)
+    return uid
+
+
 @dataclass(frozen=True)
 class DeviceGroup:
     """A set of GPUs running one stage.
@@ -57,6 +69,9 @@ class DeviceGroup:
 
     devices: tuple[int, ...]
     signature: tuple[tuple[NodeClass, int], ...]
+    uid: int = field(default=-1, compare=False)
+    sid: int = field(default=-1, compare=False)
+    hetero: bool = field(default=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -72,7 +87,8 @@ class DeviceGroup:
 
     @property
     def is_hetero(self) -> bool:
-        return len(self.gpu_counts) > 1
+        """More than one GPU type."""
+        return self.hetero
 
     @property
     def num_nodes(self) -> int:
@@ -95,8 +111,17 @@ def group_signature(cluster: ClusterSpec, devices: Sequence[int]) -> tuple[tuple
     return tuple(sorted((node_class(cluster, n), k) for n, k in by_node.items()))
 
 
+_SIDS: dict[tuple[tuple[NodeClass, int], ...], int] = {}
+
+
 def make_group(cluster: ClusterSpec, devices: Sequence[int]) -> DeviceGroup:
-    return DeviceGroup(tuple(devices), group_signature(cluster, devices))
+    devs = tuple(devices)
+    signature = group_signature(cluster, devs)
+    sid = _SIDS.get(signature)
+    if sid is None:
+        sid = _SIDS[signature] = len(_SIDS)
+    hetero = len({cls[0] for cls, _ in signature}) > 1
+    return DeviceGroup(devs, signature, _uid(cluster.name, devs), sid, hetero)
 
 
 def enumerate_device_groups(cluster: ClusterSpec, sizes: Sequence[int] | None = None,
@@ -261,37 +286,74 @@ class StageMapping:
         return tuple(g.size for g in self.groups)
 
 
+class _Line:
+    """The cluster's GPUs laid out in one node sequence, with cached cuts."""
+
+    def __init__(self, cluster: ClusterSpec, sequence: Sequence[int]) -> None:
+        self.cluster = cluster
+        self.devices = [d for n in sequence for d in cluster.node_devices(n)]
+        self.node_start = set()
+        pos = 0
+        for n in sequence:
+            self.node_start.add(pos)
+            pos += cluster.nodes[n].num_gpus
+        self._groups: dict[tuple[int, int], DeviceGroup] = {}
+
+    def group(self, start: int, size: int) -> DeviceGroup:
+        key = (start, size)
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = make_group(self.cluster, self.devices[start:start + size])
+        return g
+
+    def cut(self, sizes: Sequence[int]) -> StageMapping:
+        groups = []
+        shares = []
+        start = 0
+        for s in sizes:
+            if start:
+                shares.append(start not in self.node_start)
+            groups.append(self.group(start, s))
+            start += s
+        key = tuple(g.sid for g in groups) + tuple(shares)
+        return StageMapping(tuple(groups), key)
+
+
 def cut_mapping(cluster: ClusterSpec, sequence: Sequence[int], sizes: Sequence[int]) -> StageMapping:
     """Lay the nodes out in ``sequence`` and cut consecutive groups of ``sizes``."""
-    line = [d for n in sequence for d in cluster.node_devices(n)]
-    if sum(sizes) != len(line):
-        raise HetplanError(f"group sizes {list(sizes)} do not add up to the {len(line)} GPUs")
-    groups, start = [], 0
-    for s in sizes:
-        groups.append(make_group(cluster, line[start:start + s]))
-        start += s
-    shares = []
-    for a, b in zip(groups, groups[1:]):
-        na = {cluster.devices[d].node for d in a.devices}
-        nb = {cluster.devices[d].node for d in b.devices}
-        shares.append(bool(na & nb))
-    key = tuple(g.signature for g in groups) + tuple(shares)
-    return StageMapping(tuple(groups), key)
+    if sum(sizes) != cluster.num_devices or len(set(sequence)) != cluster.num_nodes:
+        raise HetplanError(f"group sizes {list(sizes)} do not add up to the {cluster.num_devices} GPUs")
+    return _Line(cluster, sequence).cut(sizes)
+
+
+class MappingEnumerator:
+    """Distinct stage-to-device-group mappings of a cluster, per number of
+    stages (Metis's EnumerateWithPruning), in a deterministic order. Cuts of
+    the node lines are cached across stage counts."""
+
+    def __init__(self, cluster: ClusterSpec, var: float = 0.5, max_permute_len: int = 4,
+                 sizes: Sequence[int] | None = None) -> None:
+        if not 0.0 <= var <= 1.0:
+            raise HetplanError(f"var must be a float in [0, 1], got {var}")
+        self.cluster = cluster
+        self.var = float(var)
+        self.max_permute_len = max_permute_len
+        self.sizes = list(sizes) if sizes is not None else allowed_group_sizes(cluster)
+        self.lines = [_Line(cluster, seq) for seq in node_sequences(cluster)]
+
+    def mappings(self, num_stages: int) -> Iterator[StageMapping]:
+        seen: set[tuple[object, ...]] = set()
+        n = self.cluster.num_devices
+        for order in stage_size_orders(n, num_stages, self.sizes, self.var, self.max_permute_len):
+            for line in self.lines:
+                mapping = line.cut(order)
+                if mapping.key in seen:
+                    continue
+                seen.add(mapping.key)
+                yield mapping
 
 
 def stage_mappings(cluster: ClusterSpec, num_stages: int, var: float = 0.5, max_permute_len: int = 4,
                    sizes: Sequence[int] | None = None) -> Iterator[StageMapping]:
-    """Distinct stage-to-device-group mappings for ``num_stages`` stages
-    (Metis's EnumerateWithPruning for one S), in a deterministic order."""
-    if not 0.0 <= var <= 1.0:
-        raise HetplanError(f"var must be a float in [0, 1], got {var}")
-    allowed = list(sizes) if sizes is not None else allowed_group_sizes(cluster)
-    seen: set[tuple[object, ...]] = set()
-    sequences = node_sequences(cluster)
-    for order in stage_size_orders(cluster.num_devices, num_stages, allowed, var, max_permute_len):
-        for sequence in sequences:
-            mapping = cut_mapping(cluster, sequence, order)
-            if mapping.key in seen:
-                continue
-            seen.add(mapping.key)
-            yield mapping
+    """Distinct stage-to-device-group mappings for ``num_stages`` stages."""
+    yield from MappingEnumerator(cluster, var, max_permute_len, sizes).mappings(num_stages)

@@ -1,0 +1,873 @@
+"""The ``metis`` planner: Metis's hetero-aware search (Um et al., ATC'24, Algorithm 1).
+
+For every number of micro-batches B, every number of stages S and every
+stage-to-device-group mapping that survives Metis's two prunings
+(``metis_groups``: group sizes above N/S·(1 − var), permutations of at most
+``max_permute_len`` units):
+
+1. every stage starts all-DP — (dp, tp) = (|group|, 1), or the least TP that
+   leaves each replica a sample — and a heterogeneous group splits its
+   micro-batch over its GPUs in proportion to their speed (data load
+   balancing, ``metis_balance.data_balance``);
+2. layers go to stages in proportion to each stage's capacity (its throughput
+   running the whole model alone), then boundary layers move between
+   neighbours while that shortens the slowest stage (capacity-aware layer
+   balancing); heterogeneous stages then re-balance their data on their own
+   layers, and the layers are balanced once more;
+3. a DP-first depth-first search walks the stages in order (those before the
+   current one are settled); a stage that runs out of memory branches:
+   (a) a heterogeneous stage moves samples to GPUs with spare memory (data
+   balancing bounded by memory), (b) raise its TP degree (halve dp, double
+   tp, re-balance data, and layers over it and the remaining stages) and look
+   at it again, (c) keep its (dp, tp) and shed layers to the remaining
+   stages, in proportion to their capacity, until it fits;
+4. every complete plan is costed with Metis eq. 1,
+   ``Σ t_i + (B − 1)·max t_j + DP_all``, in the form the shared cost model
+   computes it (:func:`metis_cost`: pipeline transfers outside the bottleneck
+   term, the gradient all-reduce overlapping the last backward pass, the
+   optimizer step), from the shared model's own building blocks;
+5. the best candidates get an exact layer placement for their own stages,
+   (dp, tp) and splits (``search.partition.fast_partition``; ``exact_layers``)
+   and are ranked by the shared CostModel.
+
+The search is Metis's; ``metis_bounds`` only skips mappings (and DFS states)
+that provably cannot come within ``prune_slack`` of the best cost found so
+far, so it returns the same best plan much sooner.
+
+Fixes to what the authors' code gets wrong (their repository, run as is):
+results do not depend on PYTHONHASHSEED (GPU types are sorted, no set
+iteration decides anything); links between nodes use the inter-node bandwidth
+(their ``get_inter_bandwidth`` returned the intra-node one); a missing profile
+entry falls back to the analytic estimate with a note (or a clear error up
+front with ``strict_profile``) instead of a KeyError mid-search; ``var`` is a
+float; and a time budget stops the search and returns the best plans so far.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from hetplan.cluster.presets import METIS_INTER_GBPS, PCIE3_X16_GBPS, register_cluster
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
+from hetplan.cost.model import CostModel, overlapped_exposure
+from hetplan.cost.workload import Workload
+from hetplan.errors import HetplanError
+from hetplan.plan import LayerStrategy, Plan, RankedPlan, Stage
+from hetplan.profile.metis import missing_entries
+from hetplan.search.base import no_fit_error, rank_key, register_planner
+from hetplan.search.metis_balance import (
+    Intra,
+    StageCosts,
+    StageHandle,
+    data_balance,
+    even_split,
+    proportional_bounds,
+)
+from hetplan.search.metis_bounds import Bounds, StageBound
+from hetplan.search.metis_groups import (
+    DeviceGroup,
+    MappingEnumerator,
+    StageMapping,
+    distinct_permutations,
+    make_group,
+    merge_smallest,
+    min_group_size,
+    size_multisets,
+)
+from hetplan.search.partition import PartitionProblem, fast_partition
+from hetplan.search.uniform import divisors
+
+
+@dataclass(frozen=True)
+class MetisOptions:
+    """Knobs of the Metis search.
+
+    Attributes:
+        var: group-size variance for the lower bound N/S·(1 − var) (float in
+            [0, 1]; 1 disables the bound). Metis Table 4 uses 0.5.
+        max_permute_len: maximum permutation length of device groups (the
+            smallest groups are merged in pairs until at most this many remain).
+            The authors' default is 4; Table 4 uses 10.
+        max_tp: largest TP degree (Metis profiles tp 1, 2, 4, 8).
+        max_stages: most pipeline stages (0: min(GPUs, layers), as Metis).
+        max_batch_per_replica: largest per-replica micro-batch share (0: no
+            limit beyond memory; the authors' code caps it at the largest
+            profiled mbs).
+        time_budget_s: stop the search after this long and return the best
+            plans found so far (0: no budget).
+        rerank: how many of the best plans by Metis's cost are polished and
+            re-costed by the shared cost model.
+        max_leaves: most complete plans the DFS may produce per mapping and B.
+        max_dfs_states: most DFS states visited per mapping and B (the DFS
+            branches twice at every stage that runs out of memory).
+        data_balance, layer_balance: the two load balancers (off: even data
+            split / equal layer counts; for the Fig. 6 ablation).
+        strict_profile: refuse (a ValueError naming the gaps) instead of
+            falling back to the analytic estimate when the workload's profile
+            lacks an entry.
+        prune: skip mappings that provably cannot come within ``prune_slack``
+            of the best cost found so far (``metis_bounds``); this does not
+            change the best plan by Metis's cost.
+        prune_slack: relative margin kept for the shared cost model's re-ranking.
+        exact_layers: polish the layer boundaries of the returned plans with
+            the exact pipeline partition (``search.partition``) for their own
+            stages and intra-stage plans (off: the paper's proportional
+            balancing only).
+    """
+
+    var: float = 0.4
+    max_permute_len: int = 4
+    max_tp: int = 8
+    max_stages: int = 0
+    max_batch_per_replica: int = 0
+    time_budget_s: float = 60.0
+    rerank: int = 16
+    max_leaves: int = 8
+    max_dfs_states: int = 64
+    data_balance: bool = True
+    layer_balance: bool = True
+    strict_profile: bool = False
+    prune: bool = True
+    prune_slack: float = 0.1
+    exact_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.var, (int, float)) or not 0.0 <= float(self.var) <= 1.0:
+            raise HetplanError(f"metis: var must be a float in [0, 1], got {self.var!r}")
+        object.__setattr__(self, "var", float(self.var))
+        if self.max_permute_len < 1:
+            raise HetplanError("metis: max_permute_len must be at least 1")
+        if self.max_tp < 1:
+            raise HetplanError("metis: max_tp must be at least 1")
+        if self.time_budget_s < 0:
+            raise HetplanError("metis: time_budget_s must be >= 0 (0 = no budget)")
+
+
+@dataclass
+class SearchStats:
+    """What the last search did (for benchmarks and notes)."""
+
+    size_orders: int = 0  # ordered group-size lists cut from the node lines
+    mappings: int = 0  # distinct stage mappings cut from the node lines
+    evaluations: int = 0  # (mapping, B) pairs searched
+    pruned: int = 0  # (size multiset or mapping, B) pairs skipped by a lower bound
+    complete_plans: int = 0  # plans the DFS produced and eq. 1 costed
+    stage_counts: dict[int, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    budget_hit: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    cost_s: float
+    groups: tuple[DeviceGroup, ...]
+    intras: tuple[Intra, ...]
+    bounds: tuple[int, ...]
+    num_micro_batches: int
+
+
+class _BudgetExceeded(Exception):
+    pass
+
+
+class MetisPlanner:
+    """Metis's Algorithm 1 over the shared cost model (see the module docstring)."""
+
+    name = "metis"
+
+    def __init__(self, options: MetisOptions | None = None) -> None:
+        self.options = options or MetisOptions()
+        self.stats = SearchStats()
+
+    # --- public -----------------------------------------------------------------
+    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
+        """The best ``top_k`` plans, ranked by the shared cost model."""
+        start = time.perf_counter()
+        self.stats = SearchStats()
+        ctx = _Search(workload, self.options, self.stats, start)
+        notes = ctx.check_profile()
+        best = ctx.run()
+        self.stats.elapsed_s = time.perf_counter() - start
+        if not best:
+            if self.stats.budget_hit:
+                raise HetplanError(
+                    f"metis found no plan within its time budget of {self.options.time_budget_s:g} s; "
+                    "raise time_budget_s"
+                )
+            raise HetplanError(
+                f"metis found no plan that fits: every stage mapping of {workload.cluster.num_devices} GPUs "
+                f"runs out of memory at every TP degree up to {self.options.max_tp} for global batch "
+                f"{workload.global_batch_size}; use a smaller global batch or more GPUs"
+            )
+        if self.stats.budget_hit:
+            notes.append(f"search stopped at its time budget ({self.options.time_budget_s:g} s) after "
+                         f"{self.stats.mappings} stage mappings; these are the best plans found so far")
+        self.stats.notes = notes
+        return ctx.finish(best, top_k, notes)
+
+    def plan_mapping(self, workload: Workload, groups: Sequence[Sequence[int]], num_micro_batches: int,
+                     top_k: int = 1) -> list[RankedPlan]:
+        """Metis's intra-stage search and load balancing for one fixed
+        stage-to-device-group mapping (device ids per stage, in order) and one
+        number of micro-batches — the setting of Metis Fig. 6."""
+        start = time.perf_counter()
+        self.stats = SearchStats()
+        ctx = _Search(workload, self.options, self.stats, start)
+        mapping_groups = tuple(make_group(workload.cluster, g) for g in groups)
+        used = [d for g in groups for d in g]
+        if len(set(used)) != len(used):
+            raise HetplanError("plan_mapping: a GPU appears in two stages")
+        if workload.global_batch_size % num_micro_batches:
+            raise HetplanError(f"global batch {workload.global_batch_size} is not a multiple of "
+                               f"{num_micro_batches} micro-batches")
+        ctx.search_mapping(StageMapping(mapping_groups, ()), num_micro_batches)
+        best = ctx.candidates()
+        if not best:
+            raise HetplanError("metis: no plan fits this mapping at any TP degree")
+        return ctx.finish(best, top_k, [])
+
+
+class _Search:
+    """One search: caches shared across mappings, the candidate heap and
+    Algorithm 1's outer loops."""
+
+    def __init__(self, workload: Workload, options: MetisOptions, stats: SearchStats, start: float) -> None:
+        self.workload = workload
+        self.options = options
+        self.stats = stats
+        self.start = start
+        self.cm = CostModel(workload)
+        self.costs = StageCosts(self.cm)
+        self.model = workload.model
+        self.cluster = workload.cluster
+        self.num_layers = self.model.num_layers
+        self.heap: list[tuple[float, int, _Candidate]] = []  # max-heap on cost (negated)
+        self.counter = itertools.count()
+        self.weights = self._reference_weights()
+        self._init: dict[tuple[tuple[int, ...], int], Intra | None] = {}
+        self._options: dict[tuple[tuple[int, ...], int, int], list[Intra]] = {}
+        self._opt_cache: dict[tuple[object, ...], list[StageBound] | None] = {}
+        self._type_cache: dict[tuple[tuple[int, ...], int], float] = {}
+        self._tp_ok_cache: dict[tuple[tuple[int, ...], int], bool] = {}
+        self.best = math.inf
+        self._searched: set[tuple[tuple[object, ...], int]] = set()
+        self.bounds = Bounds(self.costs, self._options_for, options.max_tp)
+
+    # --- set-up -----------------------------------------------------------------
+    def check_profile(self) -> list[str]:
+        """Notes on profile gaps (or a clear error with ``strict_profile``)."""
+        profile = self.workload.profile
+        if profile is None:
+            return []
+        tps = [t for t in (1, 2, 4, 8) if t <= self.options.max_tp]
+        missing = missing_entries(profile, self.model, self.cluster.gpu_types, tps)
+        if not missing:
+            return []
+        shown = ", ".join(f"{name} on {gpu} tp{tp}" for name, gpu, tp in missing[:4])
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        if self.options.strict_profile:
+            raise HetplanError(f"the profile has no time for {shown}{more}; profile them or drop strict_profile")
+        return [f"profile has no time for {shown}{more}: the analytic estimate is used for those"]
+
+    def _reference_weights(self) -> list[float]:
+        """Per-layer load for proportional layer balancing: the mean over the
+        cluster's GPUs of each layer's time at tp 1, micro-batch 1, as a prefix
+        sum (the authors used one GPU type's profile)."""
+        counts: dict[str, int] = {}
+        gpus = {}
+        for d in self.cluster.devices:
+            counts[d.gpu.name] = counts.get(d.gpu.name, 0) + 1
+            gpus[d.gpu.name] = d.gpu
+        total = sum(counts.values())
+        prefix = [0.0] * (self.num_layers + 1)
+        for name in sorted(counts):
+            p = self.costs.time_prefix(gpus[name], 1, 1)
+            for i in range(self.num_layers + 1):
+                prefix[i] += p[i] * counts[name] / total
+        return prefix
+
+    # --- Algorithm 1 outer loops ------------------------------------------------------
+    def run(self) -> list[_Candidate]:
+        """Every B and pruned stage mapping; the best candidates by eq. 1."""
+        opts = self.options
+        n = self.cluster.num_devices
+        max_stages = min(n, self.num_layers)
+        if opts.max_stages:
+            max_stages = min(max_stages, opts.max_stages)
+        batches = sorted(divisors(self.workload.global_batch_size), reverse=True)
+        enumerator = MappingEnumerator(self.cluster, opts.var, opts.max_permute_len)
+        try:
+            if opts.prune:
+                self._seed(enumerator, max_stages, batches)
+            for num_stages in range(1, max_stages + 1):
+                seen: set[tuple[object, ...]] = set()
+                for multiset in size_multisets(n, num_stages, enumerator.sizes,
+                                               min_group_size(n, num_stages, opts.var)):
+                    self._check_budget()
+                    alive = [b for b in batches if not self._prune_sizes(multiset, b)]
+                    if not alive:
+                        continue
+                    for order in self._orders(multiset):
+                        self.stats.size_orders += 1
+                        self._search_order(order, alive, enumerator, seen, num_stages)
+        except _BudgetExceeded:
+            self.stats.budget_hit = True
+        return self.candidates()
+
+    def _orders(self, multiset: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        """Orderings of a multiset of group sizes after merging the smallest
+        groups (the permutation-length pruning)."""
+        units = merge_smallest(multiset, self.options.max_permute_len)
+        for order in distinct_permutations(units):
+            yield tuple(s for unit in order for s in unit)
+
+    def _search_order(self, order: tuple[int, ...], live: list[int], enumerator: MappingEnumerator,
+                      seen: set[tuple[object, ...]], num_stages: int) -> None:
+        """Cut the order from every node line; search each new mapping."""
+        for line in enumerator.lines:
+            mapping = line.cut(order)
+            if mapping.key in seen:
+                continue
+            seen.add(mapping.key)
+            self.stats.mappings += 1
+            self.stats.stage_counts[num_stages] = self.stats.stage_counts.get(num_stages, 0) + 1
+            for b in live:
+                if (mapping.key, b) not in self._searched and not self._prune_mapping(mapping.groups, b):
+                    self.search_mapping(mapping, b)
+
+    def candidates(self) -> list[_Candidate]:
+        """The kept candidates, best eq. 1 first."""
+        return [c for _, _, c in sorted(self.heap, key=lambda item: (-item[0], -item[1]))]
+
+    def _seed(self, enumerator: MappingEnumerator, max_stages: int, batches: list[int]) -> None:
+        """Search one mapping per number of stages first (equal groups, first
+        node line), so that the pruning threshold is tight early. The full
+        loop skips what was searched here: the result is the same."""
+        n = self.cluster.num_devices
+        for num_stages in range(1, max_stages + 1):
+            if n % num_stages or (n // num_stages) not in enumerator.sizes:
+                continue
+            mapping = enumerator.lines[0].cut((n // num_stages,) * num_stages)
+            for b in batches:
+                self._check_budget()
+                if not self._prune_mapping(mapping.groups, b):
+                    self.search_mapping(mapping, b)
+
+    def _check_budget(self) -> None:
+        budget = self.options.time_budget_s
+        if budget and time.perf_counter() - self.start > budget:
+            raise _BudgetExceeded()
+
+    # --- pruning by lower bounds (same answer, less work) -------------------------------
+    def threshold(self) -> float:
+        """Plans whose eq. 1 cannot come below this are not searched: the
+        best so far, widened by ``prune_slack`` so that near-best plans still
+        reach the shared cost model's re-ranking."""
+        if not self.options.prune or not math.isfinite(self.best):
+            return math.inf
+        return self.best * (1.0 + self.options.prune_slack)
+
+    def _prune_sizes(self, multiset: tuple[int, ...], num_micro_batches: int) -> bool:
+        """Bound every mapping whose groups have these sizes (in any order)."""
+        if not self.options.prune:
+            return False
+        micro_batch = self.workload.global_batch_size // num_micro_batches
+        key = (multiset, num_micro_batches)
+        if key not in self._opt_cache:
+            self._opt_cache[key] = self.bounds.multiset_options(multiset, micro_batch, num_micro_batches)
+        options = self._opt_cache[key]
+        if options is None:
+            self.stats.pruned += 1
+            return True
+        threshold = self.threshold()
+        if math.isfinite(threshold):
+            tkey = (multiset, micro_batch)
+            bottleneck = self._type_cache.get(tkey)
+            if bottleneck is None:
+                bottleneck = self._type_cache[tkey] = self.bounds.type_bottleneck(multiset, micro_batch)
+            if self.bounds.beaten(options, num_micro_batches, threshold, bottleneck):
+                self.stats.pruned += 1
+                return True
+        return False
+
+    def _prune_mapping(self, groups: tuple[DeviceGroup, ...], num_micro_batches: int) -> bool:
+        """No plan of this mapping can come within the threshold, or its
+        memory rules it out."""
+        if not self.options.prune:
+            return False
+        micro_batch = self.workload.global_batch_size // num_micro_batches
+        options = self.bounds.mapping_options(groups, micro_batch, num_micro_batches)
+        if options is None:
+            self.stats.pruned += 1
+            return True
+        threshold = self.threshold()
+        if math.isfinite(threshold) and self.bounds.beaten(
+                options, num_micro_batches, threshold, transfers=lambda: self.bounds.transfers(groups, micro_batch)):
+            self.stats.pruned += 1
+            return True
+        return False
+
+    # --- intra-stage plans -------------------------------------------------------------------
+    def initial_intra(self, group: DeviceGroup, micro_batch: int) -> Intra | None:
+        """All-DP; a group with more GPUs than the micro-batch has samples
+        starts at the smallest TP that leaves each replica a sample (the
+        authors' generator raises TP on such invalid strategies too)."""
+        key = (group.devices, micro_batch)
+        if key in self._init:
+            return self._init[key]
+        tp = 1
+        intra = None
+        while tp and group.size // tp > micro_batch:
+            tp = self.next_tp(group, tp)
+        if tp:
+            dp = group.size // tp
+            split = self.split(group, dp, tp, micro_batch)
+            if split is not None:
+                intra = Intra(dp, tp, split)
+        self._init[key] = intra
+        return intra
+
+    def _options_for(self, group: DeviceGroup, micro_batch: int, from_tp: int) -> list[Intra]:
+        """The intra-stage plans the DFS may reach from ``from_tp``: the start,
+        then every TP raise."""
+        key = (group.devices, micro_batch, from_tp)
+        found = self._options.get(key)
+        if found is None:
+            found = []
+            start = self.initial_intra(group, micro_batch)
+            tp = start.tp if start is not None else 0
+            while tp:
+                if tp >= from_tp:
+                    if start is not None and tp == start.tp:
+                        found.append(start)
+                    else:
+                        split = self.split(group, group.size // tp, tp, micro_batch)
+                        if split is not None:
+                            found.append(Intra(group.size // tp, tp, split))
+                tp = self.next_tp(group, tp)
+            self._options[key] = found
+        return found
+
+    def split(self, group: DeviceGroup, dp: int, tp: int, micro_batch: int,
+              layers: tuple[int, int] | None = None, in_flight: float = 1.0,
+              memory_bound: bool = False) -> tuple[int, ...] | None:
+        """Per-replica shares of the micro-batch (data load balancing)."""
+        if micro_batch < dp:
+            return None
+        if not self.options.data_balance or (not memory_bound and not group.is_hetero):
+            return even_split(micro_batch, dp)
+        return data_balance(self.costs, group, dp, tp, micro_batch, layers, in_flight, memory_bound)
+
+    def next_tp(self, group: DeviceGroup, tp: int) -> int:
+        """The next TP degree (doubling) whose groups stay inside nodes and
+        divide every layer's heads; 0 when there is none."""
+        cand = tp * 2
+        while cand <= min(self.options.max_tp, group.size):
+            if group.size % cand == 0 and self._tp_ok(group, cand):
+                return cand
+            cand *= 2
+        return 0
+
+    def _tp_ok(self, group: DeviceGroup, tp: int) -> bool:
+        key = (group.devices, tp)
+        ok = self._tp_ok_cache.get(key)
+        if ok is None:
+            ok = True
+            for r in range(group.size // tp):
+                if len({self.cluster.devices[d].node for d in group.devices[r * tp:(r + 1) * tp]}) > 1:
+                    ok = False
+                    break
+            for layer in self.model.layers:
+                if not ok:
+                    break
+                if tp > layer.tp_max or (layer.kind not in ("embedding", "head")
+                                         and layer.tp_max < (1 << 30) and layer.tp_max % tp):
+                    ok = False
+            self._tp_ok_cache[key] = ok
+        return ok
+
+    # --- one mapping, one B -----------------------------------------------------------------
+    def search_mapping(self, mapping: StageMapping, num_micro_batches: int) -> None:
+        """Algorithm 1 lines 5-22 for one mapping and one B."""
+        self._searched.add((mapping.key, num_micro_batches))
+        self.stats.evaluations += 1
+        _Evaluation(self, mapping.groups, num_micro_batches).run()
+
+    def record(self, handles: Sequence[StageHandle], bounds: tuple[int, ...], micro_batch: int,
+               num_micro_batches: int) -> None:
+        self.stats.complete_plans += 1
+        cost = metis_cost(handles, bounds, micro_batch, num_micro_batches, self.costs,
+                          self.workload.overlap_grad_sync)
+        self.best = min(self.best, cost)
+        cand = _Candidate(cost, tuple(h.group for h in handles), tuple(h.intra for h in handles), bounds,
+                          num_micro_batches)
+        item = (-cost, -next(self.counter), cand)
+        if len(self.heap) < self.options.rerank:
+            heapq.heappush(self.heap, item)
+        elif item > self.heap[0]:
+            heapq.heapreplace(self.heap, item)
+
+    # --- plans -------------------------------------------------------------------------------
+    def to_plan(self, cand: _Candidate) -> Plan:
+        micro_batch = self.workload.global_batch_size // cand.num_micro_batches
+        stages = []
+        for j, (g, it) in enumerate(zip(cand.groups, cand.intras)):
+            layers = tuple(range(cand.bounds[j], cand.bounds[j + 1]))
+            stages.append(Stage(layers=layers, devices=g.devices, dp=it.dp, tp=it.tp, dp_split=it.split,
+                                strategies=(LayerStrategy(),) * len(layers)))
+        return Plan(model=self.model.name, cluster=self.cluster.name,
+                    global_batch_size=self.workload.global_batch_size, micro_batch_size=micro_batch,
+                    num_micro_batches=cand.num_micro_batches, schedule="1f1b", stages=tuple(stages),
+                    planner="metis")
+
+    def stage_notes(self, plan: Plan) -> list[str]:
+        """One line per stage: device group, GPU types, (dp, tp), layers and
+        the per-GPU micro-batch split."""
+        lines = []
+        for j, s in enumerate(plan.stages):
+            group = make_group(self.cluster, s.devices)
+            nodes = sorted({self.cluster.devices[d].node for d in s.devices})
+            node_names = ",".join(self.cluster.nodes[n].name or str(n) for n in nodes)
+            split = "+".join(str(x) for x in s.dp_split)
+            per_gpu = (f"micro-batch split {split} (of {plan.micro_batch_size})" if s.dp > 1
+                       else f"micro-batch {plan.micro_batch_size}")
+            types = group.describe().split(": ", 1)[1]
+            lines.append(f"stage {j}: GPUs {_ranges(s.devices)} = {types} (node {node_names}); "
+                         f"dp{s.dp} x tp{s.tp}; layers {s.layers[0]}-{s.layers[-1]} ({s.num_layers}); {per_gpu}")
+        return lines
+
+    def polish(self, cand: _Candidate) -> _Candidate:
+        """The exact layer placement (``partition.fast_partition``) for the
+        candidate's own stages, intra-stage plans and data splits, under the
+        same pipeline objective and memory limits; kept when Metis's cost
+        improves. Metis's proportional balancing decides the search; this
+        only moves boundaries of the plans it returns."""
+        num_stages = len(cand.groups)
+        if not self.options.exact_layers or num_stages == 1:
+            return cand
+        handles = [self.costs.handle(g, it) for g, it in zip(cand.groups, cand.intras)]
+        n = self.num_layers
+        b_count = cand.num_micro_batches
+        micro_batch = self.workload.global_batch_size // b_count
+        segments = np.empty((num_stages, n + 1, n + 1))
+        fits = np.empty((num_stages, n + 1, n + 1), dtype=bool)
+        for j, h in enumerate(handles):
+            segments[j] = h.time_matrix()
+            fits[j] = h.fits_matrix(float(min(num_stages - j, b_count)))
+        cuts = np.zeros((num_stages - 1, n - 1))
+        for j in range(num_stages - 1):
+            unit = self.costs.p2p_time_bytes(cand.groups[j], cand.groups[j + 1], 1.0)
+            for c in range(n - 1):
+                cuts[j, c] = 2.0 * unit * self.model.layers[c].output_bytes * micro_batch
+        try:
+            problem = PartitionProblem.from_segments(segments, b_count, cuts, fits)
+            part = fast_partition(problem)
+        except HetplanError:
+            return cand
+        if part is None:
+            return cand
+        bounds = tuple(int(x) for x in part.boundaries)
+        cost = metis_cost(handles, bounds, micro_batch, b_count, self.costs, self.workload.overlap_grad_sync)
+        if cost >= cand.cost_s - 1e-12:
+            return cand
+        return _Candidate(cost, cand.groups, cand.intras, bounds, b_count)
+
+    def finish(self, best: list[_Candidate], top_k: int, notes: list[str]) -> list[RankedPlan]:
+        """Polish the best candidates' layer placement, re-cost them with the
+        shared cost model and rank them."""
+        ranked = []
+        seen: set[tuple[object, ...]] = set()
+        for cand in best:
+            cand = self.polish(cand)
+            plan = self.to_plan(cand)
+            key = (plan.stages, plan.num_micro_batches)
+            if key in seen:
+                continue
+            seen.add(key)
+            ranked.append(RankedPlan(plan, self.cm.estimate(plan), planner_cost_s=cand.cost_s))
+        ranked.sort(key=rank_key)
+        if not ranked[0].estimate.fits:
+            raise no_fit_error(self.workload, ranked)
+        out = []
+        for r in ranked[:top_k]:
+            plan = r.plan.with_changes(notes=tuple(self.stage_notes(r.plan)) + tuple(notes))
+            out.append(RankedPlan(plan, r.estimate, r.planner_cost_s))
+        return out
+
+
+def metis_cost(handles: Sequence[StageHandle], bounds: Sequence[int], micro_batch: int, num_micro_batches: int,
+               costs: StageCosts, overlap_grad_sync: bool = True) -> float:
+    """Metis eq. 1, ``Σ t_i + (B − 1)·max t_j + DP_all``, as the shared cost
+    model computes it: ``t_j`` is stage j's forward + backward time (slowest
+    replica, TP communication included); the two pipeline transfers of each
+    boundary are added once (not inside the bottleneck term); each stage's
+    gradient all-reduce overlaps the backward pass of its last micro-batch
+    (paying the overlap slowdown), starting as soon as that stage is done;
+    the optimizer step follows."""
+    n = len(handles)
+    times = []
+    bwds = []
+    p2ps = []
+    for j, h in enumerate(handles):
+        a, b = bounds[j], bounds[j + 1]
+        t, bwd = h.time_bwd(a, b)
+        times.append(t)
+        bwds.append(bwd)
+        p2ps.append(costs.p2p_time(h.group, handles[j + 1].group, b - 1, micro_batch) if j + 1 < n else 0.0)
+    slowest = max(times)
+    pipe = num_micro_batches * slowest + sum(times) - slowest + 2.0 * sum(p2ps)
+    finish = pipe
+    ahead = 0.0
+    optimizer = 0.0
+    for j, h in enumerate(handles):
+        a, b = bounds[j], bounds[j + 1]
+        if j > 0:
+            ahead += bwds[j - 1] + p2ps[j - 1]
+        sync = h.sync(a, b)
+        if sync > 0:
+            exposed = overlapped_exposure(sync, bwds[j]) if overlap_grad_sync else sync
+            finish = max(finish, pipe - ahead + exposed)
+        optimizer = max(optimizer, h.optimizer_time(a, b))
+    return finish + optimizer
+
+
+class _Evaluation:
+    """Algorithm 1's intra-stage DFS for one mapping and one B. Stage j keeps
+    activations of min(S − j, B) micro-batches (1F1B)."""
+
+    def __init__(self, search: _Search, groups: tuple[DeviceGroup, ...], num_micro_batches: int) -> None:
+        self.search = search
+        self.costs = search.costs
+        self.options = search.options
+        self.groups = groups
+        self.num_stages = len(groups)
+        self.num_layers = search.num_layers
+        self.weights = search.weights
+        self.num_micro_batches = num_micro_batches
+        self.micro_batch = search.workload.global_batch_size // num_micro_batches
+        self.in_flight = tuple(float(min(self.num_stages - j, num_micro_batches)) for j in range(self.num_stages))
+        self.leaves = 0
+        self.states = 0
+        self.seen: set[tuple[object, ...]] = set()
+        self.lb_cache: dict[tuple[object, ...], tuple[int, ...] | None] = {}
+
+    def handle(self, group: DeviceGroup, intra: Intra) -> StageHandle:
+        return self.costs.handle(group, intra)
+
+    def run(self) -> None:
+        handles = []
+        for g in self.groups:
+            intra = self.search.initial_intra(g, self.micro_batch)
+            if intra is None:
+                return
+            handles.append(self.handle(g, intra))
+        hs = tuple(handles)
+        bounds = self.layer_lb(hs, 0, ())
+        if bounds is None:
+            return
+        if self.options.data_balance and any(h.group.is_hetero for h in hs):
+            # DataLB on each heterogeneous stage's own layers, then LayerLB again
+            resplit = list(hs)
+            for j, h in enumerate(hs):
+                if h.group.is_hetero:
+                    split = self.search.split(h.group, h.intra.dp, h.intra.tp, self.micro_batch,
+                                              (bounds[j], bounds[j + 1]))
+                    if split is not None and split != h.intra.split:
+                        resplit[j] = self.handle(h.group, Intra(h.intra.dp, h.intra.tp, split))
+            if tuple(resplit) != hs:
+                again = self.layer_lb(tuple(resplit), 0, ())
+                if again is not None:
+                    hs, bounds = tuple(resplit), again
+        self.dfs(0, hs, bounds)
+
+    # --- the DFS -----------------------------------------------------------------------------
+    def dfs(self, i: int, hs: tuple[StageHandle, ...], bounds: tuple[int, ...]) -> None:
+        """Stages before ``i`` are settled (they fit in memory)."""
+        opts = self.options
+        if self.leaves >= opts.max_leaves or self.states >= opts.max_dfs_states:
+            return
+        state = (i, tuple(h.key for h in hs[i:]), bounds)
+        if state in self.seen:
+            return
+        self.seen.add(state)
+        self.states += 1
+        if i >= self.num_stages:
+            self.leaves += 1
+            self.search.record(hs, bounds, self.micro_batch, self.num_micro_batches)
+            return
+        h = hs[i]
+        cap = opts.max_batch_per_replica
+        if cap and max(h.intra.split) > cap:
+            return  # InvalidIntraPlan
+        a, b = bounds[i], bounds[i + 1]
+        in_flight = self.in_flight[i]
+        if not h.fits(a, b, in_flight):
+            group, intra = h.group, h.intra
+            # a heterogeneous group may fit by moving samples to GPUs with spare
+            # memory (data balancing bounded by memory); rebalance the layers
+            # of this and the remaining stages and look again
+            if group.is_hetero and opts.data_balance:
+                split = self.search.split(group, intra.dp, intra.tp, self.micro_batch, (a, b), in_flight, True)
+                if split is not None and split != intra.split:
+                    moved = hs[:i] + (self.handle(group, Intra(intra.dp, intra.tp, split)),) + hs[i + 1:]
+                    new_bounds = self.layer_lb(moved, i, bounds[:i + 1])
+                    if new_bounds is not None:
+                        self.dfs(i, moved, new_bounds)
+            # (a) increase TP, decrease DP; rebalance data, and layers over this
+            # and the remaining stages; look at this stage again
+            tp = self.search.next_tp(group, intra.tp)
+            if tp:
+                split = self.search.split(group, group.size // tp, tp, self.micro_batch)
+                if split is not None:
+                    raised = hs[:i] + (self.handle(group, Intra(group.size // tp, tp, split)),) + hs[i + 1:]
+                    new_bounds = self.layer_lb(raised, i, bounds[:i + 1])
+                    if new_bounds is not None:
+                        self.dfs(i, raised, new_bounds)
+            # (b) restore the plan; move layers off this stage to the remaining
+            # ones, in proportion to their capacity, until it fits
+            shed = self.shed(i, hs, bounds)
+            if shed is None:
+                return
+            bounds = shed
+        self.dfs(i + 1, hs, bounds)
+
+    # --- layer balancing ---------------------------------------------------------------------
+    def layer_lb(self, hs: tuple[StageHandle, ...], start: int, settled: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Capacity-aware layer balancing of stages ``start``.. over the layers
+        after the settled prefix (``settled`` = bounds[0..start]), then
+        boundary refinement; equal layer counts when layer balancing is off."""
+        first = settled[start] if start > 0 else 0
+        remaining = self.num_stages - start
+        if remaining > self.num_layers - first:
+            return None
+        prefix = list(settled[:start])
+        if remaining == 1:
+            return tuple(prefix + [first, self.num_layers])
+        if not self.options.layer_balance:
+            base, extra = divmod(self.num_layers - first, remaining)
+            bounds = prefix + [first]
+            for j in range(remaining):
+                bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+            return tuple(bounds)
+        key = (tuple(h.key for h in hs[start:]), start, first)
+        if key in self.lb_cache:
+            cached = self.lb_cache[key]
+            return None if cached is None else tuple(prefix) + cached[start:]
+        capacity = [1.0 / max(h.whole, 1e-12) for h in hs[start:]]
+        total = sum(capacity)
+        base_weight = self.weights[first]
+        weights = [w - base_weight for w in self.weights[first:]]
+        tail = proportional_bounds(weights, [c / total for c in capacity])
+        bounds = prefix + [first + x for x in tail]
+        result = tuple(self.refine(hs, bounds, start))
+        self.lb_cache[key] = result
+        return result
+
+    def refine(self, hs: tuple[StageHandle, ...], bounds: list[int], start: int) -> list[int]:
+        """Move one boundary layer at a time from the slowest stage (from
+        ``start`` on) to a neighbour while that lowers the slower of the two
+        and the neighbour keeps fitting in memory."""
+        n = self.num_stages
+        in_flight = self.in_flight
+        times = [hs[j].time(bounds[j], bounds[j + 1]) if j >= start else 0.0 for j in range(n)]
+        for _ in range(2 * self.num_layers):
+            k = start
+            for j in range(start + 1, n):
+                if times[j] > times[k]:
+                    k = j
+            if bounds[k + 1] - bounds[k] <= 1:
+                break
+            best = None
+            if k > start:  # give the first layer to the previous stage
+                t_k = hs[k].time(bounds[k] + 1, bounds[k + 1])
+                t_nb = hs[k - 1].time(bounds[k - 1], bounds[k] + 1)
+                worst = t_k if t_k > t_nb else t_nb
+                if worst < times[k] - 1e-12 and (hs[k - 1].fits(bounds[k - 1], bounds[k] + 1, in_flight[k - 1])
+                                                 or not hs[k - 1].fits(bounds[k - 1], bounds[k], in_flight[k - 1])):
+                    best = (worst, k, k - 1, t_k, t_nb)
+            if k + 1 < n:  # give the last layer to the next stage
+                t_k = hs[k].time(bounds[k], bounds[k + 1] - 1)
+                t_nb = hs[k + 1].time(bounds[k + 1] - 1, bounds[k + 2])
+                worst = t_k if t_k > t_nb else t_nb
+                if worst < times[k] - 1e-12 and (best is None or worst < best[0]) and \
+                        (hs[k + 1].fits(bounds[k + 1] - 1, bounds[k + 2], in_flight[k + 1])
+                         or not hs[k + 1].fits(bounds[k + 1], bounds[k + 2], in_flight[k + 1])):
+                    best = (worst, k, k + 1, t_k, t_nb)
+            if best is None:
+                break
+            _, k, nb, times[k], times[nb] = best
+            if nb < k:
+                bounds[k] += 1
+            else:
+                bounds[k + 1] -= 1
+        return bounds
+
+    def shed(self, i: int, hs: tuple[StageHandle, ...], bounds: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Stage i keeps the layers it can hold from where it starts; the rest
+        go to the remaining stages in proportion to their capacity."""
+        if i + 1 >= self.num_stages or not self.options.layer_balance:
+            return None
+        h = hs[i]
+        a, b = bounds[i], bounds[i + 1]
+        hold = b - 1
+        while hold > a and not h.fits(a, hold, self.in_flight[i]):
+            hold -= 1
+        if hold <= a:
+            return None
+        return self.layer_lb(hs, i + 1, tuple(bounds[:i + 1]) + (hold,))
+
+
+def _ranges(devices: Sequence[int]) -> str:
+    """'0-3,8,10-11' for a list of GPU ids."""
+    parts = []
+    ids = list(devices)
+    start = prev = ids[0]
+    for d in ids[1:] + [None]:  # type: ignore[list-item]
+        if d is not None and d == prev + 1:
+            prev = d
+            continue
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if d is not None:
+            start = prev = d
+    return ",".join(parts)
+
+
+# --- the 64-GPU mixed cluster -----------------------------------------------------------------
+# Three GPU types in nodes of 1 to 8 GPUs: what a shared cluster hands out when
+# some GPUs of each node are taken (Metis §3, §5.2.2). Links as Metis's GCP
+# setup: PCIe 3.0 inside a node, 16 Gbps between nodes.
+METIS_MIXED_64_NODES: tuple[tuple[str, int], ...] = (
+    ("V100-16GB", 8), ("V100-16GB", 4), ("V100-16GB", 2), ("V100-16GB", 1), ("V100-16GB", 1),
+    ("T4", 8), ("T4", 8), ("T4", 4), ("T4", 2), ("T4", 2),
+    ("P100", 8), ("P100", 8), ("P100", 4), ("P100", 2), ("P100", 1), ("P100", 1),
+)
+
+
+def metis_mixed_64() -> ClusterSpec:
+    nodes = []
+    seen: dict[str, int] = {}
+    for gpu, count in METIS_MIXED_64_NODES:
+        index = seen.get(gpu, 0)
+        seen[gpu] = index + 1
+        nodes.append(NodeSpec(gpu, count, PCIE3_X16_GBPS, name=f"{gpu.split('-')[0].lower()}-{index}"))
+    return ClusterSpec("metis-mixed-64", tuple(nodes), METIS_INTER_GBPS,
+                       description="64 GPUs (16 V100, 24 T4, 24 P100) in 16 uneven nodes of 1-8 GPUs, "
+                                   "PCIe inside nodes, 16 Gbps between (Metis §5 links)")
+
+
+def register() -> None:
+    register_planner("metis", "Metis (ATC'24): device groups, pruned stage mapping, DP-first intra-stage "
+                     "search, capacity-aware layer and data balancing", MetisPlanner)
+    register_cluster("metis-mixed-64", "64 GPUs of P100, T4 and V100 in uneven nodes of 1-8 GPUs (Metis-style)",
+                     metis_mixed_64)
+
+
+__all__ = ["MetisPlanner", "MetisOptions", "SearchStats", "metis_mixed_64"]
