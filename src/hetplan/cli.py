@@ -373,6 +373,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
+    import hetplan.search  # noqa: F401  (planner modules register their clusters, e.g. metis-mixed-64)
     from hetplan.cluster import GPU_CATALOG, cluster_descriptions, get_cluster
     from hetplan.report.text import table
     from hetplan.units import format_bytes

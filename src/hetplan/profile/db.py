@@ -99,6 +99,10 @@ class ProfileDB:
             raise HetplanError(f"cannot read profile {path}: {exc.strerror}") from None
         except json.JSONDecodeError as exc:
             raise HetplanError(f"profile {path} is not valid JSON (line {exc.lineno})") from None
+        if isinstance(data, dict) and data.get("format") == "hetplan-metis-profile":
+            from hetplan.profile.metis import MetisProfileDB
+
+            return MetisProfileDB.from_dict(data)
         try:
             return ProfileDB(ProfileEntry(**e) for e in data["entries"])
         except (KeyError, TypeError) as exc:
