@@ -35,6 +35,17 @@ class ProfileEntry:
     memory_bytes: int = 0
 
 
+def read_profile_json(path: str) -> object:
+    """Parsed JSON of a profile file; unreadable or malformed files are one clear error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise HetplanError(f"cannot read profile {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise HetplanError(f"profile {path} is not valid JSON (line {exc.lineno})") from None
+
+
 class ProfileDB:
     """Measured layer times; ``lookup`` returns (fwd_s, bwd_s) or None."""
 
@@ -92,13 +103,7 @@ class ProfileDB:
     @staticmethod
     def load(path: str | os.PathLike[str]) -> ProfileDB:
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as exc:
-            raise HetplanError(f"cannot read profile {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise HetplanError(f"profile {path} is not valid JSON (line {exc.lineno})") from None
+        data = read_profile_json(path)
         if isinstance(data, dict) and data.get("format") == "hetplan-metis-profile":
             from hetplan.profile.metis import MetisProfileDB
 

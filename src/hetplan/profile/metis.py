@@ -241,15 +241,10 @@ class MetisProfileDB(ProfileDB):
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> MetisProfileDB:
+        from hetplan.profile.db import read_profile_json
+
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as exc:
-            raise HetplanError(f"cannot read profile {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise HetplanError(f"profile {path} is not valid JSON (line {exc.lineno})") from None
-        return MetisProfileDB.from_dict(data, f"profile {path}")
+        return MetisProfileDB.from_dict(read_profile_json(path), f"profile {path}")  # type: ignore[arg-type]
 
 
 def load_example() -> MetisProfileDB:
