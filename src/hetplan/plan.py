@@ -176,14 +176,7 @@ class Plan:
             layers = f" layers {counts}" if self.pp > 1 else ""
             return f"dp{first.dp} tp{first.tp} pp{self.pp}{layers}{extras(first)}{uneven(first)} {tail}"
         parts = [f"dp{s.dp} tp{s.tp} {s.num_layers}L{extras(s)}{uneven(s)}" for s in self.stages]
-        grouped: list[str] = []
-        i = 0
-        while i < len(parts):
-            j = i
-            while j < len(parts) and parts[j] == parts[i]:
-                j += 1
-            grouped.append(parts[i] + (f" ×{j - i}" if j - i > 1 else ""))
-            i = j
+        grouped = [part + (f" ×{count}" if count > 1 else "") for part, count in _group_runs(parts)]
         return f"pp{self.pp} [{' | '.join(grouped)}] {tail}"
 
     # --- serialisation -----------------------------------------------------
@@ -229,17 +222,20 @@ class Plan:
         return replace(self, **changes)
 
 
+def _group_runs(values: Sequence[Any]) -> list[tuple[Any, int]]:
+    """Consecutive equal values as (value, count): [3, 2, 2, 4] -> [(3, 1), (2, 2), (4, 1)]."""
+    runs: list[tuple[Any, int]] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1] = (value, runs[-1][1] + 1)
+        else:
+            runs.append((value, 1))
+    return runs
+
+
 def _runs(values: Sequence[int]) -> list[str]:
     """Run-length form: [3, 2, 2, 2, 4] -> ['3', '2×3', '4']."""
-    out: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j < len(values) and values[j] == values[i]:
-            j += 1
-        out.append(f"{values[i]}×{j - i}" if j - i > 2 else "/".join([str(values[i])] * (j - i)))
-        i = j
-    return out
+    return [f"{v}×{n}" if n > 2 else "/".join([str(v)] * n) for v, n in _group_runs(values)]
 
 
 def uniform_stage(

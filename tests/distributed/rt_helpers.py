@@ -17,18 +17,10 @@ from hetplan.plan import LayerStrategy, Plan, save_plan, uniform_stage
 MODEL = "tiny-gpt"
 NUM_LAYERS = 6  # embed, 4 blocks, head
 TOL = 1e-5
+from hetplan.search.uniform import even_split
+
 STEPS = 3
 GBS = 8
-
-
-def even_split(num_layers: int, pp: int) -> list[range]:
-    base, extra = divmod(num_layers, pp)
-    out, start = [], 0
-    for j in range(pp):
-        size = base + (1 if j < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
 
 
 def make_plan(dp: int = 1, tp: int = 1, pp: int = 1, micro: int | None = None, *, zero: int = 0,
