@@ -13,12 +13,11 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from hetplan.plan import LayerStrategy, Plan, save_plan, uniform_stage
+from hetplan.search.uniform import even_split
 
 MODEL = "tiny-gpt"
 NUM_LAYERS = 6  # embed, 4 blocks, head
 TOL = 1e-5
-from hetplan.search.uniform import even_split
-
 STEPS = 3
 GBS = 8
 
