@@ -33,9 +33,9 @@ from hetplan.model.presets import get_model  # noqa: E402
 from hetplan.report.text import table  # noqa: E402
 from hetplan.search import get_planner  # noqa: E402
 from hetplan.search.amp import AMPPlanner, AmpCostModel  # noqa: E402
-from hetplan.search.megatron import layer_split  # noqa: E402
-from hetplan.search.partition import PartitionProblem, fast_partition, reference_partition  # noqa: E402
-from hetplan.search.uniform import uniform_plan  # noqa: E402
+from hetplan.search.baselines.megatron import layer_split  # noqa: E402
+from hetplan.search.common.partition import PartitionProblem, fast_partition, reference_partition  # noqa: E402
+from hetplan.search.baselines.uniform import uniform_plan  # noqa: E402
 
 SPEEDUP_TARGET = 100.0
 SEARCH_TARGET_S = 2.0
@@ -124,7 +124,7 @@ def bench_reproduction() -> None:
     w = Workload(get_model("gpt2-amp"), get_cluster("amp-heterogeneous"), 32)
     cm = CostModel(w)
     meg = get_planner("megatron").plan(w, 50)
-    candidates = AMPPlanner().search(w, AmpCostModel(w, cm))
+    candidates = AMPPlanner().search(w, AmpCostModel(cm))
     top = cm.estimate(candidates[0].to_plan(w))
     u = meg[0].plan.micro_batch_size // meg[0].plan.stages[0].dp
     rank = 1 + next(i for i, c in enumerate(candidates) if (c.pp, c.dp, c.tp, c.micro_batch) == (1, 16, 1, u))
@@ -145,7 +145,7 @@ def bench_reproduction() -> None:
     # heterogeneous model
     w = Workload(get_model("transgan-het"), get_cluster("amp-hetero-model"), 64)
     cm = CostModel(w)
-    ac = AmpCostModel(w, cm)
+    ac = AmpCostModel(cm)
     best = AMPPlanner().search(w, ac)[0]
     ours = best.to_plan(w)
     ours_t = cm.estimate(ours).iteration_time_s

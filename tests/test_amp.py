@@ -17,10 +17,11 @@ from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost import CostModel, Workload
 from hetplan.model.presets import get_model, gpt_decoder
 from hetplan.search import get_planner
-from hetplan.search.amp import AMPPlanner, AmpCostModel, enumerate_degrees
+from hetplan.search.amp import AMPPlanner, AmpCostModel
+from hetplan.search.common.degrees import enumerate_degrees
 from hetplan.search.exhaustive import ExhaustivePlanner, all_splits
-from hetplan.search.placement import heuristic_placement
-from hetplan.search.uniform import uniform_plan
+from hetplan.search.common.placement import heuristic_placement
+from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.validate import validate_plan
 
 GBPS = 1e9 / 8
@@ -35,7 +36,7 @@ def two_node_cluster(per_node: int = 2) -> ClusterSpec:
 def test_amp_cost_by_hand() -> None:
     workload = Workload(get_model("tiny-gpt"), two_node_cluster(), 8)
     cost_model = CostModel(workload)
-    amp = AmpCostModel(workload, cost_model)
+    amp = AmpCostModel(cost_model)
     model, cluster = workload.model, workload.cluster
     # pp=2, dp=2, tp=1, mbs=1 → gas 4; stage 0 on the V100 node, stage 1 on the T4 node
     devices = heuristic_placement(4, 2, 2, 1)
@@ -44,8 +45,8 @@ def test_amp_cost_by_hand() -> None:
     bounds = (0, 2, model.num_layers)
 
     def t_layer(index: int, device: int) -> float:
-        t = cost_model.layer_time(index, cluster.devices[device].gpu, 1, 1)
-        return t.fwd_s + t.bwd_s
+        fwd, bwd, _ = cost_model.kernel.layer_time(index, cluster.devices[device].gpu, 1, 1)
+        return fwd + bwd
 
     stage = [sum(t_layer(i, 0) for i in range(0, 2)), sum(t_layer(i, 2) for i in range(2, model.num_layers))]
     e = model.layers[1].output_bytes * 1 / (10.0 * GBPS)  # v / b across the 10 Gbps network
@@ -67,12 +68,12 @@ def test_amp_cost_by_hand() -> None:
 def test_tensor_parallel_layer_time_adds_eq3_allreduces() -> None:
     workload = Workload(get_model("gpt2-amp"), get_cluster("amp-homogeneous"), 32)
     cost_model = CostModel(workload)
-    amp = AmpCostModel(workload, cost_model)
+    amp = AmpCostModel(cost_model)
     prefix = amp.layer_times((0, 1), 2)
     index = 3
-    compute = cost_model.layer_time(index, workload.cluster.devices[0].gpu, 2, 2)
+    fwd, bwd, _ = cost_model.kernel.layer_time(index, workload.cluster.devices[0].gpu, 2, 2)
     allreduce = 2 * (2 - 1) * workload.model.layers[index].tp_comm_bytes * 2 / (2 * 50.0 * GBPS)
-    assert prefix[index + 1] - prefix[index] == pytest.approx(compute.fwd_s + compute.bwd_s + 2 * allreduce)
+    assert prefix[index + 1] - prefix[index] == pytest.approx(fwd + bwd + 2 * allreduce)
 
 
 def test_heterogeneous_stages_use_their_own_gpu_type() -> None:
@@ -127,7 +128,7 @@ def test_degrees_respect_nodes_heads_and_batch() -> None:
 # --- exhaustive oracle -------------------------------------------------------------------
 def _exhaustive_by_strategy(workload: Workload) -> dict[tuple[int, int, int, int, tuple], list[tuple]]:
     """AMP's cost (total, pipeline) of every plan of the space, by strategy."""
-    amp = AmpCostModel(workload)
+    amp = AmpCostModel(CostModel(workload))
     table: dict[tuple[int, int, int, int, tuple], list[tuple]] = defaultdict(list)
     for strategy, bounds in ExhaustivePlanner("amp").plans(workload):
         terms = amp.terms(strategy.placement, strategy.dp, strategy.tp, strategy.micro_batch)

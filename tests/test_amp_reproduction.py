@@ -18,10 +18,10 @@ from hetplan.model.spec import ModelSpec
 from hetplan.plan import RankedPlan
 from hetplan.search import get_planner
 from hetplan.search.amp import AMPPlanner, AmpCandidate, AmpCostModel
-from hetplan.search.megatron import layer_split
-from hetplan.search.partition import fast_partition
-from hetplan.search.placement import heuristic_placement
-from hetplan.search.uniform import uniform_plan
+from hetplan.search.baselines.megatron import layer_split
+from hetplan.search.common.partition import fast_partition
+from hetplan.search.common.placement import heuristic_placement
+from hetplan.search.baselines.uniform import uniform_plan
 
 
 def megatron_plan(workload: Workload) -> RankedPlan:
@@ -53,7 +53,7 @@ def test_heterogeneous_cluster_gpt2() -> None:
     megatron = megatron_plan(workload)
     assert megatron.plan.pp == 1 and megatron.plan.stages[0].dp == 16 and megatron.plan.stages[0].tp == 1
     cost_model = CostModel(workload)
-    candidates = AMPPlanner().search(workload, AmpCostModel(workload, cost_model))
+    candidates = AMPPlanner().search(workload, AmpCostModel(cost_model))
     best = cost_model.estimate(candidates[0].to_plan(workload))
     assert best.fits
     assert megatron.estimate.iteration_time_s >= 1.4 * best.iteration_time_s
@@ -80,7 +80,7 @@ def test_heterogeneous_model_transgan() -> None:
     uniform-parameter assignments (paper: 1.17x and 2.05x)."""
     workload = Workload(get_model("transgan-het"), get_cluster("amp-hetero-model"), 64)
     cost_model = CostModel(workload)
-    amp = AmpCostModel(workload, cost_model)
+    amp = AmpCostModel(cost_model)
     best = AMPPlanner().search(workload, amp)[0]
     assert best.pp > 1
     ours = best.to_plan(workload)
@@ -109,9 +109,9 @@ def with_heterogeneity(model: ModelSpec, workload_cluster: str, target: float) -
         return model.with_layers(layers)
 
     def ratio(m: ModelSpec) -> float:
-        cm = CostModel(Workload(m, cluster, 64))
-        a, b = cm.layer_time(low, gpu, 1), cm.layer_time(1, gpu, 1)
-        return (a.fwd_s + a.bwd_s) / (b.fwd_s + b.bwd_s)
+        kernel = CostModel(Workload(m, cluster, 64)).kernel
+        a, b = kernel.layer_time(low, gpu, 1), kernel.layer_time(1, gpu, 1)
+        return (a[0] + a[1]) / (b[0] + b[1])
 
     lo, hi = 0.0, 1.0
     for _ in range(40):
@@ -129,7 +129,7 @@ def fig3_speedups(gbs: int, target: float) -> dict[str, float]:
     model, het = with_heterogeneity(get_model("transgan-het"), "amp-hetero-model", target)
     workload = Workload(model, get_cluster("amp-hetero-model"), gbs)
     cost_model = CostModel(workload)
-    amp = AmpCostModel(workload, cost_model)
+    amp = AmpCostModel(cost_model)
     pp, dp, tp, u = 4, 4, 1, 1
     gas = gbs // (dp * u)
     terms = amp.terms(heuristic_placement(16, pp, dp, tp), dp, tp, u)

@@ -14,11 +14,13 @@ from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model
 from hetplan.search import get_planner
 from hetplan.search.exhaustive import ExhaustivePlanner
-from hetplan.search.megatron import MegatronPlanner, layer_split, megatron_degrees
-from hetplan.search.partition import balanced_partition
-from hetplan.search.placement import canonical_placements, count_canonical_placements, heuristic_placement
-from hetplan.search.random_search import RandomPlanner
-from hetplan.search.uniform import block_split, divisors, uniform_plan
+from hetplan.search.baselines.megatron import MegatronPlanner, layer_split, megatron_degrees
+from hetplan.search.common.partition import balanced_partition
+from hetplan.search.common.placement import canonical_placements, count_canonical_placements, heuristic_placement
+from hetplan.search.baselines.random_search import RandomPlanner
+from hetplan.search.baselines.uniform import uniform_plan
+from hetplan.search.common.degrees import divisors
+from hetplan.search.common.layer_splits import block_split
 from hetplan.validate import validate_plan
 
 

@@ -8,11 +8,11 @@ from hetplan.cluster import ClusterSpec, NodeSpec, load_cluster
 from hetplan.cost import CostModel, Workload
 from hetplan.cost import comm
 from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY, ZERO3_GATHERED_LAYERS
-from hetplan.cost.memory import device_memory, framework_overhead_bytes, in_flight_micro_batches, model_state_bytes
+from hetplan.cost.memory import framework_overhead_bytes, in_flight_micro_batches, model_state_bytes
 from hetplan.cost.pipeline import pipeline_time
 from hetplan.model.presets import get_model, gpt_decoder
 from hetplan.plan import LayerStrategy, Plan, Stage
-from hetplan.search.uniform import uniform_plan
+from hetplan.search.baselines.uniform import uniform_plan
 
 
 def _cluster(nodes: int, per_node: int, intra_gbps: float, inter_gbps: float, gpu: str = "A100-80GB") -> ClusterSpec:
@@ -37,13 +37,50 @@ def test_zero_stages_shard_states() -> None:
 
 def test_zero3_memory_adds_gathered_working_set() -> None:
     model = gpt_decoder("m", 4, 512, 8, 128, vocab=1000)
-    state = (2, 2, 12)
-    layers = [(i, LayerStrategy(zero=3), 1, 8, 0.0) for i in range(model.num_layers)]
-    total = device_memory(model, layers, in_flight=1, state_bytes=state)
-    params = model.total_params  # tied embedding/head counted once per stage
+    workload = Workload(model, load_cluster("8xA100-80GB"), 8)
+    plan = uniform_plan(workload, 8, 1, 1, 1, zero=3)
+    memory = CostModel(workload).estimate(plan).peak_memory_bytes[0]
+    state = workload.state_bytes  # (2, 2, 12): 16 bytes per parameter, 2 per GPU under ZeRO-3 on 8
+    params = model.total_params  # tied embedding/head counted once on the stage
     largest = max(layer.params for layer in model.layers)
-    expected = 2 * params + ZERO3_GATHERED_LAYERS * 2 * largest + framework_overhead_bytes(False)
-    assert total == pytest.approx(expected)
+    activations = sum(layer.act_bytes for layer in model.layers)  # one sample, one micro-batch in flight
+    expected = sum(state) / 8 * params + ZERO3_GATHERED_LAYERS * 2 * largest + activations \
+        + framework_overhead_bytes(False)
+    assert memory == pytest.approx(expected, rel=1e-9)
+
+
+def test_tied_weight_is_synced_and_updated_once_per_stage() -> None:
+    """A stage holding both the embedding and the LM head that shares its
+    weight holds, all-reduces and updates that weight once."""
+    model = gpt_decoder("m", 2, 512, 8, 128, vocab=1000)
+    assert model.layers[-1].tied_params > 0
+    workload = Workload(model, load_cluster("8xA100-80GB"), 8)
+    cost = CostModel(workload)
+    timing = cost.stage_timing(uniform_plan(workload, 8, 1, 1, 1).stages[0], 8)
+    group = tuple(range(8))
+    grad = workload.state_bytes[1]
+    expected_sync = comm.allreduce_time(workload.cluster, group, model.total_params * grad, 1)
+    assert timing.grad_sync_s == pytest.approx(expected_sync, rel=1e-9)
+    assert timing.optimizer_s == pytest.approx(cost.kernel.optimizer_rate(group) * model.total_params, rel=1e-9)
+
+
+def test_zero1_all_reduces_and_zero2_reduce_scatters_gradients() -> None:
+    workload = Workload(get_model("gpt2-amp"), load_cluster("8xA100-80GB"), 8)
+    cost = CostModel(workload)
+    one, two = (cost.stage_timing(uniform_plan(workload, 8, 1, 1, 1, zero=z).stages[0], 8) for z in (1, 2))
+    assert one.post_step_s == pytest.approx(two.post_step_s) and one.post_step_s > 0  # both gather the weights
+    group = tuple(range(8))
+    ratio = comm.allreduce_time(workload.cluster, group, 1e9) / comm.reduce_scatter_time(workload.cluster, group, 1e9)
+    assert one.grad_sync_s == pytest.approx(two.grad_sync_s * ratio)
+
+
+def test_lower_bound_is_below_every_plan(gpt2_hetero: Workload, gpt2_cost: CostModel) -> None:
+    bound = gpt2_cost.lower_bound_s()
+    assert bound > 0
+    for dp, tp, pp, u, zero, rc in [(16, 1, 1, 2, 0, "none"), (2, 2, 4, 1, 2, "full"), (1, 1, 16, 1, 0, "none"),
+                                    (4, 4, 1, 8, 3, "selective")]:
+        estimate = gpt2_cost.estimate(uniform_plan(gpt2_hetero, dp, tp, pp, u, zero, rc))
+        assert estimate.lower_bound_s == bound <= estimate.iteration_time_s
 
 
 def test_flat_ring_allreduce_is_amp_eq3() -> None:
@@ -147,8 +184,8 @@ def test_profile_overrides_flops() -> None:
     block = model.layers[1]
     db = ProfileDB([ProfileEntry(block.profile_key, "T4", 1, 1, 0.010, 0.020),
                     ProfileEntry(block.profile_key, "T4", 1, 4, 0.030, 0.060)])
-    cost = CostModel(Workload(model, cluster, 8, profile=db))
+    kernel = CostModel(Workload(model, cluster, 8, profile=db)).kernel
     gpu = cluster.devices[0].gpu
-    assert cost.layer_time(1, gpu, 4).fwd_s == pytest.approx(0.030)
-    assert cost.layer_time(1, gpu, 2).bwd_s == pytest.approx(0.020 + (0.060 - 0.020) / 3)  # interpolated
-    assert cost.layer_time(1, gpu, 7).fwd_s == pytest.approx(0.030 + 3 * 0.010)  # 7 = 4 + 1 + 1 + 1
+    assert kernel.layer_time(1, gpu, 4)[0] == pytest.approx(0.030)
+    assert kernel.layer_time(1, gpu, 2)[1] == pytest.approx(0.020 + (0.060 - 0.020) / 3)  # interpolated
+    assert kernel.layer_time(1, gpu, 7)[0] == pytest.approx(0.030 + 3 * 0.010)  # 7 = 4 + 1 + 1 + 1

@@ -16,18 +16,20 @@ from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.model import get_model
 from hetplan.model.presets import gpt_decoder
 from hetplan.search import get_planner, planner_names
-from hetplan.search.galvatron import BASELINES, VARIANTS, _Search, batch_grid, get_variant, strategy_runs
-from hetplan.search.galvatron_dp import COMPONENTS, GalvatronCosts, StageContext, exact_stage_cost, solve_stage, \
-    stage_arrays, tied_duplicates
-from hetplan.search.galvatron_partition import (
+from hetplan.search.baselines.fixed import BASELINES
+from hetplan.search.common.batch_grid import batch_grid
+from hetplan.search.common.layer_splits import block_split
+from hetplan.search.galvatron.dp import solve_stage, stage_objective
+from hetplan.search.galvatron.partition import (
     StageCostModel,
     adjust_candidates,
-    even_partition,
     min_max_partition,
     partition_ranges,
     validate_adjustment,
 )
-from hetplan.search.galvatron_space import DP, SDP, TP, decision_trees, effective_strategies, strategy_count
+from hetplan.search.galvatron.planner import VARIANTS, _Search, get_variant, strategy_runs
+from hetplan.search.galvatron.tables import COMPONENTS, GalvatronCosts, StageContext, stage_arrays
+from hetplan.search.galvatron.space import DP, SDP, TP, decision_trees, effective_strategies, strategy_count
 from hetplan.validate import validate_plan
 
 GIB = 1 << 30
@@ -101,12 +103,12 @@ def _enumerate(costs, layers, ctx):  # type: ignore[no-untyped-def]
         rows = np.arange(len(combo))
         mem = (arr.fwd_bytes[rows, combo].sum() + arr.bwd_bytes[rows, combo].max()
                + 2 * arr.gathered_bytes[rows, combo].max() + overhead)
-        transform = sum(costs.transform_s(layers[l], costs.strategies[combo[l - 1]].tp, costs.strategies[s].tp, ctx)
-                        for l, s in enumerate(combo) if l)
-        objective = sum(arr.cost_s[l, s] for l, s in enumerate(combo)) + transform * ctx.num_micro_batches
+        group = [costs.tps.index(costs.strategies[s].tp) for s in combo]
+        transform = sum(arr.transform[l, group[l - 1], group[l]] for l in range(1, len(combo)))  # per iteration
+        objective = sum(arr.cost_s[l, s] for l, s in enumerate(combo)) + transform
         sums = {name: np.array(arr.parts[name][rows, combo].sum()) for name in COMPONENTS}
-        exact = float(exact_stage_cost(sums, np.array(transform), ctx.num_micro_batches,
-                                       costs.workload.overlap_grad_sync)[0])
+        exact = float(stage_objective(sums, np.array(transform / ctx.num_micro_batches), ctx.num_micro_batches,
+                                      costs.workload.overlap_grad_sync)[0])
         out.append((combo, objective, exact, mem))
     return out
 
@@ -200,15 +202,23 @@ def test_planner_cost_equals_the_cost_model(model: str, cluster: str, budget: in
 
 
 def test_tied_layers_counted_once_per_stage() -> None:
+    """The LM head's tied weight costs no memory on a stage that holds the
+    embedding too, and its full weight on a stage that does not."""
     model = gpt_decoder("tied", 2, 256, 4, 64, vocab=1000)
-    assert tied_duplicates(model.layers, range(model.num_layers)) == [False, False, False, True]
-    assert tied_duplicates(model.layers, range(1, model.num_layers)) == [False, False, False]
+    w = Workload(model, load_cluster("galvatron-8x-titan"), 8)
+    costs = GalvatronCosts(CostModel(w), effective_strategies(4, (DP,)))
+    ctx = StageContext(devices=(0, 1, 2, 3), micro_batch_size=4, num_micro_batches=2, in_flight=1.0)
+    head = model.num_layers - 1
+    whole = stage_arrays(costs, range(0, model.num_layers), ctx).fwd_bytes[head]
+    alone = stage_arrays(costs, range(1, model.num_layers), ctx).fwd_bytes[head - 1]
+    tied_bytes = model.layers[head].tied_params * sum(w.state_bytes)
+    assert alone - whole == pytest.approx(tied_bytes)
 
 
 # --- partitions (§IV-B) -----------------------------------------------------------------------
 def test_even_partition_counts_blocks() -> None:
     model = get_model("bert-huge-32")
-    part = even_partition(model, 2)
+    part = tuple(len(r) for r in block_split(model, 2))
     assert sum(part) == model.num_layers
     blocks = [sum(1 for i in r if model.layers[i].kind not in ("embedding", "head")) for i, r in
               [(0, r) for r in partition_ranges(part)]]
@@ -249,7 +259,7 @@ def test_memory_balanced_partition_loads_later_stages_under_1f1b() -> None:
     w = workload("bert-huge-48", "galvatron-16x-a100", 16)
     planner = get_variant("galvatron-bmw", ckpt=False)
     search = _Search(planner.config, w, planner.stats)
-    base = search.search_partition(4, even_partition(w.model, 4), 64, 16)
+    base = search.search_partition(4, tuple(len(r) for r in block_split(w.model, 4)), 64, 16)
     p_mem, p_time = search.balanced_partitions(4, 64, 16, base)
     assert p_mem[0] < p_mem[-1]
     assert max(p_time) - min(p_time) <= 2

@@ -7,7 +7,7 @@ import pytest
 from hetplan.cluster import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.errors import HetplanError
-from hetplan.search.metis_groups import (
+from hetplan.search.metis.groups import (
     MappingEnumerator,
     cut_mapping,
     distinct_permutations,

@@ -50,7 +50,7 @@ def test_metis_at_least_as_fast_as_amp_and_average_gpu(cluster: str, model: str)
 def test_balanced_split_is_the_minmax_optimum() -> None:
     import itertools
 
-    from hetplan.search.hetero_avg import balanced_split
+    from hetplan.search.baselines.hetero_avg import balanced_split
 
     cases = [([1, 1, 1, 1, 5, 1, 1], 3), ([3, 1, 4, 1, 5, 9, 2, 6], 4), ([1] * 7, 7), ([2, 2, 2, 2], 1),
              ([0.5, 7, 0.5, 0.5, 7, 0.5], 2)]

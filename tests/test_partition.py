@@ -14,15 +14,17 @@ from hetplan.cluster.presets import get_cluster
 from hetplan.cost import CostModel, Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model
-from hetplan.search.partition import (
+from hetplan.cost.kernel import StageOption
+from hetplan.plan import Plan
+from hetplan.search.common.partition import (
     PartitionProblem,
     balanced_partition,
     brute_force_partition,
     fast_partition,
-    problem_from_cost_model,
     reference_partition,
 )
-from hetplan.search.uniform import uniform_plan
+from hetplan.search.common.stage_partition import PipelinePartitioner
+from hetplan.search.baselines.uniform import uniform_plan
 
 
 def same(a: float, b: float) -> bool:
@@ -142,28 +144,75 @@ def test_bad_inputs_say_what_to_change() -> None:
                                              num_stages=2))
 
 
-def test_problem_from_cost_model_matches_the_estimate() -> None:
-    """Under the shared cost model, the problem's objective is the estimate's
-    pipeline part and its memory verdict is the estimate's ``fits``."""
-    workload = Workload(get_model("gpt2-amp"), get_cluster("amp-heterogeneous"), 32, memory_limit_bytes=6 << 30)
-    cost_model = CostModel(workload)
-    dp, tp, pp, u = 2, 2, 4, 2
+@st.composite
+def option_instances(draw: st.DrawFn) -> PartitionProblem:
+    """Stages with up to 3 options each (own times, memory verdicts) and a
+    sum-only extra cost: the generalisation the exact planners use."""
+    n = draw(st.integers(1, 7))
+    k = draw(st.integers(1, min(3, n)))
+    q = draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    layer = rng.uniform(0.0, 4.0, size=(k, q, n))
+    prefix = np.concatenate([np.zeros((k, q, 1)), np.cumsum(layer, axis=2)], axis=2)
+    times = np.maximum(prefix[:, :, None, :] - prefix[:, :, :, None], 0.0)
+    fits = rng.uniform(size=times.shape) < 0.8
+    extra = rng.uniform(0.0, 3.0, size=times.shape) if draw(st.booleans()) else None
+    links = rng.uniform(0.0, 1.0, size=(k - 1, n - 1)) if k > 1 else None
+    return PartitionProblem.from_segments(times, draw(st.integers(1, 16)), links, fits, extra)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(option_instances())
+def test_fast_with_options_and_extras_equals_brute_force(problem: PartitionProblem) -> None:
+    brute = brute_force_partition(problem)
+    fast = fast_partition(problem)
+    if brute is None:
+        assert fast is None
+        return
+    assert fast is not None and problem.fits(fast.boundaries, fast.options)
+    assert same(fast.cost_s, brute.cost_s), (fast, brute)
+    assert same(problem.cost(fast.boundaries, fast.options), fast.cost_s)
+
+
+def _layout_options(workload: Workload, dp: int, tp: int, pp: int, u: int) -> list[list[StageOption]]:
     base = uniform_plan(workload, dp, tp, pp, u)
-    devices = [s.devices for s in base.stages]
-    problem = problem_from_cost_model(cost_model, devices, dp, tp, base.micro_batch_size, base.num_micro_batches)
+    return [[StageOption(s.devices, dp, tp, s.dp_split, zero, recompute, tp > 1)
+             for zero in ((0, 2, 3) if dp > 1 else (0,)) for recompute in ("none", "full")] for s in base.stages]
+
+
+@pytest.mark.parametrize("model, cluster, limit_gib, degrees", [
+    ("tiny-gpt", "metis-uneven-c", 0, (2, 1, 2, 2)),
+    ("gpt2-amp", "amp-heterogeneous", 5, (4, 2, 2, 2)),
+    ("gpt2-amp", "amp-heterogeneous", 3, (8, 1, 2, 1)),
+])
+def test_exact_partition_is_the_estimates_optimum(model: str, cluster: str, limit_gib: int,
+                                                  degrees: tuple[int, int, int, int]) -> None:
+    """The exact partition of a layout (split x per-stage ZeRO/recompute) costs
+    what CostModel.estimate says, and no split or option choice of the layout
+    has a smaller estimate (brute force over all of them, through estimate)."""
+    workload = Workload(get_model(model), get_cluster(cluster), 16, memory_limit_bytes=limit_gib << 30)
+    cost = CostModel(workload)
+    dp, tp, pp, u = degrees
+    options = _layout_options(workload, dp, tp, pp, u)
+    mbs = dp * u
+    solution = PipelinePartitioner(cost.kernel, mbs, 16 // mbs).solve(options)
+    best = math.inf
     n = workload.model.num_layers
-    rng = np.random.default_rng(0)
-    splits = [tuple(sorted(rng.choice(np.arange(1, n), pp - 1, replace=False))) for _ in range(12)]
-    verdicts = set()
-    for cuts in splits:
-        bounds = (0, *map(int, cuts), n)
-        plan = uniform_plan(workload, dp, tp, pp, u, layer_split=[range(a, b) for a, b in zip(bounds, bounds[1:])])
-        estimate = cost_model.estimate(plan)
-        part = problem.evaluate(bounds)
-        stage_times = [s.fwd_s + s.bwd_s + s.recompute_s + s.tp_comm_s for s in estimate.stages]
-        assert np.allclose(part.stage_times_s, stage_times, rtol=1e-9)
-        assert problem.fits(bounds) == estimate.fits
-        verdicts.add(estimate.fits)
-    assert verdicts == {True, False}  # the 6 GiB limit separates the splits
-    best = fast_partition(problem)
-    assert best is not None and problem.fits(best.boundaries)
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = (0, *cuts, n)
+        for choice in itertools.product(*(range(len(o)) for o in options)):
+            stages = tuple(options[j][c].stage(range(bounds[j], bounds[j + 1])) for j, c in enumerate(choice))
+            plan = Plan(model, cluster, 16, mbs, 16 // mbs, "1f1b", stages)
+            time_s, fits = cost.quick(plan)
+            if fits:
+                best = min(best, time_s)
+    if not math.isfinite(best):
+        assert solution is None
+        return
+    assert solution is not None
+    plan = Plan(model, cluster, 16, mbs, 16 // mbs, "1f1b", solution.stages)
+    estimate = cost.estimate(plan)
+    assert estimate.fits
+    assert same(estimate.iteration_time_s, solution.iteration_s)
+    assert same(solution.iteration_s, best)
+    assert solution.lower_bound_s <= solution.iteration_s * (1 + 1e-12)

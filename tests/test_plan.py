@@ -9,7 +9,7 @@ import pytest
 
 from hetplan.cost import CostModel, Workload
 from hetplan.plan import Estimate, LayerStrategy, Plan, Stage, load_plan, save_plan
-from hetplan.search.uniform import uniform_plan
+from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.validate import InvalidPlanError, validate_plan
 
 

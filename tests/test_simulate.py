@@ -9,7 +9,7 @@ import pytest
 from hetplan.cost import CostModel, Workload
 from hetplan.cost.pipeline import pipeline_time
 from hetplan.report.svg import memory_svg, timeline_svg
-from hetplan.search.uniform import uniform_plan
+from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.simulate import build_schedule, makespan, simulate, simulate_plan
 
 

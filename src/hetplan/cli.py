@@ -20,7 +20,9 @@ import sys
 import time
 from typing import Any, Sequence
 
+from hetplan.argtypes import positive_int
 from hetplan.errors import HetplanError
+from hetplan.runtime import cli as runtime_cli
 
 DEFAULT_MODEL = "gpt2-amp"
 DEFAULT_CLUSTER = "amp-heterogeneous"
@@ -29,29 +31,19 @@ DEFAULT_PLANNER = "auto"
 EXIT_USAGE = 2
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def _global_batch(text: str) -> int | str:
     if text == "auto":
         return "auto"
-    return _positive_int(text)
+    return positive_int(text)
 
 
 def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> None:
     p.add_argument("--model", default=None, help=f"preset name, HF config.json or ModelSpec .json (default {DEFAULT_MODEL})")
     p.add_argument("--cluster", default=None, help=f"preset name, NxGPU, or cluster .yaml (default {DEFAULT_CLUSTER})")
-    p.add_argument("--global-batch", type=_global_batch if batch_auto else _positive_int, default=None,
+    p.add_argument("--global-batch", type=_global_batch if batch_auto else positive_int, default=None,
                    help=f"samples per step (default {DEFAULT_GLOBAL_BATCH})" + ("; 'auto' lets batch-searching "
                                                                                  "planners choose" if batch_auto else ""))
-    p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length for HF configs")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length for HF configs")
     p.add_argument("--memory-limit", default=None, help="usable memory per GPU, e.g. 8GB (default: the GPU's)")
     p.add_argument("--optimizer", default="", help="adam-mixed (16-bit models), adam-fp32, sgd-fp32")
     p.add_argument("--profile", default=None, help="measured layer times (ProfileDB JSON)")
@@ -67,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="find the best plans for a model on a cluster")
     _add_workload_args(p)
     p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"planner (default {DEFAULT_PLANNER}); see 'hetplan planners'")
-    p.add_argument("--top", type=_positive_int, default=5, help="how many plans to show")
+    p.add_argument("--top", type=positive_int, default=5, help="how many plans to show")
     p.add_argument("--quiet", action="store_true", help="only the table")
     p.add_argument("--timeline", default=None, help="write the best plan's pipeline timeline here (.svg)")
     p.add_argument("--memory-chart", default=None, help="write the best plan's memory per GPU here (.svg)")
@@ -81,15 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="cost a plan file or one uniform dp/tp/pp setting")
     p.add_argument("plan_file", nargs="?", default=None, help="plan JSON from 'hetplan plan --json'")
     _add_workload_args(p, batch_auto=False)
-    p.add_argument("--tp", type=_positive_int, default=None)
-    p.add_argument("--pp", type=_positive_int, default=None)
-    p.add_argument("--dp", type=_positive_int, default=None)
-    p.add_argument("--micro-batch", type=_positive_int, default=None, help="samples per dp replica per micro-batch")
+    p.add_argument("--tp", type=positive_int, default=None)
+    p.add_argument("--pp", type=positive_int, default=None)
+    p.add_argument("--dp", type=positive_int, default=None)
+    p.add_argument("--micro-batch", type=positive_int, default=None, help="samples per dp replica per micro-batch")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved-1f1b"), default="1f1b")
-    p.add_argument("--virtual-stages", type=_positive_int, default=1,
+    p.add_argument("--virtual-stages", type=positive_int, default=1,
                    help="model chunks per device for interleaved-1f1b")
     p.add_argument("--timeline", default=None, help="write the pipeline timeline here (.svg)")
     p.add_argument("--memory-chart", default=None, help="write memory per GPU here (.svg)")
@@ -114,12 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("planners", help="list planners")
     p.set_defaults(func=cmd_planners)
 
-    try:
-        from hetplan.runtime import cli as runtime_cli
-    except ImportError:
-        runtime_cli = None  # runtime package not present in this build
-    if runtime_cli is not None and hasattr(runtime_cli, "register"):
-        runtime_cli.register(sub)
+    runtime_cli.register(sub)
     return parser
 
 
@@ -281,7 +268,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from hetplan.cost import CostModel
     from hetplan.plan import RankedPlan, load_plan
     from hetplan.report.text import breakdown, memory_table, ranked_table
-    from hetplan.search.uniform import uniform_plan
+    from hetplan.search.baselines.uniform import uniform_plan
     from hetplan.validate import validate_plan
 
     degrees = (args.tp, args.pp, args.dp, args.micro_batch)
@@ -373,7 +360,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
-    import hetplan.search  # noqa: F401  (planner modules register their clusters, e.g. metis-mixed-64)
     from hetplan.cluster import GPU_CATALOG, cluster_descriptions, get_cluster
     from hetplan.report.text import table
     from hetplan.units import format_bytes

@@ -292,6 +292,13 @@ class Estimate:
     memory_capacity_bytes: dict[int, int]
     fits: bool
     stages: tuple[StageEstimate, ...] = field(default=())
+    lower_bound_s: float = 0.0  # no plan of the workload is faster (cost/bounds.py)
+
+    @property
+    def bound_gap(self) -> float | None:
+        """How far above the workload's lower bound this plan is (0.25 = 25%);
+        None for an estimate without a bound."""
+        return self.iteration_time_s / self.lower_bound_s - 1.0 if self.lower_bound_s > 0 else None
 
     @property
     def max_memory_bytes(self) -> int:

@@ -105,12 +105,11 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, check_name
                         f"the micro-batch {plan.micro_batch_size}"
                     )
             layer_tp = strategy.tp or stage.tp
-            if layer_tp > layer.tp_max:
-                raise InvalidPlanError(
-                    f"{where}: tp={layer_tp} exceeds what layer {layer.name!r} supports ({layer.tp_max})"
-                )
-            if layer_tp > 1 and layer.kind not in ("embedding", "head") and layer.tp_max < (1 << 30) \
-                    and layer.tp_max % layer_tp:
+            if not layer.supports_tp(layer_tp):
+                if layer_tp > layer.tp_max:
+                    raise InvalidPlanError(
+                        f"{where}: tp={layer_tp} exceeds what layer {layer.name!r} supports ({layer.tp_max})"
+                    )
                 raise InvalidPlanError(
                     f"{where}: tp={layer_tp} does not divide the {layer.tp_max} attention heads of {layer.name!r}"
                 )

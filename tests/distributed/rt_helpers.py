@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from hetplan.plan import LayerStrategy, Plan, save_plan, uniform_stage
-from hetplan.search.uniform import even_split
+from hetplan.search.common.layer_splits import even_split
 
 MODEL = "tiny-gpt"
 NUM_LAYERS = 6  # embed, 4 blocks, head

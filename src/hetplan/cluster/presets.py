@@ -147,6 +147,32 @@ _register("metis-uneven-d", "Metis Fig. 5(d): 1x1 P100 + 1x1 V100 + 1x2 V100 + 1
           _metis_uneven("metis-uneven-d", [("p100", 1), ("v100", 1), ("v100", 2), ("v100", 4)], "Metis Fig. 5(d)"))
 
 
+# Three GPU types in nodes of 1 to 8 GPUs: what a shared cluster hands out when
+# some GPUs of each node are taken (Metis §3, §5.2.2). Links as Metis's GCP
+# setup: PCIe 3.0 inside a node, 16 Gbps between nodes.
+METIS_MIXED_64_NODES: tuple[tuple[str, int], ...] = (
+    ("V100-16GB", 8), ("V100-16GB", 4), ("V100-16GB", 2), ("V100-16GB", 1), ("V100-16GB", 1),
+    ("T4", 8), ("T4", 8), ("T4", 4), ("T4", 2), ("T4", 2),
+    ("P100", 8), ("P100", 8), ("P100", 4), ("P100", 2), ("P100", 1), ("P100", 1),
+)
+
+
+def _metis_mixed_64() -> ClusterSpec:
+    nodes = []
+    seen: dict[str, int] = {}
+    for gpu, count in METIS_MIXED_64_NODES:
+        index = seen.get(gpu, 0)
+        seen[gpu] = index + 1
+        nodes.append(NodeSpec(gpu, count, PCIE3_X16_GBPS, name=f"{gpu.split('-')[0].lower()}-{index}"))
+    return ClusterSpec("metis-mixed-64", tuple(nodes), METIS_INTER_GBPS,
+                       description="64 GPUs (16 V100, 24 T4, 24 P100) in 16 uneven nodes of 1-8 GPUs, "
+                                   "PCIe inside nodes, 16 Gbps between (Metis §5 links)")
+
+
+_register("metis-mixed-64", "64 GPUs of P100, T4 and V100 in uneven nodes of 1-8 GPUs (Metis-style)",
+          _metis_mixed_64)
+
+
 # --- generic forms ----------------------------------------------------------
 _GENERIC = re.compile(r"^(\d+)x([A-Za-z0-9-]+)$")
 _LOCAL_CPU = re.compile(r"^local-cpu-(\d+)$")
@@ -188,11 +214,6 @@ def cluster_descriptions() -> dict[str, str]:
     descriptions["<N>x<GPU>"] = "homogeneous: e.g. 64xA100-80GB (8 per node, NVLink + InfiniBand)"
     descriptions["local-cpu-<N>"] = "N CPU processes on this machine (gloo), for runtime tests"
     return descriptions
-
-
-def register_cluster(name: str, description: str, factory: _Factory) -> None:
-    """Add a preset (used by other modules, e.g. Metis's mixed 64-GPU cluster)."""
-    _register(name, description, factory)
 
 
 def get_cluster(name: str) -> ClusterSpec:

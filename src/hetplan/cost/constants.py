@@ -27,12 +27,34 @@ KERNEL_LAUNCH_S = 5e-6
 # hetplan.model.layers); other layer kinds use their own gemm_count + 2.
 ELEMENTWISE_KERNELS_PER_GEMM = 1.5
 
+# Kernels and memory passes of the attention core that selective recomputation
+# replays (Korthikanti et al. 2022 §5, Fig. 7): the QK^T matmul, softmax,
+# dropout and the scores·V matmul are 4 kernels; the softmax and dropout read
+# and write the stored s×s scores once each (2 passes over those bytes).
+ATTENTION_CORE_KERNELS = 4
+ATTENTION_CORE_PASSES = 2.0
+
 # Backward/forward work ratio: the backward of a matmul is two matmuls of the
 # same size (input and weight gradients) — Narayanan et al. 2021 §5.1,
 # Kaplan et al. 2020 (6N FLOPs per token for training = 2N fwd + 4N bwd).
 BACKWARD_FLOPS_RATIO = 2.0
 
 # --- communication ------------------------------------------------------------
+# Tensor-parallel all-reduce volumes per training step, in units of one forward
+# pass's (LayerSpec.tp_comm_bytes): Megatron-LM's f/g operators all-reduce once
+# in the forward and once in the backward pass (Shoeybi et al. 2019 §3, Fig. 4;
+# Narayanan et al. 2021 §3.2); full recomputation replays the forward and its
+# all-reduces once more (Korthikanti et al. 2022 §4.2, Table 2 "+1 forward");
+# selective recomputation replays only the attention core, which needs none.
+TP_COMM_PASSES = {"none": 2.0, "selective": 2.0, "full": 3.0}
+
+# Activations cross each pipeline boundary twice per micro-batch: the forward
+# output one way, its gradient back (Narayanan et al. 2021 §2.2; AMP eq. 5 counts
+# the forward one). Galvatron-BMW's layout transformation R between layers of
+# different TP degrees likewise runs once forward and once backward (§IV-A2).
+P2P_PASSES = 2.0
+TRANSFORM_PASSES = 2.0
+
 # Galvatron-BMW §V: overlapping computation with communication slows each down
 # by about 1.3x (measured on their RTX TITAN and A100 clusters).
 OVERLAP_SLOWDOWN = 1.3

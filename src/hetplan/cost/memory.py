@@ -1,4 +1,5 @@
-"""Peak memory of one GPU in a pipeline stage.
+"""Memory formulas: per layer (vectorised over a model's layers) and the peak
+of one GPU.
 
 peak = model states (weights, gradients, optimizer states; divided by TP, and
        by dp according to the ZeRO stage)
@@ -15,24 +16,22 @@ by ``1 + (pp − 1)/(pp·v)`` (Narayanan et al. 2021 §2.2.2).
 
 from __future__ import annotations
 
-from hetplan.cost.constants import (
-    CPU_FRAMEWORK_OVERHEAD_BYTES,
-    FRAMEWORK_OVERHEAD_BYTES,
-    ZERO3_GATHERED_LAYERS,
-)
-from hetplan.model.spec import LayerSpec, ModelSpec
-from hetplan.plan import LayerStrategy
+import numpy as np
+
+from hetplan.cost.constants import CPU_FRAMEWORK_OVERHEAD_BYTES, FRAMEWORK_OVERHEAD_BYTES, ZERO3_GATHERED_LAYERS
+from hetplan.cost.layers import LayerArrays
 
 
-def layer_params_per_device(layer: LayerSpec, tp: int) -> float:
-    """Parameters of ``layer`` held by one rank of a TP group of size ``tp``."""
-    return layer.params_tp_sharded / tp + layer.params_tp_replicated
-
-
-def model_state_bytes(params: float, zero: int, dp: int, state_bytes: tuple[int, int, int]) -> float:
+def model_state_bytes(params: np.ndarray | float, zero: int, dp: int,
+                      state_bytes: tuple[int, int, int]) -> np.ndarray | float:
     """Bytes of weights + gradients + optimizer states for ``params`` parameters
     under ZeRO stage ``zero`` across ``dp`` replicas (ZeRO §5.1: stage 1 shards
     optimizer states, 2 also gradients, 3 also weights)."""
+    return params * state_bytes_per_param(zero, dp, state_bytes)
+
+
+def state_bytes_per_param(zero: int, dp: int, state_bytes: tuple[int, int, int]) -> float:
+    """Model-state bytes one device keeps per parameter it holds (see ``model_state_bytes``)."""
     weight, grad, opt = state_bytes
     if zero >= 1:
         opt = opt / dp
@@ -40,21 +39,29 @@ def model_state_bytes(params: float, zero: int, dp: int, state_bytes: tuple[int,
         grad = grad / dp
     if zero >= 3:
         weight = weight / dp
-    return params * (weight + grad + opt)
+    return weight + grad + opt
 
 
-def layer_activation_bytes(layer: LayerSpec, tp: int, recompute: str, sequence_parallel: bool) -> float:
-    """Activation bytes one TP rank keeps for backward, per sample
+def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
+    """Activation bytes one TP rank keeps for backward, per sample and layer
     (Korthikanti et al. 2022, Table 2)."""
     if recompute == "full":
-        return layer.input_bytes / tp if sequence_parallel else layer.input_bytes
-    replicated = layer.act_tp_replicated_bytes
-    sharded = layer.act_bytes - replicated
+        return arrays.input_bytes / tp if sequence_parallel else arrays.input_bytes.copy()
+    replicated = arrays.act_tp_replicated_bytes
+    sharded = arrays.act_bytes - replicated
     if recompute == "selective":
-        sharded -= layer.act_attention_core_bytes
+        sharded = sharded - arrays.act_attention_core_bytes
     if sequence_parallel:
         return (replicated + sharded) / tp
     return replicated + sharded / tp
+
+
+def recompute_working_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
+    """Per sample: a checkpointed layer rebuilds its full activations during its
+    backward pass; the stage pays the largest such layer once."""
+    if recompute != "full":
+        return np.zeros(arrays.num_layers)
+    return activation_bytes(arrays, tp, "none", sequence_parallel)
 
 
 def in_flight_micro_batches(schedule: str, stage_index: int, pp: int, num_micro_batches: int,
@@ -72,43 +79,9 @@ def framework_overhead_bytes(is_cpu: bool) -> int:
     return CPU_FRAMEWORK_OVERHEAD_BYTES if is_cpu else FRAMEWORK_OVERHEAD_BYTES
 
 
-def device_memory(
-    model: ModelSpec,
-    layers: list[tuple[int, LayerStrategy, int, int, float]],
-    in_flight: float,
-    state_bytes: tuple[int, int, int],
-    sequence_parallel: bool = False,
-    is_cpu: bool = False,
-) -> float:
-    """Peak bytes on one GPU.
-
-    ``layers`` lists, for every layer the GPU runs, ``(layer index, strategy,
-    tp, dp, samples per micro-batch on this GPU's replica)``.
-    """
-    states = 0.0
-    gathered = 0.0
-    act_per_micro_batch = 0.0
-    recompute_working = 0.0
-    seen_tied: set[str] = set()
-    for index, strategy, tp, dp, batch in layers:
-        layer = model.layers[index]
-        params = layer_params_per_device(layer, tp)
-        if layer.tied_group:
-            if layer.tied_group in seen_tied:
-                params -= layer.tied_params / tp  # the shared weight is already held by this stage
-            seen_tied.add(layer.tied_group)
-        states += model_state_bytes(params, strategy.zero, dp, state_bytes)
-        if strategy.zero >= 3:
-            gathered = max(gathered, params * state_bytes[0])
-        act_per_micro_batch += layer_activation_bytes(layer, tp, strategy.recompute, sequence_parallel) * batch
-        if strategy.recompute == "full":
-            recompute_working = max(
-                recompute_working, layer_activation_bytes(layer, tp, "none", sequence_parallel) * batch
-            )
-    return (
-        states
-        + ZERO3_GATHERED_LAYERS * gathered
-        + act_per_micro_batch * in_flight
-        + recompute_working
-        + framework_overhead_bytes(is_cpu)
-    )
+def peak_memory_bytes(states: np.ndarray | float, activations_per_micro_batch: np.ndarray | float,
+                      in_flight: float, recompute_working: np.ndarray | float, largest_gathered: np.ndarray | float,
+                      overhead: float) -> np.ndarray | float:
+    """Peak bytes on one GPU from its stage's sums and maxima (module docstring)."""
+    return (states + ZERO3_GATHERED_LAYERS * largest_gathered + activations_per_micro_batch * in_flight
+            + recompute_working + overhead)

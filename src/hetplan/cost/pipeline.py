@@ -1,34 +1,118 @@
-"""Pipeline iteration time from per-stage times (AMP eq. 4-5, Metis eq. 1).
+"""How stage times combine: overlap, one micro-batch through a stage, the
+pipeline (AMP eq. 4-5, Metis eq. 1) and the whole iteration.
 
 With ``m`` micro-batches, per-micro-batch stage times ``t_j`` (forward +
 backward) and one-way p2p times ``c_j`` between stage j and j+1::
 
-    T = (m − 1) · max_j t_j + Σ_j t_j + 2 · Σ_j c_j
+    T_pipe = (m − 1) · max_j t_j + Σ_j t_j + 2 · Σ_j c_j
 
 The first micro-batch crosses every stage and link forward and the last one
 crosses them backward (the ``Σ`` terms); in between the slowest stage sets the
 pace. Interleaved 1F1B with ``v`` model chunks per device shrinks the fill and
 drain by ``v`` (Narayanan et al. 2021 §2.2.2) but crosses each link ``v`` times:
 ``T = m·max t + (Σ t − max t)/v + 2v·Σ c``. For v = 1 both formulas agree.
+
+The iteration then waits for every stage's gradient synchronisation: stage
+``j`` finishes its last backward pass earlier than stage 0 by the backward
+passes and links in front of it (Galvatron-BMW eq. 8), and its sync overlaps
+that last backward pass; ZeRO-1/2 stages all-gather their updated parameters
+after the step. The optimizer step follows on every stage at once (gradient
+clipping needs every stage's gradients: Megatron-LM's global norm), so the
+slowest stage's step counts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
+
+from hetplan.cost.constants import OVERLAP_SLOWDOWN, P2P_PASSES
+
+
+def overlapped_exposure(comm_s: np.ndarray | float, compute_s: np.ndarray | float) -> np.ndarray | float:
+    """Extra time when ``comm_s`` runs under ``compute_s`` (elementwise on arrays).
+
+    Galvatron-BMW §V (and its code's ``bct_dp_overlap``): the overlapped part
+    runs OVERLAP_SLOWDOWN times slower, so the pair takes
+    ``max(c, p) + (slowdown − 1)·min(c, p)`` instead of ``p``.
+    """
+    scalar = isinstance(comm_s, (float, int)) and isinstance(compute_s, (float, int))  # np.float64 is a float
+    larger, smaller = (max, min) if scalar else (np.maximum, np.minimum)
+    exposed = larger(comm_s, compute_s) + (OVERLAP_SLOWDOWN - 1.0) * smaller(comm_s, compute_s) - compute_s
+    if scalar:
+        return float(exposed) if comm_s > 0 else 0.0
+    return np.where(np.asarray(comm_s) > 0, exposed, 0.0)
+
+
+def stage_micro_batch_time(fwd_s: np.ndarray | float, back_s: np.ndarray | float, tp_comm_s: np.ndarray | float,
+                           gather_s: np.ndarray | float, scatter_s: np.ndarray | float) -> np.ndarray | float:
+    """One micro-batch through a stage: forward, backward (+ recompute), TP
+    communication, and ZeRO-3's parameter all-gathers overlapped with the
+    forward and the gathers + gradient reduce-scatters with the backward."""
+    return (fwd_s + back_s + tp_comm_s + overlapped_exposure(gather_s, fwd_s)
+            + overlapped_exposure(gather_s + scatter_s, back_s))
+
+
+def exposed_grad_sync(sync_s: np.ndarray | float, back_s: np.ndarray | float,
+                      overlap: bool) -> np.ndarray | float:
+    """The part of a stage's end-of-step gradient sync not hidden behind its
+    last backward pass (all of it without overlap)."""
+    return overlapped_exposure(sync_s, back_s) if overlap else sync_s
 
 
 def pipeline_time(stage_times: Sequence[float], p2p_times: Sequence[float], num_micro_batches: int,
                   virtual_stages: int = 1) -> float:
     """Time for ``num_micro_batches`` to pass forward and backward through the pipeline."""
-    if not stage_times:
+    if not len(stage_times):
         return 0.0
     slowest = max(stage_times)
     v = max(1, virtual_stages)
-    return num_micro_batches * slowest + (sum(stage_times) - slowest) / v + 2.0 * v * sum(p2p_times)
+    return num_micro_batches * slowest + (sum(stage_times) - slowest) / v + P2P_PASSES * v * sum(p2p_times)
 
 
 def bubble_time(stage_times: Sequence[float], virtual_stages: int = 1) -> float:
     """The fill-and-drain part of ``pipeline_time`` (time not spent at the bottleneck)."""
-    if not stage_times:
+    if not len(stage_times):
         return 0.0
     return (sum(stage_times) - max(stage_times)) / max(1, virtual_stages)
+
+
+@dataclass(frozen=True)
+class StageTail:
+    """What a stage adds after its last backward pass."""
+
+    back_s: float  # its backward (+ recompute) of one micro-batch: what the sync overlaps
+    sync_s: float  # end-of-step gradient reduction, before overlap
+    post_step_s: float  # ZeRO-1/2 parameter all-gather after the optimizer step
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class IterationTime:
+    pipeline_s: float
+    finish_s: float  # pipeline plus the exposed gradient sync tail
+    optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.finish_s + self.optimizer_s
+
+    @property
+    def sync_tail_s(self) -> float:
+        return self.finish_s - self.pipeline_s
+
+
+def iteration_time(stage_times: Sequence[float], p2p_times: Sequence[float], tails: Sequence[StageTail],
+                   num_micro_batches: int, overlap_grad_sync: bool, virtual_stages: int = 1) -> IterationTime:
+    """The whole step (module docstring): pipeline, sync tail, optimizer."""
+    t_pipe = pipeline_time(stage_times, p2p_times, num_micro_batches, virtual_stages)
+    finish = t_pipe
+    ahead = 0.0
+    for j, tail in enumerate(tails):
+        if j > 0:
+            ahead += tails[j - 1].back_s + p2p_times[j - 1]
+        exposed = exposed_grad_sync(tail.sync_s, tail.back_s, overlap_grad_sync)
+        finish = max(finish, t_pipe - ahead + exposed + tail.post_step_s)
+    return IterationTime(t_pipe, finish, max(t.optimizer_s for t in tails))

@@ -54,7 +54,10 @@ class LayerSpec:
         tp_comm_bytes: bytes all-reduced across the TP group per sample in the
             forward pass (Megatron: 2 per block, one after attention, one after
             the MLP); the backward pass all-reduces the same amount.
-        tp_max: largest TP degree this layer supports (e.g. number of heads).
+        tp_max: how many parallel units tensor parallelism splits (attention
+            heads, or KV heads with GQA; filters of a convolution): a TP degree
+            must not exceed it and, for a transformer block, must divide it.
+            0 means no limit (embeddings, heads, layers TP splits by rows).
         tied_group: layers with the same non-empty tied_group share their
             parameters (e.g. input embedding and LM head).
         tied_params: parameters of this layer that an earlier layer of its
@@ -77,7 +80,7 @@ class LayerSpec:
     act_tp_replicated_bytes: float = 0.0
     act_attention_core_bytes: float = 0.0
     tp_comm_bytes: float = 0.0
-    tp_max: int = 1 << 30
+    tp_max: int = 0
     tied_group: str = ""
     tied_params: int = 0
     profile_key: str = ""
@@ -86,6 +89,8 @@ class LayerSpec:
         for attr in ("params", "fwd_flops", "act_bytes", "input_bytes", "output_bytes"):
             if getattr(self, attr) < 0:
                 raise HetplanError(f"layer {self.name!r}: {attr} must be >= 0")
+        if self.tp_max < 0:
+            raise HetplanError(f"layer {self.name!r}: tp_max must be >= 0 (0: no limit)")
         if not 0 <= self.tied_params <= self.params:
             raise HetplanError(f"layer {self.name!r}: tied_params must be between 0 and its {self.params} params")
         if self.tied_params and not self.tied_group:
@@ -100,6 +105,15 @@ class LayerSpec:
     def default_profile_key(self) -> str:
         """Layers of the same kind and identical size cost the same."""
         return f"{self.kind}:{self.params}:{self.fwd_flops:.6g}:{self.act_bytes:.6g}"
+
+    def supports_tp(self, tp: int) -> bool:
+        """Can this layer run with TP degree ``tp``? The one rule every planner,
+        the validator and the runtime use (see ``tp_max``)."""
+        if tp == 1 or not self.tp_max:
+            return True
+        if tp > self.tp_max:
+            return False
+        return self.kind in ("embedding", "head") or self.tp_max % tp == 0
 
     @property
     def params_tp_sharded(self) -> int:

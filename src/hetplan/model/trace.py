@@ -449,16 +449,41 @@ def model_from_module(
         lists, per layer, the module paths that ran in it.
     """
     torch = _import_torch()
-    nn = torch.nn
     module = _materialize(module_or_factory, torch)
     dtype = _target_dtype(module, dtype_bytes, torch)
     args, kwargs, batch = _meta_inputs(example_inputs, dtype, torch)
+    params = _meta_state(module, dtype, torch)
+    tracer = _Tracer(torch, params.names, params.buffer_keys)
+    user_mode = _set_anchors(tracer, module, layer_names)
+    output = _traced_forward(module, params.state, args, kwargs, tracer, torch)
+    trace = _Trace(
+        tracer=tracer,
+        module=module,
+        batch=batch,
+        dtype=dtype,
+        user_mode=user_mode,
+        params=params,
+        output_bytes=_output_bytes(output, torch),
+        input_bytes=_unique_bytes(list(_tensors((args, kwargs), torch))),
+    )
+    return _assemble(trace, name, family, seq_len if seq_len is not None else _infer_seq_len(args, kwargs, torch))
 
-    # -- meta copies of parameters and buffers (ties preserved by identity)
-    state: dict[str, Any] = {}
-    param_names: dict[int, str] = {}  # storage key -> canonical name
-    param_numel: dict[str, int] = {}
-    param_holders: dict[str, set[str]] = {}  # canonical name -> every module path holding it
+
+@dataclass
+class _Params:
+    """Meta copies of a module's parameters and buffers, and who holds each parameter."""
+
+    state: dict[str, Any] = field(default_factory=dict)  # every name, tied ones included -> meta tensor
+    names: dict[int, str] = field(default_factory=dict)  # storage key -> canonical name
+    numel: dict[str, int] = field(default_factory=dict)
+    holders: dict[str, set[str]] = field(default_factory=dict)  # canonical name -> every module path holding it
+    buffer_keys: set[int] = field(default_factory=set)
+
+
+def _meta_state(module: Any, dtype: Any, torch: Any) -> _Params:
+    """Meta copies of parameters and buffers (ties preserved by identity), so the trace allocates nothing."""
+    nn = torch.nn
+    out = _Params()
     by_identity: dict[int, Any] = {}
     canonical: dict[int, str] = {}
     for pname, p in module.named_parameters(remove_duplicate=False):
@@ -467,83 +492,84 @@ def model_from_module(
             meta_p = nn.Parameter(torch.empty(p.shape, dtype=new_dtype, device="meta"), requires_grad=p.requires_grad)
             by_identity[id(p)] = meta_p
             canonical[id(p)] = pname
-            param_names[_storage_key(meta_p)] = pname
-            param_numel[pname] = p.numel()
-        param_holders.setdefault(canonical[id(p)], set()).add(_parent(pname))
-        state[pname] = by_identity[id(p)]
-    buffer_keys: set[int] = set()
+            out.names[_storage_key(meta_p)] = pname
+            out.numel[pname] = p.numel()
+        out.holders.setdefault(canonical[id(p)], set()).add(_parent(pname))
+        out.state[pname] = by_identity[id(p)]
     for bname, b in module.named_buffers(remove_duplicate=False):
         if id(b) not in by_identity:
             new_dtype = dtype if b.is_floating_point() else b.dtype
             by_identity[id(b)] = torch.empty(b.shape, dtype=new_dtype, device="meta")
-            buffer_keys.add(_storage_key(by_identity[id(b)]))
-        state[bname] = by_identity[id(b)]
+            out.buffer_keys.add(_storage_key(by_identity[id(b)]))
+        out.state[bname] = by_identity[id(b)]
+    return out
 
-    # -- anchors: the modules that become layers
-    tracer = _Tracer(torch, param_names, buffer_keys)
+
+def _set_anchors(tracer: _Tracer, module: Any, layer_names: list[str] | None) -> bool:
+    """Tell the tracer which modules are layers, so it can credit work to them; True for user layer_names."""
     modules = dict(module.named_modules())
-    if layer_names:
-        paths = expand_layer_names(module, list(layer_names))
-        groups = [0] * len(paths)
-        user_mode = True
-    else:
-        user_mode = False
-        paths, groups = [], []
-        containers = block_containers(module)
-        for gi, cpath in enumerate(containers):
-            tracer.group_parent[gi] = _parent(cpath) if cpath else ""
-            for child_name, child in modules[cpath].named_children():
-                if _owns_params(child):
-                    paths.append(f"{cpath}.{child_name}" if cpath else child_name)
-                    groups.append(gi)
-        if not paths:  # no block stack: the root's children with parameters
-            for child_name, child in module.named_children():
-                if _owns_params(child):
-                    paths.append(child_name)
-                    groups.append(len(groups))
-        if not paths:
-            paths, groups = [""], [0]
+    paths, groups = _anchor_paths(tracer, module, modules, layer_names)
     tracer.anchors = [_Anchor(path=p, group=g) for p, g in zip(paths, groups)]
     tracer.anchor_paths = set(paths)
     for p in paths:
         tracer.structural.update(q for q in modules if _is_ancestor(q, p))
+    return bool(layer_names)
 
-    handles = []
-    anchor_index = {p: i for i, p in enumerate(paths)}
+
+def _anchor_paths(
+    tracer: _Tracer, module: Any, modules: dict[str, Any], layer_names: list[str] | None
+) -> tuple[list[str], list[int]]:
+    """Pick the layer modules and their block-stack groups: the user's, else the blocks of each stack."""
+    if layer_names:
+        paths = expand_layer_names(module, list(layer_names))
+        return paths, [0] * len(paths)
+    paths: list[str] = []
+    groups: list[int] = []
+    for gi, cpath in enumerate(block_containers(module)):
+        tracer.group_parent[gi] = _parent(cpath) if cpath else ""
+        for child_name, child in modules[cpath].named_children():
+            if _owns_params(child):
+                paths.append(f"{cpath}.{child_name}" if cpath else child_name)
+                groups.append(gi)
+    if not paths:  # no block stack: the root's children with parameters
+        for child_name, child in module.named_children():
+            if _owns_params(child):
+                paths.append(child_name)
+                groups.append(len(groups))
+    if not paths:
+        return [""], [0]
+    return paths, groups
+
+
+def _traced_forward(module: Any, state: dict, args: tuple, kwargs: dict, tracer: _Tracer, torch: Any) -> Any:
+    """Run the traced forward with module hooks installed, and always take the hooks off again."""
+    handles: list[Any] = []
     try:
-        for mpath, sub in modules.items():
-            handles.append(sub.register_forward_pre_hook(lambda m, a, path=mpath: tracer.enter_module(path)))
-            handles.append(sub.register_forward_hook(lambda m, a, o, path=mpath: tracer.exit_module(path)))
-            if mpath in anchor_index:
-                i = anchor_index[mpath]
-                handles.append(
-                    sub.register_forward_pre_hook(
-                        lambda m, a, kw, i=i: tracer.enter_anchor(i, a, kw), with_kwargs=True
-                    )
-                )
-                handles.append(sub.register_forward_hook(lambda m, a, o, i=i: tracer.exit_anchor(i, o)))
-        output = _run(module, state, args, kwargs, tracer, torch)
+        _add_hooks(module, tracer, handles)
+        return _run(module, state, args, kwargs, tracer, torch)
     finally:
         for h in handles:
             h.remove()
 
+
+def _add_hooks(module: Any, tracer: _Tracer, handles: list[Any]) -> None:
+    """Hook every submodule so the tracer knows which module, and which layer, each operator runs in."""
+    anchor_index = {a.path: i for i, a in enumerate(tracer.anchors)}
+    for mpath, sub in dict(module.named_modules()).items():
+        handles.append(sub.register_forward_pre_hook(lambda m, a, path=mpath: tracer.enter_module(path)))
+        handles.append(sub.register_forward_hook(lambda m, a, o, path=mpath: tracer.exit_module(path)))
+        if mpath in anchor_index:
+            i = anchor_index[mpath]
+            handles.append(
+                sub.register_forward_pre_hook(lambda m, a, kw, i=i: tracer.enter_anchor(i, a, kw), with_kwargs=True)
+            )
+            handles.append(sub.register_forward_hook(lambda m, a, o, i=i: tracer.exit_anchor(i, o)))
+
+
+def _output_bytes(output: Any, torch: Any) -> float:
+    """Bytes the model hands to the loss: its floating-point outputs (all outputs if none are)."""
     out_tensors = [t for t in _tensors(output, torch) if t.is_floating_point()] or list(_tensors(output, torch))
-    model_output_bytes = _unique_bytes(out_tensors)
-    input_bytes = _unique_bytes(list(_tensors((args, kwargs), torch)))
-    return _assemble(
-        tracer=tracer,
-        name=name,
-        family=family,
-        module=module,
-        batch=batch,
-        dtype=dtype,
-        user_mode=user_mode,
-        param_numel=param_numel,
-        param_holders=param_holders,
-        model_input_bytes=input_bytes,
-        model_output_bytes=model_output_bytes,
-        seq_len=seq_len if seq_len is not None else _infer_seq_len(args, kwargs, torch),
-    )
+    return _unique_bytes(out_tensors)
 
 
 def _materialize(module_or_factory: Any, torch: Any) -> Any:
@@ -652,6 +678,20 @@ def _run(module: Any, state: dict, args: tuple, kwargs: dict, tracer: _Tracer, t
 
 
 @dataclass
+class _Trace:
+    """What one traced forward pass measured: everything ``_assemble`` needs besides the spec's labels."""
+
+    tracer: _Tracer
+    module: Any
+    batch: int
+    dtype: Any
+    user_mode: bool  # layers are the user's layer_names, not found block stacks
+    params: _Params
+    output_bytes: float  # the model's output, for the last layer
+    input_bytes: float  # the model's input, for the first layer
+
+
+@dataclass
 class _Layer:
     name: str
     kind: str
@@ -664,23 +704,53 @@ class _Layer:
     params_used: set[str] = field(default_factory=set)
 
 
-def _assemble(
-    *,
-    tracer: _Tracer,
-    name: str,
-    family: str,
-    module: Any,
-    batch: int,
-    dtype: Any,
-    user_mode: bool,
-    param_numel: dict[str, int],
-    param_holders: dict[str, set[str]],
-    model_input_bytes: float,
-    model_output_bytes: float,
-    seq_len: int,
-) -> ModelSpec:
-    anchors = tracer.anchors
-    segments = [s for s in tracer.segments if s.anchor is not None or _has_work(s)]
+@dataclass
+class _FreeSegments:
+    """Work that ran outside every layer module and may become a layer of its own."""
+
+    prologue: list[_Segment] = field(default_factory=list)
+    epilogue: list[_Segment] = field(default_factory=list)
+    interludes: dict[int, list[_Segment]] = field(default_factory=dict)  # keyed by the previous anchor
+
+
+@dataclass
+class _Place:
+    """What a layer's LayerSpec needs from the other layers: a unique name and its share of tied parameters."""
+
+    name: str
+    tied_group: list[str]
+    tied_params: int  # tied parameters an earlier layer already counts
+    is_last: bool
+
+
+def _assemble(trace: _Trace, name: str, family: str, seq_len: int) -> ModelSpec:
+    """Turn what the traced forward pass measured into a per-sample ModelSpec."""
+    tracer = trace.tracer
+    _check_anchors_ran(tracer.anchors, trace.user_mode)
+    order, anchor_layers = _anchor_layers(tracer, trace.user_mode)
+    free = _place_segments(tracer, order, anchor_layers, trace.user_mode)
+    layers = _layer_sequence(order, anchor_layers, free, trace)
+    _set_boundaries(layers, trace)
+    _fill_hidden_shapes(layers)
+    unused = _assign_params(layers, trace)
+    places = _places(layers, trace.params.numel)
+    specs = [_layer_spec(layer, place, trace) for layer, place in zip(layers, places)]
+    hidden, heads, vocab = _model_dims(layers, tracer.segments)
+    return ModelSpec(
+        name=name,
+        family=family,
+        layers=tuple(specs),
+        seq_len=int(seq_len),
+        dtype_bytes=trace.dtype.itemsize,
+        hidden_size=hidden,
+        num_heads=heads,
+        vocab_size=vocab,
+        meta=_model_meta(trace, layers, places, unused),
+    )
+
+
+def _check_anchors_ran(anchors: list[_Anchor], user_mode: bool) -> None:
+    """Fail early, naming the module, when a layer module never ran: its layer would be empty."""
     ran = [i for i, a in enumerate(anchors) if a.calls > 0]
     if not ran:
         raise HetplanError(
@@ -691,7 +761,10 @@ def _assemble(
         if missing:
             raise HetplanError(f"layer {missing[0]!r} was not called in the forward pass; remove it from layer_names")
 
-    # order anchors by first execution
+
+def _anchor_layers(tracer: _Tracer, user_mode: bool) -> tuple[list[int], dict[int, _Layer]]:
+    """One layer per layer module, in order of first execution (not of registration)."""
+    anchors = tracer.anchors
     order: list[int] = []
     for s in tracer.segments:
         if s.anchor is not None and s.anchor not in order:
@@ -707,69 +780,93 @@ def _assemble(
             modules=[path],
             hidden_shape=anchors[i].input_shape,
         )
-    position = {i: k for k, i in enumerate(order)}
+    return order, anchor_layers
 
-    # free segments: prologue, epilogue, glue (-> previous block), interlude (own layer)
-    prologue: list[_Segment] = []
-    epilogue: list[_Segment] = []
-    interludes: dict[int, list[_Segment]] = {}  # keyed by the previous anchor
+
+def _place_segments(
+    tracer: _Tracer, order: list[int], anchor_layers: dict[int, _Layer], user_mode: bool
+) -> _FreeSegments:
+    """Give each layer its segments; glue joins the block before it, prologue/epilogue/interludes are set aside."""
+    anchors = tracer.anchors
+    segments = [s for s in tracer.segments if s.anchor is not None or _has_work(s)]
+    position = {i: k for k, i in enumerate(order)}
     last_anchor_pos = max(position.values())
+    free = _FreeSegments()
     for s in segments:
         if s.anchor is not None:
             anchor_layers[s.anchor].segments.append(s)
             continue
         if s.after is None:
-            prologue.append(s)
+            free.prologue.append(s)
         elif position[s.after] == last_anchor_pos and not _anchor_follows(tracer.segments, s):
-            epilogue.append(s)
+            free.epilogue.append(s)
         else:
             nxt = _next_anchor(tracer.segments, s)
             different_stack = nxt is not None and anchors[nxt].group != anchors[s.after].group
             if not user_mode and different_stack and s.interlude:
-                interludes.setdefault(s.after, []).append(s)
+                free.interludes.setdefault(s.after, []).append(s)
             else:
-                anchor_layers[s.after].segments.append(s)
-                anchor_layers[s.after].modules.extend(m for m in s.modules if m not in anchor_layers[s.after].modules)
+                prev = anchor_layers[s.after]
+                prev.segments.append(s)
+                prev.modules.extend(m for m in s.modules if m not in prev.modules)
+    return free
 
+
+def _layer_sequence(
+    order: list[int], anchor_layers: dict[int, _Layer], free: _FreeSegments, trace: _Trace
+) -> list[_Layer]:
+    """The layers in execution order: free work with parameters (embeddings, heads) becomes its own layer."""
+    user_mode, holders = trace.user_mode, trace.params.holders
     layers: list[_Layer] = []
     first = anchor_layers[order[0]]
-    if prologue and not user_mode and _uses_params(prologue):
-        layers.append(_free_layer(prologue, "embedding", first_name=True, holders=param_holders))
-    elif prologue:
-        first.segments[:0] = prologue
-        first.modules[:0] = [m for s in prologue for m in s.modules]
+    if free.prologue and not user_mode and _uses_params(free.prologue):
+        layers.append(_free_layer(free.prologue, "embedding", first_name=True, holders=holders))
+    elif free.prologue:
+        first.segments[:0] = free.prologue
+        first.modules[:0] = [m for s in free.prologue for m in s.modules]
     for i in order:
         layers.append(anchor_layers[i])
-        if i in interludes:
-            segs = interludes[i]
+        if i in free.interludes:
+            segs = free.interludes[i]
             if _uses_params(segs):
-                layers.append(_free_layer(segs, "embedding", first_name=True, holders=param_holders))
+                layers.append(_free_layer(segs, "embedding", first_name=True, holders=holders))
             else:
                 anchor_layers[i].segments.extend(segs)
-    if epilogue and not user_mode and _uses_params(epilogue):
-        layers.append(_free_layer(epilogue, "head", first_name=False, holders=param_holders))
-    elif epilogue:
+    if free.epilogue and not user_mode and _uses_params(free.epilogue):
+        layers.append(_free_layer(free.epilogue, "head", first_name=False, holders=holders))
+    elif free.epilogue:
         last = anchor_layers[order[-1]]
-        last.segments.extend(epilogue)
-        last.modules.extend(m for s in epilogue for m in s.modules if m not in last.modules)
+        last.segments.extend(free.epilogue)
+        last.modules.extend(m for s in free.epilogue for m in s.modules if m not in last.modules)
+    return layers
 
-    # boundaries: inputs and outputs
+
+def _set_boundaries(layers: list[_Layer], trace: _Trace) -> None:
+    """Bytes into and out of each layer: what a pipeline stage boundary there would send."""
+    anchors = trace.tracer.anchors
     for k, layer in enumerate(layers):
         if k == 0:
-            layer.input_bytes = model_input_bytes
+            layer.input_bytes = trace.input_bytes
         elif layer.anchor is not None:
             layer.input_bytes = anchors[layer.anchor].input_bytes
         else:
             prev = layers[k - 1]
             layer.input_bytes = anchors[prev.anchor].output_bytes if prev.anchor is not None else prev.output_bytes
     for k, layer in enumerate(layers):
-        layer.output_bytes = model_output_bytes if k == len(layers) - 1 else layers[k + 1].input_bytes
+        layer.output_bytes = trace.output_bytes if k == len(layers) - 1 else layers[k + 1].input_bytes
+
+
+def _fill_hidden_shapes(layers: list[_Layer]) -> None:
+    """Free layers borrow a neighbouring block's hidden shape, which the TP estimates are based on."""
     for k, layer in enumerate(layers):
         if not layer.hidden_shape:
             neighbours = layers[k + 1 :] if layer.kind == "embedding" else layers[:k][::-1]
             layer.hidden_shape = next((n.hidden_shape for n in neighbours if n.hidden_shape), ())
 
-    # parameters: used by the layer, plus everything inside an anchor module
+
+def _assign_params(layers: list[_Layer], trace: _Trace) -> list[str]:
+    """Credit each layer the parameters it read or its module holds; return those the forward never read."""
+    anchors = trace.tracer.anchors
     used_anywhere: set[str] = set()
     for layer in layers:
         layer.params_used = set().union(*(s.params_used for s in layer.segments)) if layer.segments else set()
@@ -777,94 +874,111 @@ def _assemble(
             prefix = anchors[layer.anchor].path
             layer.params_used |= {
                 n
-                for n, holders in param_holders.items()
+                for n, holders in trace.params.holders.items()
                 if any(h == prefix or _is_ancestor(prefix, h) for h in holders)
             }
         used_anywhere |= layer.params_used
-    unused = [n for n in param_numel if n not in used_anywhere]
+    unused = [n for n in trace.params.numel if n not in used_anywhere]
     for n in unused:  # never read in the forward pass: keep them countable, say so in meta
         target = layers[-1]
         for layer in layers:
             if layer.anchor is not None and _is_ancestor(anchors[layer.anchor].path, n):
                 target = layer
         target.params_used.add(n)
+    return unused
 
-    # tied parameters
+
+def _places(layers: list[_Layer], param_numel: dict[str, int]) -> list[_Place]:
+    """Name layers uniquely and find tied parameters, so a shared weight is counted once in the model total."""
     users: dict[str, list[int]] = {}
     for k, layer in enumerate(layers):
         for n in layer.params_used:
             users.setdefault(n, []).append(k)
     tied_names = {n for n, ks in users.items() if len(ks) > 1}
-
-    specs = []
-    layer_modules: dict[str, list[str]] = {}
-    tied_params_meta: dict[str, int] = {}
+    places: list[_Place] = []
     names_seen: set[str] = set()
-    p_bytes = dtype.itemsize
     for k, layer in enumerate(layers):
-        stats = _sum_segments(layer.segments)
-        params = sum(param_numel[n] for n in layer.params_used)
-        replicated_params = sum(
-            param_numel[n] for n in layer.params_used if _looks_replicated(n, param_numel, layer.hidden_shape)
-        )
-        tied_here = sorted(n for n in layer.params_used if n in tied_names)
-        tied_params = sum(param_numel[n] for n in tied_here if users[n][0] != k)
-        act = repl = core = 0.0
-        hidden_numel = _numel(layer.hidden_shape)
-        for shape, nbytes in stats["saved"]:
-            act += nbytes
-            # the hidden state or a 2-D view of it, e.g. (B*S, H) for a linear
-            if hidden_numel and _numel(shape) == hidden_numel and shape[-1:] == layer.hidden_shape[-1:]:
-                repl += nbytes
-            elif len(shape) >= 3 and tuple(shape[-2:]) in stats["scores_dims"]:
-                core += nbytes
-        hidden_bytes = float(hidden_numel * p_bytes)
-        is_last = k == len(layers) - 1
-        allreduces = stats["attention_calls"] + (1 if stats["param_gemms"] or stats["embeddings"] else 0)
-        tp_comm = 0.0 if is_last else allreduces * hidden_bytes
         lname = layer.name
         if lname in names_seen:
             lname = f"{lname}#{k}"
         names_seen.add(lname)
-        layer_modules[lname] = layer.modules
-        if tied_params:
-            tied_params_meta[lname] = tied_params
-        specs.append(
-            make_layer(
-                name=lname,
-                kind=layer.kind,
-                params=params,
-                params_tp_replicated=replicated_params,
-                fwd_flops=stats["flops"] / batch,
-                fwd_mem_bytes=stats["mem_bytes"] / batch,
-                attention_flops=stats["attention_flops"] / batch,
-                gemm_count=max(1, stats["gemms"]),
-                act_bytes=act / batch,
-                act_tp_replicated_bytes=repl / batch,
-                act_attention_core_bytes=core / batch,
-                input_bytes=layer.input_bytes / batch,
-                output_bytes=layer.output_bytes / batch,
-                tp_comm_bytes=tp_comm / batch,
-                tp_max=stats["heads"] or (1 << 30),
-                tied_group="+".join(tied_here),
-                tied_params=tied_params,
-                modules=tuple(layer.modules),
-            )
-        )
+        tied_here = sorted(n for n in layer.params_used if n in tied_names)
+        tied_params = sum(param_numel[n] for n in tied_here if users[n][0] != k)
+        places.append(_Place(name=lname, tied_group=tied_here, tied_params=tied_params, is_last=k == len(layers) - 1))
+    return places
+
+
+def _layer_spec(layer: _Layer, place: _Place, trace: _Trace) -> LayerSpec:
+    """The per-sample LayerSpec of one layer: its segments' totals divided by the example batch."""
+    stats = _sum_segments(layer.segments)
+    numel, batch = trace.params.numel, trace.batch
+    act, repl, core = _split_saved(stats, layer.hidden_shape)
+    return make_layer(
+        name=place.name,
+        kind=layer.kind,
+        params=sum(numel[n] for n in layer.params_used),
+        params_tp_replicated=sum(
+            numel[n] for n in layer.params_used if _looks_replicated(n, numel, layer.hidden_shape)
+        ),
+        fwd_flops=stats["flops"] / batch,
+        fwd_mem_bytes=stats["mem_bytes"] / batch,
+        attention_flops=stats["attention_flops"] / batch,
+        gemm_count=max(1, stats["gemms"]),
+        act_bytes=act / batch,
+        act_tp_replicated_bytes=repl / batch,
+        act_attention_core_bytes=core / batch,
+        input_bytes=layer.input_bytes / batch,
+        output_bytes=layer.output_bytes / batch,
+        tp_comm_bytes=_tp_comm_bytes(stats, layer.hidden_shape, trace.dtype.itemsize, place.is_last) / batch,
+        tp_max=stats["heads"],
+        tied_group="+".join(place.tied_group),
+        tied_params=place.tied_params,
+        modules=tuple(layer.modules),
+    )
+
+
+def _split_saved(stats: dict[str, Any], hidden_shape: tuple[int, ...]) -> tuple[float, float, float]:
+    """Saved bytes: all, hidden-state shaped (whole on every TP rank), attention-score shaped (split by TP)."""
+    act = repl = core = 0.0
+    hidden_numel = _numel(hidden_shape)
+    for shape, nbytes in stats["saved"]:
+        act += nbytes
+        # the hidden state or a 2-D view of it, e.g. (B*S, H) for a linear
+        if hidden_numel and _numel(shape) == hidden_numel and shape[-1:] == hidden_shape[-1:]:
+            repl += nbytes
+        elif len(shape) >= 3 and tuple(shape[-2:]) in stats["scores_dims"]:
+            core += nbytes
+    return act, repl, core
+
+
+def _tp_comm_bytes(stats: dict[str, Any], hidden_shape: tuple[int, ...], p_bytes: int, is_last: bool) -> float:
+    """Megatron TP all-reduces the hidden state once per attention call and once per MLP/embedding."""
+    hidden_bytes = float(_numel(hidden_shape) * p_bytes)
+    allreduces = stats["attention_calls"] + (1 if stats["param_gemms"] or stats["embeddings"] else 0)
+    return 0.0 if is_last else allreduces * hidden_bytes
+
+
+def _model_dims(layers: list[_Layer], segments: list[_Segment]) -> tuple[int, int, int]:
+    """Hidden size (from the first block's input), head count and vocabulary size seen in the trace."""
     hidden = 0
     first_block = next((layer for layer in layers if layer.anchor is not None), None)
     if first_block is not None and len(first_block.hidden_shape) >= 2:
         hidden = int(first_block.hidden_shape[-1])
-    heads = min((s.heads for s in tracer.segments if s.heads), default=0)
-    vocab = next((s.vocab for s in tracer.segments if s.vocab), 0)
-    meta = {
+    heads = min((s.heads for s in segments if s.heads), default=0)
+    vocab = next((s.vocab for s in segments if s.vocab), 0)
+    return hidden, heads, vocab
+
+
+def _model_meta(trace: _Trace, layers: list[_Layer], places: list[_Place], unused: list[str]) -> dict[str, Any]:
+    """ModelSpec.meta: where each layer came from and which fields are estimates rather than measurements."""
+    return {
         "source": "traced nn.Module",
-        "module_class": type(module).__name__,
-        "example_batch": batch,
-        "layer_modules": layer_modules,
-        "tied_params": tied_params_meta,
+        "module_class": type(trace.module).__name__,
+        "example_batch": trace.batch,
+        "layer_modules": {place.name: layer.modules for layer, place in zip(layers, places)},
+        "tied_params": {place.name: place.tied_params for place in places if place.tied_params},
         "unused_params": unused,
-        "sdpa_flops_added": tracer.sdpa_added / batch,
+        "sdpa_flops_added": trace.tracer.sdpa_added / trace.batch,
         "estimated_fields": [
             "act_tp_replicated_bytes",
             "act_attention_core_bytes",
@@ -872,17 +986,6 @@ def _assemble(
             "params_tp_replicated",
         ],
     }
-    return ModelSpec(
-        name=name,
-        family=family,
-        layers=tuple(specs),
-        seq_len=int(seq_len),
-        dtype_bytes=p_bytes,
-        hidden_size=hidden,
-        num_heads=heads,
-        vocab_size=vocab,
-        meta=meta,
-    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

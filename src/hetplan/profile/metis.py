@@ -38,13 +38,12 @@ A missing entry never crashes a search: ``lookup`` returns None and the cost
 model falls back to its analytic estimate; :func:`missing_entries` lists the
 gaps so a planner can say so (or refuse, when asked to be strict).
 
-``python -m hetplan.profile.metis`` regenerates the shipped synthetic example
+``python -m hetplan.cost.synthetic_profile`` regenerates the shipped synthetic example
 (``hetplan/profile/data/metis-example-gpt3-1.3b.json``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -285,80 +284,3 @@ def oracle_profile_runs(model: ModelSpec, num_gpu_types: int, tps: Sequence[int]
     consecutive layers (a possible stage) on every GPU type, tp and mbs."""
     n = model.num_layers
     return 2 * (n * (n + 1) // 2) * num_gpu_types * len(tps) * len(mbs)
-
-
-# --- synthetic example ---------------------------------------------------------------------------
-def _jitter(text: str, amplitude: float) -> float:
-    """Deterministic measurement noise in [−amplitude, +amplitude] (hashlib,
-    not hash(): the same on every run and PYTHONHASHSEED)."""
-    digest = hashlib.sha256(text.encode()).digest()
-    unit = int.from_bytes(digest[:8], "big") / float(1 << 64)
-    return (2.0 * unit - 1.0) * amplitude
-
-
-def synthesize(model: ModelSpec, gpu_types: Sequence[str], tps: Sequence[int] = PROFILED_TP,
-               mbs: Sequence[int] = PROFILED_MBS, k: int = DEFAULT_K, memory_gpu: str = "",
-               noise: float = 0.03, buffer_reuse: float = 1.0) -> MetisProfileDB:
-    """A Metis profile made from the analytic model, as if measured.
-
-    Times are the cost model's analytic layer times with ±``noise`` relative
-    deterministic jitter; memory windows are the analytic states and
-    activations of the window minus the activation buffers the runtime reuses
-    between adjacent layers (``buffer_reuse`` × the bytes each internal layer
-    passes on), which is what makes memory non-additive (Metis §4.3).
-    """
-    from hetplan.cost.compute import layer_time
-    from hetplan.cost.constants import OPTIMIZER_STATE_BYTES
-    from hetplan.cost.memory import layer_activation_bytes, layer_params_per_device
-
-    entries = []
-    done: set[str] = set()
-    for layer in model.layers:
-        if layer.profile_key in done:
-            continue
-        done.add(layer.profile_key)
-        for gpu_name in gpu_types:
-            gpu = get_gpu(gpu_name)
-            for tp in tps:
-                if tp > layer.tp_max:
-                    continue
-                for b in mbs:
-                    t = layer_time(layer, gpu, b, tp, "none", model.dtype_bytes)
-                    tag = f"{layer.profile_key}|{gpu.name}|{tp}|{b}"
-                    entries.append(ProfileEntry(layer.profile_key, gpu.name, tp, b,
-                                                t.fwd_s * (1 + _jitter(tag + "f", noise)),
-                                                t.bwd_s * (1 + _jitter(tag + "b", noise))))
-    optimizer = "adam-mixed" if model.dtype_bytes == 2 else "adam-fp32"
-    per_param = sum(OPTIMIZER_STATE_BYTES[optimizer])
-    gpu_for_memory = get_gpu(memory_gpu or gpu_types[0]).name
-    windows: dict[tuple[int, int], dict[tuple[int, int], float]] = {}
-    n = model.num_layers
-    for tp in tps:
-        if any(tp > layer.tp_max for layer in model.layers):
-            continue
-        states = [layer_params_per_device(layer, tp) * per_param for layer in model.layers]
-        act = [layer_activation_bytes(layer, tp, "none", False) for layer in model.layers]
-        for b in mbs:
-            table = {}
-            for i in range(n):
-                for j in range(i, min(n - 1, i + k) + 1):
-                    total = sum(states[i:j + 1]) + b * sum(act[i:j + 1])
-                    total -= buffer_reuse * b * sum(model.layers[m].output_bytes for m in range(i, j)) / tp
-                    table[(i, j)] = max(total, 0.0)
-            windows[(tp, b)] = table
-    memory = MetisMemoryProfile(gpu_for_memory, k, n, windows)
-    return MetisProfileDB(entries, memory, model.name)
-
-
-def _write_example() -> None:  # pragma: no cover - maintenance helper
-    from hetplan.model.presets import get_model
-
-    db = synthesize(get_model("gpt3-1.3b"), ["P100", "T4", "V100-16GB"], memory_gpu="V100-16GB")
-    os.makedirs(os.path.dirname(EXAMPLE_PATH), exist_ok=True)
-    with open(EXAMPLE_PATH, "w", encoding="utf-8") as f:
-        f.write(db.to_json())
-    print(f"wrote {EXAMPLE_PATH} ({len(db)} time entries)")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _write_example()

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from typing import Any
 
+from hetplan.argtypes import positive_int
 from hetplan.errors import HetplanError
 
 VERIFY_TOLERANCE = 1e-5
@@ -35,7 +36,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("train", help="train a built-in model with a plan on this machine (needs torch)")
     p.add_argument("--model", default=None, help="model preset (default: the plan's model)")
     p.add_argument("--plan", required=True, help="plan JSON from 'hetplan plan/estimate --json'")
-    p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
     p.add_argument("--verify", action="store_true",
                    help=f"compare with the single-process reference; exit 1 above {VERIFY_TOLERANCE:g} relative")
     p.add_argument("--seed", type=int, default=0)
@@ -58,12 +59,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     p.set_defaults(func=cmd_run)
-
-
-def _positive(text: str) -> int:
-    from hetplan.cli import _positive_int
-
-    return _positive_int(text)
 
 
 def _require_torch() -> None:

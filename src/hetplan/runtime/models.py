@@ -258,7 +258,7 @@ def config_from_spec(spec) -> GPTConfig:  # noqa: ANN001 - ModelSpec, kept torch
         raise HetplanError(f"model {spec.name!r} lacks hidden size, heads or vocabulary")
     llama = spec.family == "llama"
     block = spec.layers[1]
-    kv = block.tp_max if block.tp_max < (1 << 30) else heads
+    kv = block.tp_max or heads
     tied = bool(spec.layers[0].tied_group) and spec.layers[0].tied_group == spec.layers[-1].tied_group
     hd = h // heads
     base = dict(vocab_size=vocab, seq_len=seq, hidden=h, heads=heads, num_layers=n,

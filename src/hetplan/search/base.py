@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol
+from dataclasses import replace
+from typing import Iterable, Protocol
 
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
@@ -13,11 +14,29 @@ from hetplan.units import format_bytes
 
 
 class Planner(Protocol):
-    """Searches plans for a workload and returns the best, ranked."""
+    """Searches plans for a workload and returns the best, ranked.
+
+    ``cost`` lets several planners share one CostModel (and its kernel's
+    tables); a planner builds its own when it is not given one.
+    """
 
     name: str
 
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]: ...
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]: ...
+
+
+def cost_model_for(workload: Workload, cost: CostModel | None) -> CostModel:
+    """A CostModel for ``workload``: ``cost`` itself if it is for it, one sharing
+    its kernel's tables if only the global batch differs, else a new one."""
+    if cost is None or cost.workload.profile is not workload.profile:
+        return CostModel(workload)
+    if cost.workload is workload:
+        return cost
+    if replace(cost.workload, global_batch_size=workload.global_batch_size) != workload:
+        return CostModel(workload)
+    if cost.workload.global_batch_size == workload.global_batch_size:
+        return cost
+    return CostModel(workload, kernel=cost.kernel)
 
 
 def rank_key(ranked: RankedPlan) -> tuple[int, float, str]:
@@ -28,26 +47,31 @@ def rank_key(ranked: RankedPlan) -> tuple[int, float, str]:
 
 def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
                require_fit: bool = True) -> list[RankedPlan]:
-    """Estimate every plan with the shared cost model and keep the best ``top_k``.
+    """Cost every plan with the shared cost model and keep the best ``top_k``.
 
-    With ``require_fit`` an OutOfMemoryError explains the closest miss when no
-    plan fits; otherwise non-fitting plans are ranked after fitting ones.
+    Candidates are ranked by ``CostModel.quick`` (the estimate's time and fit)
+    and only the kept ones get a full Estimate. With ``require_fit`` an
+    OutOfMemoryError explains the closest miss when no plan fits; otherwise
+    non-fitting plans are ranked after fitting ones.
     """
     plans = list(plans)
-    ranked = []
+    if not plans:
+        raise HetplanError("no valid plan exists for this model, cluster and batch size")
+    scored = []
     with Progress("costing plans", total=len(plans)) as progress:
         for p in plans:
-            ranked.append(RankedPlan(p, cost_model.estimate(p)))
+            time_s, fits = cost_model.quick(p)
+            scored.append(((0 if fits else 1, time_s, p.describe()), p))
             progress.advance()
-    if not ranked:
-        raise HetplanError("no valid plan exists for this model, cluster and batch size")
-    ranked.sort(key=rank_key)
-    if require_fit and not ranked[0].estimate.fits:
-        raise no_fit_error(cost_model.workload, ranked)
-    return ranked[:top_k]
+    scored.sort(key=lambda item: item[0])
+    if require_fit and scored[0][0][0]:
+        raise no_fit_error(cost_model.workload, [RankedPlan(p, cost_model.estimate(p)) for _, p in scored])
+    return [RankedPlan(p, cost_model.estimate(p)) for _, p in scored[:top_k]]
 
 
 def no_fit_error(workload: Workload, ranked: list[RankedPlan]) -> OutOfMemoryError:
+    """The error for "nothing fits": the model's states exceed the cluster, or
+    the closest miss and what to change."""
     states = workload.model.total_params * sum(workload.state_bytes)
     total = sum(workload.device_capacity_bytes(d.id) for d in workload.cluster.devices)
     if states > total:
@@ -56,7 +80,7 @@ def no_fit_error(workload: Workload, ranked: list[RankedPlan]) -> OutOfMemoryErr
             f"states alone, more than the {format_bytes(total)} of all {workload.cluster.num_devices} GPUs; "
             "use a larger cluster or a smaller model"
         )
-    closest = min(ranked, key=lambda r: -r.estimate.min_headroom_bytes)
+    closest = min(ranked, key=lambda r: (-r.estimate.min_headroom_bytes, r.plan.describe()))
     est = closest.estimate
     worst = max(est.peak_memory_bytes, key=lambda d: est.peak_memory_bytes[d] - est.memory_capacity_bytes[d])
     return OutOfMemoryError(
@@ -64,25 +88,3 @@ def no_fit_error(workload: Workload, ranked: list[RankedPlan]) -> OutOfMemoryErr
         f"{format_bytes(est.peak_memory_bytes[worst])} on GPU {worst} of {format_bytes(est.memory_capacity_bytes[worst])}; "
         "use a smaller global batch, a larger --memory-limit, or more/larger GPUs"
     )
-
-
-PlannerFactory = Callable[[], Planner]
-_PLANNERS: dict[str, tuple[PlannerFactory, str]] = {}
-
-
-def register_planner(name: str, description: str, factory: PlannerFactory) -> None:
-    _PLANNERS[name] = (factory, description)
-
-
-def planner_names() -> list[str]:
-    return sorted(_PLANNERS)
-
-
-def planner_descriptions() -> dict[str, str]:
-    return {k: v[1] for k, v in sorted(_PLANNERS.items())}
-
-
-def get_planner(name: str) -> Planner:
-    if name not in _PLANNERS:
-        raise HetplanError(f"unknown planner {name!r}; choose one of {', '.join(planner_names())}")
-    return _PLANNERS[name][0]()

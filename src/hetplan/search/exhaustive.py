@@ -22,13 +22,16 @@ from dataclasses import dataclass, replace
 from math import comb
 from typing import Iterator
 
+from hetplan.cost.kernel import StageOption
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan, uniform_stage
-from hetplan.search.amp import AmpCostModel, enumerate_degrees, micro_batch_sizes
-from hetplan.search.base import no_fit_error, rank_key, register_planner
-from hetplan.search.placement import (
+from hetplan.search.amp import AmpCostModel
+from hetplan.search.base import cost_model_for, no_fit_error
+from hetplan.search.common.degrees import enumerate_degrees, micro_batch_sizes
+from hetplan.search.common.stage_partition import PipelinePartitioner
+from hetplan.search.common.placement import (
     Placement,
     canonical_placements,
     count_canonical_placements,
@@ -112,44 +115,57 @@ class ExhaustivePlanner:
             for boundaries in all_splits(workload.model.num_layers, strategy.pp):
                 yield strategy, boundaries
 
-    def ranked(self, workload: Workload, top_k: int | None = None) -> list[RankedPlan]:
+    def ranked(self, workload: Workload, top_k: int | None = None,
+               cost: CostModel | None = None) -> list[RankedPlan]:
         """The whole space (or its best ``top_k``), best first by the chosen objective.
 
-        With ``objective="amp"`` ``planner_cost_s`` is AMP's cost, and only the
-        returned plans are estimated with the shared cost model."""
-        cost_model = CostModel(workload)
+        With ``objective="amp"`` ``planner_cost_s`` is AMP's cost; with the
+        shared objective plans are ranked by ``CostModel.quick`` (the estimate's
+        time and fit). Only the returned plans get a full estimate."""
+        cost_model = cost_model_for(workload, cost)
+        scored: list[tuple[tuple[float, ...], Strategy, tuple[int, ...]]] = []
         if self.objective == "amp":
-            amp = AmpCostModel(workload, cost_model)
-            scored = []
-            terms = None
-            previous = None
-            for strategy, boundaries in self.plans(workload):
+            amp = AmpCostModel(cost_model)
+            terms, previous = None, None
+            for index, (strategy, boundaries) in enumerate(self.plans(workload)):
                 if strategy is not previous:
                     terms = amp.terms(strategy.placement, strategy.dp, strategy.tp, strategy.micro_batch)
                     previous = strategy
                 gas = workload.global_batch_size // (strategy.dp * strategy.micro_batch)
                 assert terms is not None
-                cost = amp.cost(terms, gas, boundaries).total_s
-                scored.append((cost, strategy, boundaries))
-            keyed = sorted(((cost, s.plan(workload, b, self.name)) for cost, s, b in scored),
-                           key=lambda item: (item[0], item[1].describe()))
-            keyed = keyed[:top_k] if top_k is not None else keyed
-            return [RankedPlan(plan, cost_model.estimate(plan), cost) for cost, plan in keyed]
-        ranked = []
-        for strategy, boundaries in self.plans(workload):
+                scored.append(((amp.cost(terms, gas, boundaries).total_s, index), strategy, boundaries))
+        else:
+            tables = None
+            for index, (strategy, boundaries) in enumerate(self.plans(workload)):
+                if tables is None or tables[0] is not strategy:
+                    tables = (strategy, *self._tables(cost_model, strategy))
+                _, partitioner, table = tables
+                cells = [(0, b - j, e - j - 1) for j, (b, e) in enumerate(zip(boundaries, boundaries[1:]))]
+                fits = all(table.fits[j, o, x, y] for j, (o, x, y) in enumerate(cells))
+                time_s = partitioner.iteration_s(table, boundaries, (0,) * strategy.pp)
+                scored.append(((0 if fits else 1, time_s, index), strategy, boundaries))
+        scored.sort(key=lambda item: item[0])  # ties: enumeration order
+        kept = scored[:top_k] if top_k is not None else scored
+        amp_cost = self.objective == "amp"
+        out = []
+        for key, strategy, boundaries in kept:
             plan = strategy.plan(workload, boundaries, self.name)
-            ranked.append(RankedPlan(plan, cost_model.estimate(plan)))
-        ranked.sort(key=rank_key)
-        return ranked[:top_k] if top_k is not None else ranked
+            out.append(RankedPlan(plan, cost_model.estimate(plan), key[0] if amp_cost else None))
+        return out
 
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
-        ranked = self.ranked(workload, top_k if self.objective == "amp" else None)
+    @staticmethod
+    def _tables(cost_model: CostModel, strategy: Strategy) -> tuple[PipelinePartitioner, object]:
+        """The kernel's segment tables of a strategy's stages: every split is a lookup."""
+        micro = strategy.dp * strategy.micro_batch
+        gas = cost_model.workload.global_batch_size // micro
+        split = (strategy.micro_batch,) * strategy.dp
+        options = [[StageOption(devices, strategy.dp, strategy.tp, split)] for devices in strategy.placement]
+        partitioner = PipelinePartitioner(cost_model.kernel, micro, gas)
+        return partitioner, partitioner.tables(options)
+
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
+        ranked = self.ranked(workload, top_k, cost)
         if self.objective == "shared" and not ranked[0].estimate.fits:
             raise no_fit_error(workload, ranked)
         return [replace(r, plan=r.plan.with_changes(notes=(describe_placement(workload, r.plan),)))
                 for r in ranked[:top_k]]
-
-
-def register() -> None:
-    register_planner("exhaustive", "every plan of AMP's space (degrees, micro-batch, placements up to symmetry, "
-                     "layer splits) ranked by the cost model; small instances only", ExhaustivePlanner)

@@ -14,49 +14,16 @@ from typing import Iterator
 
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
-from hetplan.model.spec import ModelSpec
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan, uniform_stage
-from hetplan.search.base import rank_plans
+from hetplan.search.base import cost_model_for, rank_plans
+from hetplan.search.common.degrees import divisors, enumerate_degrees
+from hetplan.search.common.layer_splits import block_split
 
-ZERO_CHOICES = (0, 1, 3)
+# ZeRO-1 is left out: in the cost model it is never better than ZeRO-2 (same
+# parameter all-gather, an all-reduce instead of a reduce-scatter, whole gradients).
+ZERO_CHOICES = (0, 2, 3)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def even_split(num_layers: int, pp: int) -> list[range]:
-    """Contiguous layer ranges of (nearly) equal counts; earlier stages get the
-    extra layer when the count does not divide."""
-    base, extra = divmod(num_layers, pp)
-    ranges, start = [], 0
-    for j in range(pp):
-        size = base + (1 if j < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
-def block_split(model: ModelSpec, pp: int) -> list[range]:
-    """Megatron's split: the repeated blocks evenly over the stages (earlier
-    stages get the extra one), the leading embedding on the first stage and the
-    trailing head on the last. Falls back to an even split of all layers when
-    there are fewer blocks than stages."""
-    layers = model.layers
-    first = 0
-    while first < len(layers) and layers[first].kind == "embedding":
-        first += 1
-    last = len(layers)
-    while last > first and layers[last - 1].kind == "head":
-        last -= 1
-    if last - first < pp:
-        return even_split(len(layers), pp)
-    ranges = [range(r.start + first, r.stop + first) for r in even_split(last - first, pp)]
-    ranges[0] = range(0, ranges[0].stop)
-    ranges[-1] = range(ranges[-1].start, len(layers))
-    return ranges
 
 
 def uniform_plan(
@@ -93,39 +60,11 @@ def uniform_plan(
     )
 
 
-def tp_fits_nodes(workload: Workload, tp: int) -> bool:
-    """TP groups must not cross nodes: with devices in id order, every run of
-    ``tp`` consecutive devices must lie in one node."""
-    start = 0
-    for node in workload.cluster.nodes:
-        if (start % tp) or node.num_gpus % tp:
-            return False
-        start += node.num_gpus
-    return True
-
-
-def max_tp(workload: Workload) -> int:
-    return min(layer.tp_max for layer in workload.model.layers)
-
-
 def uniform_configs(workload: Workload) -> Iterator[tuple[int, int, int, int]]:
     """(dp, tp, pp, micro-batch per replica) using all GPUs."""
-    n = workload.cluster.num_devices
-    gbs = workload.global_batch_size
-    heads = max_tp(workload)
-    for tp in divisors(n):
-        if tp > workload.cluster.max_gpus_per_node or not tp_fits_nodes(workload, tp):
-            continue
-        if heads < (1 << 30) and heads % tp:
-            continue
-        for pp in divisors(n // tp):
-            if pp > workload.model.num_layers:
-                continue
-            dp = n // (tp * pp)
-            if gbs % dp:
-                continue
-            for u in divisors(gbs // dp):
-                yield dp, tp, pp, u
+    for pp, dp, tp in enumerate_degrees(workload):
+        for u in divisors(workload.global_batch_size // dp):
+            yield dp, tp, pp, u
 
 
 class UniformPlanner:
@@ -146,7 +85,7 @@ class UniformPlanner:
                 for recompute in self.recompute_choices:
                     yield uniform_plan(workload, dp, tp, pp, u, zero, recompute, planner=self.name)
 
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
         plans = list(self.candidates(workload))
         if not plans:
             raise HetplanError(
@@ -154,4 +93,4 @@ class UniformPlanner:
                 f"degree of the {workload.cluster.num_devices} GPUs; choose a multiple of a divisor of "
                 f"{workload.cluster.num_devices}"
             )
-        return rank_plans(CostModel(workload), plans, top_k)
+        return rank_plans(cost_model_for(workload, cost), plans, top_k)

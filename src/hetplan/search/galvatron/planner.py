@@ -33,20 +33,20 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from hetplan.cost import comm
-from hetplan.cost.constants import ZERO3_GATHERED_LAYERS
-from hetplan.cost.memory import in_flight_micro_batches
+from hetplan.cost.memory import in_flight_micro_batches, peak_memory_bytes
 from hetplan.cost.model import CostModel
-from hetplan.cost.pipeline import pipeline_time
+from hetplan.cost.pipeline import StageTail, iteration_time
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
-from hetplan.plan import LayerStrategy, Plan, RankedPlan, Stage
-from hetplan.search.base import rank_key, register_planner
-from hetplan.search.galvatron_dp import GalvatronCosts, StageContext, StageSolution, default_granularity, \
-    layer_supports_tp, overlap_exposure, solve_stages
-from hetplan.search.galvatron_partition import Partition, StageCostModel, adjust_candidates, even_partition, \
-    min_max_partition, partition_ranges, validate_adjustment
-from hetplan.search.galvatron_space import DP, PARADIGMS, TP, effective_strategies, pp_degrees
+from hetplan.plan import Plan, RankedPlan
+from hetplan.search.base import cost_model_for, rank_key
+from hetplan.search.common.batch_grid import batch_grid
+from hetplan.search.common.layer_splits import block_split
+from hetplan.search.galvatron.dp import StageSolution, default_granularity, solve_stages
+from hetplan.search.galvatron.partition import Partition, StageCostModel, adjust_candidates, min_max_partition, \
+    partition_ranges, validate_adjustment
+from hetplan.search.galvatron.space import DP, PARADIGMS, TP, effective_strategies, pp_degrees
+from hetplan.search.galvatron.tables import GalvatronCosts, StageContext
 from hetplan.units import format_bytes
 
 PARTITION_MODES = ("even", "memory", "time", "bi-objective")
@@ -133,16 +133,6 @@ class SearchStats:
     estimates: int = 0
 
 
-def batch_grid(step: int, linear_steps: int = 8, growth: float = 1.125, limit: int = 1 << 22) -> Iterable[int]:
-    """Batch sizes the loop walks: step·1 … step·linear_steps, then step·k with
-    k growing by ``growth`` (so a search covers batches of thousands in a few
-    dozen steps)."""
-    k = 1
-    while step * k <= limit:
-        yield step * k
-        k = k + 1 if k < linear_steps else max(k + 1, int(round(k * growth)))
-
-
 def strategy_runs(labels: Sequence[str]) -> str:
     """Runs of identical strategies as 'label×N' (the paper's Fig. 7)."""
     out: list[str] = []
@@ -189,10 +179,10 @@ class GalvatronPlanner:
         self.stats = SearchStats()
 
     # --- public API -------------------------------------------------------------------
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
         """Plans for the workload's own global batch."""
         self.stats = SearchStats()
-        search = _Search(self.config, workload, self.stats)
+        search = _Search(self.config, workload, self.stats, cost)
         ranked = search.ranked_at(workload.global_batch_size, top_k)
         if not ranked:
             raise search.no_fit_error(workload.global_batch_size)
@@ -212,20 +202,20 @@ class GalvatronPlanner:
 class _Search:
     """One search over one workload (caches stage DPs across partitions)."""
 
-    def __init__(self, config: GalvatronConfig, workload: Workload, stats: SearchStats) -> None:
+    def __init__(self, config: GalvatronConfig, workload: Workload, stats: SearchStats,
+                 cost: CostModel | None = None) -> None:
         self.config = config
         self.workload = workload
         self.model = workload.model
         self.cluster = workload.cluster
         self.n_gpus = workload.cluster.num_devices
         self.stats = stats
-        self.cm = CostModel(workload)
+        self.cm = cost_model_for(workload, cost)
         self._costs: dict[int, GalvatronCosts] = {}
         self._stage_cache: dict[tuple, StageSolution | None] = {}
         self.capacity = min(workload.device_capacity_bytes(d) for d in range(self.n_gpus))
         self.first_batch = config.batch_step or self.n_gpus
         self._pruned: set[tuple[int, int]] = set()
-        self._p2p_rates: dict[tuple[int, int], float] = {}
         self._contexts: dict[tuple[int, int, int, int], StageContext] = {}
 
     # --- strategy sets ---------------------------------------------------------------
@@ -315,35 +305,15 @@ class _Search:
 
     def pipeline_cost(self, pp: int, partition: Partition, sols: Sequence[StageSolution], batch: int,
                       m: int) -> float:
-        """Iteration time of the plan as CostModel.estimate computes it: eq. 8's
-        pipeline ((m − 1)·max stage + Σ stages + p2p), then each stage's gradient
-        sync overlapped with its last backward (later stages finish their
-        backward earlier), then the slowest optimizer step."""
-        times = [s.mb_time_s for s in sols]
-        p2p = []
+        """Iteration time of the plan, as ``CostModel.estimate`` computes it
+        (the stage numbers are the kernel's)."""
         ranges = partition_ranges(partition)
         n = self.n_gpus // pp
-        for j in range(pp - 1):
-            last = self.model.layers[ranges[j][-1]]
-            key = (pp, j)
-            rate = self._p2p_rates.get(key)
-            if rate is None:  # p2p time is linear in bytes
-                src = tuple(range(j * n, (j + 1) * n))
-                dst = tuple(range((j + 1) * n, (j + 2) * n))
-                rate = self._p2p_rates[key] = comm.p2p_time(self.cluster, src, dst, 1e9) / 1e9
-            p2p.append(rate * last.output_bytes * (batch // m))
-        t_pipe = pipeline_time(times, p2p, m)
-        finish = t_pipe
-        ahead = 0.0
-        for j, sol in enumerate(sols):
-            if j:
-                ahead += sols[j - 1].back_s + p2p[j - 1]
-            exposed = 0.0
-            if sol.sync_comm_s > 0:
-                exposed = overlap_exposure(sol.sync_comm_s, sol.back_s) if self.workload.overlap_grad_sync \
-                    else sol.sync_comm_s
-            finish = max(finish, t_pipe - ahead + exposed)
-        return finish + max(s.optimizer_s for s in sols)
+        p2p = [self.cm.kernel.p2p_time(range(j * n, (j + 1) * n), range((j + 1) * n, (j + 2) * n), ranges[j][-1],
+                                       batch // m) for j in range(pp - 1)]
+        tails = [StageTail(s.timing.back_s, s.timing.grad_sync_s, s.timing.post_step_s, s.timing.optimizer_s)
+                 for s in sols]
+        return iteration_time([s.mb_time_s for s in sols], p2p, tails, m, self.workload.overlap_grad_sync).total_s
 
     # --- partitions (Galvatron-BMW) ---------------------------------------------------------
     def _layer_model(self, pp: int, batch: int, m: int, strategy_of: Sequence[int]) \
@@ -360,7 +330,7 @@ class _Search:
             valid = arr["valid"][rows, picks]
             times.append(np.where(valid, arr["mb"][rows, picks], np.inf))
             mems.append(np.where(valid, arr["fwd"][rows, picks], np.inf))
-            peaks.append(arr["bwd"][rows, picks] + ZERO3_GATHERED_LAYERS * arr["gathered"][rows, picks])
+            peaks.append(peak_memory_bytes(0.0, 0.0, 0.0, arr["bwd"][rows, picks], arr["gathered"][rows, picks], 0.0))
         overhead = costs.overhead_bytes(self.context(pp, 0, batch, m).devices)
         return StageCostModel(np.array(times)), StageCostModel(np.array(mems), np.array(peaks), overhead)
 
@@ -425,7 +395,7 @@ class _Search:
             counts = [m for m in self.micro_batch_counts(batch, pp) if (pp, m // pp) not in self._pruned]
             if not counts:
                 continue
-            even = even_partition(self.model, pp)
+            even = tuple(len(r) for r in block_split(self.model, pp))
             self.solve_many(pp, batch, [(j, r, m) for m in counts for j, r in enumerate(partition_ranges(even))])
             bases = {m: self.search_partition(pp, even, batch, m) for m in counts}
             own = pp > 1 and mode in ("memory", "time")
@@ -458,32 +428,19 @@ class _Search:
         return out
 
     def to_plan(self, cand: _Candidate) -> Plan:
-        pp = cand.pp
-        n = self.n_gpus // pp
+        n = self.n_gpus // cand.pp
         costs = self.costs_for(n)
         mbs = cand.batch // cand.num_micro_batches
-        stages = []
-        lines = []
-        for j, (layers, sol) in enumerate(zip(partition_ranges(cand.partition), cand.solutions)):
-            strategies = [costs.strategies[c] for c in sol.choices]
-            tps = [s.tp for s in strategies]
-            tp = max(sorted(set(tps)), key=tps.count)
-            dp = n // tp
-            devices = tuple(range(j * n, (j + 1) * n))
-            stages.append(Stage(
-                layers=tuple(layers), devices=devices, dp=dp, tp=tp, dp_split=(mbs // dp,) * dp,
-                strategies=tuple(s.layer_strategy() for s in strategies),
-            ))
-            lines.append(strategy_runs([s.label() for s in strategies]))
+        lines = [strategy_runs([costs.strategies[c].label() for c in sol.choices]) for sol in cand.solutions]
         notes = ("per-layer strategies: " + stage_runs(lines, n),)
-        if pp > 1:
+        if cand.pp > 1:
             notes += (f"pipeline partition [{strategy_runs([str(x) for x in cand.partition])}] layers "
                       f"({self.config.partition}), "
                       f"{cand.num_micro_batches} micro-batches of {mbs}, 1F1B",)
         return Plan(
             model=self.model.name, cluster=self.cluster.name, global_batch_size=cand.batch, micro_batch_size=mbs,
-            num_micro_batches=cand.num_micro_batches, schedule="1f1b", stages=tuple(stages), planner=self.config.name,
-            notes=notes,
+            num_micro_batches=cand.num_micro_batches, schedule="1f1b",
+            stages=tuple(sol.stage for sol in cand.solutions), planner=self.config.name, notes=notes,
         )
 
     def rank(self, cands: list[_Candidate], top: int) -> list[RankedPlan]:
@@ -497,9 +454,7 @@ class _Search:
             if key in seen:
                 continue
             seen.add(key)
-            workload = self.workload if self.workload.global_batch_size == cand.batch else \
-                replace(self.workload, global_batch_size=cand.batch)
-            cm = self.cm if workload is self.workload else CostModel(workload)
+            cm = cost_model_for(replace(self.workload, global_batch_size=cand.batch), self.cm)
             estimate = cm.estimate(plan)
             self.stats.estimates += 1
             if estimate.fits:
@@ -562,119 +517,6 @@ class _Search:
         )
 
 
-# --- the paper's baselines ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BaselineConfig:
-    """A fixed strategy applied to every layer (Table II's baselines)."""
-
-    name: str
-    dp: int  # 0: all GPUs left after tp and pp
-    tp: int  # 0: all GPUs
-    pp: int  # 0: all GPUs
-    zero: int = 0
-    schedule: str = "1f1b"
-    tune_micro_batches: bool = False  # choose the number of micro-batches (GPipe, DeepSpeed)
-    # 1F1B baselines try up to this many micro-batches per stage. The paper does
-    # not say how DeepSpeed-3D was configured; its batch sizes grow with the
-    # memory budget like a fixed micro-batch count of at most pp (with more,
-    # 1F1B memory would not grow with the batch), so the default is 1.
-    max_micro_batches_per_stage: int = 1
-
-
-class BaselinePlanner:
-    """Pure DP / TP / PP / SDP and DeepSpeed-3D, with the batch-size loop."""
-
-    searches_batch_size = True
-
-    def __init__(self, config: BaselineConfig, batch_linear_steps: int = 8, batch_growth: float = 1.125) -> None:
-        self.config = config
-        self.name = config.name
-        self.batch_linear_steps = batch_linear_steps
-        self.batch_growth = batch_growth
-
-    def degrees(self, workload: Workload) -> tuple[int, int, int]:
-        """(dp, tp, pp) on this cluster: the degree given as 0 takes all GPUs the
-        others leave."""
-        n = workload.cluster.num_devices
-        c = self.config
-        fixed = max(1, c.dp) * max(1, c.tp) * max(1, c.pp)
-        if n % fixed:
-            raise HetplanError(f"{self.name} needs a multiple of {fixed} GPUs; the cluster has {n}")
-        rest = n // fixed
-        dp, tp, pp = c.dp or rest, c.tp or rest, c.pp or rest
-        if dp * tp * pp != n:
-            raise HetplanError(f"{self.name} needs a GPU count that splits into dp x tp x pp; got {n} GPUs")
-        if pp > workload.model.num_layers:
-            raise HetplanError(f"{self.name}: {pp} pipeline stages exceed the model's "
-                               f"{workload.model.num_layers} layers")
-        return dp, tp, pp
-
-    def candidates(self, workload: Workload) -> list[Plan]:
-        dp, tp, pp = self.degrees(workload)
-        model, batch = workload.model, workload.global_batch_size
-        bad = [layer.name for layer in model.layers if not layer_supports_tp(layer, tp)]
-        if bad:
-            raise HetplanError(f"{self.name}: tp={tp} is not supported by layer {bad[0]!r} "
-                               "(TP must divide its attention heads)")
-        if self.config.tune_micro_batches:
-            most = batch if self.config.schedule == "gpipe" else self.config.max_micro_batches_per_stage * pp
-            counts = [m for m in range(1, min(batch, most) + 1) if batch % m == 0 and (batch // m) % dp == 0]
-        else:
-            counts = [1] if batch % dp == 0 else []
-        partition = even_partition(model, pp)
-        n_stage = dp * tp
-        plans = []
-        for m in counts:
-            mbs = batch // m
-            stages = []
-            for j, layers in enumerate(partition_ranges(partition)):
-                stages.append(Stage(
-                    layers=tuple(layers), devices=tuple(range(j * n_stage, (j + 1) * n_stage)), dp=dp, tp=tp,
-                    dp_split=(mbs // dp,) * dp,
-                    strategies=(LayerStrategy(self.config.zero if dp > 1 else 0),) * len(layers),
-                ))
-            plans.append(Plan(model=model.name, cluster=workload.cluster.name, global_batch_size=batch,
-                              micro_batch_size=mbs, num_micro_batches=m, schedule=self.config.schedule,
-                              stages=tuple(stages), planner=self.name))
-        return plans
-
-    def _ranked(self, workload: Workload, top_k: int) -> list[RankedPlan]:
-        cm = CostModel(workload)
-        ranked = [RankedPlan(p, cm.estimate(p)) for p in self.candidates(workload)]
-        ranked = [r for r in ranked if r.estimate.fits]
-        ranked.sort(key=rank_key)
-        return ranked[:top_k]
-
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
-        dp, _, _ = self.degrees(workload)
-        if workload.global_batch_size % dp:
-            raise HetplanError(f"{self.name}: global batch {workload.global_batch_size} must be a multiple of dp={dp}")
-        ranked = self._ranked(workload, top_k)
-        if not ranked:
-            capacity = min(workload.device_capacity_bytes(d) for d in range(workload.cluster.num_devices))
-            raise OutOfMemoryError(f"{self.name}: does not fit in {format_bytes(capacity)} per GPU at global batch "
-                                   f"{workload.global_batch_size}; use a smaller batch or a larger --memory-limit")
-        return ranked
-
-    def plan_auto_batch(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
-        """The batch-size loop for a fixed strategy: grow the batch until it does
-        not fit, keep the best throughput."""
-        self.degrees(workload)
-        results: list[RankedPlan] = []
-        step = workload.cluster.num_devices
-        for batch in batch_grid(step, self.batch_linear_steps, self.batch_growth):
-            ranked = self._ranked(replace(workload, global_batch_size=batch), 1)
-            if not ranked:
-                break
-            results.extend(ranked)
-        if not results:
-            capacity = min(workload.device_capacity_bytes(d) for d in range(workload.cluster.num_devices))
-            raise OutOfMemoryError(f"{self.name}: does not fit in {format_bytes(capacity)} per GPU even at "
-                                   f"global batch {step}; use a larger --memory-limit or more GPUs")
-        results.sort(key=lambda r: (-r.estimate.samples_per_s, r.plan.global_batch_size))
-        return results[:top_k]
-
-
 # --- registry ---------------------------------------------------------------------------------------
 VARIANTS: dict[str, tuple[GalvatronConfig, str]] = {
     "galvatron-bmw": (GalvatronConfig("galvatron-bmw", partition="bi-objective"),
@@ -691,16 +533,6 @@ VARIANTS: dict[str, tuple[GalvatronConfig, str]] = {
                         "Galvatron restricted to DP+PP (no TP, SDP, CKPT)"),
 }
 
-BASELINES: dict[str, tuple[BaselineConfig, str]] = {
-    "pure-dp": (BaselineConfig("pure-dp", dp=0, tp=1, pp=1), "pure data parallel on all GPUs (PyTorch DDP)"),
-    "pure-tp": (BaselineConfig("pure-tp", dp=1, tp=0, pp=1), "pure tensor parallel on all GPUs (Megatron)"),
-    "pure-pp": (BaselineConfig("pure-pp", dp=1, tp=1, pp=0, schedule="gpipe", tune_micro_batches=True),
-                "pure pipeline parallel, one stage per GPU, GPipe schedule (PyTorch GPipe)"),
-    "pure-sdp": (BaselineConfig("pure-sdp", dp=0, tp=1, pp=1, zero=3),
-                 "pure sharded data parallel on all GPUs (FSDP / ZeRO-3)"),
-    "deepspeed-3d": (BaselineConfig("deepspeed-3d", dp=0, tp=2, pp=2, tune_micro_batches=True),
-                     "DeepSpeed 3D: 2-way TP x 2-way PP, DP over the rest, 1F1B"),
-}
 
 
 def get_variant(variant: str, **changes: object) -> GalvatronPlanner:
@@ -709,14 +541,3 @@ def get_variant(variant: str, **changes: object) -> GalvatronPlanner:
     is Table II's Galvatron (1F1B+Bi-obj))."""
     config = VARIANTS[variant][0]
     return GalvatronPlanner(replace(config, **changes) if changes else config)  # type: ignore[arg-type]
-
-
-def register() -> None:
-    for name, (config, description) in VARIANTS.items():
-        register_planner(name, description, lambda c=config: GalvatronPlanner(c))
-    for name, (bconfig, description) in BASELINES.items():
-        register_planner(name, description, lambda c=bconfig: BaselinePlanner(c))
-
-
-__all__ = ["GalvatronConfig", "GalvatronPlanner", "BaselineConfig", "BaselinePlanner", "VARIANTS", "BASELINES",
-           "get_variant", "batch_grid", "strategy_runs", "stage_runs"]

@@ -15,8 +15,6 @@ from typing import Sequence
 
 import numpy as np
 
-from hetplan.model.spec import ModelSpec
-from hetplan.search.uniform import even_split
 
 Partition = tuple[int, ...]
 
@@ -27,27 +25,6 @@ def partition_ranges(partition: Partition) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
-
-
-def even_partition(model: ModelSpec, pp: int) -> Partition:
-    """Galvatron-Base's ideally balanced partition: the transformer blocks split
-    evenly by count (earlier stages take the remainder), the embedding joins
-    the first stage and the head the last — the paper's ``p = [12, 12]`` for
-    a 24-layer model counts blocks only."""
-    layers = model.layers
-    lead = 0
-    while lead < len(layers) and layers[lead].kind == "embedding":
-        lead += 1
-    tail = 0
-    while tail < len(layers) - lead and layers[len(layers) - 1 - tail].kind == "head":
-        tail += 1
-    body = len(layers) - lead - tail
-    if body < pp:
-        return tuple(len(r) for r in even_split(len(layers), pp))
-    sizes = [len(r) for r in even_split(body, pp)]
-    sizes[0] += lead
-    sizes[-1] += tail
-    return tuple(sizes)
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 For every number of micro-batches B, every number of stages S and every
 stage-to-device-group mapping that survives Metis's two prunings
-(``metis_groups``: group sizes above N/S·(1 − var), permutations of at most
+(``metis/groups.py``: group sizes above N/S·(1 − var), permutations of at most
 ``max_permute_len`` units):
 
 1. every stage starts all-DP — (dp, tp) = (|group|, 1), or the least TP that
    leaves each replica a sample — and a heterogeneous group splits its
    micro-batch over its GPUs in proportion to their speed (data load
-   balancing, ``metis_balance.data_balance``);
+   balancing, ``metis/stage_costs.data_balance``);
 2. layers go to stages in proportion to each stage's capacity (its throughput
    running the whole model alone), then boundary layers move between
    neighbours while that shortens the slowest stage (capacity-aware layer
@@ -23,14 +23,15 @@ stage-to-device-group mapping that survives Metis's two prunings
    stages, in proportion to their capacity, until it fits;
 4. every complete plan is costed with Metis eq. 1,
    ``Σ t_i + (B − 1)·max t_j + DP_all``, in the form the shared cost model
-   computes it (:func:`metis_cost`: pipeline transfers outside the bottleneck
-   term, the gradient all-reduce overlapping the last backward pass, the
-   optimizer step), from the shared model's own building blocks;
-5. the best candidates get an exact layer placement for their own stages,
-   (dp, tp) and splits (``search.partition.fast_partition``; ``exact_layers``)
+   computes it (:func:`metis_cost`: the kernel's stage numbers combined by
+   ``cost.pipeline.iteration_time`` — pipeline transfers outside the
+   bottleneck term, the gradient all-reduce overlapping the last backward
+   pass, the optimizer step), so Metis's cost of a plan is its estimate;
+5. the best candidates get the exact layer placement for their own stages,
+   (dp, tp) and splits (``search.common.stage_partition``; ``exact_layers``)
    and are ranked by the shared CostModel.
 
-The search is Metis's; ``metis_bounds`` only skips mappings (and DFS states)
+The search is Metis's; ``metis/bounds.py`` only skips mappings (and DFS states)
 that provably cannot come within ``prune_slack`` of the best cost found so
 far, so it returns the same best plan much sooner.
 
@@ -40,7 +41,9 @@ iteration decides anything); links between nodes use the inter-node bandwidth
 (their ``get_inter_bandwidth`` returned the intra-node one); a missing profile
 entry falls back to the analytic estimate with a note (or a clear error up
 front with ``strict_profile``) instead of a KeyError mid-search; ``var`` is a
-float; and a time budget stops the search and returns the best plans so far.
+float; and a *work* budget (stage mappings searched, never seconds, so the
+result never depends on machine load) stops the search and returns the best
+plans so far, saying so in their notes.
 """
 
 from __future__ import annotations
@@ -48,30 +51,22 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-import numpy as np
-
-from hetplan.cluster.presets import METIS_INTER_GBPS, PCIE3_X16_GBPS, register_cluster
-from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost.model import CostModel, overlapped_exposure
+from hetplan.cost.kernel import StageOption
+from hetplan.cost.model import CostModel
+from hetplan.cost.pipeline import StageTail, iteration_time
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import LayerStrategy, Plan, RankedPlan, Stage
 from hetplan.profile.metis import missing_entries
-from hetplan.search.base import no_fit_error, rank_key, register_planner
-from hetplan.search.metis_balance import (
-    Intra,
-    StageCosts,
-    StageHandle,
-    data_balance,
-    even_split,
-    proportional_bounds,
-)
-from hetplan.search.metis_bounds import Bounds, StageBound
-from hetplan.search.metis_groups import (
+from hetplan.search.base import cost_model_for, no_fit_error, rank_key
+from hetplan.search.common.budget import WorkBudget
+from hetplan.search.common.degrees import divisors
+from hetplan.search.common.stage_partition import PipelinePartitioner
+from hetplan.search.metis.bounds import Bounds, StageBound
+from hetplan.search.metis.groups import (
     DeviceGroup,
     MappingEnumerator,
     StageMapping,
@@ -81,8 +76,8 @@ from hetplan.search.metis_groups import (
     min_group_size,
     size_multisets,
 )
-from hetplan.search.partition import PartitionProblem, fast_partition
-from hetplan.search.uniform import divisors
+from hetplan.search.metis.stage_costs import Intra, MetisCosts, StageHandle, data_balance, even_split, \
+    proportional_bounds
 
 
 @dataclass(frozen=True)
@@ -100,8 +95,10 @@ class MetisOptions:
         max_batch_per_replica: largest per-replica micro-batch share (0: no
             limit beyond memory; the authors' code caps it at the largest
             profiled mbs).
-        time_budget_s: stop the search after this long and return the best
-            plans found so far (0: no budget).
+        max_evaluations: stop the search after this many (stage mapping,
+            micro-batch count) pairs and return the best plans found so far
+            (0: no budget). Work, not seconds: the same input always gives
+            the same plan.
         rerank: how many of the best plans by Metis's cost are polished and
             re-costed by the shared cost model.
         max_leaves: most complete plans the DFS may produce per mapping and B.
@@ -127,7 +124,7 @@ class MetisOptions:
     max_tp: int = 8
     max_stages: int = 0
     max_batch_per_replica: int = 0
-    time_budget_s: float = 60.0
+    max_evaluations: int = 4000
     rerank: int = 16
     max_leaves: int = 8
     max_dfs_states: int = 64
@@ -146,8 +143,8 @@ class MetisOptions:
             raise HetplanError("metis: max_permute_len must be at least 1")
         if self.max_tp < 1:
             raise HetplanError("metis: max_tp must be at least 1")
-        if self.time_budget_s < 0:
-            raise HetplanError("metis: time_budget_s must be >= 0 (0 = no budget)")
+        if self.max_evaluations < 0:
+            raise HetplanError("metis: max_evaluations must be >= 0 (0 = no budget)")
 
 
 @dataclass
@@ -160,7 +157,6 @@ class SearchStats:
     pruned: int = 0  # (size multiset or mapping, B) pairs skipped by a lower bound
     complete_plans: int = 0  # plans the DFS produced and eq. 1 costed
     stage_counts: dict[int, int] = field(default_factory=dict)
-    elapsed_s: float = 0.0
     budget_hit: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -175,7 +171,7 @@ class _Candidate:
 
 
 class _BudgetExceeded(Exception):
-    pass
+    """The work budget is spent: unwind to the outer loop."""
 
 
 class MetisPlanner:
@@ -188,19 +184,17 @@ class MetisPlanner:
         self.stats = SearchStats()
 
     # --- public -----------------------------------------------------------------
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
         """The best ``top_k`` plans, ranked by the shared cost model."""
-        start = time.perf_counter()
         self.stats = SearchStats()
-        ctx = _Search(workload, self.options, self.stats, start)
+        ctx = _Search(workload, self.options, self.stats, cost)
         notes = ctx.check_profile()
         best = ctx.run()
-        self.stats.elapsed_s = time.perf_counter() - start
         if not best:
             if self.stats.budget_hit:
                 raise HetplanError(
-                    f"metis found no plan within its time budget of {self.options.time_budget_s:g} s; "
-                    "raise time_budget_s"
+                    f"metis found no plan within its work budget of {self.options.max_evaluations:,} stage "
+                    "mappings; raise max_evaluations"
                 )
             raise HetplanError(
                 f"metis found no plan that fits: every stage mapping of {workload.cluster.num_devices} GPUs "
@@ -208,8 +202,7 @@ class MetisPlanner:
                 f"{workload.global_batch_size}; use a smaller global batch or more GPUs"
             )
         if self.stats.budget_hit:
-            notes.append(f"search stopped at its time budget ({self.options.time_budget_s:g} s) after "
-                         f"{self.stats.mappings} stage mappings; these are the best plans found so far")
+            notes.append(ctx.budget.note("metis"))
         self.stats.notes = notes
         return ctx.finish(best, top_k, notes)
 
@@ -218,9 +211,8 @@ class MetisPlanner:
         """Metis's intra-stage search and load balancing for one fixed
         stage-to-device-group mapping (device ids per stage, in order) and one
         number of micro-batches — the setting of Metis Fig. 6."""
-        start = time.perf_counter()
         self.stats = SearchStats()
-        ctx = _Search(workload, self.options, self.stats, start)
+        ctx = _Search(workload, self.options, self.stats)
         mapping_groups = tuple(make_group(workload.cluster, g) for g in groups)
         used = [d for g in groups for d in g]
         if len(set(used)) != len(used):
@@ -239,13 +231,14 @@ class _Search:
     """One search: caches shared across mappings, the candidate heap and
     Algorithm 1's outer loops."""
 
-    def __init__(self, workload: Workload, options: MetisOptions, stats: SearchStats, start: float) -> None:
+    def __init__(self, workload: Workload, options: MetisOptions, stats: SearchStats,
+                 cost: CostModel | None = None) -> None:
         self.workload = workload
         self.options = options
         self.stats = stats
-        self.start = start
-        self.cm = CostModel(workload)
-        self.costs = StageCosts(self.cm)
+        self.budget = WorkBudget(options.max_evaluations, "(stage mapping, micro-batch count) evaluations")
+        self.cm = cost_model_for(workload, cost)
+        self.costs = MetisCosts(self.cm)
         self.model = workload.model
         self.cluster = workload.cluster
         self.num_layers = self.model.num_layers
@@ -362,8 +355,7 @@ class _Search:
                     self.search_mapping(mapping, b)
 
     def _check_budget(self) -> None:
-        budget = self.options.time_budget_s
-        if budget and time.perf_counter() - self.start > budget:
+        if self.budget.exhausted:
             raise _BudgetExceeded()
 
     # --- pruning by lower bounds (same answer, less work) -------------------------------
@@ -477,26 +469,21 @@ class _Search:
         return 0
 
     def _tp_ok(self, group: DeviceGroup, tp: int) -> bool:
+        """TP groups stay inside nodes and every layer supports ``tp``."""
         key = (group.devices, tp)
         ok = self._tp_ok_cache.get(key)
         if ok is None:
-            ok = True
-            for r in range(group.size // tp):
-                if len({self.cluster.devices[d].node for d in group.devices[r * tp:(r + 1) * tp]}) > 1:
-                    ok = False
-                    break
-            for layer in self.model.layers:
-                if not ok:
-                    break
-                if tp > layer.tp_max or (layer.kind not in ("embedding", "head")
-                                         and layer.tp_max < (1 << 30) and layer.tp_max % tp):
-                    ok = False
+            nodes = [self.cluster.devices[d].node for d in group.devices]
+            ok = all(len(set(nodes[r * tp:(r + 1) * tp])) == 1 for r in range(group.size // tp)) \
+                and self.cm.kernel.all_support_tp(tp)
             self._tp_ok_cache[key] = ok
         return ok
 
     # --- one mapping, one B -----------------------------------------------------------------
     def search_mapping(self, mapping: StageMapping, num_micro_batches: int) -> None:
-        """Algorithm 1 lines 5-22 for one mapping and one B."""
+        """Algorithm 1 lines 5-22 for one mapping and one B (one unit of the work budget)."""
+        if not self.budget.spend():
+            raise _BudgetExceeded()
         self._searched.add((mapping.key, num_micro_batches))
         self.stats.evaluations += 1
         _Evaluation(self, mapping.groups, num_micro_batches).run()
@@ -545,40 +532,20 @@ class _Search:
         return lines
 
     def polish(self, cand: _Candidate) -> _Candidate:
-        """The exact layer placement (``partition.fast_partition``) for the
+        """The exact layer placement (``common.stage_partition``) for the
         candidate's own stages, intra-stage plans and data splits, under the
-        same pipeline objective and memory limits; kept when Metis's cost
-        improves. Metis's proportional balancing decides the search; this
-        only moves boundaries of the plans it returns."""
-        num_stages = len(cand.groups)
-        if not self.options.exact_layers or num_stages == 1:
+        shared model's full objective; kept when it is faster. Metis's
+        proportional balancing decides the search; this only moves boundaries
+        of the plans it returns."""
+        if not self.options.exact_layers or len(cand.groups) == 1:
             return cand
-        handles = [self.costs.handle(g, it) for g, it in zip(cand.groups, cand.intras)]
-        n = self.num_layers
-        b_count = cand.num_micro_batches
-        micro_batch = self.workload.global_batch_size // b_count
-        segments = np.empty((num_stages, n + 1, n + 1))
-        fits = np.empty((num_stages, n + 1, n + 1), dtype=bool)
-        for j, h in enumerate(handles):
-            segments[j] = h.time_matrix()
-            fits[j] = h.fits_matrix(float(min(num_stages - j, b_count)))
-        cuts = np.zeros((num_stages - 1, n - 1))
-        for j in range(num_stages - 1):
-            unit = self.costs.p2p_time_bytes(cand.groups[j], cand.groups[j + 1], 1.0)
-            for c in range(n - 1):
-                cuts[j, c] = 2.0 * unit * self.model.layers[c].output_bytes * micro_batch
-        try:
-            problem = PartitionProblem.from_segments(segments, b_count, cuts, fits)
-            part = fast_partition(problem)
-        except HetplanError:
+        micro_batch = self.workload.global_batch_size // cand.num_micro_batches
+        options = [[StageOption(g.devices, it.dp, it.tp, it.split)] for g, it in zip(cand.groups, cand.intras)]
+        solution = PipelinePartitioner(self.cm.kernel, micro_batch, cand.num_micro_batches).solve(options)
+        if solution is None or solution.iteration_s >= cand.cost_s - 1e-12:
             return cand
-        if part is None:
-            return cand
-        bounds = tuple(int(x) for x in part.boundaries)
-        cost = metis_cost(handles, bounds, micro_batch, b_count, self.costs, self.workload.overlap_grad_sync)
-        if cost >= cand.cost_s - 1e-12:
-            return cand
-        return _Candidate(cost, cand.groups, cand.intras, bounds, b_count)
+        bounds = (0,) + tuple(s.layers[-1] + 1 for s in solution.stages)
+        return _Candidate(solution.iteration_s, cand.groups, cand.intras, bounds, cand.num_micro_batches)
 
     def finish(self, best: list[_Candidate], top_k: int, notes: list[str]) -> list[RankedPlan]:
         """Polish the best candidates' layer placement, re-cost them with the
@@ -604,39 +571,19 @@ class _Search:
 
 
 def metis_cost(handles: Sequence[StageHandle], bounds: Sequence[int], micro_batch: int, num_micro_batches: int,
-               costs: StageCosts, overlap_grad_sync: bool = True) -> float:
+               costs: MetisCosts, overlap_grad_sync: bool = True) -> float:
     """Metis eq. 1, ``Σ t_i + (B − 1)·max t_j + DP_all``, as the shared cost
-    model computes it: ``t_j`` is stage j's forward + backward time (slowest
-    replica, TP communication included); the two pipeline transfers of each
-    boundary are added once (not inside the bottleneck term); each stage's
-    gradient all-reduce overlaps the backward pass of its last micro-batch
-    (paying the overlap slowdown), starting as soon as that stage is done;
-    the optimizer step follows."""
-    n = len(handles)
-    times = []
-    bwds = []
-    p2ps = []
-    for j, h in enumerate(handles):
-        a, b = bounds[j], bounds[j + 1]
-        t, bwd = h.time_bwd(a, b)
-        times.append(t)
-        bwds.append(bwd)
-        p2ps.append(costs.p2p_time(h.group, handles[j + 1].group, b - 1, micro_batch) if j + 1 < n else 0.0)
-    slowest = max(times)
-    pipe = num_micro_batches * slowest + sum(times) - slowest + 2.0 * sum(p2ps)
-    finish = pipe
-    ahead = 0.0
-    optimizer = 0.0
-    for j, h in enumerate(handles):
-        a, b = bounds[j], bounds[j + 1]
-        if j > 0:
-            ahead += bwds[j - 1] + p2ps[j - 1]
-        sync = h.sync(a, b)
-        if sync > 0:
-            exposed = overlapped_exposure(sync, bwds[j]) if overlap_grad_sync else sync
-            finish = max(finish, pipe - ahead + exposed)
-        optimizer = max(optimizer, h.optimizer_time(a, b))
-    return finish + optimizer
+    model computes it: the kernel's numbers of each stage (slowest replica, TP
+    communication, gradient all-reduce, optimizer step) combined by
+    ``iteration_time`` — the two pipeline transfers of each boundary outside
+    the bottleneck term, each stage's gradient all-reduce overlapping its last
+    backward pass, the optimizer step after."""
+    timings = [h.costs.timing(bounds[j], bounds[j + 1]) for j, h in enumerate(handles)]
+    p2p = [costs.p2p_time(handles[j].group, handles[j + 1].group, bounds[j + 1] - 1, micro_batch)
+           for j in range(len(handles) - 1)]
+    tails = [StageTail(t.back_s, t.grad_sync_s, t.post_step_s, t.optimizer_s) for t in timings]
+    return iteration_time([t.per_micro_batch_s for t in timings], p2p, tails, num_micro_batches,
+                          overlap_grad_sync).total_s
 
 
 class _Evaluation:
@@ -838,36 +785,3 @@ def _ranges(devices: Sequence[int]) -> str:
         if d is not None:
             start = prev = d
     return ",".join(parts)
-
-
-# --- the 64-GPU mixed cluster -----------------------------------------------------------------
-# Three GPU types in nodes of 1 to 8 GPUs: what a shared cluster hands out when
-# some GPUs of each node are taken (Metis §3, §5.2.2). Links as Metis's GCP
-# setup: PCIe 3.0 inside a node, 16 Gbps between nodes.
-METIS_MIXED_64_NODES: tuple[tuple[str, int], ...] = (
-    ("V100-16GB", 8), ("V100-16GB", 4), ("V100-16GB", 2), ("V100-16GB", 1), ("V100-16GB", 1),
-    ("T4", 8), ("T4", 8), ("T4", 4), ("T4", 2), ("T4", 2),
-    ("P100", 8), ("P100", 8), ("P100", 4), ("P100", 2), ("P100", 1), ("P100", 1),
-)
-
-
-def metis_mixed_64() -> ClusterSpec:
-    nodes = []
-    seen: dict[str, int] = {}
-    for gpu, count in METIS_MIXED_64_NODES:
-        index = seen.get(gpu, 0)
-        seen[gpu] = index + 1
-        nodes.append(NodeSpec(gpu, count, PCIE3_X16_GBPS, name=f"{gpu.split('-')[0].lower()}-{index}"))
-    return ClusterSpec("metis-mixed-64", tuple(nodes), METIS_INTER_GBPS,
-                       description="64 GPUs (16 V100, 24 T4, 24 P100) in 16 uneven nodes of 1-8 GPUs, "
-                                   "PCIe inside nodes, 16 Gbps between (Metis §5 links)")
-
-
-def register() -> None:
-    register_planner("metis", "Metis (ATC'24): device groups, pruned stage mapping, DP-first intra-stage "
-                     "search, capacity-aware layer and data balancing", MetisPlanner)
-    register_cluster("metis-mixed-64", "64 GPUs of P100, T4 and V100 in uneven nodes of 1-8 GPUs (Metis-style)",
-                     metis_mixed_64)
-
-
-__all__ = ["MetisPlanner", "MetisOptions", "SearchStats", "metis_mixed_64"]

@@ -16,7 +16,7 @@ from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.model.presets import gpt_decoder
 from hetplan.plan import Estimate, Plan
-from hetplan.search.uniform import uniform_plan
+from hetplan.search.baselines.uniform import uniform_plan
 
 
 @dataclass(frozen=True)
@@ -67,16 +67,20 @@ def predict_22b_layer_ms() -> dict[str, float]:
     """The cost model's per-layer numbers for the 22B row (TP comm included)."""
     row = KORTHIKANTI_2022[0]
     workload, _ = calibration_plan(row, "none")
-    cost = CostModel(workload)
+    kernel = CostModel(workload).kernel
     gpu = workload.cluster.devices[0].gpu
-    group = tuple(range(row.tp))
-    comm_s = cost.tp_comm_time(1, row.micro_batch, group)
-    plain = cost.layer_time(1, gpu, row.micro_batch, row.tp)
-    full = cost.layer_time(1, gpu, row.micro_batch, row.tp, "full")
-    selective = cost.layer_time(1, gpu, row.micro_batch, row.tp, "selective", sequence_parallel=True)
+    block = 1  # the first transformer block (layer 0 is the embedding)
+    comm_s = float(kernel.collective_time("allreduce", tuple(range(row.tp)),
+                                          kernel.arrays.tp_comm_bytes[block] * row.micro_batch))
+
+    def times(recompute: str, sequence_parallel: bool = False) -> tuple[float, float, float]:
+        t = kernel.layer_times(gpu, row.micro_batch, row.tp, recompute, sequence_parallel)
+        return float(t.fwd_s[block]), float(t.bwd_s[block]), float(t.recompute_s[block])
+
+    plain, full, selective = times("none"), times("full"), times("selective", True)
     return {
-        "forward": 1e3 * (plain.fwd_s + comm_s),
-        "backward": 1e3 * (plain.bwd_s + comm_s),
-        "backward_full": 1e3 * (full.bwd_s + full.recompute_s + 2 * comm_s),
-        "backward_selective": 1e3 * (selective.bwd_s + selective.recompute_s + comm_s),
+        "forward": 1e3 * (plain[0] + comm_s),
+        "backward": 1e3 * (plain[1] + comm_s),
+        "backward_full": 1e3 * (full[1] + full[2] + 2 * comm_s),
+        "backward_selective": 1e3 * (selective[1] + selective[2] + comm_s),
     }

@@ -26,14 +26,16 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from hetplan.cost import comm
-from hetplan.cost.memory import device_memory
+import numpy as np
+
+from hetplan.cost.constants import P2P_PASSES
+from hetplan.cost.kernel import CostKernel, StageOption
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import LayerStrategy, Plan, RankedPlan
-from hetplan.search.base import no_fit_error, rank_key, register_planner
-from hetplan.search.uniform import uniform_configs, uniform_plan
+from hetplan.plan import Plan, RankedPlan
+from hetplan.search.base import cost_model_for, no_fit_error, rank_key
+from hetplan.search.baselines.uniform import uniform_configs, uniform_plan
 
 
 def balanced_split(times: Sequence[float], parts: int) -> list[range]:
@@ -76,6 +78,20 @@ def balanced_split(times: Sequence[float], parts: int) -> list[range]:
     return ranges
 
 
+def average_gpu_times(kernel: CostKernel, batch: int, tp: int) -> np.ndarray:
+    """Per layer: forward + backward time averaged over every GPU of the cluster."""
+    counts: dict[str, int] = {}
+    gpus = {}
+    for device in kernel.cluster.devices:
+        counts[device.gpu.name] = counts.get(device.gpu.name, 0) + 1
+        gpus[device.gpu.name] = device.gpu
+    total = np.zeros(kernel.num_layers)
+    for name in sorted(counts):
+        t = kernel.layer_times(gpus[name], batch, tp)
+        total += (t.fwd_s + t.bwd_s) * counts[name]
+    return total / kernel.cluster.num_devices
+
+
 class HeteroAvgPlanner:
     """Uniform 3D plans chosen as if every GPU were the cluster's average GPU."""
 
@@ -84,36 +100,21 @@ class HeteroAvgPlanner:
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
 
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
-        cm = CostModel(workload)
-        cluster = workload.cluster
-        model = workload.model
-        gpus = [d.gpu for d in cluster.devices]
-        capacity_avg = sum(workload.device_capacity_bytes(d.id) for d in cluster.devices) / len(gpus)
-        avg_cache: dict[tuple[int, int, int], float] = {}
-
-        def avg_time(index: int, batch: int, tp: int) -> float:
-            key = (index, batch, tp)
-            value = avg_cache.get(key)
-            if value is None:
-                total = 0.0
-                for g in gpus:
-                    t = cm.layer_time(index, g, batch, tp)
-                    total += t.fwd_s + t.bwd_s
-                value = avg_cache[key] = total / len(gpus)
-            return value
-
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
+        cm = cost_model_for(workload, cost)
+        capacity_avg = sum(workload.device_capacity_bytes(d.id) for d in workload.cluster.devices) \
+            / workload.cluster.num_devices
         best: list[tuple[float, int, Plan]] = []
         counter = 0
         for dp, tp, pp, u in uniform_configs(workload):
-            per_layer = [avg_time(i, u, tp) for i in range(model.num_layers)]
-            split = balanced_split(per_layer, pp)
-            plan = uniform_plan(workload, dp, tp, pp, u, planner=self.name, layer_split=split)
-            cost = self._own_cost(cm, plan, per_layer, capacity_avg)
-            if cost is None:
+            per_layer = average_gpu_times(cm.kernel, u, tp)
+            plan = uniform_plan(workload, dp, tp, pp, u, planner=self.name,
+                                layer_split=balanced_split(list(per_layer), pp))
+            cost_s = own_cost(cm.kernel, plan, per_layer, capacity_avg)
+            if cost_s is None:
                 continue
             counter += 1
-            item = (-cost, -counter, plan)
+            item = (-cost_s, -counter, plan)
             if len(best) < max(self.keep, top_k):
                 heapq.heappush(best, item)
             elif item > best[0]:
@@ -130,37 +131,24 @@ class HeteroAvgPlanner:
             raise no_fit_error(workload, ranked)
         return ranked[:top_k]
 
-    @staticmethod
-    def _own_cost(cm: CostModel, plan: Plan, per_layer: list[float], capacity_avg: float) -> float | None:
-        """Metis eq. 1 with every GPU taken as the average GPU; None when a
-        stage does not fit the average GPU's memory."""
-        workload = cm.workload
-        cluster = cm.cluster
-        model = cm.model
-        times = []
-        sync = 0.0
-        for j, stage in enumerate(plan.stages):
-            batch = stage.dp_split[0]
-            t = sum(per_layer[i] for i in stage.layers)
-            if stage.tp > 1:
-                t += sum(cm.tp_comm_time(i, batch, stage.replica_devices(0)) * 2.0 for i in stage.layers)
-            if j + 1 < plan.pp:
-                t += 2.0 * cm.p2p_time(stage, plan.stages[j + 1], plan.micro_batch_size)
-            times.append(t)
-            in_flight = float(min(plan.pp - j, plan.num_micro_batches))
-            layers = [(i, LayerStrategy(), stage.tp, stage.dp, float(batch)) for i in stage.layers]
-            memory = device_memory(model, layers, in_flight, workload.state_bytes)
-            if memory > capacity_avg:
-                return None
-            if stage.dp > 1:
-                _, grad_b, _ = workload.state_bytes
-                params = sum(model.layers[i].params_tp_sharded / stage.tp + model.layers[i].params_tp_replicated
-                             for i in stage.layers)
-                sync = max(sync, max(comm.allreduce_time(cluster, g, params * grad_b, stage.tp)
-                                     for g in stage.dp_groups()))
-        return sum(times) + (plan.num_micro_batches - 1) * max(times) + sync
 
-
-def register() -> None:
-    register_planner("hetero-avg", "AMP/Alpa homogeneous abstraction: uniform 3D plans chosen as if every GPU "
-                     "were the cluster's average GPU (Metis §3 baseline)", HeteroAvgPlanner)
+def own_cost(kernel: CostKernel, plan: Plan, per_layer: np.ndarray, capacity_avg: float) -> float | None:
+    """hetero-avg's private objective: Metis eq. 1 with every GPU taken as the
+    average GPU (compute from ``per_layer``; TP, pipeline and gradient traffic
+    on the real links); None when a stage does not fit the average GPU's memory."""
+    prefix = np.concatenate([[0.0], np.cumsum(per_layer)])
+    times = []
+    sync = 0.0
+    for j, stage in enumerate(plan.stages):
+        a, b = stage.layers[0], stage.layers[-1] + 1
+        costs = kernel.stage(StageOption.of_stage(stage))  # type: ignore[arg-type]
+        timing = costs.timing(a, b)
+        t = float(prefix[b] - prefix[a]) + timing.tp_comm_s
+        if j + 1 < plan.pp:
+            t += P2P_PASSES * kernel.p2p_time(stage.devices, plan.stages[j + 1].devices, b - 1,
+                                              plan.micro_batch_size)
+        times.append(t)
+        if max(costs.class_memory(a, b, float(min(plan.pp - j, plan.num_micro_batches)))) > capacity_avg:
+            return None
+        sync = max(sync, timing.grad_sync_s)
+    return sum(times) + (plan.num_micro_batches - 1) * max(times) + sync

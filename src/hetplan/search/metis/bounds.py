@@ -47,15 +47,14 @@ import heapq
 import math
 from typing import Callable, Sequence
 
-from hetplan.cost.memory import framework_overhead_bytes, layer_activation_bytes, layer_params_per_device
-from hetplan.search.metis_balance import Intra, StageCosts
-from hetplan.search.metis_groups import DeviceGroup
+from hetplan.search.metis.groups import DeviceGroup
+from hetplan.search.metis.stage_costs import Intra, MetisCosts
 
 
 class Bounds:
     """Cached feasibility bounds for one search (see the module docstring)."""
 
-    def __init__(self, costs: StageCosts, options_for: Callable[[DeviceGroup, int, int], list[Intra]],
+    def __init__(self, costs: MetisCosts, options_for: Callable[[DeviceGroup, int, int], list[Intra]],
                  max_tp: int) -> None:
         self.costs = costs
         self.model = costs.model
@@ -63,14 +62,10 @@ class Bounds:
         self.num_layers = self.model.num_layers
         self.options_for = options_for  # (group, micro_batch, from_tp) -> intras the DFS may reach
         self.max_tp = max_tp
-        self.capacity_max = max(costs.workload.device_capacity_bytes(d.id) for d in self.cluster.devices)
-        self.overhead = framework_overhead_bytes(all(d.gpu.name == "CPU" for d in self.cluster.devices))
-        seen: set[str] = set()
-        self._tied_later = []
-        for layer in self.model.layers:
-            self._tied_later.append(bool(layer.tied_group) and layer.tied_group in seen)
-            if layer.tied_group:
-                seen.add(layer.tied_group)
+        kernel = costs.kernel
+        self.kernel = kernel
+        self.capacity_max = max(kernel.capacity_bytes(d.id) for d in self.cluster.devices)
+        self.overhead = min(kernel.overhead_bytes(d.id) for d in self.cluster.devices)
         self.min_output = min((layer.output_bytes for layer in self.model.layers[:-1]), default=0.0)
         reference_gpu = min((d.gpu for d in self.cluster.devices), key=lambda g: g.name)
         ref = costs.time_prefix(reference_gpu, 1, 1)
@@ -97,15 +92,15 @@ class Bounds:
 
     # --- memory ---------------------------------------------------------------------
     def _layer_mem(self, tp: int) -> list[tuple[float, float]]:
+        """Per big layer: (least model-state bytes, activation bytes per sample) at
+        this tp — a tied layer counted as if its group's weight were already held."""
         table = self._mem.get(tp)
         if table is None:
-            per_param = self.costs.state_bytes_per_param
-            table = []
-            for i in self.big:
-                layer = self.model.layers[i]
-                params = 0.0 if self._tied_later[i] else layer_params_per_device(layer, tp)
-                table.append((params * per_param, layer_activation_bytes(layer, tp, "none", False)))
-            self._mem[tp] = table
+            k = self.kernel
+            per_param = sum(self.costs.workload.state_bytes)
+            params = k.params_per_device(tp) - k.tied_share(tp)
+            act = k.activation_bytes(tp, "none", False)
+            table = self._mem[tp] = [(float(params[i]) * per_param, float(act[i])) for i in self.big]
         return table
 
     def max_layers(self, tp: int, batch: int, in_flight: float, capacity: float) -> int:
@@ -127,6 +122,13 @@ class Bounds:
             self._hold[key] = value
         return value
 
+    def max_layers_held(self, group: DeviceGroup, intra: Intra, in_flight: float) -> int:
+        """Upper bound on the big layers a stage can hold: its busiest replica
+        has at least an even share and at most the group's largest memory."""
+        batch = -(-sum(intra.split) // intra.dp)
+        capacity = max(rep.capacity_bytes for rep in self.costs.replicas(group, intra.tp))
+        return self.max_layers(intra.tp, batch, in_flight, capacity)
+
     # --- per-layer times, sorted ascending, as prefix sums --------------------------------
     def _sorted_prefix(self, values: Sequence[float]) -> list[float]:
         prefix = [0.0]
@@ -135,12 +137,13 @@ class Bounds:
         return prefix
 
     def intra_prefix(self, group: DeviceGroup, intra: Intra) -> list[float]:
-        """Sorted big-layer stage times (slowest replica, TP comm included)."""
+        """Sorted big-layer times of the stage's slowest replica class: any range
+        of layers costs the stage at least their sum (``StageCosts.layer_totals``)."""
         key = (group.devices, intra)
         prefix = self._times.get(key)
         if prefix is None:
-            prefix = self._times[key] = self._sorted_prefix(
-                [self.costs.stage_time(group, intra, i, i + 1) for i in self.big])
+            totals = self.costs.stage(group, intra).layer_totals()
+            prefix = self._times[key] = self._sorted_prefix([float(totals[i]) for i in self.big])
         return prefix
 
     def fastest_prefix(self, tp: int, batch: int) -> list[float]:
@@ -344,7 +347,7 @@ class Bounds:
             key = (g.uid, micro_batch, in_flight)
             sb = cache.get(key)
             if sb is None:
-                options = [(self.intra_prefix(g, intra), self.costs.max_layers_held(g, intra, float(in_flight), self))
+                options = [(self.intra_prefix(g, intra), self.max_layers_held(g, intra, float(in_flight)))
                            for intra in self.options_for(g, micro_batch, 1)]
                 sb = cache[key] = self._stage(options) or _NO_STAGE
             if sb is _NO_STAGE:

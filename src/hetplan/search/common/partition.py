@@ -38,16 +38,22 @@ Three exact solvers share one problem description, :class:`PartitionProblem`:
   no memory limit.
 * :func:`brute_force_partition` — every one of the C(L−1, k−1) splits.
 
+Two generalisations serve the exact planners (``search/common/stage_partition.py``):
+a stage may have several *options* (ways to run its layers: ZeRO stage,
+recomputation) with their own time and memory per segment — the solvers then
+choose a split and an option per stage together — and a segment may carry an
+*extra* cost that counts in the sum but not in the bottleneck (stage 0's share
+of the gradient-sync tail). The staircase argument is unchanged: for a bound
+``U`` the min-sum DP picks, per segment, the cheapest option whose time is
+below ``U``.
+
 Boundaries are returned as ``(b_0 = 0, b_1, …, b_k = L)``; stage ``j`` runs
 ``range(b_j, b_{j+1})`` (:meth:`Partition.ranges`). Ties between splits of equal
 cost are broken deterministically but differently by each solver; compare
 costs, not splits.
 
 Also here: :func:`balanced_partition` (contiguous split minimising the largest
-stage weight — Megatron/DeepSpeed's "balance by parameters") and
-:func:`problem_from_cost_model`, which builds a :class:`PartitionProblem` whose
-objective and memory limits are the shared cost model's for given stage device
-groups, so any planner can place layers exactly under the shared model.
+stage weight — Megatron/DeepSpeed's "balance by parameters").
 """
 
 from __future__ import annotations
@@ -55,14 +61,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from hetplan.errors import HetplanError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hetplan.cost.model import CostModel
 
 INF = float("inf")
 
@@ -72,7 +75,6 @@ __all__ = [
     "balanced_partition",
     "brute_force_partition",
     "fast_partition",
-    "problem_from_cost_model",
     "reference_partition",
 ]
 
@@ -86,12 +88,14 @@ class Partition:
         cost_s: the objective, ``(m − 1)·max t + Σ t + Σ e``.
         stage_times_s: ``t_j`` per stage.
         boundary_times_s: ``e_j`` per boundary (k − 1 of them).
+        options: the option each stage runs (all 0 for a problem without options).
     """
 
     boundaries: tuple[int, ...]
     cost_s: float
     stage_times_s: tuple[float, ...]
     boundary_times_s: tuple[float, ...]
+    options: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -128,9 +132,15 @@ def _as_stage_matrix(values: object, k: int, length: int, what: str) -> np.ndarr
 class PartitionProblem:
     """One pipeline layer-assignment problem (see the module docstring).
 
-    Build it from per-layer numbers with the constructor, or from whole-segment
+    Build it from per-layer numbers with the constructor, from whole-segment
     numbers with :meth:`from_segments` when a stage's time is not a sum over
-    its layers (e.g. the slowest of several unequal replicas).
+    its layers (e.g. the slowest of several unequal replicas), or from the
+    windows the solvers read with :meth:`from_windows`.
+
+    Stage ``j`` of ``k`` starts at a layer in ``[j, j + span)`` and ends in
+    ``[j + 1, j + 1 + span)`` with ``span = L − k + 1``; only that *window* of
+    its segment costs is stored: ``[j, o, x, y]`` is option ``o`` of stage
+    ``j`` on layers ``[j + x, j + 1 + y)`` (valid for ``x <= y``).
 
     Args:
         stage_layer_times: seconds per micro-batch of layer ``l`` when it runs
@@ -176,11 +186,11 @@ class PartitionProblem:
             cap = np.broadcast_to(np.asarray(stage_memory_capacity, dtype=float), (k,))
             mem_prefix = np.concatenate([np.zeros((k, 1)), np.cumsum(mem, axis=1)], axis=1)
             seg_mem = mem_prefix[:, None, :] - mem_prefix[:, :, None]  # [j, a, b] = bytes of [a, b)
-            fits = seg_mem <= cap[:, None, None] * (1.0 + 1e-12)
+            fits = (seg_mem <= cap[:, None, None] * (1.0 + 1e-12))[:, None]
         prefix = np.concatenate([np.zeros((k, 1)), np.cumsum(times, axis=1)], axis=1)
-        segments = prefix[:, None, :] - prefix[:, :, None]
-        segments = np.maximum(segments, 0.0)  # rounding of prefix differences
-        self._init(segments, num_micro_batches, boundary_times, fits, has_memory=fits is not None)
+        segments = np.maximum(prefix[:, None, :] - prefix[:, :, None], 0.0)[:, None]  # rounding of differences
+        self._init(*(_windows(x) if x is not None else None for x in (segments, fits, None)),
+                   num_micro_batches, boundary_times, num_layers)
 
     @classmethod
     def from_segments(
@@ -189,65 +199,91 @@ class PartitionProblem:
         num_micro_batches: int,
         boundary_times: Sequence[float] | Sequence[Sequence[float]] | np.ndarray | None = None,
         segment_fits: np.ndarray | None = None,
+        segment_extra: np.ndarray | None = None,
     ) -> PartitionProblem:
         """A problem from whole-segment numbers.
 
         Args:
             segment_times: shape ``(k, L + 1, L + 1)``; entry ``[j, a, b]`` is
                 stage ``j``'s time per micro-batch when it runs layers
-                ``[a, b)`` (only ``a < b`` is read).
+                ``[a, b)`` (only ``a < b`` is read). Shape ``(k, q, L + 1, L + 1)``
+                gives every stage ``q`` options to choose from.
             segment_fits: same shape, bool: stage ``j`` may hold ``[a, b)``.
+            segment_extra: same shape, >= 0: added to the sum, not the bottleneck.
         """
-        times = np.array(segment_times, dtype=float)
-        if times.ndim != 3 or times.shape[1] != times.shape[2]:
-            raise HetplanError(f"segment_times must have shape (k, L+1, L+1), got {times.shape}")
-        fits = None
-        if segment_fits is not None:
-            fits = np.asarray(segment_fits, dtype=bool)
-            if fits.shape != times.shape:
-                raise HetplanError(f"segment_fits must have shape {times.shape}, got {fits.shape}")
+        times = np.asarray(segment_times, dtype=float)
+        if times.ndim == 3:
+            times = times[:, None]
+        if times.ndim != 4 or times.shape[2] != times.shape[3]:
+            raise HetplanError(f"segment_times must have shape (k, L+1, L+1) or (k, q, L+1, L+1), got {times.shape}")
+
+        def same_shape(values: np.ndarray | None, what: str, dtype: type) -> np.ndarray | None:
+            if values is None:
+                return None
+            arr = np.asarray(values, dtype=dtype)
+            arr = arr[:, None] if arr.ndim == 3 else arr
+            if arr.shape != times.shape:
+                raise HetplanError(f"{what} must have the shape of segment_times {times.shape}, got {arr.shape}")
+            return _windows(arr)
+
+        fits = same_shape(segment_fits, "segment_fits", bool)
+        extra = same_shape(segment_extra, "segment_extra", float)
         self = cls.__new__(cls)
-        self._init(times, num_micro_batches, boundary_times, fits, has_memory=fits is not None)
+        self._init(_windows(times), fits, extra, num_micro_batches, boundary_times, times.shape[2] - 1)
         return self
 
-    def _init(self, segments: np.ndarray, num_micro_batches: int, boundary_times: object,
-              fits: np.ndarray | None, has_memory: bool) -> None:
-        k, n = segments.shape[0], segments.shape[1] - 1
+    @classmethod
+    def from_windows(cls, times: np.ndarray, num_micro_batches: int, boundary_times: np.ndarray | None,
+                     fits: np.ndarray | None = None, extra: np.ndarray | None = None) -> PartitionProblem:
+        """A problem from the windows themselves, ``(k, q, span, span)`` each
+        (see the class docstring; what ``StageCosts.tables`` returns)."""
+        k, _, span, _ = times.shape
+        self = cls.__new__(cls)
+        self._init(times, fits, extra, num_micro_batches, boundary_times, span + k - 1)
+        return self
+
+    def _init(self, times: np.ndarray, fits: np.ndarray | None, extra: np.ndarray | None,
+              num_micro_batches: int, boundary_times: object, num_layers: int) -> None:
+        k, q, span = times.shape[0], times.shape[1], times.shape[2]
+        n = num_layers
         if k < 1:
             raise HetplanError("a pipeline needs at least one stage")
-        if n < k:
+        if n < k or span != n - k + 1:
             raise HetplanError(f"cannot split {n} layers into {k} stages: every stage needs at least one layer")
         if num_micro_batches < 1 or int(num_micro_batches) != num_micro_batches:
             raise HetplanError(f"the number of micro-batches must be a positive integer, got {num_micro_batches}")
         self.num_stages = k
+        self.num_options = q
         self.num_layers = n
         self.num_micro_batches = int(num_micro_batches)
-        self.has_memory_limit = has_memory
-        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)[None, :, :]
-        if fits is not None:
-            valid = valid & fits
-        finite = np.where(valid, segments, np.nan)
-        if np.any(finite[~np.isnan(finite)] < 0):
+        self.has_memory_limit = fits is not None
+        self.has_options_or_extra = q > 1 or extra is not None
+        upper = np.triu(np.ones((span, span), dtype=bool))[None, None]
+        valid = np.broadcast_to(upper & fits if fits is not None else upper, times.shape)
+        if np.any(times[valid] < 0) or np.any(np.isnan(times[valid])):
             raise HetplanError("stage times must be >= 0")
-        #: ``[j, a, b]``: stage j's time on layers [a, b); +inf where not allowed.
-        self.segment_times = np.where(valid, segments, INF)
-        #: ``[j, a, b]``: the time, also where memory forbids it (for reports).
-        self._raw_segments = np.where(np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)[None], segments, INF)
-        # boundary cost indexed by cut position c (layers before the cut), 0 at c = 0 and c = L
-        cuts = np.zeros((max(k - 1, 0), n + 1))
-        if boundary_times is not None and k > 1:
-            arr = np.asarray(boundary_times, dtype=float)
-            if arr.ndim == 1:
-                if arr.shape[0] != n - 1:
-                    raise HetplanError(f"boundary_times has {arr.shape[0]} entries, expected {n - 1}")
-                arr = np.broadcast_to(arr, (k - 1, n - 1))
-            elif arr.shape != (k - 1, n - 1):
-                raise HetplanError(f"boundary_times must have shape ({n - 1},) or ({k - 1}, {n - 1}), got {arr.shape}")
-            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-                raise HetplanError("boundary times must be finite and >= 0")
-            cuts[:, 1:n] = arr
-        #: ``[j, c]``: time across boundary j when the cut is after layer c − 1.
-        self.cut_times = cuts
+        #: ``[j, o, x, y]``: option o of stage j on layers [j + x, j + 1 + y); +inf where not allowed.
+        self.option_times = np.where(valid, times, INF)
+        #: the same, plus the sum-only extra: what the stage adds to Σ.
+        self.option_sums = self.option_times if extra is None else np.where(valid, times + extra, INF)
+        #: the time, also where memory forbids it (for reports).
+        self._raw = np.where(upper, times, INF)
+        #: ``[j, x, y]``: the fastest allowed option's time (the only one when q = 1).
+        self.window_times = self.option_times[:, 0] if q == 1 else self.option_times.min(axis=1)
+        self.cut_times = _cuts(boundary_times, k, n)
+
+    @property
+    def span(self) -> int:
+        return self.num_layers - self.num_stages + 1
+
+    def segment_times(self) -> np.ndarray:
+        """``[j, a, b]``: stage j's (fastest allowed option's) time on [a, b); +inf
+        outside its window or where it is not allowed."""
+        k, n, span = self.num_stages, self.num_layers, self.span
+        full = np.full((k, n + 1, n + 1), INF)
+        for j in range(k):
+            full[j, j:j + span, j + 1:j + 1 + span] = self.window_times[j]
+        return full
 
     # --- evaluating a given split ------------------------------------------------
     def check_boundaries(self, boundaries: Sequence[int]) -> tuple[int, ...]:
@@ -258,39 +294,57 @@ class PartitionProblem:
             raise HetplanError(f"every stage needs at least one layer; got boundaries {b}")
         return b
 
-    def fits(self, boundaries: Sequence[int]) -> bool:
+    def _cell(self, j: int, option: int, a: int, b: int) -> tuple[int, int, int, int]:
+        return j, option, a - j, b - j - 1
+
+    def fits(self, boundaries: Sequence[int], options: Sequence[int] | None = None) -> bool:
         """Every stage within its memory limit (always true without limits)."""
         b = self.check_boundaries(boundaries)
-        return all(math.isfinite(self.segment_times[j, b[j], b[j + 1]]) for j in range(self.num_stages))
+        opts = self._options(options)
+        return all(math.isfinite(self.option_times[self._cell(j, opts[j], b[j], b[j + 1])])
+                   for j in range(self.num_stages))
 
-    def evaluate(self, boundaries: Sequence[int]) -> Partition:
+    def _options(self, options: Sequence[int] | None) -> tuple[int, ...]:
+        if options is None:
+            if self.num_options > 1:
+                raise HetplanError("this problem has options per stage: give the option of every stage")
+            return (0,) * self.num_stages
+        if len(options) != self.num_stages or not all(0 <= o < self.num_options for o in options):
+            raise HetplanError(f"give one option in 0..{self.num_options - 1} per stage, got {tuple(options)}")
+        return tuple(int(o) for o in options)
+
+    def evaluate(self, boundaries: Sequence[int], options: Sequence[int] | None = None) -> Partition:
         """The split's stage times and cost (``cost_s`` is inf if it does not fit)."""
         b = self.check_boundaries(boundaries)
+        opts = self._options(options)
         k = self.num_stages
-        stage = tuple(float(self._raw_segments[j, b[j], b[j + 1]]) for j in range(k))
+        cells = [self._cell(j, opts[j], b[j], b[j + 1]) for j in range(k)]
+        stage = tuple(float(self._raw[c]) for c in cells)
+        sums = tuple(float(self.option_sums[c]) for c in cells)
         links = tuple(float(self.cut_times[j, b[j + 1]]) for j in range(k - 1))
-        cost = self._cost(stage, links) if self.fits(b) else INF
-        return Partition(b, cost, stage, links)
+        cost = self._cost(stage, sums, links) if self.fits(b, opts) else INF
+        return Partition(b, cost, stage, links, opts)
 
-    def cost(self, boundaries: Sequence[int]) -> float:
-        return self.evaluate(boundaries).cost_s
+    def cost(self, boundaries: Sequence[int], options: Sequence[int] | None = None) -> float:
+        return self.evaluate(boundaries, options).cost_s
 
-    def _cost(self, stage: Sequence[float], links: Sequence[float]) -> float:
-        return (self.num_micro_batches - 1) * max(stage) + math.fsum(stage) + math.fsum(links)
+    def _cost(self, stage: Sequence[float], sums: Sequence[float], links: Sequence[float]) -> float:
+        return (self.num_micro_batches - 1) * max(stage) + math.fsum(sums) + math.fsum(links)
 
     # --- building blocks of the fast solver ----------------------------------------
-    def _min_sum(self, bound: float) -> tuple[int, ...] | None:
-        """Split minimising Σ t + Σ e with every stage time < ``bound`` (None: none)."""
+    def _min_sum(self, bound: float) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Split (and options) minimising Σ sums + Σ e with every stage time
+        < ``bound`` (None: no such split)."""
         k, n = self.num_stages, self.num_layers
-        span = n - k + 1  # stage j starts in [j, j + span) and ends in [j + 1, j + 1 + span)
+        span = self.span
         columns = np.arange(span)
         best = np.full(span, INF)  # best[x]: cost of stages < j covering layers [0, j + x)
         best[0] = 0.0
         args = np.empty((k, span), dtype=np.int64)
+        choice = []
         for j in range(k):
-            seg = self.segment_times[j, j:j + span, j + 1:j + 1 + span]
-            if bound != INF:
-                seg = np.where(seg < bound, seg, INF)
+            seg, option = self._segment_sums(j, bound)
+            choice.append(option)
             start = best if j == 0 else best + self.cut_times[j - 1, j:j + span]
             total = start[:, None] + seg
             arg = total.argmin(axis=0)
@@ -299,22 +353,58 @@ class PartitionProblem:
         if not math.isfinite(best[span - 1]):
             return None
         bounds = [n]
+        options = []
         x = span - 1
         for j in range(k - 1, -1, -1):
+            end = x
             x = int(args[j, x])
+            options.append(int(choice[j][x, end]) if choice[j] is not None else 0)
             bounds.append(j + x)
-        return tuple(reversed(bounds))
+        return tuple(reversed(bounds)), tuple(reversed(options))
+
+    def _segment_sums(self, j: int, bound: float) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stage j's sum per (start, end) window under the bound, and the option
+        that achieves it (None without options)."""
+        sums = self.option_sums[j]
+        if bound != INF:
+            sums = np.where(self.option_times[j] < bound, sums, INF)
+        if self.num_options == 1:
+            return sums[0], None
+        option = sums.argmin(axis=0)
+        return np.take_along_axis(sums, option[None], axis=0)[0], option
 
     def min_bottleneck(self) -> float:
         """The smallest achievable max_j t_j over all splits that fit (inf: none)."""
-        k, n = self.num_stages, self.num_layers
-        span = n - k + 1
+        span = self.span
         best = np.full(span, INF)
         best[0] = 0.0
-        for j in range(k):
-            seg = self.segment_times[j, j:j + span, j + 1:j + 1 + span]
-            best = np.maximum(best[:, None], seg).min(axis=0)
+        for j in range(self.num_stages):
+            best = np.maximum(best[:, None], self.window_times[j]).min(axis=0)
         return float(best[span - 1])
+
+
+def _windows(full: np.ndarray) -> np.ndarray:
+    """(k, q, L+1, L+1) → each stage's window (k, q, span, span)."""
+    k, n = full.shape[0], full.shape[2] - 1
+    span = n - k + 1
+    return np.stack([full[j, :, j:j + span, j + 1:j + 1 + span] for j in range(k)])
+
+
+def _cuts(boundary_times: object, k: int, n: int) -> np.ndarray:
+    """Boundary cost indexed by cut position c (layers before the cut), 0 at c = 0 and c = L."""
+    cuts = np.zeros((max(k - 1, 0), n + 1))
+    if boundary_times is not None and k > 1:
+        arr = np.asarray(boundary_times, dtype=float)
+        if arr.ndim == 1:
+            if arr.shape[0] != n - 1:
+                raise HetplanError(f"boundary_times has {arr.shape[0]} entries, expected {n - 1}")
+            arr = np.broadcast_to(arr, (k - 1, n - 1))
+        elif arr.shape != (k - 1, n - 1):
+            raise HetplanError(f"boundary_times must have shape ({n - 1},) or ({k - 1}, {n - 1}), got {arr.shape}")
+        if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+            raise HetplanError("boundary times must be finite and >= 0")
+        cuts[:, 1:n] = arr
+    return cuts
 
 
 # --- solvers ------------------------------------------------------------------------------
@@ -329,24 +419,24 @@ def fast_partition(problem: PartitionProblem) -> Partition | None:
     first = problem._min_sum(INF)
     if first is None:
         return None
-    best = problem.evaluate(first)
-    if w == 0 or problem.num_stages == 1:
+    best = problem.evaluate(*first)
+    if w == 0 or problem.num_stages == 1 and problem.num_options == 1:
         return best
     floor = problem.min_bottleneck()
     top_sum = best.cost_s - w * best.max_stage_s  # the smallest Σ t + Σ e of any split
     # the cheapest split among those with the smallest bottleneck: a good incumbent when m is large
     bottom = problem._min_sum(float(np.nextafter(floor, INF)))
     if bottom is not None:
-        candidate = problem.evaluate(bottom)
+        candidate = problem.evaluate(*bottom)
         if candidate.cost_s < best.cost_s:
             best = candidate
     # invariant: no split with bottleneck >= bound beats ``best``
-    bound = min(problem.evaluate(first).max_stage_s, (best.cost_s - top_sum) / w)
+    bound = min(problem.evaluate(*first).max_stage_s, (best.cost_s - top_sum) / w)
     while bound > floor:
         split = problem._min_sum(bound)
         if split is None:
             break
-        current = problem.evaluate(split)
+        current = problem.evaluate(*split)
         sum_part = current.cost_s - w * current.max_stage_s
         if sum_part + w * floor >= best.cost_s:
             break
@@ -367,10 +457,11 @@ def reference_partition(problem: PartitionProblem) -> Partition | None:
     tolerances is a numpy vector. Stages may differ in speed; memory limits
     are not supported (the paper has none).
     """
-    if problem.has_memory_limit:
-        raise HetplanError("the reference DP (AMP §3.5) has no memory limit; use fast_partition")
+    if problem.has_memory_limit or problem.has_options_or_extra:
+        raise HetplanError("the reference DP (AMP §3.5) has no memory limit, options or extra costs; "
+                           "use fast_partition")
     k, n, w = problem.num_stages, problem.num_layers, problem.num_micro_batches - 1
-    seg = problem.segment_times
+    seg = problem.segment_times()
     finite = seg[np.isfinite(seg)]
     possible = np.unique(np.concatenate([[0.0], finite]))
     index = np.searchsorted(possible, np.where(np.isfinite(seg), seg, 0.0))
@@ -383,7 +474,8 @@ def reference_partition(problem: PartitionProblem) -> Partition | None:
     table = np.full((n + 1, len(possible)), INF)
     for i in range(1, n + 1):
         t = seg[0, 0, i]
-        table[i] = penalty(t) + t
+        if math.isfinite(t):
+            table[i] = penalty(t) + t
     choices: list[np.ndarray | None] = [None]
     for j in range(1, k):
         new = np.full((n + 1, len(possible)), INF)
@@ -393,6 +485,8 @@ def reference_partition(problem: PartitionProblem) -> Partition | None:
             best_arg = arg[i]
             for cut in range(j, i):  # the last stage runs [cut, i)  (eq. 8)
                 t = seg[j, cut, i]
+                if not math.isfinite(t):
+                    continue  # outside stage j's window: no split of k stages uses it
                 prev = table[cut]
                 at = index[j, cut, i]
                 looked = np.where(positions < at, prev[at], prev)  # prev[index of max(t, m)]
@@ -420,13 +514,15 @@ def reference_partition(problem: PartitionProblem) -> Partition | None:
 
 
 def brute_force_partition(problem: PartitionProblem) -> Partition | None:
-    """Every split, in lexicographic order; the first of the cheapest wins."""
+    """Every split and option choice, in lexicographic order; the first of the cheapest wins."""
     n, k = problem.num_layers, problem.num_stages
     best: Partition | None = None
+    choices = list(itertools.product(range(problem.num_options), repeat=k))
     for cuts in itertools.combinations(range(1, n), k - 1):
-        candidate = problem.evaluate((0, *cuts, n))
-        if math.isfinite(candidate.cost_s) and (best is None or candidate.cost_s < best.cost_s):
-            best = candidate
+        for options in choices:
+            candidate = problem.evaluate((0, *cuts, n), options)
+            if math.isfinite(candidate.cost_s) and (best is None or candidate.cost_s < best.cost_s):
+                best = candidate
     return best
 
 
@@ -438,11 +534,12 @@ def balanced_partition(weights: Sequence[float], num_stages: int) -> tuple[int, 
     that bottleneck, each stage in turn takes as many layers as still leaves a
     feasible remainder (earlier stages fill first), so the result is unique.
     """
-    problem = PartitionProblem(np.asarray(weights, dtype=float), 1, num_stages=num_stages)
-    bottleneck = problem.min_bottleneck()
+    values = np.asarray(weights, dtype=float)
+    bottleneck = PartitionProblem(values, 1, num_stages=num_stages).min_bottleneck()
     # earliest-cut greedy under the bound gives a deterministic split with that bottleneck
-    seg = problem.segment_times[0]
-    n, k = problem.num_layers, num_stages
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    seg = prefix[None, :] - prefix[:, None]  # [a, b]: weight of layers [a, b)
+    n, k = len(values), num_stages
     tol = bottleneck * (1 + 1e-12) + 1e-300
     # reachable[j][b]: layers [b, n) can be split into stages j..k-1 within the bound
     reach = np.zeros((k + 1, n + 1), dtype=bool)
@@ -458,108 +555,3 @@ def balanced_partition(weights: Sequence[float], num_stages: int) -> tuple[int, 
         ends = np.nonzero(reach[j + 1, a + 1:] & (seg[a, a + 1:] <= tol))[0]
         bounds.append(int(a + 1 + ends[-1]))
     return tuple(bounds)
-
-
-# --- the shared cost model as a partition problem ----------------------------------------
-def problem_from_cost_model(
-    cost_model: CostModel,
-    stage_devices: Sequence[Sequence[int]],
-    dp: int,
-    tp: int,
-    micro_batch_size: int,
-    num_micro_batches: int,
-    schedule: str = "1f1b",
-    zero: int = 0,
-    recompute: str = "none",
-    memory_limit: bool = True,
-) -> PartitionProblem:
-    """The layer assignment for fixed stage device groups, under the shared cost model.
-
-    Stage ``j`` runs on ``stage_devices[j]`` (``dp·tp`` ids, TP innermost, as in
-    :class:`hetplan.plan.Stage`), every layer with the same ``zero`` and
-    ``recompute``, the micro-batch split evenly over the ``dp`` replicas. The
-    stage time is the slowest replica's forward + backward + recompute + TP
-    communication, exactly as :meth:`CostModel.estimate` computes it for such a
-    stage; boundary times are the p2p time of the cut layer's output, counted
-    twice (forward activation and backward gradient), so the objective equals
-    the shared model's ``pipeline_time``. Gradient sync and the optimizer step
-    are not part of it (they do not depend on the micro-batch count). With
-    ``memory_limit`` each stage must fit its GPUs' memory with the schedule's
-    micro-batches in flight (1F1B: ``min(pp − j, m)`` on stage ``j``).
-    ZeRO-3 is refused: its exposed parameter gathers make a stage's time
-    depend on the whole stage, not a sum over layers.
-    """
-    from hetplan.cost import comm
-    from hetplan.cost.memory import (
-        framework_overhead_bytes,
-        in_flight_micro_batches,
-        layer_activation_bytes,
-        layer_params_per_device,
-        model_state_bytes,
-    )
-    from hetplan.cost.constants import ZERO3_GATHERED_LAYERS
-
-    model, cluster, workload = cost_model.model, cost_model.cluster, cost_model.workload
-    k, n = len(stage_devices), model.num_layers
-    if zero >= 3:
-        raise HetplanError("ZeRO-3's exposed parameter gathers make a stage's time non-additive over its "
-                           "layers; use zero 0, 1 or 2 here")
-    if micro_batch_size % dp:
-        raise HetplanError(f"micro-batch {micro_batch_size} does not split evenly over dp={dp}")
-    batch = micro_batch_size / dp
-    segments = np.empty((k, n + 1, n + 1))
-    for j, devices in enumerate(stage_devices):
-        if len(devices) != dp * tp:
-            raise HetplanError(f"stage {j} has {len(devices)} devices, expected dp x tp = {dp * tp}")
-        per_replica = []
-        for r in range(dp):
-            group = tuple(devices[r * tp:(r + 1) * tp])
-            gpu = cost_model.slowest_gpu(group)
-            row = []
-            for index in range(n):
-                t = cost_model.layer_time(index, gpu, batch, tp, recompute)
-                c = 0.0
-                if tp > 1:
-                    c = cost_model.tp_comm_time(index, batch, group) * (3.0 if recompute == "full" else 2.0)
-                row.append(t.fwd_s + t.bwd_s + t.recompute_s + c)
-            per_replica.append(row)
-        prefix = np.concatenate([np.zeros((dp, 1)), np.cumsum(np.asarray(per_replica), axis=1)], axis=1)
-        segments[j] = np.max(prefix[:, None, :] - prefix[:, :, None], axis=0)
-    links = np.zeros((max(k - 1, 0), max(n - 1, 0)))
-    for j in range(k - 1):
-        for c in range(n - 1):
-            num_bytes = model.layers[c].output_bytes * micro_batch_size
-            links[j, c] = 2.0 * comm.p2p_time(cluster, stage_devices[j], stage_devices[j + 1], num_bytes)
-    fits = None
-    if memory_limit:
-        weight_b = workload.state_bytes[0]
-        fits = np.zeros((k, n + 1, n + 1), dtype=bool)
-        params = np.array([layer_params_per_device(layer, tp) for layer in model.layers])
-        state = np.array([model_state_bytes(p, zero, dp, workload.state_bytes) for p in params])
-        act = np.array([layer_activation_bytes(layer, tp, recompute, False) * batch for layer in model.layers])
-        work = np.array([layer_activation_bytes(layer, tp, "none", False) * batch if recompute == "full" else 0.0
-                         for layer in model.layers])
-        gathered = params * weight_b if zero >= 3 else np.zeros(n)
-        tied = [layer.tied_group for layer in model.layers]
-        for j, devices in enumerate(stage_devices):
-            flight = in_flight_micro_batches(schedule, j, k, num_micro_batches)
-            capacity = min(workload.device_capacity_bytes(d) for d in devices)
-            is_cpu = any(cluster.devices[d].gpu.name == "CPU" for d in devices)
-            per_layer = state + act * flight
-            prefix = np.concatenate([[0.0], np.cumsum(per_layer)])
-            for a in range(n):
-                running_work = running_gather = 0.0
-                seen: dict[str, int] = {}
-                duplicate = 0.0
-                for b in range(a + 1, n + 1):
-                    layer = b - 1
-                    running_work = max(running_work, work[layer])
-                    running_gather = max(running_gather, gathered[layer])
-                    if tied[layer]:
-                        if tied[layer] in seen:
-                            duplicate += state[layer]
-                        seen[tied[layer]] = layer
-                    total = (prefix[b] - prefix[a] - duplicate + running_work
-                             + ZERO3_GATHERED_LAYERS * running_gather + framework_overhead_bytes(is_cpu))
-                    fits[j, a, b] = total <= capacity
-    return PartitionProblem.from_segments(segments, num_micro_batches, links, fits)

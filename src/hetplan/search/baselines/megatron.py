@@ -30,9 +30,11 @@ from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan
-from hetplan.search.base import rank_key, rank_plans, register_planner
-from hetplan.search.partition import balanced_partition
-from hetplan.search.uniform import block_split, divisors, max_tp, tp_fits_nodes, uniform_plan
+from hetplan.search.base import cost_model_for, rank_key, rank_plans
+from hetplan.search.baselines.uniform import uniform_plan
+from hetplan.search.common.degrees import divisors, tp_degrees
+from hetplan.search.common.layer_splits import block_split
+from hetplan.search.common.partition import balanced_partition
 
 SPLIT_RULES = ("layers", "parameters")
 
@@ -51,14 +53,8 @@ def layer_split(workload: Workload, pp: int, rule: str) -> list[range]:
 def megatron_degrees(workload: Workload) -> list[tuple[int, int]]:
     """``(tp, pp)`` pairs Megatron may use, by ``tp × pp`` ascending, then ``tp`` descending."""
     n = workload.cluster.num_devices
-    smallest_node = min(node.num_gpus for node in workload.cluster.nodes)
-    heads = max_tp(workload)
     pairs = []
-    for tp in divisors(n):
-        if tp > smallest_node or not tp_fits_nodes(workload, tp):
-            continue
-        if heads < (1 << 30) and heads % tp:
-            continue
+    for tp in tp_degrees(workload):
         for pp in divisors(n // tp):
             if pp <= workload.model.num_layers:
                 pairs.append((tp, pp))
@@ -76,10 +72,9 @@ class MegatronPlanner:
                 raise HetplanError(f"unknown layer split rule {rule!r}; use one of {', '.join(SPLIT_RULES)}")
         self.split_rules = split_rules
 
-    def candidates(self, workload: Workload, cost_model: CostModel | None = None) -> list[Plan]:
+    def candidates(self, workload: Workload, cost_model: CostModel) -> list[Plan]:
         """Megatron's proposals: per micro-batch size, the first (tp, pp) in
         :func:`megatron_degrees` order whose plan fits, with each split rule."""
-        cost_model = cost_model or CostModel(workload)
         n, gbs = workload.cluster.num_devices, workload.global_batch_size
         pairs = megatron_degrees(workload)
         plans: list[Plan] = []
@@ -93,7 +88,7 @@ class MegatronPlanner:
                 for rule in self.split_rules:
                     plan = uniform_plan(workload, dp, tp, pp, micro_batch, planner=self.name,
                                         layer_split=layer_split(workload, pp, rule))
-                    if cost_model.estimate(plan).fits:
+                    if cost_model.quick(plan)[1]:
                         fitting.append(plan.with_changes(notes=(f"Megatron heuristic: smallest tp x pp that fits "
                                                                 f"(tp={tp}, pp={pp}), layers split by {rule}",)))
                 if fitting:
@@ -105,8 +100,8 @@ class MegatronPlanner:
                     break
         return plans
 
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
-        cost_model = CostModel(workload)
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
+        cost_model = cost_model_for(workload, cost)
         plans = self.candidates(workload, cost_model)
         if not plans:
             # nothing fits: say why with the closest miss
@@ -122,7 +117,3 @@ class MegatronPlanner:
         ranked.sort(key=lambda r: (r.plan.stages[0].tp * r.plan.pp,) + rank_key(r))
         return ranked[:top_k]
 
-
-def register() -> None:
-    register_planner("megatron", "Megatron-LM heuristics (AMP §4.1): smallest tp x pp that fits, TP in node, "
-                     "then DP; layers split evenly by count or parameters", MegatronPlanner)

@@ -19,9 +19,9 @@ from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan, uniform_stage
-from hetplan.search.amp import enumerate_degrees, micro_batch_sizes
-from hetplan.search.base import rank_plans, register_planner
-from hetplan.search.placement import describe_placement, random_placement
+from hetplan.search.base import cost_model_for, rank_plans
+from hetplan.search.common.degrees import enumerate_degrees, micro_batch_sizes
+from hetplan.search.common.placement import describe_placement, random_placement
 
 DEFAULT_SAMPLES = 50  # AMP §4.5: "We run RS for 50 iterations"
 DEFAULT_SEED = 0
@@ -65,12 +65,8 @@ class RandomPlanner:
                               notes=(f"random strategy (seed {self.seed}, {self.num_samples} samples)",)))
         return plans
 
-    def plan(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
-        ranked = rank_plans(CostModel(workload), self.sample(workload), top_k)
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
+        ranked = rank_plans(cost_model_for(workload, cost), self.sample(workload), top_k)
         return [replace(r, plan=r.plan.with_changes(notes=r.plan.notes + (describe_placement(workload, r.plan),)))
                 for r in ranked]
 
-
-def register() -> None:
-    register_planner("random", f"AMP's RS baseline: {DEFAULT_SAMPLES} uniformly random valid strategies (degrees, "
-                     "micro-batch, placement, layer split), best by the cost model", RandomPlanner)

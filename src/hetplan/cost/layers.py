@@ -1,0 +1,91 @@
+"""A model's per-layer numbers as numpy arrays, built once per model.
+
+The cost kernel works on whole layer vectors instead of one LayerSpec at a
+time: a stage of layers ``[a, b)`` is a slice or a prefix-sum difference, and
+a planner's table over every layer is one numpy expression.
+
+Tied weights (an embedding and the LM head sharing one matrix) are described
+here once for every cost: a stage that holds several layers of a tied group
+holds, communicates and updates the shared weight once. ``tied_duplicate``
+marks the layers whose ``tied_params`` an earlier layer of their group already
+owns, and ``tied_previous`` names that nearest earlier layer, so "does layer
+``l``'s group have an earlier member in ``[a, b)``" is ``a <= tied_previous[l]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetplan.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerArrays:
+    """Per-layer attributes of a ModelSpec (per sample, see ``LayerSpec``)."""
+
+    num_layers: int
+    params: np.ndarray
+    params_tp_replicated: np.ndarray
+    tied_params: np.ndarray
+    tied_previous: np.ndarray  # index of the nearest earlier layer of the same tied group, or -1
+    fwd_flops: np.ndarray
+    fwd_mem_bytes: np.ndarray
+    attention_flops: np.ndarray
+    gemm_count: np.ndarray
+    act_bytes: np.ndarray
+    act_tp_replicated_bytes: np.ndarray
+    act_attention_core_bytes: np.ndarray
+    input_bytes: np.ndarray
+    output_bytes: np.ndarray
+    tp_comm_bytes: np.ndarray
+    profile_keys: tuple[str, ...]
+
+    @property
+    def tied_duplicate(self) -> np.ndarray:
+        return self.tied_previous >= 0
+
+    def params_per_device(self, tp: int) -> np.ndarray:
+        """Parameters one rank of a TP group of size ``tp`` holds for each layer."""
+        return (self.params - self.params_tp_replicated) / tp + self.params_tp_replicated
+
+    def tied_share_per_device(self, tp: int) -> np.ndarray:
+        """Per layer: the parameters per device an earlier member of its tied
+        group already holds when both sit on one stage (0 for other layers)."""
+        return np.where(self.tied_duplicate, self.tied_params / tp, 0.0)
+
+
+
+def layer_arrays(model: ModelSpec) -> LayerArrays:
+    """The model's layers as arrays (see the module docstring)."""
+    layers = model.layers
+
+    def column(name: str) -> np.ndarray:
+        return np.array([float(getattr(layer, name)) for layer in layers])
+
+    previous: list[int] = []
+    last_of_group: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        group = layer.tied_group
+        previous.append(last_of_group.get(group, -1) if group else -1)
+        if group:
+            last_of_group[group] = i
+    return LayerArrays(
+        num_layers=len(layers),
+        params=column("params"),
+        params_tp_replicated=column("params_tp_replicated"),
+        tied_params=column("tied_params"),
+        tied_previous=np.array(previous, dtype=np.int64),
+        fwd_flops=column("fwd_flops"),
+        fwd_mem_bytes=column("fwd_mem_bytes"),
+        attention_flops=column("attention_flops"),
+        gemm_count=column("gemm_count"),
+        act_bytes=column("act_bytes"),
+        act_tp_replicated_bytes=column("act_tp_replicated_bytes"),
+        act_attention_core_bytes=column("act_attention_core_bytes"),
+        input_bytes=column("input_bytes"),
+        output_bytes=column("output_bytes"),
+        tp_comm_bytes=column("tp_comm_bytes"),
+        profile_keys=tuple(layer.profile_key for layer in layers),
+    )

@@ -1,0 +1,160 @@
+"""Stages whose layers run differently: Galvatron-BMW's per-layer (dp, tp),
+ZeRO stage and checkpointing inside one pipeline stage.
+
+The kernel's ``StageCosts`` costs a stage that runs every layer one way; this
+module costs the general stage from the same tables and the same combining
+formulas. Consecutive layers with the same TP degree form a *segment*: its
+replicas (TP groups) run independently, so the slowest replica of a segment
+sets its pace; between segments of different TP degrees the layer input is
+re-laid out (Galvatron-BMW's transformation R: an all-gather over the larger
+TP group, forward and backward). Gradient traffic is grouped by the layers'
+(TP degree, ZeRO stage), each group on its own data-parallel groups.
+"""
+
+from __future__ import annotations
+
+from hetplan.cost.constants import TRANSFORM_PASSES
+from hetplan.cost.kernel import CostKernel, SegmentTiming, zero12_gradient_collective
+from hetplan.cost.memory import peak_memory_bytes, state_bytes_per_param
+from hetplan.cost.pipeline import stage_micro_batch_time
+from hetplan.plan import Stage
+
+
+def layer_replicas(stage: Stage, position: int, micro_batch_size: int) -> list[tuple[tuple[int, ...], float]]:
+    """(TP group devices, samples) of each replica running the ``position``-th
+    layer of ``stage``: the stage's own replicas and dp_split, or — for a
+    layer with its own tp — runs of ``tp`` devices sharing the micro-batch evenly."""
+    dp, tp = stage.layer_degrees(position)
+    if tp == stage.tp:
+        return [(stage.replica_devices(r), float(stage.dp_split[r])) for r in range(stage.dp)]
+    return [(stage.devices[r * tp:(r + 1) * tp], micro_batch_size / dp) for r in range(dp)]
+
+
+def tp_segments(stage: Stage) -> list[list[int]]:
+    """Runs of consecutive layer positions that share a TP degree."""
+    segments: list[list[int]] = []
+    previous = None
+    for pos in range(stage.num_layers):
+        tp = stage.layer_degrees(pos)[1]
+        if tp != previous:
+            segments.append([])
+            previous = tp
+        segments[-1].append(pos)
+    return segments
+
+
+def held_params(kernel: CostKernel, stage: Stage, position: int) -> float:
+    """Parameters one device holds for a layer of the stage (a tied weight
+    that an earlier layer of the stage already holds is not held again)."""
+    tp = stage.layer_degrees(position)[1]
+    index = stage.layers[position]
+    params = float(kernel.params_per_device(tp)[index])
+    if kernel.arrays.tied_previous[index] >= stage.layers[0]:
+        params -= float(kernel.tied_share(tp)[index])
+    return params
+
+
+def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
+                     micro_batch_size: int) -> tuple[float, float, float, float]:
+    """(fwd, bwd, recompute, TP comm) of the slowest replica over the segment."""
+    worst: tuple[float, float, float, float, float] | None = None
+    tp = stage.layer_degrees(segment[0])[1]
+    by_recompute: dict[str, list[int]] = {}
+    for pos in segment:
+        by_recompute.setdefault(stage.strategies[pos].recompute, []).append(stage.layers[pos])
+    for group, batch in layer_replicas(stage, segment[0], micro_batch_size):
+        gpu = kernel.slowest_gpu(group)
+        rate = kernel.collective_rate("allreduce", group) if tp > 1 else 0.0
+        f = b = rc = c = 0.0
+        for recompute, indices in by_recompute.items():
+            t = kernel.layer_times(gpu, batch, tp, recompute, stage.sequence_parallel)
+            f += float(t.fwd_s[indices].sum())
+            b += float(t.bwd_s[indices].sum())
+            rc += float(t.recompute_s[indices].sum())
+            if batch > 0:
+                c += float(kernel.tp_comm_bytes(recompute)[indices].sum()) * batch * rate
+        total = f + b + rc + c
+        if worst is None or total > worst[0]:
+            worst = (total, f, b, rc, c)
+    assert worst is not None
+    return worst[1:]
+
+
+def transform_rate(kernel: CostKernel, devices: tuple[int, ...], tp_before: int, tp_after: int) -> float:
+    """Seconds per byte of input of Galvatron-BMW's transformation R between
+    adjacent layers with different TP degrees, forward and backward: the layer
+    input gathered over the larger TP group (slicing to a smaller group is
+    local), on the slowest such group; the bytes are the input of one
+    micro-batch divided by the smaller dp."""
+    if tp_before == tp_after:
+        return 0.0
+    big = max(tp_before, tp_after)
+    slowest = max(kernel.collective_rate("allgather", devices[r * big:(r + 1) * big])
+                  for r in range(len(devices) // big))
+    return TRANSFORM_PASSES * slowest / min(len(devices) // tp_before, len(devices) // tp_after)
+
+
+def transform_time(kernel: CostKernel, stage: Stage, before: int, after: int, micro_batch_size: int) -> float:
+    """R (forward and backward) entering the ``after``-th layer of the stage."""
+    rate = transform_rate(kernel, stage.devices, stage.layer_degrees(before)[1], stage.layer_degrees(after)[1])
+    return rate * float(kernel.arrays.input_bytes[stage.layers[after]]) * micro_batch_size
+
+
+def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) -> SegmentTiming:
+    """What a stage with per-layer strategies charges (see the module docstring)."""
+    fwd = bwd = rec = tpc = 0.0
+    segments = tp_segments(stage)
+    for s_index, segment in enumerate(segments):
+        f, b, rc, c = _segment_compute(kernel, stage, segment, micro_batch_size)
+        fwd, bwd, rec, tpc = fwd + f, bwd + b, rec + rc, tpc + c
+        if s_index > 0:
+            tpc += transform_time(kernel, stage, segments[s_index - 1][-1], segment[0], micro_batch_size)
+    gather = scatter = sync = post = optimizer = 0.0
+    optimizer_rate = kernel.optimizer_rate(stage.devices)
+    for pos, strategy in enumerate(stage.strategies):
+        dp, tp = stage.layer_degrees(pos)
+        params = held_params(kernel, stage, pos)
+        optimizer += params * optimizer_rate / (dp if strategy.zero >= 1 else 1)
+        if dp < 2:
+            continue
+        rate = kernel.dp_collective_rate
+        if strategy.zero >= 3:
+            gather += params * kernel.weight_bytes * rate("allgather", stage.devices, tp)
+            scatter += params * kernel.grad_bytes * rate("reduce_scatter", stage.devices, tp)
+        elif strategy.zero in (1, 2):
+            sync += params * kernel.grad_bytes * rate(zero12_gradient_collective(strategy.zero), stage.devices, tp)
+            post += params * kernel.weight_bytes * rate("allgather", stage.devices, tp)
+        else:
+            sync += params * kernel.grad_bytes * rate("allreduce", stage.devices, tp)
+    zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, gather, scatter)) - fwd - bwd - rec
+    return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer)
+
+
+def mixed_stage_memory(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float) -> list[int]:
+    """Peak bytes of each device of a stage with per-layer strategies."""
+    per_layer = []
+    for pos, strategy in enumerate(stage.strategies):
+        dp, tp = stage.layer_degrees(pos)
+        index = stage.layers[pos]
+        replicas = layer_replicas(stage, pos, micro_batch_size)
+        states = held_params(kernel, stage, pos) * state_bytes_per_param(strategy.zero, dp,
+                                                                           kernel.workload.state_bytes)
+        act = float(kernel.activation_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
+        work = float(kernel.recompute_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
+        gathered = float(kernel.params_per_device(tp)[index]) * kernel.weight_bytes \
+            if strategy.zero >= 3 and dp > 1 else 0.0
+        per_layer.append((tp, replicas, states, act, work, gathered))
+    out = []
+    cache: dict[tuple[float, ...], int] = {}
+    for i, device in enumerate(stage.devices):
+        batches = tuple(replicas[i // tp][1] for tp, replicas, *_ in per_layer)
+        key = batches + (kernel.overhead_bytes(device),)
+        if key not in cache:
+            states = sum(x[2] for x in per_layer)
+            act = sum(x[3] * batch for x, batch in zip(per_layer, batches))
+            work = max(x[4] * batch for x, batch in zip(per_layer, batches))
+            gathered = max(x[5] for x in per_layer)
+            cache[key] = int(peak_memory_bytes(states, act, in_flight, work, gathered, kernel.overhead_bytes(device)))
+        out.append(cache[key])
+    return out
+

@@ -1,0 +1,290 @@
+"""Metis's stage costs, data load balancing and capacity-aware layer balancing.
+
+:class:`MetisCosts` answers, from the shared kernel, what Metis's search asks
+again and again: how long a stage takes for a range of layers on its device
+group with a given (dp, tp) and per-replica micro-batch split, whether every
+GPU of it holds those layers, and what its gradient all-reduce, optimizer
+step and pipeline transfers cost. A stage of Metis is a
+:class:`hetplan.cost.kernel.StageOption` without ZeRO or recomputation; its
+numbers are the kernel's ``StageCosts`` — the estimate's — from prefix sums,
+O(1) per range of layers. Memory is the kernel's: the analytic model, or
+Metis's profiled layer-composition memory (§4.3) when the workload carries a
+:class:`hetplan.profile.metis.MetisProfileDB` with memory measurements.
+
+:class:`StageHandle` is one group with one intra-stage plan, the object the
+search's inner loops use.
+
+:func:`data_balance` splits a stage's micro-batch over its dp replicas in
+proportion to their speed (Metis §4.1 data load balancing; each replica gets
+at least one sample and, when asked, no more than its memory holds), then
+evens out the slowest replica. :func:`proportional_bounds` cuts the layers so
+that each stage's share of the load follows its capacity (Metis §4.2.2,
+capacity-aware layer balancing); the planner then refines the cuts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from hetplan.cluster.catalog import GPUSpec
+from hetplan.cost.kernel import SegmentTables, StageCosts, StageOption
+from hetplan.cost.model import CostModel
+from hetplan.search.metis.groups import DeviceGroup
+
+
+@dataclass(frozen=True)
+class Intra:
+    """A stage's intra-stage plan: (dp, tp) and the per-replica micro-batch split."""
+
+    dp: int
+    tp: int
+    split: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One TP group of a stage: its devices, the GPU that sets its pace, and the
+    smallest capacity and largest overhead among its GPUs."""
+
+    devices: tuple[int, ...]
+    gpu: GPUSpec
+    capacity_bytes: int
+    overhead_bytes: int
+
+
+class MetisCosts:
+    """Cached stage-level costs for one workload (see the module docstring)."""
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cm = cost_model
+        self.kernel = cost_model.kernel
+        self.workload = cost_model.workload
+        self.model = cost_model.model
+        self.cluster = cost_model.cluster
+        self.num_layers = self.model.num_layers
+        self.metis_memory = self.kernel.memory_profile
+        self._time: dict[tuple[str, int, int], list[float]] = {}
+        self._replicas: dict[tuple[tuple[int, ...], int], list[Replica]] = {}
+        self._handles: dict[tuple[tuple[int, ...], Intra], StageHandle] = {}
+
+    def time_prefix(self, gpu: GPUSpec, tp: int, batch: int) -> list[float]:
+        """Prefix sums of forward + backward time per layer on one GPU."""
+        key = (gpu.name, tp, batch)
+        table = self._time.get(key)
+        if table is None:
+            t = self.kernel.layer_times(gpu, batch, tp)
+            table = self._time[key] = [0.0] + list((t.fwd_s + t.bwd_s).cumsum())
+        return table
+
+    def replicas(self, group: DeviceGroup, tp: int) -> list[Replica]:
+        key = (group.devices, tp)
+        reps = self._replicas.get(key)
+        if reps is None:
+            reps = []
+            for r in range(group.size // tp):
+                devs = group.devices[r * tp:(r + 1) * tp]
+                reps.append(Replica(devs, self.kernel.slowest_gpu(devs),
+                                    min(self.kernel.capacity_bytes(d) for d in devs),
+                                    max(self.kernel.overhead_bytes(d) for d in devs)))
+            self._replicas[key] = reps
+        return reps
+
+    def stage(self, group: DeviceGroup, intra: Intra) -> StageCosts:
+        """The kernel's costs of this stage (plain data parallel, no recomputation)."""
+        return self.kernel.stage(StageOption(group.devices, intra.dp, intra.tp, intra.split))
+
+    def stage_time(self, group: DeviceGroup, intra: Intra, a: int, b: int) -> float:
+        """Per-micro-batch time of the stage: its slowest replica."""
+        return self.stage(group, intra).per_micro_batch(a, b)
+
+    def handle(self, group: DeviceGroup, intra: Intra) -> StageHandle:
+        """The cached :class:`StageHandle` of ``group`` running ``intra``."""
+        key = (group.devices, intra)
+        h = self._handles.get(key)
+        if h is None:
+            h = self._handles[key] = StageHandle(len(self._handles), self, group, intra)
+        return h
+
+    def p2p_time(self, sender: DeviceGroup, receiver: DeviceGroup, last_layer: int, micro_batch: int) -> float:
+        """One-way activation transfer between consecutive stages."""
+        return self.kernel.p2p_time(sender.devices, receiver.devices, last_layer, micro_batch)
+
+    def p2p_time_bytes(self, sender: DeviceGroup, receiver: DeviceGroup, num_bytes: float) -> float:
+        return self.kernel.p2p_rate(sender.devices, receiver.devices) * num_bytes
+
+    def max_batch(self, group: DeviceGroup, tp: int, a: int, b: int, in_flight: float) -> list[int]:
+        """Largest per-replica batch that fits each replica's memory for layers [a, b)."""
+        dp = group.size // tp
+        costs = self.stage(group, Intra(dp, tp, (1,) * dp))
+        result = []
+        for rep in self.replicas(group, tp):
+            def fits(batch: int) -> bool:
+                return costs.peak_bytes(a, b, batch, in_flight, rep.overhead_bytes) <= rep.capacity_bytes
+
+            if not fits(1):
+                result.append(0)
+                continue
+            lo, hi = 1, 2
+            while fits(hi) and hi < (1 << 20):
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+            result.append(lo)
+        return result
+
+
+class StageHandle:
+    """One device group with one intra-stage plan: range queries over the kernel's stage costs."""
+
+    __slots__ = ("key", "group", "intra", "costs", "whole")
+
+    def __init__(self, key: int, metis: MetisCosts, group: DeviceGroup, intra: Intra) -> None:
+        self.key = key
+        self.group = group
+        self.intra = intra
+        self.costs = metis.stage(group, intra)
+        self.whole = self.time(0, metis.num_layers)
+
+    def time(self, a: int, b: int) -> float:
+        """Per-micro-batch time of layers [a, b): the slowest replica."""
+        return self.costs.per_micro_batch(a, b)
+
+    def time_bwd(self, a: int, b: int) -> tuple[float, float]:
+        """(time, backward time) of layers [a, b) on the slowest replica."""
+        t = self.costs.timing(a, b)
+        return t.per_micro_batch_s, t.back_s
+
+    def optimizer_time(self, a: int, b: int) -> float:
+        return self.costs.timing(a, b).optimizer_s
+
+    def sync(self, a: int, b: int) -> float:
+        """Gradient all-reduce time of layers [a, b) over the slowest dp group."""
+        return self.costs.timing(a, b).grad_sync_s
+
+    def fits(self, a: int, b: int, in_flight: float) -> bool:
+        """Every GPU of the stage holds layers [a, b) and its micro-batches."""
+        return self.costs.fits(a, b, in_flight)
+
+    def tables(self, in_flight: float) -> SegmentTables:
+        """Every range of layers at once (for the exact partition)."""
+        return self.costs.tables(in_flight)
+
+
+# --- data load balancing ---------------------------------------------------------------
+def even_split(micro_batch: int, dp: int) -> tuple[int, ...]:
+    """Equal shares (the first replicas take one more when it does not divide)."""
+    base, extra = divmod(micro_batch, dp)
+    return tuple(base + (1 if r < extra else 0) for r in range(dp))
+
+
+def data_balance(costs: MetisCosts, group: DeviceGroup, dp: int, tp: int, micro_batch: int,
+                 layers: tuple[int, int] | None = None, in_flight: float = 1.0,
+                 memory_bound: bool = False) -> tuple[int, ...] | None:
+    """Split ``micro_batch`` samples over the stage's dp replicas (Metis §4.1).
+
+    Shares are proportional to each replica's speed (its time per sample on
+    the stage's layers at the even share), every replica gets at least one
+    sample, then single samples move from the slowest replica to the one that
+    would finish first while that lowers the stage time. With
+    ``memory_bound`` no replica gets more samples than its GPUs hold; None
+    when the memory of the whole group cannot hold the micro-batch.
+    Replicas of one GPU type get equal shares (±1).
+    """
+    if micro_batch < dp:
+        return None
+    a, b = layers if layers is not None else (0, costs.num_layers)
+    reps = costs.replicas(group, tp)
+    caps = [micro_batch] * dp
+    if memory_bound:
+        caps = [min(micro_batch, c) for c in costs.max_batch(group, tp, a, b, in_flight)]
+        if min(caps) < 1 or sum(caps) < micro_batch:
+            return None
+    if len({rep.gpu.name for rep in reps}) == 1 and not memory_bound:
+        return even_split(micro_batch, dp)
+    share = max(1, micro_batch // dp)
+    speed = []
+    for rep in reps:
+        prefix = costs.time_prefix(rep.gpu, tp, share)
+        t = prefix[b] - prefix[a]
+        speed.append(share / t if t > 0 else 1.0)
+    total = sum(speed)
+    ideal = [micro_batch * s / total for s in speed]
+    split = [max(1, min(caps[r], int(ideal[r]))) for r in range(dp)]
+    # largest remainder first, within the memory caps
+    order = sorted(range(dp), key=lambda r: (-(ideal[r] - int(ideal[r])), r))
+    while sum(split) < micro_batch:
+        placed = False
+        for r in order:
+            if split[r] < caps[r]:
+                split[r] += 1
+                placed = True
+                if sum(split) == micro_batch:
+                    break
+        if not placed:
+            return None
+    while sum(split) > micro_batch:
+        r = max((r for r in range(dp) if split[r] > 1), key=lambda r: (split[r] - ideal[r], r))
+        split[r] -= 1
+    # even out the slowest replica
+    for _ in range(micro_batch):
+        times = [_replica_time(costs, reps[r], tp, split[r], a, b) for r in range(dp)]
+        slow = max(range(dp), key=lambda r: (times[r], -r))
+        if split[slow] <= 1:
+            break
+        best, best_time = None, times[slow]
+        for r in range(dp):
+            if r == slow or split[r] >= caps[r]:
+                continue
+            after = max(_replica_time(costs, reps[slow], tp, split[slow] - 1, a, b),
+                        _replica_time(costs, reps[r], tp, split[r] + 1, a, b))
+            if after < best_time - 1e-12:
+                best, best_time = r, after
+        if best is None:
+            break
+        split[slow] -= 1
+        split[best] += 1
+    return tuple(split)
+
+
+def _replica_time(costs: MetisCosts, rep: Replica, tp: int, batch: int, a: int, b: int) -> float:
+    prefix = costs.time_prefix(rep.gpu, tp, batch)
+    return prefix[b] - prefix[a]
+
+
+# --- capacity-aware layer balancing ------------------------------------------------------
+def proportional_bounds(weights_prefix: Sequence[float], fractions: Sequence[float]) -> list[int]:
+    """Cut points (S+1 of them, from 0 to L) so that stage j gets a share of the
+    total layer load close to ``fractions[j]``, every stage at least one layer."""
+    num_layers = len(weights_prefix) - 1
+    stages = len(fractions)
+    total = weights_prefix[-1] or 1.0
+    bounds = [0]
+    cumulative = 0.0
+    for j in range(stages - 1):
+        cumulative += fractions[j]
+        target = cumulative * total
+        lo = bounds[-1] + 1
+        hi = num_layers - (stages - 1 - j)
+        # closest prefix to the target within [lo, hi]
+        best = lo
+        best_gap = abs(weights_prefix[lo] - target)
+        left, right = lo, hi
+        while left <= right:  # binary search for the first prefix >= target
+            mid = (left + right) // 2
+            if weights_prefix[mid] < target:
+                left = mid + 1
+            else:
+                right = mid - 1
+        for cand in (left - 1, left):
+            if lo <= cand <= hi:
+                gap = abs(weights_prefix[cand] - target)
+                if gap < best_gap - 1e-15:
+                    best, best_gap = cand, gap
+        bounds.append(best)
+    bounds.append(num_layers)
+    return bounds

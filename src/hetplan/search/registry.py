@@ -1,0 +1,57 @@
+"""Every planner, by name — registered here explicitly, not discovered by import side effects."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hetplan.errors import HetplanError
+from hetplan.search.amp import AMPPlanner
+from hetplan.search.auto import AutoPlanner
+from hetplan.search.base import Planner
+from hetplan.search.baselines.fixed import BASELINES, BaselinePlanner
+from hetplan.search.baselines.hetero_avg import HeteroAvgPlanner
+from hetplan.search.baselines.megatron import MegatronPlanner
+from hetplan.search.baselines.random_search import DEFAULT_SAMPLES, RandomPlanner
+from hetplan.search.baselines.uniform import UniformPlanner
+from hetplan.search.exhaustive import ExhaustivePlanner
+from hetplan.search.galvatron import VARIANTS, GalvatronPlanner
+from hetplan.search.metis import MetisPlanner
+
+PlannerFactory = Callable[[], Planner]
+
+PLANNERS: dict[str, tuple[PlannerFactory, str]] = {
+    "auto": (AutoPlanner, "hetplan's own: the papers' planners' best plans, refined and searched exactly under "
+                          "the shared cost model (layer split x per-stage ZeRO/recompute), with a lower bound"),
+    "uniform": (UniformPlanner, "every uniform dp x tp x pp, micro-batch, ZeRO and recompute choice "
+                                "(even layer split)"),
+    "megatron": (MegatronPlanner, "Megatron-LM heuristics (AMP §4.1): smallest tp x pp that fits, TP in node, "
+                                  "then DP; layers split evenly by count or parameters"),
+    "amp": (AMPPlanner, "AMP (NeurIPS'22) Algorithm 1: degrees x micro-batch, Megatron placement, optimal "
+                        "layer assignment, ranked by AMP's own cost (ignores memory; OOM shown)"),
+    "random": (RandomPlanner, f"AMP's RS baseline: {DEFAULT_SAMPLES} uniformly random valid strategies (degrees, "
+                              "micro-batch, placement, layer split), best by the cost model"),
+    "exhaustive": (ExhaustivePlanner, "every plan of AMP's space (degrees, micro-batch, placements up to "
+                                      "symmetry, layer splits) ranked by the cost model; small instances only"),
+    "metis": (MetisPlanner, "Metis (ATC'24): device groups, pruned stage mapping, DP-first intra-stage search, "
+                            "capacity-aware layer and data balancing"),
+    "hetero-avg": (HeteroAvgPlanner, "AMP/Alpa homogeneous abstraction: uniform 3D plans chosen as if every GPU "
+                                     "were the cluster's average GPU (Metis §3 baseline)"),
+}
+for _name, (_config, _description) in VARIANTS.items():
+    PLANNERS[_name] = (lambda c=_config: GalvatronPlanner(c), _description)
+for _name, (_baseline, _description) in BASELINES.items():
+    PLANNERS[_name] = (lambda c=_baseline: BaselinePlanner(c), _description)
+
+
+def planner_names() -> list[str]:
+    return sorted(PLANNERS)
+
+
+def planner_descriptions() -> dict[str, str]:
+    return {name: PLANNERS[name][1] for name in planner_names()}
+
+
+def get_planner(name: str) -> Planner:
+    if name not in PLANNERS:
+        raise HetplanError(f"unknown planner {name!r}; choose one of {', '.join(planner_names())}")
+    return PLANNERS[name][0]()
