@@ -113,6 +113,11 @@ def test_auto_says_how_close_it_is_to_the_bound() -> None:
 
 def test_a_tiny_work_budget_is_reported() -> None:
     workload = _workload("gpt2-amp", "amp-heterogeneous", 32, 0)
-    best = AutoPlanner(max_solves=2).plan(workload, 1)[0]
+    full = AutoPlanner()
+    full.plan(workload, 1)
+    assert not full.stats.budget_hit and full.stats.solves > 1
+    planner = AutoPlanner(max_solves=1)
+    best = planner.plan(workload, 1)[0]
+    assert planner.stats.budget_hit and planner.stats.solves == 1
     assert best.estimate.fits
-    assert any("work budget of 2 exact layout solves" in n for n in best.plan.notes)
+    assert any("work budget of 1 exact layout solves" in n for n in best.plan.notes)

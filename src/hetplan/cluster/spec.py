@@ -175,9 +175,15 @@ class ClusterSpec:
         """Slowest link inside a group: what a flat ring all-reduce runs at (AMP eq. 3)."""
         if len(group) < 2:
             return float("inf")
-        return min(
-            self.bandwidth_bytes_per_s(a, b) for i, a in enumerate(group) for b in group[i + 1:]
-        )
+        if self.bandwidth_matrix_gbps is not None:
+            return min(self.bandwidth_bytes_per_s(a, b) for i, a in enumerate(group) for b in group[i + 1:])
+        # node model: the slowest of each node's fabric (where two of its GPUs
+        # are in the group) and, across nodes, the slowest NIC involved
+        by_node = self.nodes_of(group)
+        links = [self.nodes[n].intra_bandwidth_gbps for n, members in by_node.items() if len(members) > 1]
+        if len(by_node) > 1:
+            links.append(min(self.node_inter_gbps(n) for n in by_node))
+        return gbps_to_bytes_per_s(min(links))
 
     def nodes_of(self, group: Iterable[int]) -> dict[int, list[int]]:
         """The group's devices, by node."""

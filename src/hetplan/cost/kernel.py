@@ -169,14 +169,14 @@ class _Layout:
     time_classes: tuple[tuple[GPUSpec, int, float], ...]  # (slowest GPU, share, TP all-reduce s/byte)
     memory_classes: tuple[_MemoryClass, ...]
     device_class: np.ndarray  # memory class of each device of the stage, in device order
-    dp_rates: dict[str, float]  # per collective: s/byte on the slowest data-parallel group
+    dp_rate: Callable[[str], float]  # per collective: s/byte on the slowest data-parallel group
     optimizer_rate: float  # s/parameter of the optimizer step
 
 
 # Segment tables kept per kernel (each is a few (L+1)^2 matrices; searches ask
 # for the same stages again and again, but a 1,000-GPU search would not fit
 # them all in memory).
-RECENT_TABLES = 512
+RECENT_TABLES = 128
 
 T = TypeVar("T")
 
@@ -227,8 +227,13 @@ class CostKernel:
         self._arrays: dict[tuple[object, ...], np.ndarray] = {}
         self._stages: dict[StageOption, StageCosts] = {}
         self._layouts: dict[tuple[object, ...], _Layout] = {}
+        self._time_classes: dict[tuple[object, ...], _TimeClass] = {}
         self.recent_tables: _Recent[SegmentTables] = _Recent(RECENT_TABLES)
         self._supports: dict[int, np.ndarray] = {}
+        self._corrections: dict[int, list[tuple[int, int, float]]] = {}
+        self._params_prefix: dict[int, list[float]] = {}
+        self._capacity = [workload.device_capacity_bytes(d.id) for d in self.cluster.devices]
+        self._overhead = [framework_overhead_bytes(d.gpu.name == "CPU") for d in self.cluster.devices]
 
     # --- per-layer tables -------------------------------------------------------------
     def layer_times(self, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",
@@ -311,8 +316,12 @@ class CostKernel:
         dp = len(devices) // tp
         if dp < 2:
             return 0.0
-        return max(self.collective_rate(kind, tuple(devices[r * tp + t] for r in range(dp)), tp)
-                   for t in range(tp))
+        key = ("dp", kind, tuple(devices), tp)
+        found = self._rates.get(key)
+        if found is None:
+            found = self._rates[key] = max(
+                self.collective_rate(kind, tuple(devices[r * tp + t] for r in range(dp)), tp) for t in range(tp))
+        return found
 
     def p2p_rate(self, sender: Sequence[int], receiver: Sequence[int]) -> float:
         """Seconds per byte of one pipeline transfer between two device groups."""
@@ -334,10 +343,10 @@ class CostKernel:
         return OPTIMIZER_STEP_BYTES_PER_PARAM / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
 
     def capacity_bytes(self, device: int) -> int:
-        return self.workload.device_capacity_bytes(device)
+        return self._capacity[device]
 
     def overhead_bytes(self, device: int) -> int:
-        return framework_overhead_bytes(self.cluster.devices[device].gpu.name == "CPU")
+        return self._overhead[device]
 
     # --- stages -------------------------------------------------------------------------
     def stage(self, option: StageOption) -> StageCosts:
@@ -346,6 +355,23 @@ class CostKernel:
         if found is None:
             found = self._stages[option] = StageCosts(self, option)
         return found
+
+    def time_class(self, gpu: GPUSpec, share: int, tp: int, recompute: str, sequence_parallel: bool,
+                   tp_rate: float) -> _TimeClass:
+        """Prefix sums of forward, backward, recompute and TP-comm time of a
+        replica (its slowest GPU, its share of a micro-batch, its TP link), cached."""
+        key = (gpu.name, share, tp, recompute, sequence_parallel, tp_rate)
+        found = self._time_classes.get(key)
+        if found is None:
+            t = self.layer_times(gpu, share, tp, recompute, sequence_parallel)
+            tpc = self.tp_comm_bytes(recompute) * share * tp_rate if share > 0 else np.zeros(self.num_layers)
+            parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s, tpc)]
+            found = self._time_classes[key] = _TimeClass(*parts, total=parts[0] + parts[1] + parts[2] + parts[3])
+        return found
+
+    def activation_prefix(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
+        return self._cached(("actprefix", tp, recompute, sequence_parallel),
+                            lambda: _prefix(self.activation_bytes(tp, recompute, sequence_parallel)))
 
     def layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...]) -> _Layout:
         """The replica and memory classes and rates of a stage (cached)."""
@@ -369,15 +395,16 @@ class CostKernel:
         device_class = np.empty(len(devices), dtype=np.int64)
         for index, positions in enumerate(memory.values()):
             device_class[positions] = index
-        rates = {kind: self.dp_collective_rate(kind, devices, tp) for kind in COLLECTIVES}
-        return _Layout(tuple(times.values()), tuple(_MemoryClass(*key) for key in memory), device_class, rates,
-                       self.optimizer_rate(devices))
+        return _Layout(tuple(times.values()), tuple(_MemoryClass(*key) for key in memory), device_class,
+                       lambda kind: self.dp_collective_rate(kind, devices, tp), self.optimizer_rate(devices))
 
     def held_params(self, tp: int, a: int, b: int) -> float:
         """Parameters one device of a stage running layers [a, b) holds: a tied
         weight counted once when several layers of its group are on the stage."""
-        prefix = self._cached(("params_prefix", tp), lambda: _prefix(self.params_per_device(tp)))
-        total = float(prefix[b] - prefix[a])
+        prefix = self._params_prefix.get(tp)
+        if prefix is None:
+            prefix = self._params_prefix[tp] = _prefix(self.params_per_device(tp)).tolist()
+        total = prefix[b] - prefix[a]
         for index, previous, share in self._tied_corrections(tp):
             if a <= previous and index < b:
                 total -= share
@@ -397,9 +424,14 @@ class CostKernel:
         return self._cached(("held", tp), build)
 
     def _tied_corrections(self, tp: int) -> list[tuple[int, int, float]]:
-        share = self.tied_share(tp)
-        previous = self.arrays.tied_previous
-        return [(int(i), int(previous[i]), float(share[i])) for i in np.nonzero(previous >= 0)[0]]
+        """(layer, its nearest earlier tied layer, the tied share per device) of every tied copy."""
+        found = self._corrections.get(tp)
+        if found is None:
+            share = self.tied_share(tp)
+            previous = self.arrays.tied_previous
+            found = self._corrections[tp] = [(int(i), int(previous[i]), float(share[i]))
+                                             for i in np.nonzero(previous >= 0)[0]]
+        return found
 
     def range_max_matrix(self, values: np.ndarray, key: tuple[object, ...]) -> np.ndarray:
         """``[a, b]``: the largest of ``values[a:b]`` (0 where empty)."""
@@ -438,36 +470,30 @@ class StageCosts:
     # --- construction ---------------------------------------------------------------------
     def _build_time_classes(self) -> None:
         """One prefix-sum table per distinct (slowest GPU, share, TP link) of the replicas."""
-        k, o = self.kernel, self.option
-        tpc_bytes = k.tp_comm_bytes(o.recompute)
-        classes = []
-        for gpu, share, rate in self._layout.time_classes:
-            t = k.layer_times(gpu, share, o.tp, o.recompute, o.sequence_parallel)
-            tpc = tpc_bytes * share * rate if share > 0 else np.zeros(self.num_layers)
-            parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s, tpc)]
-            classes.append(_TimeClass(*parts, total=parts[0] + parts[1] + parts[2] + parts[3]))
-        self._classes = classes
+        o = self.option
+        self._classes = [self.kernel.time_class(gpu, share, o.tp, o.recompute, o.sequence_parallel, rate)
+                         for gpu, share, rate in self._layout.time_classes]
 
     def _build_comm(self) -> None:
         """Per-parameter rates of the data-parallel collectives and the optimizer."""
-        k, o, rates = self.kernel, self.option, self._layout.dp_rates
+        k, o, rate = self.kernel, self.option, self._layout.dp_rate
         sharded = o.dp > 1
         self._gather = self._scatter = self._sync = self._post = 0.0
         if sharded and o.zero >= 3:
-            self._gather = k.weight_bytes * rates["allgather"]
-            self._scatter = k.grad_bytes * rates["reduce_scatter"]
+            self._gather = k.weight_bytes * rate("allgather")
+            self._scatter = k.grad_bytes * rate("reduce_scatter")
         elif sharded and o.zero in (1, 2):
-            self._sync = k.grad_bytes * rates[zero12_gradient_collective(o.zero)]
-            self._post = k.weight_bytes * rates["allgather"]
+            self._sync = k.grad_bytes * rate(zero12_gradient_collective(o.zero))
+            self._post = k.weight_bytes * rate("allgather")
         elif sharded:
-            self._sync = k.grad_bytes * rates["allreduce"]
+            self._sync = k.grad_bytes * rate("allreduce")
         self._optimizer = self._layout.optimizer_rate / (o.dp if o.zero >= 1 else 1)
 
     def _build_memory(self) -> None:
         """Per-sample activation prefix sums and the per-layer maxima of the working sets."""
         k, o = self.kernel, self.option
         self._state_per_param = state_bytes_per_param(o.zero, o.dp, k.workload.state_bytes)
-        self._act = _prefix(k.activation_bytes(o.tp, o.recompute, o.sequence_parallel))
+        self._act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel)
         self._work = k.recompute_working_bytes(o.tp, o.recompute, o.sequence_parallel) if o.recompute == "full" \
             else None
         self._gathered = k.params_per_device(o.tp) * k.weight_bytes if o.zero >= 3 and o.dp > 1 else None
@@ -513,11 +539,40 @@ class StageCosts:
         measured = self._profiled_memory(a, b, batch, in_flight)
         if measured is not None:
             return measured + overhead
+        fixed, per_sample = self._memory_line(a, b, in_flight, overhead)
+        return fixed + per_sample * batch
+
+    def _memory_line(self, a: int, b: int, in_flight: float, overhead: float) -> tuple[float, float]:
+        """The analytic peak is linear in the replica's samples: (bytes at 0, bytes per sample)."""
         states = self.kernel.held_params(self.option.tp, a, b) * self._state_per_param
-        work = float(self._work[a:b].max()) * batch if self._work is not None else 0.0
+        work = float(self._work[a:b].max()) if self._work is not None else 0.0
         gathered = float(self._gathered[a:b].max()) if self._gathered is not None else 0.0
-        act = float(self._act[b] - self._act[a]) * batch
-        return float(peak_memory_bytes(states, act, in_flight, work, gathered, overhead))
+        act = float(self._act[b] - self._act[a])
+        fixed = float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead))
+        return fixed, float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0))
+
+    def max_batch(self, a: int, b: int, in_flight: float, overhead: float, capacity: float,
+                  limit: int = 1 << 20) -> int:
+        """The most samples per micro-batch a replica's GPU holds for layers [a, b) (0: none)."""
+        if self._profiled_memory(a, b, 1, in_flight) is None:
+            fixed, per_sample = self._memory_line(a, b, in_flight, overhead)
+            if fixed + per_sample > capacity:
+                return 0
+            if per_sample <= 0:
+                return limit
+            count = min(limit, int((capacity - fixed) // per_sample))
+            while count > 1 and fixed + per_sample * count > capacity:  # rounding of the division
+                count -= 1
+            while count < limit and fixed + per_sample * (count + 1) <= capacity:
+                count += 1
+            return count
+        lo, hi = 0, 1
+        while hi <= limit and self.peak_bytes(a, b, hi, in_flight, overhead) <= capacity:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.peak_bytes(a, b, mid, in_flight, overhead) <= capacity else (lo, mid)
+        return min(lo, limit)
 
     def _profiled_memory(self, a: int, b: int, batch: float, in_flight: float) -> float | None:
         """Metis's measured layer-composition memory, where the profile covers this stage."""

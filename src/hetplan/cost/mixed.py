@@ -136,25 +136,25 @@ def mixed_stage_memory(kernel: CostKernel, stage: Stage, micro_batch_size: int, 
     for pos, strategy in enumerate(stage.strategies):
         dp, tp = stage.layer_degrees(pos)
         index = stage.layers[pos]
-        replicas = layer_replicas(stage, pos, micro_batch_size)
         states = held_params(kernel, stage, pos) * state_bytes_per_param(strategy.zero, dp,
                                                                            kernel.workload.state_bytes)
         act = float(kernel.activation_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
         work = float(kernel.recompute_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
         gathered = float(kernel.params_per_device(tp)[index]) * kernel.weight_bytes \
             if strategy.zero >= 3 and dp > 1 else 0.0
-        per_layer.append((tp, replicas, states, act, work, gathered))
+        per_layer.append((tp, states, act, work, gathered))
+    states = sum(x[1] for x in per_layer)
+    gathered = max(x[4] for x in per_layer)
+    shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
+              for pos, (tp, *_) in enumerate(per_layer)}  # a replica's share of a micro-batch, per TP degree
     out = []
     cache: dict[tuple[float, ...], int] = {}
     for i, device in enumerate(stage.devices):
-        batches = tuple(replicas[i // tp][1] for tp, replicas, *_ in per_layer)
-        key = batches + (kernel.overhead_bytes(device),)
+        batch = {tp: replicas[i // tp] for tp, replicas in shares.items()}
+        key = tuple(batch[tp] for tp in sorted(batch)) + (kernel.overhead_bytes(device),)
         if key not in cache:
-            states = sum(x[2] for x in per_layer)
-            act = sum(x[3] * batch for x, batch in zip(per_layer, batches))
-            work = max(x[4] * batch for x, batch in zip(per_layer, batches))
-            gathered = max(x[5] for x in per_layer)
+            act = sum(a * batch[tp] for tp, _, a, _, _ in per_layer)
+            work = max(w * batch[tp] for tp, _, _, w, _ in per_layer)
             cache[key] = int(peak_memory_bytes(states, act, in_flight, work, gathered, kernel.overhead_bytes(device)))
         out.append(cache[key])
     return out
-

@@ -125,7 +125,7 @@ class CostModel:
             compute_s=compute,
             bubble_s=bubble,
             p2p_s=p2p_total,
-            dp_sync_s=step.sync_tail_s + zero3,
+            dp_sync_s=step.sync_tail_s + zero3 + step.post_step_s,
             tp_comm_s=tp_comm,
             recompute_s=recompute,
             optimizer_s=step.optimizer_s,

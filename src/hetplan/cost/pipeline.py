@@ -15,10 +15,12 @@ drain by ``v`` (Narayanan et al. 2021 §2.2.2) but crosses each link ``v`` times
 The iteration then waits for every stage's gradient synchronisation: stage
 ``j`` finishes its last backward pass earlier than stage 0 by the backward
 passes and links in front of it (Galvatron-BMW eq. 8), and its sync overlaps
-that last backward pass; ZeRO-1/2 stages all-gather their updated parameters
-after the step. The optimizer step follows on every stage at once (gradient
-clipping needs every stage's gradients: Megatron-LM's global norm), so the
-slowest stage's step counts.
+that last backward pass. Gradient clipping needs every stage's gradients
+(Megatron-LM's global norm), so the optimizer steps start together after the
+last sync; each stage then runs its step and, under ZeRO-1/2, all-gathers its
+updated parameters (ZeRO §5) — the slowest stage's step ends the iteration::
+
+    T = max(T_pipe, max_j (T_pipe − A_j + exposed_j)) + max_j (step_j + gather_j)
 """
 
 from __future__ import annotations
@@ -93,11 +95,12 @@ class StageTail:
 class IterationTime:
     pipeline_s: float
     finish_s: float  # pipeline plus the exposed gradient sync tail
-    optimizer_s: float
+    optimizer_s: float  # the optimizer step of the stage whose step (+ gather) ends last
+    post_step_s: float  # that stage's ZeRO-1/2 parameter all-gather
 
     @property
     def total_s(self) -> float:
-        return self.finish_s + self.optimizer_s
+        return self.finish_s + self.optimizer_s + self.post_step_s
 
     @property
     def sync_tail_s(self) -> float:
@@ -113,6 +116,12 @@ def iteration_time(stage_times: Sequence[float], p2p_times: Sequence[float], tai
     for j, tail in enumerate(tails):
         if j > 0:
             ahead += tails[j - 1].back_s + p2p_times[j - 1]
-        exposed = exposed_grad_sync(tail.sync_s, tail.back_s, overlap_grad_sync)
-        finish = max(finish, t_pipe - ahead + exposed + tail.post_step_s)
-    return IterationTime(t_pipe, finish, max(t.optimizer_s for t in tails))
+        finish = max(finish, t_pipe - ahead + exposed_grad_sync(tail.sync_s, tail.back_s, overlap_grad_sync))
+    last = max(tails, key=step_after_sync)
+    return IterationTime(t_pipe, finish, last.optimizer_s, last.post_step_s)
+
+
+def step_after_sync(tail: StageTail) -> float:
+    """What a stage does after the global gradient sync: its optimizer step and
+    (ZeRO-1/2) the all-gather of its updated parameters."""
+    return tail.optimizer_s + tail.post_step_s

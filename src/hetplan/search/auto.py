@@ -35,7 +35,9 @@ from typing import Iterable
 
 import numpy as np
 
+from hetplan.cost.constants import P2P_PASSES
 from hetplan.cost.kernel import StageOption
+from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
@@ -44,10 +46,18 @@ from hetplan.progress import Progress
 from hetplan.search.base import cost_model_for, no_fit_error
 from hetplan.search.common.budget import WorkBudget
 from hetplan.search.common.degrees import divisors, enumerate_degrees, micro_batch_sizes
+from hetplan.search.common.partition import PartitionProblem
 from hetplan.search.common.placement import canonical_placements, count_canonical_placements, heuristic_placement
 from hetplan.search.common.stage_partition import PipelinePartitioner, PipelineSolution
 
-SOURCE_PLANNERS = ("uniform", "megatron", "amp", "metis", "galvatron-bmw")
+# Planners whose plans auto's own space does not contain: always run, their plans seed the pool.
+SOURCE_PLANNERS = ("metis", "galvatron-bmw")
+# Planners whose whole space auto's exact solve of AMP's layouts contains (uniform
+# plans, Megatron's, AMP's: heuristic placement, one (dp, tp), zero 0-3 without
+# sequence parallelism, which never costs less): run only when that containment
+# is not proven — the layout search was cut by its budget or a solve could not
+# certify its optimum.
+CONTAINED_PLANNERS = ("uniform", "megatron", "amp")
 SEEDS_PER_PLANNER = 3
 MAX_PLACEMENTS = 24  # placements up to symmetry per (pp, dp, tp) beyond the Megatron one
 MAX_SOLVES = 300  # exact layout solves per search (work budget)
@@ -55,6 +65,7 @@ ZERO_OPTIONS = (0, 2, 3)  # ZeRO-1 never beats ZeRO-2 in the cost model
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
 
 StageShape = tuple[tuple[int, ...], int, int, tuple[int, ...]]  # devices, dp, tp, split
+GRID = "amp-space"  # the source of the layouts of AMP's space
 
 
 @dataclass(frozen=True)
@@ -80,18 +91,33 @@ class Layout:
         return out
 
 
+@dataclass
+class AutoStats:
+    """What the last search did."""
+
+    layouts: int = 0  # layouts considered
+    solves: int = 0  # exact layout solves
+    certified: int = 0  # solves that are the layout's proven optimum
+    budget_hit: bool = False
+    grid_uncertified: bool = False  # a layout of AMP's space was solved without a certificate
+    ran_contained: bool = False  # uniform/megatron/amp had to run as seeds
+
+
 class AutoPlanner:
     """hetplan's own planner (see the module docstring)."""
 
     name = "auto"
 
     def __init__(self, sources: tuple[str, ...] = SOURCE_PLANNERS, max_solves: int = MAX_SOLVES,
-                 max_placements: int = MAX_PLACEMENTS) -> None:
+                 max_placements: int = MAX_PLACEMENTS, contained: tuple[str, ...] = CONTAINED_PLANNERS) -> None:
         self.sources = sources
+        self.contained = contained
         self.max_solves = max_solves
         self.max_placements = max_placements
+        self.stats = AutoStats()
 
     def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
+        self.stats = AutoStats()
         return _AutoSearch(self, workload, cost_model_for(workload, cost)).run(top_k)
 
 
@@ -110,19 +136,22 @@ class _AutoSearch:
 
     # --- the steps -------------------------------------------------------------------------
     def run(self, top_k: int) -> list[RankedPlan]:
-        with Progress("auto planner", total=len(self.planner.sources) + 1) as progress:
-            seeds = self.seed(progress)
+        stats = self.planner.stats
+        with Progress("auto planner", total=len(self.planner.sources) + 2) as progress:
+            seeds = self.seed(progress, self.planner.sources)
             progress.advance(note="exact layouts")
-            layouts = self.layouts(seeds)
-            self.solve_all(layouts)
+            self.solve_all(self.layouts(seeds))
+            if stats.budget_hit or stats.grid_uncertified:
+                stats.ran_contained = True
+                self.seed(progress, self.planner.contained)
         return self.ranked(top_k)
 
-    def seed(self, progress: Progress) -> list[Plan]:
-        """Every source planner's best plans, in the pool and as layouts."""
+    def seed(self, progress: Progress, names: Iterable[str]) -> list[Plan]:
+        """The named planners' best plans, in the pool and returned as layouts."""
         from hetplan.search.registry import get_planner
 
         plans = []
-        for name in self.planner.sources:
+        for name in names:
             progress.advance(note=name)
             try:
                 ranked = get_planner(name).plan(self.workload, SEEDS_PER_PLANNER, self.cost)
@@ -135,9 +164,9 @@ class _AutoSearch:
         return plans
 
     def layouts(self, seeds: list[Plan]) -> list[Layout]:
-        """The seeds' layouts, with every micro-batching their splits allow, and AMP's space."""
+        """AMP's space, and the seeds' layouts with every micro-batching their splits allow."""
         found: dict[tuple[object, ...], Layout] = {}
-        for layout in list(self._seed_layouts(seeds)) + list(self._grid_layouts()):
+        for layout in list(self._grid_layouts()) + list(self._seed_layouts(seeds)):
             found.setdefault(layout.key, layout)
         return list(found.values())
 
@@ -168,30 +197,82 @@ class _AutoSearch:
                 mbs = dp * u
                 for placement in placements:
                     stages = tuple((devices, dp, tp, (u,) * dp) for devices in placement)
-                    yield Layout(stages, mbs, gbs // mbs, "amp-space")
+                    yield Layout(stages, mbs, gbs // mbs, GRID)
 
     def solve_all(self, layouts: list[Layout]) -> None:
         """Solve layouts cheapest bound first; stop when no bound can beat the best plan."""
-        bounded = sorted(((self.layout_bound(layout), i, layout) for i, layout in enumerate(layouts)),
+        stats = self.planner.stats
+        stats.layouts = len(layouts)
+        bounded = sorted(((self.quick_bound(layout), i, layout) for i, layout in enumerate(layouts)),
                          key=lambda item: item[:2])
         for bound, _, layout in bounded:
             if bound >= self.best_s * (1 - 1e-12):
                 break
+            if self.pipeline_bound(layout) >= self.best_s * (1 - 1e-12):
+                continue
             if not self.budget.spend():
+                stats.budget_hit = True
                 break
-            solution = PipelinePartitioner(self.cost.kernel, layout.micro_batch_size,
-                                           layout.num_micro_batches).solve(layout.options())
+            stats.solves += 1
+            partitioner = PipelinePartitioner(self.cost.kernel, layout.micro_batch_size, layout.num_micro_batches)
+            solution = partitioner.solve(self.useful_options(layout), self.best_s)
             if solution is not None:
+                stats.certified += solution.certified
+                stats.grid_uncertified |= layout.source == GRID and not solution.certified
                 self.add(self.to_plan(layout, solution))
 
-    def layout_bound(self, layout: Layout) -> float:
-        """No plan of the layout is faster: ``m`` micro-batches through the
-        slowest stage, each stage at least the sum of its layers' times on its
-        slowest replica (``StageCosts.layer_totals``) with its fastest option."""
-        totals = np.stack([self.cost.kernel.stage(options[0]).layer_totals() for options in layout.options()])
-        cheapest = totals.min(axis=0)
+    def _layer_floor(self, layout: Layout) -> np.ndarray:
+        """(stages, layers): a time per layer and stage that no option undercuts —
+        the fastest option's slowest replica (``StageCosts.layer_totals``)."""
+        return np.stack([self.cost.kernel.stage(options[0]).layer_totals() for options in layout.options()])
+
+    def quick_bound(self, layout: Layout) -> float:
+        """No plan of the layout is faster: ``m`` micro-batches through its
+        slowest stage, which runs at least its share of the layers' floors."""
+        cheapest = self._layer_floor(layout).min(axis=0)
         per_stage = max(float(cheapest.sum()) / len(layout.stages), float(cheapest.max()))
         return layout.num_micro_batches * per_stage
+
+    def pipeline_bound(self, layout: Layout) -> float:
+        """A tighter bound, for every split with every stage at its layers'
+        floors and no memory limit: ``(m − 1)`` times the smallest possible
+        bottleneck plus the smallest possible sum of stage and link times."""
+        floors = self._layer_floor(layout)
+        k, n = floors.shape
+        if k > n:
+            return math.inf
+        kernel = self.cost.kernel
+        links = None
+        if k > 1:
+            rates = [kernel.p2p_rate(a[0], b[0]) for a, b in zip(layout.stages, layout.stages[1:])]
+            links = P2P_PASSES * np.outer(rates, kernel.arrays.output_bytes[:n - 1]) * layout.micro_batch_size
+        problem = PartitionProblem(floors, layout.num_micro_batches, links)
+        least_sum = problem._min_sum(math.inf)
+        if least_sum is None:
+            return math.inf
+        sum_part = problem.evaluate(*least_sum)
+        return (layout.num_micro_batches - 1) * problem.min_bottleneck() + sum_part.cost_s \
+            - (layout.num_micro_batches - 1) * sum_part.max_stage_s
+
+    def useful_options(self, layout: Layout) -> list[list[StageOption]]:
+        """The layout's options less those that cannot help: recomputation only
+        saves memory, so where running without it fits every layer range of the
+        stage's window it is dropped for that ZeRO stage (slower, nothing saved)."""
+        options = layout.options()
+        k, n = len(options), self.cost.kernel.num_layers
+        span = n - k + 1
+        out = []
+        for j, stage_options in enumerate(options):
+            in_flight = in_flight_micro_batches("1f1b", j, k, layout.num_micro_batches)
+            roomy = {o.zero for o in stage_options if o.recompute == "none" and self._fits_everywhere(o, in_flight,
+                                                                                                   (j, span))}
+            out.append([o for o in stage_options if o.recompute == "none" or o.zero not in roomy])
+        return out
+
+    def _fits_everywhere(self, option: StageOption, in_flight: float, window: tuple[int, int]) -> bool:
+        tables = self.cost.kernel.stage(option).tables(in_flight, window)
+        valid = np.triu(np.ones(tables.fits.shape, dtype=bool))
+        return bool(tables.fits[valid].all())
 
     # --- the pool ---------------------------------------------------------------------------
     def to_plan(self, layout: Layout, solution: PipelineSolution) -> Plan:

@@ -45,6 +45,10 @@ def rank_key(ranked: RankedPlan) -> tuple[int, float, str]:
     return (0 if ranked.estimate.fits else 1, ranked.estimate.iteration_time_s, ranked.plan.describe())
 
 
+# When nothing fits, the error names the closest miss among this many of the fastest plans.
+NO_FIT_CANDIDATES = 32
+
+
 def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
                require_fit: bool = True) -> list[RankedPlan]:
     """Cost every plan with the shared cost model and keep the best ``top_k``.
@@ -65,7 +69,8 @@ def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
             progress.advance()
     scored.sort(key=lambda item: item[0])
     if require_fit and scored[0][0][0]:
-        raise no_fit_error(cost_model.workload, [RankedPlan(p, cost_model.estimate(p)) for _, p in scored])
+        closest = [RankedPlan(p, cost_model.estimate(p)) for _, p in scored[:NO_FIT_CANDIDATES]]
+        raise no_fit_error(cost_model.workload, closest)
     return [RankedPlan(p, cost_model.estimate(p)) for _, p in scored[:top_k]]
 
 

@@ -26,6 +26,8 @@ recomputation, 1F1B, as in AMP's experiments.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
@@ -45,9 +47,14 @@ def layer_split(workload: Workload, pp: int, rule: str) -> list[range]:
     if rule == "layers":
         return block_split(workload.model, pp)
     if rule == "parameters":
-        bounds = balanced_partition([float(layer.params) for layer in workload.model.layers], pp)
-        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+        return _parameter_split(tuple(float(layer.params) for layer in workload.model.layers), pp)
     raise HetplanError(f"unknown layer split rule {rule!r}; use one of {', '.join(SPLIT_RULES)}")
+
+
+@lru_cache(maxsize=64)
+def _parameter_split(params: tuple[float, ...], pp: int) -> list[range]:
+    bounds = balanced_partition(params, pp)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def megatron_degrees(workload: Workload) -> list[tuple[int, int]]:

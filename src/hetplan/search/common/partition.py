@@ -178,19 +178,17 @@ class PartitionProblem:
         times = _as_stage_matrix(times, k, num_layers, "stage_layer_times")
         if np.any(times < 0):
             raise HetplanError("layer times must be >= 0")
+        if k > num_layers:
+            raise HetplanError(f"cannot split {num_layers} layers into {k} stages: every stage needs at least one layer")
         fits = None
         if stage_layer_memory is not None or stage_memory_capacity is not None:
             if stage_layer_memory is None or stage_memory_capacity is None:
                 raise HetplanError("give both stage_layer_memory and stage_memory_capacity, or neither")
             mem = _as_stage_matrix(stage_layer_memory, k, num_layers, "stage_layer_memory")
             cap = np.broadcast_to(np.asarray(stage_memory_capacity, dtype=float), (k,))
-            mem_prefix = np.concatenate([np.zeros((k, 1)), np.cumsum(mem, axis=1)], axis=1)
-            seg_mem = mem_prefix[:, None, :] - mem_prefix[:, :, None]  # [j, a, b] = bytes of [a, b)
-            fits = (seg_mem <= cap[:, None, None] * (1.0 + 1e-12))[:, None]
-        prefix = np.concatenate([np.zeros((k, 1)), np.cumsum(times, axis=1)], axis=1)
-        segments = np.maximum(prefix[:, None, :] - prefix[:, :, None], 0.0)[:, None]  # rounding of differences
-        self._init(*(_windows(x) if x is not None else None for x in (segments, fits, None)),
-                   num_micro_batches, boundary_times, num_layers)
+            fits = (_window_sums(mem) <= cap[:, None, None] * (1.0 + 1e-12))[:, None]
+        segments = np.maximum(_window_sums(times), 0.0)[:, None]  # rounding of prefix differences
+        self._init(segments, fits, None, num_micro_batches, boundary_times, num_layers)
 
     @classmethod
     def from_segments(
@@ -259,15 +257,14 @@ class PartitionProblem:
         self.has_memory_limit = fits is not None
         self.has_options_or_extra = q > 1 or extra is not None
         upper = np.triu(np.ones((span, span), dtype=bool))[None, None]
-        valid = np.broadcast_to(upper & fits if fits is not None else upper, times.shape)
-        if np.any(times[valid] < 0) or np.any(np.isnan(times[valid])):
-            raise HetplanError("stage times must be >= 0")
-        #: ``[j, o, x, y]``: option o of stage j on layers [j + x, j + 1 + y); +inf where not allowed.
-        self.option_times = np.where(valid, times, INF)
-        #: the same, plus the sum-only extra: what the stage adds to Σ.
-        self.option_sums = self.option_times if extra is None else np.where(valid, times + extra, INF)
         #: the time, also where memory forbids it (for reports).
         self._raw = np.where(upper, times, INF)
+        if np.any(self._raw < 0) or np.isnan(self._raw).any():
+            raise HetplanError("stage times must be >= 0")
+        #: ``[j, o, x, y]``: option o of stage j on layers [j + x, j + 1 + y); +inf where not allowed.
+        self.option_times = np.where(fits, self._raw, INF) if fits is not None else self._raw
+        #: the same, plus the sum-only extra: what the stage adds to Σ.
+        self.option_sums = self.option_times if extra is None else self.option_times + extra
         #: ``[j, x, y]``: the fastest allowed option's time (the only one when q = 1).
         self.window_times = self.option_times[:, 0] if q == 1 else self.option_times.min(axis=1)
         self.cut_times = _cuts(boundary_times, k, n)
@@ -341,10 +338,8 @@ class PartitionProblem:
         best = np.full(span, INF)  # best[x]: cost of stages < j covering layers [0, j + x)
         best[0] = 0.0
         args = np.empty((k, span), dtype=np.int64)
-        choice = []
         for j in range(k):
-            seg, option = self._segment_sums(j, bound)
-            choice.append(option)
+            seg = self._segment_sums(j, bound)
             start = best if j == 0 else best + self.cut_times[j - 1, j:j + span]
             total = start[:, None] + seg
             arg = total.argmin(axis=0)
@@ -358,20 +353,25 @@ class PartitionProblem:
         for j in range(k - 1, -1, -1):
             end = x
             x = int(args[j, x])
-            options.append(int(choice[j][x, end]) if choice[j] is not None else 0)
+            options.append(self._best_option(j, x, end, bound))
             bounds.append(j + x)
         return tuple(reversed(bounds)), tuple(reversed(options))
 
-    def _segment_sums(self, j: int, bound: float) -> tuple[np.ndarray, np.ndarray | None]:
-        """Stage j's sum per (start, end) window under the bound, and the option
-        that achieves it (None without options)."""
+    def _segment_sums(self, j: int, bound: float) -> np.ndarray:
+        """Stage j's least sum per (start, end) window over the options whose time is below the bound."""
         sums = self.option_sums[j]
         if bound != INF:
             sums = np.where(self.option_times[j] < bound, sums, INF)
+        return sums[0] if self.num_options == 1 else sums.min(axis=0)
+
+    def _best_option(self, j: int, x: int, y: int, bound: float) -> int:
+        """The option that achieves ``_segment_sums`` at one window cell (the first on ties)."""
         if self.num_options == 1:
-            return sums[0], None
-        option = sums.argmin(axis=0)
-        return np.take_along_axis(sums, option[None], axis=0)[0], option
+            return 0
+        sums = self.option_sums[j, :, x, y]
+        if bound != INF:
+            sums = np.where(self.option_times[j, :, x, y] < bound, sums, INF)
+        return int(sums.argmin())
 
     def min_bottleneck(self) -> float:
         """The smallest achievable max_j t_j over all splits that fit (inf: none)."""
@@ -381,6 +381,15 @@ class PartitionProblem:
         for j in range(self.num_stages):
             best = np.maximum(best[:, None], self.window_times[j]).min(axis=0)
         return float(best[span - 1])
+
+
+def _window_sums(per_layer: np.ndarray) -> np.ndarray:
+    """(k, L) per-layer values → each stage's window of segment sums (k, span, span)."""
+    k, n = per_layer.shape
+    span = n - k + 1
+    prefix = np.concatenate([np.zeros((k, 1)), np.cumsum(per_layer, axis=1)], axis=1)
+    rows = np.arange(span)
+    return np.stack([prefix[j, j + 1 + rows][None, :] - prefix[j, j + rows][:, None] for j in range(k)])
 
 
 def _windows(full: np.ndarray) -> np.ndarray:

@@ -9,14 +9,14 @@ minimise :meth:`hetplan.cost.CostModel.estimate`'s iteration time::
 
 ``P`` is the pipeline time ``(m − 1)·max t_j + Σ t_j + Σ e_j`` (stage time
 per micro-batch ``t_j``, the two transfers of each boundary ``e_j``); ``x_j``
-is stage j's exposed gradient sync plus its post-step all-gather, ``A_j`` the
-backward passes and links in front of it; ``o_j`` its optimizer step
-(``cost/pipeline.py``). Every number comes from the kernel's segment tables
-(``StageCosts.tables``), the same ones ``estimate`` reads.
+is stage j's exposed gradient sync, ``A_j`` the backward passes and links in
+front of it; ``o_j`` its optimizer step plus (ZeRO-1/2) the all-gather of its
+updated parameters (``cost/pipeline.py``). Every number comes from the
+kernel's segment tables (``StageCosts.tables``), the same ones ``estimate`` reads.
 
 The method. ``A_0 = 0``, so ``F >= F' = P + x_0 + max_j o_j``, and ``x_0``
 depends on stage 0's segment alone: it is an extra cost of stage 0 in the
-min-sum DP of ``fast_partition``. The optimizer term is handled by a second
+min-sum DP of ``fast_partition``. The step term is handled by a second
 staircase: for a bound ``Ō`` only segments with ``o < Ō`` are allowed; the
 best split under it has some ``O₁ < Ō``, and nothing with ``O`` in
 ``[O₁, Ō)`` can beat it, so the next bound is ``O₁`` — until the constrained
@@ -25,14 +25,17 @@ pipeline optimum plus the smallest achievable ``max o`` cannot beat the best
 equals its ``F'`` (stage 0's tail is the longest, as it almost always is: the
 other stages finish their backward pass earlier) it is the exact optimum of
 ``F`` — *certified*; otherwise its ``F`` is within ``F − min F'`` of the
-optimum, and small instances are settled by enumerating every split.
+optimum, and small instances are settled by enumerating every split. Larger
+ones are re-solved with every stage's tail, estimated from the previous
+answer, as an extra cost (a repair: only a faster ``F`` is kept; the reported
+bound stays ``min F'``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import comb
 from typing import Sequence
 
@@ -48,6 +51,8 @@ from hetplan.search.common.partition import PartitionProblem, fast_partition
 INF = math.inf
 # Splits × option choices enumerated when the staircase cannot certify its answer.
 BRUTE_FORCE_LIMIT = 20_000
+# Re-solves with later stages' sync tails as costs when the answer is not certified.
+TAIL_REPAIRS = 1
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,9 @@ class PipelineSolution:
 @dataclass(frozen=True)
 class _Tables:
     """Every stage's options as (k, q, span, span) windows (``PartitionProblem``'s
-    layout: ``[j, o, x, y]`` is layers ``[j + x, j + 1 + y)``), and the links."""
+    layout: ``[j, o, x, y]`` is layers ``[j + x, j + 1 + y)``), and the links.
+    ``pick`` (merged tables only): which member option of its family option
+    ``o`` a cell runs; ``families``: the member options of each family."""
 
     options: tuple[tuple[StageOption, ...], ...]
     per_mb: np.ndarray
@@ -81,6 +88,8 @@ class _Tables:
     fits: np.ndarray
     p2p: np.ndarray  # (k-1, L+1): one-way transfer when the cut is at position c
     extra: np.ndarray  # stage 0's tail x_0, zero elsewhere
+    families: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    pick: np.ndarray | None = None
 
 
 class PipelinePartitioner:
@@ -110,14 +119,46 @@ class PipelinePartitioner:
                 t: SegmentTables = self.kernel.stage(option).tables(in_flight, (j, span))
                 per_mb[j, o], back[j, o], sync[j, o] = t.per_micro_batch_s, t.back_s, t.grad_sync_s
                 post[j, o], opt[j, o], fits[j, o] = t.post_step_s, t.optimizer_s, t.fits
-        extra = np.zeros(shape)
-        extra[0] = exposed_grad_sync(sync[0], back[0], self.overlap) + post[0]
         p2p = np.zeros((max(k - 1, 0), n + 1))
         output = self.kernel.arrays.output_bytes
         for j in range(k - 1):
             rate = self.kernel.p2p_rate(options[j][0].devices, options[j + 1][0].devices)
             p2p[j, 1:n] = rate * output[:n - 1] * self.micro_batch_size
-        return _Tables(tuple(tuple(o) for o in options), per_mb, back, sync, post, opt, fits, p2p, extra)
+        return _Tables(tuple(tuple(o) for o in options), per_mb, back, sync, post, opt, fits, p2p,
+                       self._stage0_tail(sync, back, post))
+
+    def _stage0_tail(self, sync: np.ndarray, back: np.ndarray, post: np.ndarray) -> np.ndarray:
+        """The sum-only extra: stage 0's exposed gradient sync."""
+        extra = np.zeros(sync.shape)
+        extra[0] = exposed_grad_sync(sync[0], back[0], self.overlap)
+        return extra
+
+    def merged(self, tables: _Tables) -> _Tables:
+        """Options that differ only in recomputation merged into one *family* per
+        stage, running at each layer range the fastest member that fits: members
+        of a family share their ZeRO traffic and optimizer step, and a member
+        that recomputes more is slower (stage 0's exposed sync shrinks by at
+        most 0.7 of the added backward time), so the family is at least as good
+        as each member at every range for the objective the staircase minimises."""
+        families = tuple(_families(stage) for stage in tables.options)
+        k, span = tables.per_mb.shape[0], tables.per_mb.shape[2]
+        q = max(len(f) for f in families)
+        shape = (k, q, span, span)
+        per_mb, fits = np.full(shape, INF), np.zeros(shape, dtype=bool)
+        back, sync, post, opt = (np.zeros(shape) for _ in range(4))
+        pick = np.zeros(shape, dtype=np.int64)
+        for j, stage_families in enumerate(families):
+            for f, members in enumerate(stage_families):
+                rows = list(members)
+                allowed = np.where(tables.fits[j, rows], tables.per_mb[j, rows], INF)
+                best = allowed.argmin(axis=0)[None]
+                pick[j, f] = np.asarray(rows)[best[0]]
+                for target, source in ((per_mb, tables.per_mb), (back, tables.back), (sync, tables.sync),
+                                       (post, tables.post), (opt, tables.optimizer)):
+                    target[j, f] = np.take_along_axis(source[j, rows], best, axis=0)[0]
+                fits[j, f] = tables.fits[j, rows].any(axis=0)
+        return _Tables(tables.options, per_mb, back, sync, post, opt, fits, tables.p2p,
+                       self._stage0_tail(sync, back, post), families, pick)
 
     # --- the true objective ---------------------------------------------------------------------
     def iteration_s(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> float:
@@ -131,40 +172,71 @@ class PipelinePartitioner:
         return iteration_time(times, p2p, tails, self.num_micro_batches, self.overlap).total_s
 
     # --- solving --------------------------------------------------------------------------------
-    def solve(self, options: Sequence[Sequence[StageOption]]) -> PipelineSolution | None:
-        """The best split and options of one layout (None: nothing fits)."""
+    def solve(self, options: Sequence[Sequence[StageOption]], incumbent: float = INF) -> PipelineSolution | None:
+        """The best split and options of one layout (None: nothing fits, or
+        nothing of the layout can be faster than ``incumbent``)."""
         if len(options) > self.kernel.num_layers:
             return None
-        tables = self.tables(options)
-        found = self._staircase(tables)
+        members = self.tables(options)
+        tables = self.merged(members)
+        found = self._staircase(tables, incumbent)
         if found is None:
             return None
         (bounds, choice), true_f, lower = found
-        certified = true_f <= lower * (1 + 1e-12)
-        if not certified and self._enumerable(tables):
-            bounds, choice, true_f = self._brute_force(tables)
-            lower, certified = true_f, True
-        return PipelineSolution(self._stages(tables, bounds, choice), true_f, lower, certified)
+        if true_f <= lower * (1 + 1e-12):
+            return PipelineSolution(self._stages(tables, bounds, choice), true_f, lower, True)
+        if self._enumerable(members):
+            bounds, choice, true_f = self._brute_force(members)
+            return PipelineSolution(self._stages(members, bounds, choice), true_f, true_f, True)
+        for _ in range(TAIL_REPAIRS if lower < incumbent else 0):
+            repaired = self._staircase(self._with_tails(tables, bounds, choice), incumbent)
+            if repaired is None:
+                break
+            (b, c), _, _ = repaired
+            f = self.iteration_s(tables, b, c)
+            if f >= true_f * (1 - 1e-12):
+                break
+            bounds, choice, true_f = b, c, f
+        return PipelineSolution(self._stages(tables, bounds, choice), true_f, lower, False)
 
-    def _staircase(self, tables: _Tables) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], float, float] | None:
+    def _with_tails(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> _Tables:
+        """The tables with every later stage's sync tail as an extra cost, taking
+        the backward passes in front of it from a previous solution (a heuristic
+        repair when stage 0's tail is not the longest; ``F`` decides)."""
+        extra = tables.extra.copy()
+        ahead = 0.0
+        for j in range(1, len(choice)):
+            cell = (j - 1, choice[j - 1], bounds[j - 1] - (j - 1), bounds[j] - j)
+            ahead += float(tables.back[cell]) + float(tables.p2p[j - 1, bounds[j]])
+            exposed = exposed_grad_sync(tables.sync[j], tables.back[j], self.overlap)
+            extra[j] = np.maximum(exposed - ahead, 0.0)
+        return replace(tables, extra=extra)
+
+    def _staircase(self, tables: _Tables, incumbent: float = INF) \
+            -> tuple[tuple[tuple[int, ...], tuple[int, ...]], float, float] | None:
         """Exact ``min F'`` (module docstring), with the true ``F`` of the best
-        split visited; returns ((bounds, options), F, min F')."""
+        split visited; returns ((bounds, options), F, min F'). Stops early (and
+        may return None) once nothing left can beat ``incumbent``."""
         m = self.num_micro_batches
         cuts = P2P_PASSES * tables.p2p[:, 1:-1] if len(tables.p2p) else None
-        floor = PartitionProblem.from_windows(tables.optimizer, 1, None, tables.fits).min_bottleneck()
+        step = tables.optimizer + tables.post  # what each stage does after the global sync
+        floor = PartitionProblem.from_windows(step, 1, None, tables.fits).min_bottleneck()
         if not math.isfinite(floor):
             return None
         best_f_prime, best_true, best = INF, INF, None
         bound = INF
         while True:
-            allowed = tables.fits & (tables.optimizer < bound) if math.isfinite(bound) else tables.fits
+            allowed = tables.fits & (step < bound) if math.isfinite(bound) else tables.fits
             problem = PartitionProblem.from_windows(tables.per_mb, m, cuts, allowed, tables.extra)
             part = fast_partition(problem)
             if part is None or part.cost_s + floor >= best_f_prime:
                 break
+            if part.cost_s + floor >= incumbent:  # what is left cannot beat the incumbent
+                best_f_prime = min(best_f_prime, incumbent)
+                break
             cells = [(j, o, a - j, b - j - 1) for j, (o, a, b) in enumerate(zip(part.options, part.boundaries,
                                                                                part.boundaries[1:]))]
-            largest_step = max(float(tables.optimizer[c]) for c in cells)
+            largest_step = max(float(step[c]) for c in cells)
             best_f_prime = min(best_f_prime, part.cost_s + largest_step)
             true_f = self.iteration_s(tables, part.boundaries, part.options)
             if true_f < best_true:
@@ -196,4 +268,18 @@ class PipelinePartitioner:
 
     @staticmethod
     def _stages(tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> tuple[Stage, ...]:
-        return tuple(tables.options[j][o].stage(range(bounds[j], bounds[j + 1])) for j, o in enumerate(choice))
+        """The plan's stages; for merged tables, each stage runs its family's picked member."""
+        stages = []
+        for j, o in enumerate(choice):
+            a, b = bounds[j], bounds[j + 1]
+            member = o if tables.pick is None else int(tables.pick[j, o, a - j, b - j - 1])
+            stages.append(tables.options[j][member].stage(range(a, b)))
+        return tuple(stages)
+
+
+def _families(options: Sequence[StageOption]) -> tuple[tuple[int, ...], ...]:
+    """Indices of the options that differ only in recomputation, grouped, in order."""
+    groups: dict[StageOption, list[int]] = {}
+    for index, option in enumerate(options):
+        groups.setdefault(replace(option, recompute="none"), []).append(index)
+    return tuple(tuple(g) for g in groups.values())

@@ -47,6 +47,9 @@ INF = float("inf")
 # Alg. 3's check of E_all walks at most this many distinct forward budgets at a
 # time, from the largest down (the paper keeps the largest budget that fits).
 MAX_CANDIDATES = 32
+# DP cells (problems x layers x strategies x memory bins) solved in lockstep at
+# once: ~8 bytes each for the value tables and indices, so ~130 MB at most.
+LOCKSTEP_CELLS = 16_000_000
 
 
 @dataclass
@@ -122,7 +125,22 @@ def solve_stage(costs: GalvatronCosts, indices: Sequence[int], ctx: StageContext
 
 def solve_stages(costs: GalvatronCosts, problems: Sequence[tuple[Sequence[int], StageContext]],
                  granularity_bytes: float) -> list[StageSolution | None]:
-    """Alg. 3 for several stages that share a strategy set, run in lockstep."""
+    """Alg. 3 for several stages that share a strategy set, run in lockstep (in
+    chunks of at most LOCKSTEP_CELLS DP cells, which bounds the memory)."""
+    if not problems:
+        return []
+    depth = max(len(indices) for indices, _ in problems)
+    width = max(costs.capacity_bytes(ctx.devices) for _, ctx in problems) / granularity_bytes + 2
+    per_problem = depth * costs.slot_shape[0] * costs.slot_shape[1] * width
+    size = max(1, int(LOCKSTEP_CELLS // per_problem))
+    out: list[StageSolution | None] = []
+    for start in range(0, len(problems), size):
+        out += _solve_lockstep(costs, problems[start:start + size], granularity_bytes)
+    return out
+
+
+def _solve_lockstep(costs: GalvatronCosts, problems: Sequence[tuple[Sequence[int], StageContext]],
+                    granularity_bytes: float) -> list[StageSolution | None]:
     out: list[StageSolution | None] = [None] * len(problems)
     packed = _pack(costs, problems, float(granularity_bytes))
     if packed is None:
@@ -210,7 +228,7 @@ def _forward(costs: GalvatronCosts, p: _Packed) -> _Forward:
     slot_group = np.repeat(np.arange(num_groups), per_group)
     base = (np.arange(num_u)[:, None, None] * (num_groups * 2 * width) + slot_group[None, :, None] * (2 * width)
             + width + np.arange(width)[None, None, :])
-    index = base[:, None, :, :] - p.weight[:, :, :, None]  # (problems, depth, slots, width)
+    index = (base[:, None, :, :] - p.weight[:, :, :, None]).astype(np.int32)  # (problems, depth, slots, width)
     pad = np.full((num_u, num_groups, 2 * width), INF, dtype=np.float32)
     f = np.zeros((num_u, num_groups * per_group, width), dtype=np.float32)
     history, group_history = [], []

@@ -395,6 +395,7 @@ class _Search:
             counts = [m for m in self.micro_batch_counts(batch, pp) if (pp, m // pp) not in self._pruned]
             if not counts:
                 continue
+            self.costs_for(self.n_gpus // pp).release()  # tables of other batch sizes are not needed again
             even = tuple(len(r) for r in block_split(self.model, pp))
             self.solve_many(pp, batch, [(j, r, m) for m in counts for j, r in enumerate(partition_ranges(even))])
             bases = {m: self.search_partition(pp, even, batch, m) for m in counts}

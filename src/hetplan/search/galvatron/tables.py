@@ -99,6 +99,11 @@ class GalvatronCosts:
         self.slot_of = np.array(slots, dtype=np.int64)
         self.strategy_at_slot = {slot: k for k, slot in enumerate(slots)}
 
+    def release(self) -> None:
+        """Drop the cached tables (they are rebuilt on demand): a search over many
+        batch sizes would otherwise keep every context's tables."""
+        self._stacked.clear()
+
     # --- device groups ----------------------------------------------------------------
     def signature(self, devices: tuple[int, ...]) -> tuple[object, ...]:
         """Devices that cost the same get the same signature: GPU type, memory,
@@ -137,10 +142,18 @@ class GalvatronCosts:
         key = (self.signature(ctx.devices), ctx.micro_batch_size, ctx.num_micro_batches, ctx.in_flight)
         found = self._stacked.get(key)
         if found is None:
-            found = self._stacked[key] = self._build(ctx)
+            timing_key = key[:-1]
+            timing = self._stacked.get(timing_key)
+            if timing is None:
+                timing = self._stacked[timing_key] = self._build(ctx)
+            found = dict(timing)
+            for prefix in ("", "dup_"):
+                found[prefix + "fwd"] = timing[prefix + "states"] + timing[prefix + "act"] * ctx.in_flight
+            self._stacked[key] = found
         return found
 
     def _build(self, ctx: StageContext) -> dict[str, np.ndarray]:
+        """Every column but the in-flight-dependent forward memory (``stacked`` adds it)."""
         n_layers, n_s = self.kernel.num_layers, len(self.strategies)
         names = ("valid", "mb", "once", "states", "act", "bwd", "gathered") + COMPONENTS
         columns: dict[str, list[np.ndarray]] = {name: [] for name in names + tuple("dup_" + c for c in names)}
@@ -154,7 +167,6 @@ class GalvatronCosts:
         m = ctx.num_micro_batches
         for prefix in ("", "dup_"):
             out[prefix + "cost"] = np.where(out[prefix + "valid"], m * out[prefix + "mb"] + out[prefix + "once"], INF)
-            out[prefix + "fwd"] = out[prefix + "states"] + out[prefix + "act"] * ctx.in_flight
         return out
 
     def _strategy_columns(self, s: GStrategy, ctx: StageContext, tied_copy: bool) -> dict[str, np.ndarray]:

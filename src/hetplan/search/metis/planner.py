@@ -124,8 +124,8 @@ class MetisOptions:
     max_tp: int = 8
     max_stages: int = 0
     max_batch_per_replica: int = 0
-    max_evaluations: int = 4000
-    rerank: int = 16
+    max_evaluations: int = 300
+    rerank: int = 6
     max_leaves: int = 8
     max_dfs_states: int = 64
     data_balance: bool = True

@@ -117,25 +117,14 @@ class MetisCosts:
         """Largest per-replica batch that fits each replica's memory for layers [a, b)."""
         dp = group.size // tp
         costs = self.stage(group, Intra(dp, tp, (1,) * dp))
-        result = []
+        found: dict[tuple[int, int], int] = {}
+        out = []
         for rep in self.replicas(group, tp):
-            def fits(batch: int) -> bool:
-                return costs.peak_bytes(a, b, batch, in_flight, rep.overhead_bytes) <= rep.capacity_bytes
-
-            if not fits(1):
-                result.append(0)
-                continue
-            lo, hi = 1, 2
-            while fits(hi) and hi < (1 << 20):
-                lo, hi = hi, hi * 2
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid
-            result.append(lo)
-        return result
+            key = (rep.overhead_bytes, rep.capacity_bytes)
+            if key not in found:
+                found[key] = costs.max_batch(a, b, in_flight, *key)
+            out.append(found[key])
+        return out
 
 
 class StageHandle:
@@ -185,15 +174,16 @@ def even_split(micro_batch: int, dp: int) -> tuple[int, ...]:
 def data_balance(costs: MetisCosts, group: DeviceGroup, dp: int, tp: int, micro_batch: int,
                  layers: tuple[int, int] | None = None, in_flight: float = 1.0,
                  memory_bound: bool = False) -> tuple[int, ...] | None:
-    """Split ``micro_batch`` samples over the stage's dp replicas (Metis §4.1).
+    """Split ``micro_batch`` samples over the stage's dp replicas (Metis §4.1):
+    the split that minimises the slowest replica's time on the stage's layers.
 
-    Shares are proportional to each replica's speed (its time per sample on
-    the stage's layers at the even share), every replica gets at least one
-    sample, then single samples move from the slowest replica to the one that
-    would finish first while that lowers the stage time. With
+    Every replica gets at least one sample; then each further sample goes to
+    the replica that would finish it first (optimal for the slowest replica,
+    as replica times do not fall with more samples). Replicas of one GPU type
+    (and memory) form a class and get equal shares (±1, the first ones the
+    extra sample), so the greedy walks the classes, not the replicas. With
     ``memory_bound`` no replica gets more samples than its GPUs hold; None
     when the memory of the whole group cannot hold the micro-batch.
-    Replicas of one GPU type get equal shares (±1).
     """
     if micro_batch < dp:
         return None
@@ -206,49 +196,40 @@ def data_balance(costs: MetisCosts, group: DeviceGroup, dp: int, tp: int, micro_
             return None
     if len({rep.gpu.name for rep in reps}) == 1 and not memory_bound:
         return even_split(micro_batch, dp)
-    share = max(1, micro_batch // dp)
-    speed = []
-    for rep in reps:
-        prefix = costs.time_prefix(rep.gpu, tp, share)
-        t = prefix[b] - prefix[a]
-        speed.append(share / t if t > 0 else 1.0)
-    total = sum(speed)
-    ideal = [micro_batch * s / total for s in speed]
-    split = [max(1, min(caps[r], int(ideal[r]))) for r in range(dp)]
-    # largest remainder first, within the memory caps
-    order = sorted(range(dp), key=lambda r: (-(ideal[r] - int(ideal[r])), r))
-    while sum(split) < micro_batch:
-        placed = False
-        for r in order:
-            if split[r] < caps[r]:
-                split[r] += 1
-                placed = True
-                if sum(split) == micro_batch:
-                    break
-        if not placed:
-            return None
-    while sum(split) > micro_batch:
-        r = max((r for r in range(dp) if split[r] > 1), key=lambda r: (split[r] - ideal[r], r))
-        split[r] -= 1
-    # even out the slowest replica
-    for _ in range(micro_batch):
-        times = [_replica_time(costs, reps[r], tp, split[r], a, b) for r in range(dp)]
-        slow = max(range(dp), key=lambda r: (times[r], -r))
-        if split[slow] <= 1:
-            break
-        best, best_time = None, times[slow]
-        for r in range(dp):
-            if r == slow or split[r] >= caps[r]:
-                continue
-            after = max(_replica_time(costs, reps[slow], tp, split[slow] - 1, a, b),
-                        _replica_time(costs, reps[r], tp, split[r] + 1, a, b))
-            if after < best_time - 1e-12:
-                best, best_time = r, after
+    classes: dict[tuple[str, int], list[int]] = {}
+    for r, rep in enumerate(reps):
+        classes.setdefault((rep.gpu.name, caps[r]), []).append(r)
+    members = list(classes.values())
+    loads = [len(m) for m in members]  # one sample each to start
+    remaining = micro_batch - dp
+    while remaining > 0:
+        best = _next_class(costs, reps, members, loads, caps, tp, (a, b))
         if best is None:
-            break
-        split[slow] -= 1
-        split[best] += 1
+            return None
+        size = len(members[best])
+        step = min(remaining, size - loads[best] % size)  # the class's members still at the lower share
+        loads[best] += step
+        remaining -= step
+    split = [0] * dp
+    for rows, load in zip(members, loads):
+        base, extra = divmod(load, len(rows))
+        for position, r in enumerate(rows):
+            split[r] = base + (1 if position < extra else 0)
     return tuple(split)
+
+
+def _next_class(costs: MetisCosts, reps: list[Replica], members: list[list[int]], loads: list[int],
+                caps: list[int], tp: int, layers: tuple[int, int]) -> int | None:
+    """The class whose next sample would finish first (lowest class on ties); None if all are full."""
+    best, best_time = None, 0.0
+    for c, rows in enumerate(members):
+        share = loads[c] // len(rows) + 1
+        if share > caps[rows[0]]:
+            continue
+        t = _replica_time(costs, reps[rows[0]], tp, share, *layers)
+        if best is None or t < best_time:
+            best, best_time = c, t
+    return best
 
 
 def _replica_time(costs: MetisCosts, rep: Replica, tp: int, batch: int, a: int, b: int) -> float:
