@@ -176,7 +176,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         workload = load_workload(args, global_batch=best.plan.global_batch_size)
     print(_header(workload, f"planner  {planner.name}: searched in {elapsed:.2f} s"))
     print()
-    print(ranked_table(ranked, show_planner_cost=any(r.planner_cost_s is not None for r in ranked)))
+    print(ranked_table(ranked))
     if not args.quiet:
         print()
         print(f"best plan: {best.plan.describe()}")

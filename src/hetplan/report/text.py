@@ -35,7 +35,13 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool = False) -> str:
+def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = None) -> str:
+    """The ranked plans; a planner's own cost is shown (``None``: automatically)
+    when it is not the estimate's iteration time (AMP's eq. 3-5, hetero-avg's)."""
+    if show_planner_cost is None:
+        show_planner_cost = any(r.planner_cost_s is not None and
+                                abs(r.planner_cost_s - r.estimate.iteration_time_s) > 1e-9 * r.estimate.iteration_time_s
+                                for r in ranked)
     headers = ["#", "plan", "iter time", "samples/s", "tokens/s", "MFU", "max mem/GPU", "fits"]
     if show_planner_cost:
         headers.insert(3, "planner cost")
@@ -107,4 +113,8 @@ def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:
                     for key, c in layers_by_type.items()]
         lines.append("heterogeneous GPUs: " + "; ".join(per_type) + ".")
     lines.append(f"tightest GPU has {format_bytes(e.min_headroom_bytes)} of memory to spare.")
+    if e.bound_gap is not None:
+        lines.append(f"within {e.bound_gap:.0%} of the lower bound {format_time(e.lower_bound_s)}: no plan of "
+                     "this workload can be faster (all compute spread over every GPU at its best, plus the "
+                     "optimizer step; communication, bubble and memory limits make real plans slower).")
     return lines

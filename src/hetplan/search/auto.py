@@ -141,7 +141,7 @@ class _AutoSearch:
             seeds = self.seed(progress, self.planner.sources)
             progress.advance(note="exact layouts")
             self.solve_all(self.layouts(seeds))
-            if stats.budget_hit or stats.grid_uncertified:
+            if stats.budget_hit or stats.grid_uncertified or not self.pool:
                 stats.ran_contained = True
                 self.seed(progress, self.planner.contained)
         return self.ranked(top_k)
@@ -296,15 +296,17 @@ class _AutoSearch:
 
     def ranked(self, top_k: int) -> list[RankedPlan]:
         if not self.pool:
-            raise HetplanError("no planner found a plan: " + "; ".join(self.errors))
+            # the uniform planner's reason is the plainest (e.g. a batch no dp divides)
+            plainest = sorted(self.errors, key=lambda e: not e.startswith("uniform:"))
+            raise HetplanError(plainest[0].split(": ", 1)[1] if plainest else "no planner found a plan")
         ordered = sorted(self.pool.values(), key=lambda item: item[0])
         if ordered[0][0][0]:
             raise no_fit_error(self.workload, [RankedPlan(p, self.cost.estimate(p)) for _, p in ordered[:top_k]])
         out = []
-        for _, plan in ordered[:top_k]:
+        for key, plan in ordered[:top_k]:
             estimate = self.cost.estimate(plan)
             notes = plan.notes + self.notes(estimate.iteration_time_s, estimate.lower_bound_s)
-            out.append(RankedPlan(replace(plan, notes=notes), estimate))
+            out.append(RankedPlan(replace(plan, notes=notes), estimate, key[1]))
         return out
 
     def notes(self, time_s: float, bound_s: float) -> tuple[str, ...]:

@@ -71,7 +71,7 @@ def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
     if require_fit and scored[0][0][0]:
         closest = [RankedPlan(p, cost_model.estimate(p)) for _, p in scored[:NO_FIT_CANDIDATES]]
         raise no_fit_error(cost_model.workload, closest)
-    return [RankedPlan(p, cost_model.estimate(p)) for _, p in scored[:top_k]]
+    return [RankedPlan(p, cost_model.estimate(p), key[1]) for key, p in scored[:top_k]]
 
 
 def no_fit_error(workload: Workload, ranked: list[RankedPlan]) -> OutOfMemoryError:
