@@ -115,14 +115,14 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None) -> 
     from hetplan.cluster import load_cluster
     from hetplan.cost import Workload
     from hetplan.model import load_model
-    from hetplan.profile import ProfileDB
+    from hetplan.profile import load_profile
     from hetplan.units import parse_memory_size
 
     model = load_model(args.model or DEFAULT_MODEL, seq_len=args.seq_len)
     cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
     gbs = global_batch if global_batch is not None else (args.global_batch or DEFAULT_GLOBAL_BATCH)
     limit = parse_memory_size(args.memory_limit) if args.memory_limit else 0
-    profile = ProfileDB.load(args.profile) if args.profile else None
+    profile = load_profile(args.profile) if args.profile else None
     return Workload(model, cluster, gbs, optimizer=args.optimizer, memory_limit_bytes=limit,
                     overlap_grad_sync=not args.no_overlap, profile=profile)
 

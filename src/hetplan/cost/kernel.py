@@ -37,7 +37,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
-from hetplan.cost import comm
+from hetplan.cost.comm import allgather_time, allreduce_time, p2p_time, reduce_scatter_time
 from hetplan.cost.compute import LayerTimes, layer_times
 from hetplan.cost.constants import (
     MEMORY_BANDWIDTH_EFFICIENCY,
@@ -59,9 +59,9 @@ from hetplan.plan import LayerStrategy, Stage
 from hetplan.profile.metis import MetisProfileDB
 
 COLLECTIVES: dict[str, Callable[..., float]] = {
-    "allreduce": comm.allreduce_time,
-    "allgather": comm.allgather_time,
-    "reduce_scatter": comm.reduce_scatter_time,
+    "allreduce": allreduce_time,
+    "allgather": allgather_time,
+    "reduce_scatter": reduce_scatter_time,
 }
 
 
@@ -328,7 +328,7 @@ class CostKernel:
         key = ("p2p", tuple(sender), tuple(receiver))
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = comm.p2p_time(self.cluster, key[1], key[2], 1.0)
+            found = self._rates[key] = p2p_time(self.cluster, key[1], key[2], 1.0)
         return found
 
     def p2p_time(self, sender: Sequence[int], receiver: Sequence[int], last_layer: int,
@@ -444,12 +444,6 @@ class CostKernel:
             return np.triu(matrix, 1)
 
         return self._cached(("rangemax",) + key, build)
-
-    def mixed_stage(self, stage: Stage, micro_batch_size: int) -> SegmentTiming:
-        """A stage whose layers differ in (tp, ZeRO, recomputation): see ``cost/mixed.py``."""
-        from hetplan.cost.mixed import mixed_stage_timing
-
-        return mixed_stage_timing(self, stage, micro_batch_size)
 
 
 class StageCosts:

@@ -1,5 +1,19 @@
-"""Measured layer costs (ProfileDB) and the profiler that measures them."""
+"""Measured layer costs: the ProfileDB format, Metis's profiling scheme, and the loader."""
 
-from hetplan.profile.db import ProfileDB, ProfileEntry
+import os
 
-__all__ = ["ProfileDB", "ProfileEntry"]
+from hetplan.profile.db import ProfileDB, ProfileEntry, read_profile_json
+from hetplan.profile.metis import FORMAT as METIS_FORMAT
+from hetplan.profile.metis import MetisProfileDB
+
+
+def load_profile(path: str | os.PathLike[str]) -> ProfileDB:
+    """A profile file in either format: Metis's (with layer-composition memory)
+    or the plain one."""
+    data = read_profile_json(os.fspath(path))
+    if isinstance(data, dict) and data.get("format") == METIS_FORMAT:
+        return MetisProfileDB.from_dict(data, f"profile {os.fspath(path)}")
+    return ProfileDB.load(path)
+
+
+__all__ = ["ProfileDB", "ProfileEntry", "MetisProfileDB", "load_profile"]

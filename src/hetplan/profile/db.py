@@ -102,13 +102,11 @@ class ProfileDB:
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> ProfileDB:
+        """The measured times of a profile file (any format's ``entries``; see
+        ``hetplan.profile.load_profile`` for the format-aware loader)."""
         path = os.fspath(path)
         data = read_profile_json(path)
-        if isinstance(data, dict) and data.get("format") == "hetplan-metis-profile":
-            from hetplan.profile.metis import MetisProfileDB
-
-            return MetisProfileDB.from_dict(data)
         try:
-            return ProfileDB(ProfileEntry(**e) for e in data["entries"])
+            return ProfileDB(ProfileEntry(**e) for e in data["entries"])  # type: ignore[index]
         except (KeyError, TypeError) as exc:
             raise HetplanError(f"profile {path} is malformed: {exc}") from None

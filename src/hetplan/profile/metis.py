@@ -52,7 +52,7 @@ from typing import Iterable, Sequence
 from hetplan.cluster.catalog import get_gpu
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
-from hetplan.profile.db import ProfileDB, ProfileEntry
+from hetplan.profile.db import ProfileDB, ProfileEntry, read_profile_json
 
 FORMAT = "hetplan-metis-profile"
 PROFILED_TP = (1, 2, 4, 8)  # Metis §4.3: "tp = 1, 2, 4, 8"
@@ -240,8 +240,6 @@ class MetisProfileDB(ProfileDB):
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> MetisProfileDB:
-        from hetplan.profile.db import read_profile_json
-
         path = os.fspath(path)
         return MetisProfileDB.from_dict(read_profile_json(path), f"profile {path}")  # type: ignore[arg-type]
 

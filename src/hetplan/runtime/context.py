@@ -60,15 +60,9 @@ def _load_spec(plan: Plan, model: Any) -> Any:
     if isinstance(model, ModelSpec):
         return model
     name = model if isinstance(model, str) else plan.model
-    try:
-        from hetplan.model import load_model  # type: ignore[attr-defined]
-    except ImportError:
-        load_model = None
-    if load_model is not None:
-        return load_model(name)
-    from hetplan.model import get_model
+    from hetplan.model import load_model
 
-    return get_model(name)
+    return load_model(name)
 
 
 def _load_cluster(plan: Plan) -> Any:

@@ -99,14 +99,9 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
 
 
 def _spec(name: str) -> Any:
-    try:
-        from hetplan.model import load_model  # type: ignore[attr-defined]
+    from hetplan.model import load_model
 
-        return load_model(name)
-    except ImportError:
-        from hetplan.model import get_model
-
-        return get_model(name)
+    return load_model(name)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

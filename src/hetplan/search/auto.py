@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -43,21 +43,26 @@ from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan
 from hetplan.progress import Progress
-from hetplan.search.base import cost_model_for, no_fit_error
+from hetplan.search.amp import AMPPlanner
+from hetplan.search.base import Planner, cost_model_for, no_fit_error
+from hetplan.search.baselines.megatron import MegatronPlanner
+from hetplan.search.baselines.uniform import UniformPlanner
 from hetplan.search.common.budget import WorkBudget
 from hetplan.search.common.degrees import divisors, enumerate_degrees, micro_batch_sizes
 from hetplan.search.common.partition import PartitionProblem
 from hetplan.search.common.placement import canonical_placements, count_canonical_placements, heuristic_placement
 from hetplan.search.common.stage_partition import PipelinePartitioner, PipelineSolution
+from hetplan.search.galvatron import get_variant
+from hetplan.search.metis import MetisPlanner
 
 # Planners whose plans auto's own space does not contain: always run, their plans seed the pool.
-SOURCE_PLANNERS = ("metis", "galvatron-bmw")
+SOURCE_PLANNERS: tuple[Callable[[], Planner], ...] = (MetisPlanner, lambda: get_variant("galvatron-bmw"))
 # Planners whose whole space auto's exact solve of AMP's layouts contains (uniform
 # plans, Megatron's, AMP's: heuristic placement, one (dp, tp), zero 0-3 without
 # sequence parallelism, which never costs less): run only when that containment
 # is not proven — the layout search was cut by its budget or a solve could not
 # certify its optimum.
-CONTAINED_PLANNERS = ("uniform", "megatron", "amp")
+CONTAINED_PLANNERS: tuple[Callable[[], Planner], ...] = (UniformPlanner, MegatronPlanner, AMPPlanner)
 SEEDS_PER_PLANNER = 3
 MAX_PLACEMENTS = 24  # placements up to symmetry per (pp, dp, tp) beyond the Megatron one
 MAX_SOLVES = 300  # exact layout solves per search (work budget)
@@ -108,8 +113,9 @@ class AutoPlanner:
 
     name = "auto"
 
-    def __init__(self, sources: tuple[str, ...] = SOURCE_PLANNERS, max_solves: int = MAX_SOLVES,
-                 max_placements: int = MAX_PLACEMENTS, contained: tuple[str, ...] = CONTAINED_PLANNERS) -> None:
+    def __init__(self, sources: tuple[Callable[[], Planner], ...] = SOURCE_PLANNERS, max_solves: int = MAX_SOLVES,
+                 max_placements: int = MAX_PLACEMENTS,
+                 contained: tuple[Callable[[], Planner], ...] = CONTAINED_PLANNERS) -> None:
         self.sources = sources
         self.contained = contained
         self.max_solves = max_solves
@@ -146,17 +152,16 @@ class _AutoSearch:
                 self.seed(progress, self.planner.contained)
         return self.ranked(top_k)
 
-    def seed(self, progress: Progress, names: Iterable[str]) -> list[Plan]:
-        """The named planners' best plans, in the pool and returned as layouts."""
-        from hetplan.search.registry import get_planner
-
+    def seed(self, progress: Progress, factories: Iterable[Callable[[], Planner]]) -> list[Plan]:
+        """These planners' best plans, in the pool and returned for their layouts."""
         plans = []
-        for name in names:
-            progress.advance(note=name)
+        for factory in factories:
+            planner = factory()
+            progress.advance(note=planner.name)
             try:
-                ranked = get_planner(name).plan(self.workload, SEEDS_PER_PLANNER, self.cost)
+                ranked = planner.plan(self.workload, SEEDS_PER_PLANNER, self.cost)
             except HetplanError as exc:
-                self.errors.append(f"{name}: {exc}")
+                self.errors.append(f"{planner.name}: {exc}")
                 continue
             for r in ranked:
                 self.add(r.plan)

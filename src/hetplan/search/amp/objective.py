@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hetplan.cost import comm
+from hetplan.cost.comm import flat_ring_allreduce_time
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
@@ -92,7 +92,7 @@ class AmpCostModel:
         ``l`` is the time of layers ``[0, l)``."""
         tp = len(group)
         gpu = self.kernel.slowest_gpu(group)
-        ring = comm.flat_ring_allreduce_time(self.cluster, group, 1.0) if tp > 1 else 0.0
+        ring = flat_ring_allreduce_time(self.cluster, group, 1.0) if tp > 1 else 0.0
         key = (gpu.name, tp, micro_batch, ring)
         cached = self._layer_cache.get(key)
         if cached is None:
@@ -113,7 +113,7 @@ class AmpCostModel:
                 src = devices[j][i * tp:(i + 1) * tp]
                 dst = devices[j + 1][i * tp:(i + 1) * tp]
                 links[i, j] = min(self.cluster.bandwidth_bytes_per_s(a, b) for a, b in zip(src, dst))
-        sync = tuple(max(comm.flat_ring_allreduce_time(self.cluster, [stage[r * tp + t] for r in range(dp)], 1.0)
+        sync = tuple(max(flat_ring_allreduce_time(self.cluster, [stage[r * tp + t] for r in range(dp)], 1.0)
                          for t in range(tp)) for stage in devices)
         return AmpTerms(devices, dp, tp, micro_batch, prefix, links, sync)
 
