@@ -11,7 +11,7 @@ import pytest
 
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost import CostModel, Workload
-from hetplan.cost.kernel import StageOption
+from hetplan.cost.stage import StageOption
 from hetplan.cost.mixed import mixed_stage_memory, mixed_stage_timing
 from hetplan.errors import HetplanError
 from hetplan.model.presets import gpt_decoder

@@ -14,7 +14,7 @@ from hetplan.cluster.presets import get_cluster
 from hetplan.cost import CostModel, Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model
-from hetplan.cost.kernel import StageOption
+from hetplan.cost.stage import StageOption
 from hetplan.plan import Plan
 from hetplan.search.common.partition import (
     PartitionProblem,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import RECOMPUTE, SCHEDULES, ZERO_STAGES, Plan
+from hetplan.plan import RECOMPUTE, SCHEDULES, ZERO_STAGES, Plan, Stage
 
 
 class InvalidPlanError(HetplanError):
@@ -24,6 +24,23 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, check_name
         raise InvalidPlanError(f"plan was made for model {plan.model!r}, not {model.name!r}")
     if check_names and plan.cluster != cluster.name:
         raise InvalidPlanError(f"plan was made for cluster {plan.cluster!r}, not {cluster.name!r}")
+    _check_batches_and_schedule(plan)
+    expected = 0
+    used: set[int] = set()
+    for j, stage in enumerate(plan.stages):
+        where = f"stage {j}"
+        expected = _check_layers(where, stage, model, expected)
+        _check_devices(where, stage, cluster, used)
+        _check_split(where, stage, plan.micro_batch_size)
+        _check_strategies(where, stage, model, plan.micro_batch_size)
+    if expected != model.num_layers:
+        raise InvalidPlanError(
+            f"stages cover layers 0-{expected - 1}, but the model has {model.num_layers} layers"
+        )
+
+
+def _check_batches_and_schedule(plan: Plan) -> None:
+    """The schedule exists and the batch arithmetic adds up."""
     if not plan.stages:
         raise InvalidPlanError("plan has no pipeline stages")
     if plan.schedule not in SCHEDULES:
@@ -42,78 +59,89 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, check_name
             f"interleaved 1F1B needs the number of micro-batches ({plan.num_micro_batches}) "
             f"to be a multiple of the number of stages ({plan.pp})"
         )
-    expected = 0
-    used: set[int] = set()
-    for j, stage in enumerate(plan.stages):
-        where = f"stage {j}"
-        if not stage.layers:
-            raise InvalidPlanError(f"{where} has no layers")
-        for index in stage.layers:
-            if index != expected:
-                if index >= model.num_layers or index < 0:
-                    raise InvalidPlanError(f"{where} names layer {index}, but the model has {model.num_layers}")
-                raise InvalidPlanError(
-                    f"{where} starts or continues at layer {index}, expected layer {expected}: "
-                    "stages must cover the layers in order, each exactly once"
-                )
-            expected += 1
-        if stage.dp <= 0 or stage.tp <= 0:
-            raise InvalidPlanError(f"{where}: dp and tp must be positive")
-        if len(stage.devices) != stage.dp * stage.tp:
+
+
+def _check_layers(where: str, stage: Stage, model: ModelSpec, expected: int) -> int:
+    """The stage continues the layers in order; returns the next expected layer."""
+    if not stage.layers:
+        raise InvalidPlanError(f"{where} has no layers")
+    for index in stage.layers:
+        if index != expected:
+            if index >= model.num_layers or index < 0:
+                raise InvalidPlanError(f"{where} names layer {index}, but the model has {model.num_layers}")
             raise InvalidPlanError(
-                f"{where} has {len(stage.devices)} devices but dp x tp = {stage.dp} x {stage.tp} = {stage.dp * stage.tp}"
+                f"{where} starts or continues at layer {index}, expected layer {expected}: "
+                "stages must cover the layers in order, each exactly once"
             )
-        for d in stage.devices:
-            if d < 0 or d >= cluster.num_devices:
-                raise InvalidPlanError(f"{where} uses GPU {d}, but cluster {cluster.name!r} has {cluster.num_devices}")
-            if d in used:
-                raise InvalidPlanError(f"{where} uses GPU {d}, which another stage or replica already uses")
-            used.add(d)
-        if len(stage.dp_split) != stage.dp:
-            raise InvalidPlanError(f"{where}: dp_split has {len(stage.dp_split)} entries for dp={stage.dp}")
-        if any(b <= 0 for b in stage.dp_split):
-            raise InvalidPlanError(f"{where}: every dp replica needs at least one sample per micro-batch")
-        if sum(stage.dp_split) != plan.micro_batch_size:
-            raise InvalidPlanError(
-                f"{where}: dp_split {list(stage.dp_split)} sums to {sum(stage.dp_split)}, "
-                f"not the micro-batch size {plan.micro_batch_size}"
-            )
-        if len(stage.strategies) != len(stage.layers):
-            raise InvalidPlanError(f"{where}: {len(stage.strategies)} layer strategies for {len(stage.layers)} layers")
-        for index, strategy in zip(stage.layers, stage.strategies):
-            if strategy.zero not in ZERO_STAGES:
-                raise InvalidPlanError(f"{where}: layer {index} has ZeRO stage {strategy.zero}; use 0-3")
-            if strategy.recompute not in RECOMPUTE:
-                raise InvalidPlanError(
-                    f"{where}: layer {index} recompute {strategy.recompute!r}; use one of {', '.join(RECOMPUTE)}"
-                )
-            layer = model.layers[index]
-            if strategy.tp:
-                n = len(stage.devices)
-                if strategy.tp < 0 or n % strategy.tp:
-                    raise InvalidPlanError(
-                        f"{where}: layer {index} has tp={strategy.tp}, which does not divide the stage's {n} GPUs"
-                    )
-                if strategy.tp != stage.tp and len(set(stage.dp_split)) > 1:
-                    raise InvalidPlanError(
-                        f"{where}: layer {index} changes tp inside a stage with an uneven dp_split; "
-                        "use an even split or one tp per stage"
-                    )
-                if plan.micro_batch_size % (n // strategy.tp):
-                    raise InvalidPlanError(
-                        f"{where}: layer {index} runs dp={n // strategy.tp}, which does not divide "
-                        f"the micro-batch {plan.micro_batch_size}"
-                    )
-            layer_tp = strategy.tp or stage.tp
-            if not layer.supports_tp(layer_tp):
-                if layer_tp > layer.tp_max:
-                    raise InvalidPlanError(
-                        f"{where}: tp={layer_tp} exceeds what layer {layer.name!r} supports ({layer.tp_max})"
-                    )
-                raise InvalidPlanError(
-                    f"{where}: tp={layer_tp} does not divide the {layer.tp_max} attention heads of {layer.name!r}"
-                )
-    if expected != model.num_layers:
+        expected += 1
+    if len(stage.strategies) != len(stage.layers):
+        raise InvalidPlanError(f"{where}: {len(stage.strategies)} layer strategies for {len(stage.layers)} layers")
+    return expected
+
+
+def _check_devices(where: str, stage: Stage, cluster: ClusterSpec, used: set[int]) -> None:
+    """dp x tp real GPUs, none used twice."""
+    if stage.dp <= 0 or stage.tp <= 0:
+        raise InvalidPlanError(f"{where}: dp and tp must be positive")
+    if len(stage.devices) != stage.dp * stage.tp:
         raise InvalidPlanError(
-            f"stages cover layers 0-{expected - 1}, but the model has {model.num_layers} layers"
+            f"{where} has {len(stage.devices)} devices but dp x tp = {stage.dp} x {stage.tp} = {stage.dp * stage.tp}"
+        )
+    for d in stage.devices:
+        if d < 0 or d >= cluster.num_devices:
+            raise InvalidPlanError(f"{where} uses GPU {d}, but cluster {cluster.name!r} has {cluster.num_devices}")
+        if d in used:
+            raise InvalidPlanError(f"{where} uses GPU {d}, which another stage or replica already uses")
+        used.add(d)
+
+
+def _check_split(where: str, stage: Stage, micro_batch_size: int) -> None:
+    """One positive share per replica, summing to the micro-batch."""
+    if len(stage.dp_split) != stage.dp:
+        raise InvalidPlanError(f"{where}: dp_split has {len(stage.dp_split)} entries for dp={stage.dp}")
+    if any(b <= 0 for b in stage.dp_split):
+        raise InvalidPlanError(f"{where}: every dp replica needs at least one sample per micro-batch")
+    if sum(stage.dp_split) != micro_batch_size:
+        raise InvalidPlanError(
+            f"{where}: dp_split {list(stage.dp_split)} sums to {sum(stage.dp_split)}, "
+            f"not the micro-batch size {micro_batch_size}"
+        )
+
+
+def _check_strategies(where: str, stage: Stage, model: ModelSpec, micro_batch_size: int) -> None:
+    """Every layer's ZeRO stage, recomputation and TP degree are possible."""
+    for index, strategy in zip(stage.layers, stage.strategies):
+        if strategy.zero not in ZERO_STAGES:
+            raise InvalidPlanError(f"{where}: layer {index} has ZeRO stage {strategy.zero}; use 0-3")
+        if strategy.recompute not in RECOMPUTE:
+            raise InvalidPlanError(
+                f"{where}: layer {index} recompute {strategy.recompute!r}; use one of {', '.join(RECOMPUTE)}"
+            )
+        if strategy.tp:
+            _check_layer_tp(where, stage, index, strategy.tp, micro_batch_size)
+        layer = model.layers[index]
+        layer_tp = strategy.tp or stage.tp
+        if not layer.supports_tp(layer_tp):
+            if layer_tp > layer.tp_max:
+                raise InvalidPlanError(
+                    f"{where}: tp={layer_tp} exceeds what layer {layer.name!r} supports ({layer.tp_max})"
+                )
+            raise InvalidPlanError(
+                f"{where}: tp={layer_tp} does not divide the {layer.tp_max} attention heads of {layer.name!r}"
+            )
+
+
+def _check_layer_tp(where: str, stage: Stage, index: int, tp: int, micro_batch_size: int) -> None:
+    """A layer's own TP degree (Galvatron's per-layer strategies) fits the stage."""
+    n = len(stage.devices)
+    if tp < 0 or n % tp:
+        raise InvalidPlanError(f"{where}: layer {index} has tp={tp}, which does not divide the stage's {n} GPUs")
+    if tp != stage.tp and len(set(stage.dp_split)) > 1:
+        raise InvalidPlanError(
+            f"{where}: layer {index} changes tp inside a stage with an uneven dp_split; "
+            "use an even split or one tp per stage"
+        )
+    if micro_batch_size % (n // tp):
+        raise InvalidPlanError(
+            f"{where}: layer {index} runs dp={n // tp}, which does not divide the micro-batch {micro_batch_size}"
         )

@@ -14,7 +14,8 @@ TP group, forward and backward). Gradient traffic is grouped by the layers'
 from __future__ import annotations
 
 from hetplan.cost.constants import TRANSFORM_PASSES
-from hetplan.cost.kernel import CostKernel, SegmentTiming, zero12_gradient_collective
+from hetplan.cost.kernel import CostKernel
+from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
 from hetplan.cost.memory import peak_memory_bytes, state_bytes_per_param
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.plan import Stage

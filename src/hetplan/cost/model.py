@@ -12,7 +12,8 @@ from dataclasses import replace
 
 from hetplan.cost.bounds import iteration_lower_bound
 from hetplan.cost.constants import P2P_PASSES
-from hetplan.cost.kernel import CostKernel, SegmentTiming, StageOption
+from hetplan.cost.kernel import CostKernel
+from hetplan.cost.stage import SegmentTiming, StageOption
 from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.mixed import mixed_stage_memory, mixed_stage_timing
 from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time

@@ -49,7 +49,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from hetplan.cluster.catalog import get_gpu
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
 from hetplan.profile.db import ProfileDB, ProfileEntry, read_profile_json

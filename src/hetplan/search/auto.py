@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from hetplan.cost.constants import P2P_PASSES
-from hetplan.cost.kernel import StageOption
+from hetplan.cost.stage import StageOption
 from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload

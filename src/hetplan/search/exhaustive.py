@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from math import comb
 from typing import Iterator
 
-from hetplan.cost.kernel import StageOption
+from hetplan.cost.stage import StageOption
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError

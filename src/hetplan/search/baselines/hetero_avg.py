@@ -29,7 +29,8 @@ from typing import Sequence
 import numpy as np
 
 from hetplan.cost.constants import P2P_PASSES
-from hetplan.cost.kernel import CostKernel, StageOption
+from hetplan.cost.kernel import CostKernel
+from hetplan.cost.stage import StageOption
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError

@@ -42,7 +42,8 @@ from typing import Sequence
 import numpy as np
 
 from hetplan.cost.constants import P2P_PASSES
-from hetplan.cost.kernel import CostKernel, SegmentTables, StageOption
+from hetplan.cost.kernel import CostKernel
+from hetplan.cost.stage import SegmentTables, StageOption
 from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.pipeline import StageTail, exposed_grad_sync, iteration_time
 from hetplan.plan import Stage

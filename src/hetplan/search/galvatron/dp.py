@@ -37,7 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hetplan.cost.kernel import SegmentTiming
+from hetplan.cost.stage import SegmentTiming
 from hetplan.cost.memory import peak_memory_bytes
 from hetplan.cost.pipeline import exposed_grad_sync, stage_micro_batch_time
 from hetplan.plan import Stage

@@ -29,7 +29,7 @@ the paper (each says why) are listed in ``docs/planners/galvatron.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hetplan.cluster.catalog import GPUSpec
-from hetplan.cost.kernel import SegmentTables, StageCosts, StageOption
+from hetplan.cost.stage import SegmentTables, StageCosts, StageOption
 from hetplan.cost.model import CostModel
 from hetplan.search.metis.groups import DeviceGroup
 
