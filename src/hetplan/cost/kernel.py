@@ -88,7 +88,7 @@ class _Layout:
 # Segment tables kept per kernel (each is a few (L+1)^2 matrices; searches ask
 # for the same stages again and again, but a 1,000-GPU search would not fit
 # them all in memory).
-RECENT_TABLES = 128
+RECENT_TABLES = 256
 
 T = TypeVar("T")
 
@@ -133,7 +133,7 @@ class CostKernel:
         self._stages: dict[StageOption, StageCosts] = {}
         self._layouts: dict[tuple[object, ...], _Layout] = {}
         self._time_classes: dict[tuple[object, ...], _TimeClass] = {}
-        self.recent_tables: _Recent[SegmentTables] = _Recent(RECENT_TABLES)
+        self.recent_tables: _Recent[SegmentTables | np.ndarray] = _Recent(RECENT_TABLES)
         self._supports: dict[int, np.ndarray] = {}
         self._corrections: dict[int, list[tuple[int, int, float]]] = {}
         self._params_prefix: dict[int, list[float]] = {}

@@ -41,6 +41,8 @@ def overlapped_exposure(comm_s: np.ndarray | float, compute_s: np.ndarray | floa
     ``max(c, p) + (slowdown − 1)·min(c, p)`` instead of ``p``.
     """
     scalar = isinstance(comm_s, (float, int)) and isinstance(compute_s, (float, int))  # np.float64 is a float
+    if not scalar and not np.any(comm_s):  # no communication (e.g. no ZeRO-3 gathers): nothing exposed
+        return np.zeros(np.broadcast(comm_s, compute_s).shape)
     larger, smaller = (max, min) if scalar else (np.maximum, np.minimum)
     exposed = larger(comm_s, compute_s) + (OVERLAP_SLOWDOWN - 1.0) * smaller(comm_s, compute_s) - compute_s
     if scalar:

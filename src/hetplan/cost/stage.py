@@ -13,7 +13,7 @@ every ``[a, b)`` at once as matrices for the exact pipeline partition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -120,6 +120,7 @@ class StageCosts:
         self.option = option
         self.num_layers = kernel.num_layers
         self._layout = kernel.layout(option.devices, option.dp, option.tp, option.split)
+        self._layer_totals: np.ndarray | None = None
         self._build_time_classes()
         self._build_comm()
         self._build_memory()
@@ -168,8 +169,10 @@ class StageCosts:
             worst = self._classes[int(np.argmax(totals))]
         fwd, bwd, rec, tpc = (float(x[b] - x[a]) for x in (worst.fwd, worst.bwd, worst.rec, worst.tpc))
         held = self.kernel.held_params(self.option.tp, a, b)
-        zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, held * self._gather, held * self._scatter)
-                      - fwd - bwd - rec)
+        zero3 = 0.0
+        if self._gather:  # ZeRO-3: its gathers and scatters, as far as compute does not hide them
+            zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, held * self._gather, held * self._scatter)
+                          - fwd - bwd - rec)
         return SegmentTiming(fwd, bwd, rec, tpc, zero3, held * self._sync, held * self._post,
                              held * self._optimizer)
 
@@ -183,8 +186,10 @@ class StageCosts:
         """Per layer, the time (compute + TP comm) of the replica class slowest on
         the whole model: for any range, their sum is at most the stage's time
         (the stage pays its slowest replica), so it is a valid per-layer bound."""
-        worst = max(self._classes, key=lambda c: float(c.total[-1]))
-        return np.diff(worst.total)
+        if self._layer_totals is None:
+            worst = max(self._classes, key=lambda c: float(c.total[-1]))
+            self._layer_totals = np.diff(worst.total)
+        return self._layer_totals
 
     def class_memory(self, a: int, b: int, in_flight: float) -> list[float]:
         """Peak bytes of a GPU of each memory class for layers [a, b)."""
@@ -251,23 +256,34 @@ class StageCosts:
         """Every ``[a, b)`` as matrices (see :class:`SegmentTables`). With
         ``window = (j, span)`` only stage ``j``'s window of a pipeline: rows
         ``a = j + x``, columns ``b = j + 1 + y`` for ``x, y < span``."""
-        key = (self.option, in_flight, window)
-        found = self.kernel.recent_tables.get(key)
-        if found is None:
-            found = self.kernel.recent_tables.put(key, self._tables(in_flight, window))
-        return found
+        recent = self.kernel.recent_tables
+        times = recent.get((self.option, window))
+        if times is None:  # the times do not depend on the micro-batches in flight: shared
+            times = recent.put((self.option, window), self._time_tables(window))
+        fits = recent.get((self.option, window, in_flight))
+        if fits is None:
+            fits = recent.put((self.option, window, in_flight), self._fits_table(in_flight, window))
+        return replace(times, fits=fits)
 
-    def _tables(self, in_flight: float, window: tuple[int, int] | None) -> SegmentTables:
+    def _cells(self, window: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
         n = self.num_layers
-        rows, cols = (np.arange(n + 1), np.arange(n + 1)) if window is None else \
-            (np.arange(window[0], window[0] + window[1]), np.arange(window[0] + 1, window[0] + 1 + window[1]))
+        if window is None:
+            return np.arange(n + 1), np.arange(n + 1)
+        return np.arange(window[0], window[0] + window[1]), np.arange(window[0] + 1, window[0] + 1 + window[1])
+
+    def _time_tables(self, window: tuple[int, int] | None) -> SegmentTables:
+        rows, cols = self._cells(window)
         valid = cols[None, :] > rows[:, None]
         fwd, back, tpc = self._worst_replica_matrices(rows, cols)
         held = self.kernel.held_params_matrix(self.option.tp)[np.ix_(rows, cols)]
         per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather, held * self._scatter)
-        fits = valid & self._fits_matrix(held, in_flight, rows, cols)
         return SegmentTables(np.where(valid, per_mb, np.inf), back, held * self._sync, held * self._post,
-                             held * self._optimizer, fits)
+                             held * self._optimizer, valid)
+
+    def _fits_table(self, in_flight: float, window: tuple[int, int] | None) -> np.ndarray:
+        rows, cols = self._cells(window)
+        held = self.kernel.held_params_matrix(self.option.tp)[np.ix_(rows, cols)]
+        return (cols[None, :] > rows[:, None]) & self._fits_matrix(held, in_flight, rows, cols)
 
     def _worst_replica_matrices(self, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward, backward (+ recompute) and TP comm of the slowest replica class per range."""

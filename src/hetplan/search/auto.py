@@ -138,7 +138,7 @@ class _AutoSearch:
         self.pool: dict[tuple[object, ...], tuple[tuple[int, float, str], Plan]] = {}
         self.errors: list[str] = []
         self.best_s = math.inf
-        self.solved: dict[tuple[object, ...], PipelineSolution | None] = {}
+        self._floors: dict[tuple[object, ...], np.ndarray] = {}
 
     # --- the steps -------------------------------------------------------------------------
     def run(self, top_k: int) -> list[RankedPlan]:
@@ -229,7 +229,12 @@ class _AutoSearch:
     def _layer_floor(self, layout: Layout) -> np.ndarray:
         """(stages, layers): a time per layer and stage that no option undercuts —
         the fastest option's slowest replica (``StageCosts.layer_totals``)."""
-        return np.stack([self.cost.kernel.stage(options[0]).layer_totals() for options in layout.options()])
+        found = self._floors.get(layout.key)
+        if found is None:
+            fastest = (StageOption(devices, dp, tp, split, 0, "none", tp > 1)
+                       for devices, dp, tp, split in layout.stages)
+            found = self._floors[layout.key] = np.stack([self.cost.kernel.stage(o).layer_totals() for o in fastest])
+        return found
 
     def quick_bound(self, layout: Layout) -> float:
         """No plan of the layout is faster: ``m`` micro-batches through its

@@ -142,22 +142,35 @@ class PipelinePartitioner:
         most 0.7 of the added backward time), so the family is at least as good
         as each member at every range for the objective the staircase minimises."""
         families = tuple(_families(stage) for stage in tables.options)
-        k, span = tables.per_mb.shape[0], tables.per_mb.shape[2]
-        q = max(len(f) for f in families)
-        shape = (k, q, span, span)
-        per_mb, fits = np.full(shape, INF), np.zeros(shape, dtype=bool)
-        back, sync, post, opt = (np.zeros(shape) for _ in range(4))
-        pick = np.zeros(shape, dtype=np.int64)
+        if all(len(members) == 1 for stage_families in families for members in stage_families):
+            return tables  # nothing to merge: every option is its own family
+        k = len(families)
+        width = max(len(members) for stage_families in families for members in stage_families)
+        q = max(len(stage_families) for stage_families in families)
+        # members[j, f, r]: option index of member r of family f (padded by repeating a member)
+        members = np.zeros((k, q, width), dtype=np.int64)
+        present = np.zeros((k, q), dtype=bool)
         for j, stage_families in enumerate(families):
-            for f, members in enumerate(stage_families):
-                rows = list(members)
-                allowed = np.where(tables.fits[j, rows], tables.per_mb[j, rows], INF)
-                best = allowed.argmin(axis=0)[None]
-                pick[j, f] = np.asarray(rows)[best[0]]
-                for target, source in ((per_mb, tables.per_mb), (back, tables.back), (sync, tables.sync),
-                                       (post, tables.post), (opt, tables.optimizer)):
-                    target[j, f] = np.take_along_axis(source[j, rows], best, axis=0)[0]
-                fits[j, f] = tables.fits[j, rows].any(axis=0)
+            for f, family in enumerate(stage_families):
+                members[j, f] = [family[min(r, len(family) - 1)] for r in range(width)]
+                present[j, f] = True
+        rows = np.arange(k)[:, None, None]
+
+        def gather(values: np.ndarray) -> np.ndarray:  # (k, q, width, span, span)
+            return values[rows, members]
+
+        fits_all = gather(tables.fits) & present[:, :, None, None, None]
+        best = np.where(fits_all, gather(tables.per_mb), INF).argmin(axis=2)[:, :, None]
+
+        def take(values: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(gather(values), best, axis=2)[:, :, 0]
+
+        per_mb = np.where(present[:, :, None, None], take(tables.per_mb), INF)
+        back = take(tables.back)
+        first = members[:, :, 0]  # ZeRO traffic and optimizer step are the family's, whatever it recomputes
+        sync, post, opt = (values[rows[:, :, 0], first] for values in (tables.sync, tables.post, tables.optimizer))
+        fits = fits_all.any(axis=2)
+        pick = np.take_along_axis(np.broadcast_to(members[:, :, :, None, None], fits_all.shape), best, axis=2)[:, :, 0]
         return _Tables(tables.options, per_mb, back, sync, post, opt, fits, tables.p2p,
                        self._stage0_tail(sync, back, post), families, pick)
 

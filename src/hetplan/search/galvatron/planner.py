@@ -247,10 +247,12 @@ class _Search:
             out = [max(m for m in range(1, min(batch, limit) + 1) if batch % m == 0)]
         return out
 
-    def granularity(self) -> float:
+    def granularity(self, capacity_bytes: float) -> float:
+        """The DP's memory bin for stages whose GPUs hold ``capacity_bytes``:
+        their budget in ``memory_bins`` steps (or the configured bin)."""
         if self.config.granularity_bytes:
             return float(self.config.granularity_bytes)
-        return default_granularity(self.capacity, self.config.memory_bins)
+        return default_granularity(capacity_bytes, self.config.memory_bins)
 
     # --- stages ---------------------------------------------------------------------------
     def context(self, pp: int, j: int, batch: int, m: int) -> StageContext:
@@ -279,9 +281,14 @@ class _Search:
         if not todo:
             return
         self.stats.stage_dps += len(todo)
-        sols = solve_stages(self.costs_for(self.n_gpus // pp), todo, self.granularity())
-        for key, sol in zip(keys, sols):
-            self._stage_cache[key] = sol
+        costs = self.costs_for(self.n_gpus // pp)
+        by_capacity: dict[float, list[int]] = {}  # stages of equal memory share a bin size and run in lockstep
+        for i, (_, ctx) in enumerate(todo):
+            by_capacity.setdefault(costs.capacity_bytes(ctx.devices), []).append(i)
+        for capacity, rows in sorted(by_capacity.items()):
+            sols = solve_stages(costs, [todo[i] for i in rows], self.granularity(capacity))
+            for i, sol in zip(rows, sols):
+                self._stage_cache[keys[i]] = sol
 
     def solved(self, pp: int, j: int, layers: range, batch: int, m: int) -> StageSolution | None:
         ctx = self.context(pp, j, batch, m)

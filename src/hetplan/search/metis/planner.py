@@ -124,7 +124,7 @@ class MetisOptions:
     max_stages: int = 0
     max_batch_per_replica: int = 0
     max_evaluations: int = 300
-    rerank: int = 6
+    rerank: int = 4
     max_leaves: int = 8
     max_dfs_states: int = 64
     data_balance: bool = True
@@ -299,20 +299,29 @@ class _Search:
         try:
             if opts.prune:
                 self._seed(enumerator, max_stages, batches)
-            for num_stages in range(1, max_stages + 1):
-                seen: set[tuple[object, ...]] = set()
-                for multiset in size_multisets(n, num_stages, enumerator.sizes,
-                                               min_group_size(n, num_stages, opts.var)):
-                    self._check_budget()
-                    alive = [b for b in batches if not self._prune_sizes(multiset, b)]
-                    if not alive:
-                        continue
-                    for order in self._orders(multiset):
-                        self.stats.size_orders += 1
-                        self._search_order(order, alive, enumerator, seen, num_stages)
+            # every stage count in turn, one size order at a time: a work budget
+            # then spreads over all depths instead of spending itself on the first
+            walks = [self._walk(num_stages, enumerator, batches) for num_stages in range(1, max_stages + 1)]
+            while walks:
+                walks = [walk for walk in walks if next(walk, None) is not None]
         except _BudgetExceeded:
             self.stats.budget_hit = True
         return self.candidates()
+
+    def _walk(self, num_stages: int, enumerator: MappingEnumerator, batches: list[int]) -> Iterator[bool]:
+        """Search the mappings of ``num_stages`` stages, pausing after each size order."""
+        n = self.cluster.num_devices
+        seen: set[tuple[object, ...]] = set()
+        for multiset in size_multisets(n, num_stages, enumerator.sizes,
+                                       min_group_size(n, num_stages, self.options.var)):
+            self._check_budget()
+            alive = [b for b in batches if not self._prune_sizes(multiset, b)]
+            if not alive:
+                continue
+            for order in self._orders(multiset):
+                self.stats.size_orders += 1
+                self._search_order(order, alive, enumerator, seen, num_stages)
+                yield True
 
     def _orders(self, multiset: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
         """Orderings of a multiset of group sizes after merging the smallest
