@@ -39,7 +39,8 @@ from hetplan.cluster import load_cluster  # noqa: E402
 from hetplan.cost import Workload  # noqa: E402
 from hetplan.errors import HetplanError  # noqa: E402
 from hetplan.model import get_model  # noqa: E402
-from hetplan.search.galvatron import BASELINES, BaselinePlanner, get_variant  # noqa: E402
+from hetplan.search.baselines.fixed import BASELINES, BaselinePlanner  # noqa: E402
+from hetplan.search.galvatron import get_variant  # noqa: E402
 
 BUDGETS = (8, 12, 16, 20)
 FIXED = ("pure-dp", "pure-tp", "pure-pp", "pure-sdp", "deepspeed-3d")

@@ -265,27 +265,34 @@ class StageCosts:
             fits = recent.put((self.option, window, in_flight), self._fits_table(in_flight, window))
         return replace(times, fits=fits)
 
-    def _cells(self, window: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _cells(self, window: tuple[int, int] | None) -> tuple[slice, slice]:
+        """Rows (``a``) and columns (``b``) of the table: contiguous, so slicing gives views."""
         n = self.num_layers
         if window is None:
-            return np.arange(n + 1), np.arange(n + 1)
-        return np.arange(window[0], window[0] + window[1]), np.arange(window[0] + 1, window[0] + 1 + window[1])
+            return slice(0, n + 1), slice(0, n + 1)
+        return slice(window[0], window[0] + window[1]), slice(window[0] + 1, window[0] + 1 + window[1])
+
+    @staticmethod
+    def _valid(rows: slice, cols: slice) -> np.ndarray:
+        """``a < b`` over the table's cells."""
+        return np.arange(cols.start, cols.stop)[None, :] > np.arange(rows.start, rows.stop)[:, None]
 
     def _time_tables(self, window: tuple[int, int] | None) -> SegmentTables:
         rows, cols = self._cells(window)
-        valid = cols[None, :] > rows[:, None]
+        valid = self._valid(rows, cols)
         fwd, back, tpc = self._worst_replica_matrices(rows, cols)
-        held = self.kernel.held_params_matrix(self.option.tp)[np.ix_(rows, cols)]
-        per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather, held * self._scatter)
+        held = self.kernel.held_params_matrix(self.option.tp)[rows, cols]
+        per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather, held * self._scatter) \
+            if self._gather else fwd + back + tpc  # no ZeRO-3 traffic: nothing to expose
         return SegmentTables(np.where(valid, per_mb, np.inf), back, held * self._sync, held * self._post,
                              held * self._optimizer, valid)
 
     def _fits_table(self, in_flight: float, window: tuple[int, int] | None) -> np.ndarray:
         rows, cols = self._cells(window)
-        held = self.kernel.held_params_matrix(self.option.tp)[np.ix_(rows, cols)]
-        return (cols[None, :] > rows[:, None]) & self._fits_matrix(held, in_flight, rows, cols)
+        held = self.kernel.held_params_matrix(self.option.tp)[rows, cols]
+        return self._valid(rows, cols) & self._fits_matrix(held, in_flight, rows, cols)
 
-    def _worst_replica_matrices(self, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _worst_replica_matrices(self, rows: slice, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward, backward (+ recompute) and TP comm of the slowest replica class per range."""
 
         def diff(x: np.ndarray) -> np.ndarray:
@@ -294,31 +301,32 @@ class StageCosts:
         if len(self._classes) == 1:
             c = self._classes[0]
             return diff(c.fwd), diff(c.bwd) + diff(c.rec), diff(c.tpc)
-        totals = np.stack([diff(c.total) for c in self._classes])
-        pick = np.argmax(totals, axis=0)[None]
+        pick = np.argmax(np.stack([diff(c.total) for c in self._classes]), axis=0)
 
         def take(parts: list[np.ndarray]) -> np.ndarray:
-            return np.take_along_axis(np.stack([diff(x) for x in parts]), pick, axis=0)[0]
+            out = diff(parts[0])
+            for index, part in enumerate(parts[1:], start=1):  # np.choose takes at most 32 choices
+                out = np.where(pick == index, diff(part), out)
+            return out
 
         fwd = take([c.fwd for c in self._classes])
         back = take([c.bwd + c.rec for c in self._classes])
         return fwd, back, take([c.tpc for c in self._classes])
 
-    def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice) -> np.ndarray:
         k, o = self.kernel, self.option
-        ok = np.ones((len(rows), len(cols)), dtype=bool)
+        ok = np.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=bool)
         if self._use_profile:
-            for x, a in enumerate(rows):
-                for y, b in enumerate(cols):
-                    ok[x, y] = b > a and self.fits(int(a), int(b), in_flight)
+            for x, a in enumerate(range(rows.start, rows.stop)):
+                for y, b in enumerate(range(cols.start, cols.stop)):
+                    ok[x, y] = b > a and self.fits(a, b, in_flight)
             return ok
         states = held * self._state_per_param
         act = self._act[cols][None, :] - self._act[rows][:, None]
-        cells = np.ix_(rows, cols)
-        work = k.range_max_matrix(self._work, ("work", o.tp, o.sequence_parallel))[cells] \
+        work = k.range_max_matrix(self._work, ("work", o.tp, o.sequence_parallel))[rows, cols] \
             if self._work is not None else 0.0
-        gathered = k.range_max_matrix(self._gathered, ("gathered", o.tp))[cells] if self._gathered is not None \
-            else 0.0
+        gathered = k.range_max_matrix(self._gathered, ("gathered", o.tp))[rows, cols] \
+            if self._gathered is not None else 0.0
         for c in self._memory_classes:
             peak = peak_memory_bytes(states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead)
             ok &= peak <= c.capacity

@@ -58,6 +58,8 @@ stage weight — Megatron/DeepSpeed's "balance by parameters").
 
 from __future__ import annotations
 
+import copy
+
 import itertools
 import math
 from dataclasses import dataclass
@@ -254,20 +256,31 @@ class PartitionProblem:
         self.num_options = q
         self.num_layers = n
         self.num_micro_batches = int(num_micro_batches)
-        self.has_memory_limit = fits is not None
         self.has_options_or_extra = q > 1 or extra is not None
         upper = np.triu(np.ones((span, span), dtype=bool))[None, None]
         #: the time, also where memory forbids it (for reports).
         self._raw = np.where(upper, times, INF)
-        if np.any(self._raw < 0) or np.isnan(self._raw).any():
+        if not (self._raw >= 0).all():  # negative or NaN
             raise HetplanError("stage times must be >= 0")
+        self._extra = extra
+        self._allow(fits)
+        self.cut_times = _cuts(boundary_times, k, n)
+
+    def _allow(self, fits: np.ndarray | None) -> None:
+        """Which cells may be used (None: all)."""
+        self.has_memory_limit = fits is not None
         #: ``[j, o, x, y]``: option o of stage j on layers [j + x, j + 1 + y); +inf where not allowed.
         self.option_times = np.where(fits, self._raw, INF) if fits is not None else self._raw
         #: the same, plus the sum-only extra: what the stage adds to Σ.
-        self.option_sums = self.option_times if extra is None else self.option_times + extra
+        self.option_sums = self.option_times if self._extra is None else self.option_times + self._extra
         #: ``[j, x, y]``: the fastest allowed option's time (the only one when q = 1).
-        self.window_times = self.option_times[:, 0] if q == 1 else self.option_times.min(axis=1)
-        self.cut_times = _cuts(boundary_times, k, n)
+        self.window_times = self.option_times[:, 0] if self.num_options == 1 else self.option_times.min(axis=1)
+
+    def restricted(self, allowed: np.ndarray) -> PartitionProblem:
+        """The same problem with only the ``allowed`` cells usable (same shape as the times)."""
+        other = copy.copy(self)
+        other._allow(allowed)
+        return other
 
     @property
     def span(self) -> int:

@@ -77,8 +77,8 @@ class PipelineSolution:
 class _Tables:
     """Every stage's options as (k, q, span, span) windows (``PartitionProblem``'s
     layout: ``[j, o, x, y]`` is layers ``[j + x, j + 1 + y)``), and the links.
-    ``pick`` (merged tables only): which member option of its family option
-    ``o`` a cell runs; ``families``: the member options of each family."""
+    ``families`` (merged tables only): the member options of each family
+    option; ``picks[j][o]``: which member each cell of it runs (None: its only member)."""
 
     options: tuple[tuple[StageOption, ...], ...]
     per_mb: np.ndarray
@@ -90,7 +90,7 @@ class _Tables:
     p2p: np.ndarray  # (k-1, L+1): one-way transfer when the cut is at position c
     extra: np.ndarray  # stage 0's tail x_0, zero elsewhere
     families: tuple[tuple[tuple[int, ...], ...], ...] = ()
-    pick: np.ndarray | None = None
+    picks: tuple[tuple[np.ndarray | None, ...], ...] = ()
 
 
 class PipelinePartitioner:
@@ -108,16 +108,28 @@ class PipelinePartitioner:
 
     # --- tables --------------------------------------------------------------------------
     def tables(self, options: Sequence[Sequence[StageOption]]) -> _Tables:
-        k, n = len(options), self.kernel.num_layers
-        q = max(len(o) for o in options)
+        """Every option of every stage, as one set of windows."""
+        return self._assemble(options, [[self._segment(j, len(options), o) for o in stage]
+                                        for j, stage in enumerate(options)])
+
+    def _segment(self, j: int, k: int, option: StageOption) -> SegmentTables:
+        """Stage ``j``'s window (of ``k`` stages) of one option's kernel tables."""
+        in_flight = in_flight_micro_batches(self.schedule, j, k, self.num_micro_batches)
+        return self.kernel.stage(option).tables(in_flight, (j, self.kernel.num_layers - k + 1))
+
+    def _assemble(self, options: Sequence[Sequence[StageOption]], segments: Sequence[Sequence[SegmentTables]],
+                  families: tuple[tuple[tuple[int, ...], ...], ...] = (),
+                  picks: Sequence[Sequence[np.ndarray | None]] = ()) -> _Tables:
+        """Per-stage lists of windows stacked into (k, q, span, span) arrays
+        (stages with fewer options padded with never-fitting ones)."""
+        k, n = len(segments), self.kernel.num_layers
+        q = max(len(s) for s in segments)
         span = n - k + 1
         shape = (k, q, span, span)
         per_mb, fits = np.full(shape, INF), np.zeros(shape, dtype=bool)
         back, sync, post, opt = (np.zeros(shape) for _ in range(4))
-        for j, stage_options in enumerate(options):
-            in_flight = in_flight_micro_batches(self.schedule, j, k, self.num_micro_batches)
-            for o, option in enumerate(stage_options):
-                t: SegmentTables = self.kernel.stage(option).tables(in_flight, (j, span))
+        for j, stage_segments in enumerate(segments):
+            for o, t in enumerate(stage_segments):
                 per_mb[j, o], back[j, o], sync[j, o] = t.per_micro_batch_s, t.back_s, t.grad_sync_s
                 post[j, o], opt[j, o], fits[j, o] = t.post_step_s, t.optimizer_s, t.fits
         p2p = np.zeros((max(k - 1, 0), n + 1))
@@ -126,7 +138,7 @@ class PipelinePartitioner:
             rate = self.kernel.p2p_rate(options[j][0].devices, options[j + 1][0].devices)
             p2p[j, 1:n] = rate * output[:n - 1] * self.micro_batch_size
         return _Tables(tuple(tuple(o) for o in options), per_mb, back, sync, post, opt, fits, p2p,
-                       self._stage0_tail(sync, back, post))
+                       self._stage0_tail(sync, back, post), families, tuple(tuple(p) for p in picks))
 
     def _stage0_tail(self, sync: np.ndarray, back: np.ndarray, post: np.ndarray) -> np.ndarray:
         """The sum-only extra: stage 0's exposed gradient sync."""
@@ -134,45 +146,22 @@ class PipelinePartitioner:
         extra[0] = exposed_grad_sync(sync[0], back[0], self.overlap)
         return extra
 
-    def merged(self, tables: _Tables) -> _Tables:
+    def merged(self, options: Sequence[Sequence[StageOption]]) -> _Tables:
         """Options that differ only in recomputation merged into one *family* per
         stage, running at each layer range the fastest member that fits: members
         of a family share their ZeRO traffic and optimizer step, and a member
         that recomputes more is slower (stage 0's exposed sync shrinks by at
         most 0.7 of the added backward time), so the family is at least as good
         as each member at every range for the objective the staircase minimises."""
-        families = tuple(_families(stage) for stage in tables.options)
-        if all(len(members) == 1 for stage_families in families for members in stage_families):
-            return tables  # nothing to merge: every option is its own family
-        k = len(families)
-        width = max(len(members) for stage_families in families for members in stage_families)
-        q = max(len(stage_families) for stage_families in families)
-        # members[j, f, r]: option index of member r of family f (padded by repeating a member)
-        members = np.zeros((k, q, width), dtype=np.int64)
-        present = np.zeros((k, q), dtype=bool)
-        for j, stage_families in enumerate(families):
-            for f, family in enumerate(stage_families):
-                members[j, f] = [family[min(r, len(family) - 1)] for r in range(width)]
-                present[j, f] = True
-        rows = np.arange(k)[:, None, None]
-
-        def gather(values: np.ndarray) -> np.ndarray:  # (k, q, width, span, span)
-            return values[rows, members]
-
-        fits_all = gather(tables.fits) & present[:, :, None, None, None]
-        best = np.where(fits_all, gather(tables.per_mb), INF).argmin(axis=2)[:, :, None]
-
-        def take(values: np.ndarray) -> np.ndarray:
-            return np.take_along_axis(gather(values), best, axis=2)[:, :, 0]
-
-        per_mb = np.where(present[:, :, None, None], take(tables.per_mb), INF)
-        back = take(tables.back)
-        first = members[:, :, 0]  # ZeRO traffic and optimizer step are the family's, whatever it recomputes
-        sync, post, opt = (values[rows[:, :, 0], first] for values in (tables.sync, tables.post, tables.optimizer))
-        fits = fits_all.any(axis=2)
-        pick = np.take_along_axis(np.broadcast_to(members[:, :, :, None, None], fits_all.shape), best, axis=2)[:, :, 0]
-        return _Tables(tables.options, per_mb, back, sync, post, opt, fits, tables.p2p,
-                       self._stage0_tail(sync, back, post), families, pick)
+        k = len(options)
+        families = tuple(_families(stage) for stage in options)
+        segments, picks = [], []
+        for j, (stage, stage_families) in enumerate(zip(options, families)):
+            merged = [_merge_family([self._segment(j, k, stage[i]) for i in family], family)
+                      for family in stage_families]
+            segments.append([m[0] for m in merged])
+            picks.append([m[1] for m in merged])
+        return self._assemble(options, segments, families, picks)
 
     # --- the true objective ---------------------------------------------------------------------
     def iteration_s(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> float:
@@ -191,15 +180,15 @@ class PipelinePartitioner:
         nothing of the layout can be faster than ``incumbent``)."""
         if len(options) > self.kernel.num_layers:
             return None
-        members = self.tables(options)
-        tables = self.merged(members)
+        tables = self.merged(options)
         found = self._staircase(tables, incumbent)
         if found is None:
             return None
         (bounds, choice), true_f, lower = found
         if true_f <= lower * (1 + 1e-12):
             return PipelineSolution(self._stages(tables, bounds, choice), true_f, lower, True)
-        if self._enumerable(members):
+        if self._enumerable(options):
+            members = self.tables(options)
             bounds, choice, true_f = self._brute_force(members)
             return PipelineSolution(self._stages(members, bounds, choice), true_f, true_f, True)
         for _ in range(TAIL_REPAIRS if lower < incumbent else 0):
@@ -239,9 +228,9 @@ class PipelinePartitioner:
             return None
         best_f_prime, best_true, best = INF, INF, None
         bound = INF
+        base = PartitionProblem.from_windows(tables.per_mb, m, cuts, tables.fits, tables.extra)
         while True:
-            allowed = tables.fits & (step < bound) if math.isfinite(bound) else tables.fits
-            problem = PartitionProblem.from_windows(tables.per_mb, m, cuts, allowed, tables.extra)
+            problem = base.restricted(tables.fits & (step < bound)) if math.isfinite(bound) else base
             part = fast_partition(problem)
             if part is None or part.cost_s + floor >= best_f_prime:
                 break
@@ -260,8 +249,8 @@ class PipelinePartitioner:
             return None
         return best, best_true, best_f_prime
 
-    def _enumerable(self, tables: _Tables) -> bool:
-        k, q = tables.per_mb.shape[:2]
+    def _enumerable(self, options: Sequence[Sequence[StageOption]]) -> bool:
+        k, q = len(options), max(len(o) for o in options)
         return comb(self.kernel.num_layers - 1, k - 1) * q ** k <= BRUTE_FORCE_LIMIT
 
     def _brute_force(self, tables: _Tables) -> tuple[tuple[int, ...], tuple[int, ...], float]:
@@ -286,7 +275,10 @@ class PipelinePartitioner:
         stages = []
         for j, o in enumerate(choice):
             a, b = bounds[j], bounds[j + 1]
-            member = o if tables.pick is None else int(tables.pick[j, o, a - j, b - j - 1])
+            member = o
+            if tables.families:
+                pick = tables.picks[j][o]
+                member = tables.families[j][o][0] if pick is None else int(pick[a - j, b - j - 1])
             stages.append(tables.options[j][member].stage(range(a, b)))
         return tuple(stages)
 
@@ -297,3 +289,18 @@ def _families(options: Sequence[StageOption]) -> tuple[tuple[int, ...], ...]:
     for index, option in enumerate(options):
         groups.setdefault(replace(option, recompute="none"), []).append(index)
     return tuple(tuple(g) for g in groups.values())
+
+
+def _merge_family(members: Sequence[SegmentTables],
+                  indices: Sequence[int]) -> tuple[SegmentTables, np.ndarray | None]:
+    """One family's windows: at every range the fastest member that fits (the
+    first member where none fits), and which option index that is (None for a
+    single member)."""
+    if len(members) == 1:
+        return members[0], None
+    fits = np.stack([m.fits for m in members])
+    best = np.where(fits, np.stack([m.per_micro_batch_s for m in members]), INF).argmin(axis=0)
+    first = members[0]  # ZeRO traffic and optimizer step are the family's, whatever it recomputes
+    merged = replace(first, per_micro_batch_s=np.choose(best, [m.per_micro_batch_s for m in members]),
+                     back_s=np.choose(best, [m.back_s for m in members]), fits=fits.any(axis=0))
+    return merged, np.asarray(indices)[best]

@@ -47,6 +47,8 @@ import heapq
 import math
 from typing import Callable, Sequence
 
+import numpy as np
+
 from hetplan.search.metis.groups import DeviceGroup
 from hetplan.search.metis.stage_costs import Intra, MetisCosts
 
@@ -80,7 +82,7 @@ class Bounds:
         self._type_counts = sorted(counts.items())
         speed = {d.gpu.name: d.gpu.peak_flops_for(self.model.dtype_bytes) for d in self.cluster.devices}
         self._types_by_speed = sorted(self._type_counts, key=lambda item: (speed[item[0]], item[0]))
-        self._mem: dict[int, list[tuple[float, float]]] = {}
+        self._mem: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._cache: dict[tuple[object, ...], object] = {}
         self._stage_cache: dict[tuple[int, int, int], StageBound] = {}
         self._flights: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -91,16 +93,17 @@ class Bounds:
         self._gpus = [gpus[n] for n in sorted(gpus)]
 
     # --- memory ---------------------------------------------------------------------
-    def _layer_mem(self, tp: int) -> list[tuple[float, float]]:
-        """Per big layer: (least model-state bytes, activation bytes per sample) at
-        this tp — a tied layer counted as if its group's weight were already held."""
+    def _layer_mem(self, tp: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per big layer: least model-state bytes and activation bytes per sample
+        at this tp — a tied layer counted as if its group's weight were already held."""
         table = self._mem.get(tp)
         if table is None:
             k = self.kernel
             per_param = sum(self.costs.workload.state_bytes)
             params = k.params_per_device(tp) - k.tied_share(tp)
             act = k.activation_bytes(tp, "none", False)
-            table = self._mem[tp] = [(float(params[i]) * per_param, float(act[i])) for i in self.big]
+            big = list(self.big)
+            table = self._mem[tp] = (params[big] * per_param, act[big])
         return table
 
     def max_layers(self, tp: int, batch: int, in_flight: float, capacity: float) -> int:
@@ -111,15 +114,10 @@ class Bounds:
         key = (tp, batch, in_flight, capacity)
         value = self._hold.get(key)
         if value is None:
-            mems = sorted(s + a * batch * in_flight for s, a in self._layer_mem(tp))
-            budget = capacity - self.overhead
-            value = 0
-            for m in mems:
-                if m > budget:
-                    break
-                budget -= m
-                value += 1
-            self._hold[key] = value
+            states, act = self._layer_mem(tp)
+            used = np.cumsum(np.sort(states + act * (batch * in_flight)))
+            budget = (capacity - self.overhead) * (1 + 1e-9)  # slack: rounding must not tighten a bound
+            value = self._hold[key] = int(np.searchsorted(used, budget, side="right"))
         return value
 
     def max_layers_held(self, group: DeviceGroup, intra: Intra, in_flight: float) -> int:

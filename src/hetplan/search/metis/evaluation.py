@@ -227,9 +227,11 @@ class Evaluation:
             return None
         h = hs[i]
         a, b = bounds[i], bounds[i + 1]
-        hold = b - 1
-        while hold > a and not h.fits(a, hold, self.in_flight[i]):
-            hold -= 1
+        lo, hi = a, b  # the most layers [a, hold) that fit: memory only grows with more layers
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if h.fits(a, mid, self.in_flight[i]) else (lo, mid)
+        hold = lo
         if hold <= a:
             return None
         return self.layer_lb(hs, i + 1, tuple(bounds[:i + 1]) + (hold,))
