@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hetplan.errors import HetplanError
-from hetplan.model.spec import LayerSpec, ModelSpec
+from hetplan.model.spec import ModelSpec
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import numpy as np
 import pytest
@@ -11,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetplan.cluster.presets import get_cluster
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost import CostModel, Workload
 from hetplan.errors import HetplanError
-from hetplan.model.presets import get_model
+from hetplan.model.presets import get_model, gpt_decoder
 from hetplan.cost.stage import StageOption
 from hetplan.plan import Plan
 from hetplan.search.common.partition import (
@@ -23,6 +25,7 @@ from hetplan.search.common.partition import (
     fast_partition,
     reference_partition,
 )
+from hetplan.search.common import stage_partition
 from hetplan.search.common.stage_partition import PipelinePartitioner
 from hetplan.search.baselines.uniform import uniform_plan
 
@@ -216,3 +219,49 @@ def test_exact_partition_is_the_estimates_optimum(model: str, cluster: str, limi
     assert same(estimate.iteration_time_s, solution.iteration_s)
     assert same(solution.iteration_s, best)
     assert solution.lower_bound_s <= solution.iteration_s * (1 + 1e-12)
+
+
+def _tail_workload(rng: random.Random) -> Workload:
+    """Small GPTs on one-GPU nodes with slow links: every data-parallel pair
+    syncs over the network, so a later stage's sync often ends last."""
+    heads = rng.choice((8, 16))
+    model = gpt_decoder(f"t{rng.randrange(10**6)}", rng.randint(3, 6), heads * 128, heads, 512,
+                        vocab=rng.choice((8000, 50000)), tied_embeddings=rng.random() < 0.5)
+    nodes = tuple(NodeSpec(rng.choice(("V100-16GB", "T4", "A100-40GB")), 1, 300.0, 0.0, name=f"n{i}")
+                  for i in range(rng.choice((4, 6))))
+    return Workload(model, ClusterSpec(f"c{rng.randrange(10**6)}", nodes, rng.choice((1.0, 5.0, 25.0))),
+                    rng.choice((8, 16)))
+
+
+def test_dual_bounds_are_valid_and_tighter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without enumeration, the solver's bound (F' and the Lagrangian steps) is
+    at most the layout's optimum found by brute force, its answer at least
+    that optimum and equal to it when certified; more dual steps never lower
+    the bound, and on some layouts they raise it (a later stage's sync ends last)."""
+    monkeypatch.setattr(stage_partition, "BRUTE_FORCE_LIMIT", 0)
+    raised = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        workload = _tail_workload(rng)
+        cost = CostModel(workload)
+        dp, pp = 2, workload.cluster.num_devices // 2
+        u = rng.choice([u for u in (1, 2) if workload.global_batch_size % (dp * u) == 0])
+        base = uniform_plan(workload, dp, 1, pp, u)
+        options = [[StageOption(s.devices, dp, 1, s.dp_split, zero, recompute)
+                    for zero in (0, 3) for recompute in ("none", "full")] for s in base.stages]
+        partitioner = PipelinePartitioner(cost.kernel, base.micro_batch_size, base.num_micro_batches)
+        optimum = partitioner._brute_force(partitioner.tables(options))[2]
+        plain = partitioner.solve(options, dual_steps=0)
+        dual = partitioner.solve(options, dual_steps=6, stairs=None)
+        capped = partitioner.solve(options, dual_steps=3, stairs=1)
+        for solution in (plain, dual, capped):
+            assert solution is not None
+            assert solution.lower_bound_s <= optimum * (1 + 1e-9), seed
+            assert solution.iteration_s >= optimum * (1 - 1e-9), seed
+            if solution.certified:
+                assert same(solution.iteration_s, optimum), seed
+        assert dual.lower_bound_s >= plain.lower_bound_s * (1 - 1e-12), seed
+        assert dual.iteration_s <= plain.iteration_s * (1 + 1e-12), seed
+        raised += dual.lower_bound_s > plain.lower_bound_s * (1 + 1e-9)
+    
+    assert raised >= 1

@@ -53,10 +53,12 @@ from hetplan.search.common.partition import PartitionProblem
 from hetplan.search.common.placement import canonical_placements, count_canonical_placements, heuristic_placement
 from hetplan.search.common.stage_partition import PipelinePartitioner, PipelineSolution
 from hetplan.search.galvatron import get_variant
-from hetplan.search.metis import MetisPlanner
+from hetplan.search.metis import MetisOptions, MetisPlanner
 
 # Planners whose plans auto's own space does not contain: always run, their plans seed the pool.
-SOURCE_PLANNERS: tuple[Callable[[], Planner], ...] = (MetisPlanner, lambda: get_variant("galvatron-bmw"))
+# Metis without its exact-layer polish: auto solves every seed layout exactly anyway.
+SOURCE_PLANNERS: tuple[Callable[[], Planner], ...] = (lambda: MetisPlanner(MetisOptions(exact_layers=False)),
+                                                      lambda: get_variant("galvatron-bmw"))
 # Planners whose whole space auto's exact solve of AMP's layouts contains (uniform
 # plans, Megatron's, AMP's: heuristic placement, one (dp, tp), zero 0-3 without
 # sequence parallelism, which never costs less): run only when that containment
@@ -66,6 +68,7 @@ CONTAINED_PLANNERS: tuple[Callable[[], Planner], ...] = (UniformPlanner, Megatro
 SEEDS_PER_PLANNER = 3
 MAX_PLACEMENTS = 24  # placements up to symmetry per (pp, dp, tp) beyond the Megatron one
 MAX_SOLVES = 300  # exact layout solves per search (work budget)
+POLISH_DUAL_STEPS = 2  # dual steps of the best layout's second, exact solve
 ZERO_OPTIONS = (0, 2, 3)  # ZeRO-1 never beats ZeRO-2 in the cost model
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
 
@@ -104,7 +107,7 @@ class AutoStats:
     solves: int = 0  # exact layout solves
     certified: int = 0  # solves that are the layout's proven optimum
     budget_hit: bool = False
-    grid_uncertified: bool = False  # a layout of AMP's space was solved without a certificate
+    grid_uncertified: bool = False  # a layout of AMP's space may hold a plan faster than auto's best
     ran_contained: bool = False  # uniform/megatron/amp had to run as seeds
 
 
@@ -138,6 +141,8 @@ class _AutoSearch:
         self.pool: dict[tuple[object, ...], tuple[tuple[int, float, str], Plan]] = {}
         self.errors: list[str] = []
         self.best_s = math.inf
+        self._open_bounds: list[float] = []  # lower bounds of AMP-space layouts solved without a certificate
+        self._best_layout: tuple[float, Layout] | None = None  # the layout of the best uncertified solve
         self._floors: dict[tuple[object, ...], np.ndarray] = {}
 
     # --- the steps -------------------------------------------------------------------------
@@ -147,6 +152,7 @@ class _AutoSearch:
             seeds = self.seed(progress, self.planner.sources)
             progress.advance(note="exact layouts")
             self.solve_all(self.layouts(seeds))
+            self.polish_best()
             if stats.budget_hit or stats.grid_uncertified or not self.pool:
                 stats.ran_contained = True
                 self.seed(progress, self.planner.contained)
@@ -223,8 +229,24 @@ class _AutoSearch:
             solution = partitioner.solve(self.useful_options(layout), self.best_s)
             if solution is not None:
                 stats.certified += solution.certified
-                stats.grid_uncertified |= layout.source == GRID and not solution.certified
+                if layout.source == GRID and not solution.certified:
+                    self._open_bounds.append(solution.lower_bound_s)
+                if not solution.certified and solution.iteration_s <= self.best_s:
+                    self._best_layout = (solution.iteration_s, layout)
                 self.add(self.to_plan(layout, solution))
+        # a layout whose bound reaches the best plan holds nothing faster, certified or not
+        stats.grid_uncertified = any(bound < self.best_s * (1 - 1e-12) for bound in self._open_bounds)
+
+    def polish_best(self) -> None:
+        """Solve the layout of the best plan again with more dual steps and exact
+        staircases, when that plan came from an uncertified solve."""
+        if self._best_layout is None or self._best_layout[0] > self.best_s:
+            return
+        layout = self._best_layout[1]
+        partitioner = PipelinePartitioner(self.cost.kernel, layout.micro_batch_size, layout.num_micro_batches)
+        solution = partitioner.solve(self.useful_options(layout), self.best_s, POLISH_DUAL_STEPS, None)
+        if solution is not None:
+            self.add(self.to_plan(layout, solution))
 
     def _layer_floor(self, layout: Layout) -> np.ndarray:
         """(stages, layers): a time per layer and stage that no option undercuts —

@@ -275,6 +275,7 @@ class PartitionProblem:
         self.option_sums = self.option_times if self._extra is None else self.option_times + self._extra
         #: ``[j, x, y]``: the fastest allowed option's time (the only one when q = 1).
         self.window_times = self.option_times[:, 0] if self.num_options == 1 else self.option_times.min(axis=1)
+        self._by_end_cache: tuple[np.ndarray, np.ndarray] | None = None
 
     def restricted(self, allowed: np.ndarray) -> PartitionProblem:
         """The same problem with only the ``allowed`` cells usable (same shape as the times)."""
@@ -309,8 +310,9 @@ class PartitionProblem:
 
     def fits(self, boundaries: Sequence[int], options: Sequence[int] | None = None) -> bool:
         """Every stage within its memory limit (always true without limits)."""
-        b = self.check_boundaries(boundaries)
-        opts = self._options(options)
+        return self._fits(self.check_boundaries(boundaries), self._options(options))
+
+    def _fits(self, b: tuple[int, ...], opts: tuple[int, ...]) -> bool:
         return all(math.isfinite(self.option_times[self._cell(j, opts[j], b[j], b[j + 1])])
                    for j in range(self.num_stages))
 
@@ -325,14 +327,16 @@ class PartitionProblem:
 
     def evaluate(self, boundaries: Sequence[int], options: Sequence[int] | None = None) -> Partition:
         """The split's stage times and cost (``cost_s`` is inf if it does not fit)."""
-        b = self.check_boundaries(boundaries)
-        opts = self._options(options)
+        return self._evaluate(self.check_boundaries(boundaries), self._options(options))
+
+    def _evaluate(self, b: tuple[int, ...], opts: tuple[int, ...]) -> Partition:
+        """``evaluate`` of a split and options already checked (the solver's own)."""
         k = self.num_stages
         cells = [self._cell(j, opts[j], b[j], b[j + 1]) for j in range(k)]
         stage = tuple(float(self._raw[c]) for c in cells)
         sums = tuple(float(self.option_sums[c]) for c in cells)
         links = tuple(float(self.cut_times[j, b[j + 1]]) for j in range(k - 1))
-        cost = self._cost(stage, sums, links) if self.fits(b, opts) else INF
+        cost = self._cost(stage, sums, links) if self._fits(b, opts) else INF
         return Partition(b, cost, stage, links, opts)
 
     def cost(self, boundaries: Sequence[int], options: Sequence[int] | None = None) -> float:
@@ -351,13 +355,13 @@ class PartitionProblem:
         best = np.full(span, INF)  # best[x]: cost of stages < j covering layers [0, j + x)
         best[0] = 0.0
         args = np.empty((k, span), dtype=np.int64)
+        segments = self._segment_sums(bound)
         for j in range(k):
-            seg = self._segment_sums(j, bound)
             start = best if j == 0 else best + self.cut_times[j - 1, j:j + span]
-            total = start[:, None] + seg
-            arg = total.argmin(axis=0)
+            total = segments[j] + start  # [y, x]: stages < j end at x, stage j runs [j + x, j + 1 + y)
+            arg = total.argmin(axis=1)
             args[j] = arg
-            best = total[arg, columns]
+            best = total[columns, arg]
         if not math.isfinite(best[span - 1]):
             return None
         bounds = [n]
@@ -370,12 +374,25 @@ class PartitionProblem:
             bounds.append(j + x)
         return tuple(reversed(bounds)), tuple(reversed(options))
 
-    def _segment_sums(self, j: int, bound: float) -> np.ndarray:
-        """Stage j's least sum per (start, end) window over the options whose time is below the bound."""
-        sums = self.option_sums[j]
-        if bound != INF:
-            sums = np.where(self.option_times[j] < bound, sums, INF)
-        return sums[0] if self.num_options == 1 else sums.min(axis=0)
+    def _by_end(self) -> tuple[np.ndarray, np.ndarray]:
+        """Single-option problems: times and sums indexed ``[j, y, x]`` (end cell
+        first), contiguous — the DPs reduce over the start cell ``x``, and numpy
+        reduces fastest along the last axis. Built once per problem."""
+        if self._by_end_cache is None:
+            times = np.ascontiguousarray(self.option_times[:, 0].transpose(0, 2, 1))
+            sums = times if self.option_sums is self.option_times else \
+                np.ascontiguousarray(self.option_sums[:, 0].transpose(0, 2, 1))
+            self._by_end_cache = (times, sums)
+        return self._by_end_cache
+
+    def _segment_sums(self, bound: float) -> np.ndarray:
+        """``[j, y, x]``: stage j's least sum per window cell (end cell first)
+        over the options whose time is below the bound."""
+        if self.num_options == 1:
+            times, sums = self._by_end()
+            return sums if bound == INF else np.where(times < bound, sums, INF)
+        sums = self.option_sums if bound == INF else np.where(self.option_times < bound, self.option_sums, INF)
+        return np.ascontiguousarray(sums.min(axis=1).transpose(0, 2, 1))
 
     def _best_option(self, j: int, x: int, y: int, bound: float) -> int:
         """The option that achieves ``_segment_sums`` at one window cell (the first on ties)."""
@@ -389,10 +406,12 @@ class PartitionProblem:
     def min_bottleneck(self) -> float:
         """The smallest achievable max_j t_j over all splits that fit (inf: none)."""
         span = self.span
+        window = self._by_end()[0] if self.num_options == 1 else \
+            np.ascontiguousarray(self.window_times.transpose(0, 2, 1))  # [j, y, x]
         best = np.full(span, INF)
         best[0] = 0.0
         for j in range(self.num_stages):
-            best = np.maximum(best[:, None], self.window_times[j]).min(axis=0)
+            best = np.maximum(window[j], best).min(axis=1)
         return float(best[span - 1])
 
 
@@ -441,7 +460,7 @@ def fast_partition(problem: PartitionProblem) -> Partition | None:
     first = problem._min_sum(INF)
     if first is None:
         return None
-    best = problem.evaluate(*first)
+    best = first_part = problem._evaluate(*first)
     if w == 0 or problem.num_stages == 1 and problem.num_options == 1:
         return best
     floor = problem.min_bottleneck()
@@ -449,16 +468,16 @@ def fast_partition(problem: PartitionProblem) -> Partition | None:
     # the cheapest split among those with the smallest bottleneck: a good incumbent when m is large
     bottom = problem._min_sum(float(np.nextafter(floor, INF)))
     if bottom is not None:
-        candidate = problem.evaluate(*bottom)
+        candidate = problem._evaluate(*bottom)
         if candidate.cost_s < best.cost_s:
             best = candidate
     # invariant: no split with bottleneck >= bound beats ``best``
-    bound = min(problem.evaluate(*first).max_stage_s, (best.cost_s - top_sum) / w)
+    bound = min(first_part.max_stage_s, (best.cost_s - top_sum) / w)
     while bound > floor:
         split = problem._min_sum(bound)
         if split is None:
             break
-        current = problem.evaluate(*split)
+        current = problem._evaluate(*split)
         sum_part = current.cost_s - w * current.max_stage_s
         if sum_part + w * floor >= best.cost_s:
             break

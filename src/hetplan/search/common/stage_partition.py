@@ -14,21 +14,26 @@ front of it; ``o_j`` its optimizer step plus (ZeRO-1/2) the all-gather of its
 updated parameters (``cost/pipeline.py``). Every number comes from the
 kernel's segment tables (``StageCosts.tables``), the same ones ``estimate`` reads.
 
-The method. ``A_0 = 0``, so ``F >= F' = P + x_0 + max_j o_j``, and ``x_0``
-depends on stage 0's segment alone: it is an extra cost of stage 0 in the
-min-sum DP of ``fast_partition``. The step term is handled by a second
-staircase: for a bound ``Ō`` only segments with ``o < Ō`` are allowed; the
-best split under it has some ``O₁ < Ō``, and nothing with ``O`` in
-``[O₁, Ō)`` can beat it, so the next bound is ``O₁`` — until the constrained
-pipeline optimum plus the smallest achievable ``max o`` cannot beat the best
-``F'`` found. That gives the exact ``min F'``. When the best split's true ``F``
-equals its ``F'`` (stage 0's tail is the longest, as it almost always is: the
-other stages finish their backward pass earlier) it is the exact optimum of
-``F`` — *certified*; otherwise its ``F`` is within ``F − min F'`` of the
-optimum, and small instances are settled by enumerating every split. Larger
-ones are re-solved with every stage's tail, estimated from the previous
-answer, as an extra cost (a repair: only a faster ``F`` is kept; the reported
-bound stays ``min F'``).
+The method. Since ``x_j − A_j`` is the end of stage ``j``'s sync, for any
+weights ``λ ≥ 0`` summing to one, ``F >= L_λ = P + Σ_j λ_j (x_j − A_j) + max_j o_j``
+(a Lagrangian relaxation of the max). ``L_λ`` splits into per-stage and
+per-boundary costs: stage ``i`` adds ``λ_i x_i − Λ_i back_i`` to the sum and
+its boundary carries ``2 − Λ_i`` transfers, ``Λ_i = Σ_{j>i} λ_j``. So it is the
+min-sum DP of ``fast_partition`` with a sum-only extra per stage, and the
+step term is handled by a second staircase: for a bound ``Ō`` only segments
+with ``o < Ō`` are allowed; the best split under it has some ``O₁ < Ō``, and
+nothing with ``O`` in ``[O₁, Ō)`` can beat it, so the next bound is ``O₁`` —
+until the constrained pipeline optimum plus the smallest achievable
+``max o`` cannot beat the best found. That gives the exact ``min L_λ``: a lower
+bound on the layout's optimum, and splits whose true ``F`` is evaluated.
+
+``λ`` starts on stage 0 (``A_0 = 0``: ``L`` is ``F`` whenever stage 0's sync
+ends last, as it usually does — the other stages finish their backward pass
+earlier). When the answer's ``F`` does not reach the bound, another stage's
+sync ended last; ``λ`` moves toward that stage (a subgradient step on the
+dual, at most ``LAGRANGE_STEPS`` times). The layout's bound is the largest
+``min L_λ``, its answer the best ``F`` seen, *certified* when they meet. Small
+instances that stay uncertified are settled by enumerating every split.
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ from hetplan.search.common.partition import PartitionProblem, fast_partition
 INF = math.inf
 # Splits × option choices enumerated when the staircase cannot certify its answer.
 BRUTE_FORCE_LIMIT = 20_000
-# Re-solves with later stages' sync tails as costs when the answer is not certified.
-TAIL_REPAIRS = 1
+# Dual steps (module docstring) per layout when the answer is not certified.
+LAGRANGE_STEPS = 0
+# Pipeline solves per dual step's staircase before it settles for a bound (the first step is exact).
+STAIRS_PER_STEP = 3
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,10 @@ class PipelineSolution:
 class _Tables:
     """Every stage's options as (k, q, span, span) windows (``PartitionProblem``'s
     layout: ``[j, o, x, y]`` is layers ``[j + x, j + 1 + y)``), and the links.
-    ``families`` (merged tables only): the member options of each family
-    option; ``picks[j][o]``: which member each cell of it runs (None: its only member)."""
+    ``members[j][o]``: the windows of the options option ``o`` of stage ``j``
+    stands for (itself, or a recomputation family's members);
+    ``families``/``picks`` (merged tables only): the member option indices of
+    each family option and which member each cell runs (None: its only member)."""
 
     options: tuple[tuple[StageOption, ...], ...]
     per_mb: np.ndarray
@@ -88,9 +97,30 @@ class _Tables:
     optimizer: np.ndarray
     fits: np.ndarray
     p2p: np.ndarray  # (k-1, L+1): one-way transfer when the cut is at position c
-    extra: np.ndarray  # stage 0's tail x_0, zero elsewhere
+    members: tuple[tuple[tuple[SegmentTables, ...], ...], ...]
     families: tuple[tuple[tuple[int, ...], ...], ...] = ()
     picks: tuple[tuple[np.ndarray | None, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class _Relaxation:
+    """``L_λ`` (module docstring) as a partition objective: the sum-only extra
+    of every cell and the transfers each boundary carries."""
+
+    weights: np.ndarray  # λ per stage
+    extra: np.ndarray  # (k, q, span, span)
+    link_passes: np.ndarray  # (k-1,)
+
+
+@dataclass(frozen=True)
+class _Staircase:
+    """One staircase's answer: the best split by true ``F`` among those
+    visited, its ``F``, ``min L_λ``, and the split that attains it."""
+
+    best: tuple[tuple[int, ...], tuple[int, ...]]
+    true_f: float
+    lower_s: float
+    relaxed: tuple[tuple[int, ...], tuple[int, ...]]
 
 
 class PipelinePartitioner:
@@ -109,8 +139,8 @@ class PipelinePartitioner:
     # --- tables --------------------------------------------------------------------------
     def tables(self, options: Sequence[Sequence[StageOption]]) -> _Tables:
         """Every option of every stage, as one set of windows."""
-        return self._assemble(options, [[self._segment(j, len(options), o) for o in stage]
-                                        for j, stage in enumerate(options)])
+        segments = [[self._segment(j, len(options), o) for o in stage] for j, stage in enumerate(options)]
+        return self._assemble(options, segments, [[(t,) for t in stage] for stage in segments])
 
     def _segment(self, j: int, k: int, option: StageOption) -> SegmentTables:
         """Stage ``j``'s window (of ``k`` stages) of one option's kernel tables."""
@@ -118,6 +148,7 @@ class PipelinePartitioner:
         return self.kernel.stage(option).tables(in_flight, (j, self.kernel.num_layers - k + 1))
 
     def _assemble(self, options: Sequence[Sequence[StageOption]], segments: Sequence[Sequence[SegmentTables]],
+                  members: Sequence[Sequence[tuple[SegmentTables, ...]]],
                   families: tuple[tuple[tuple[int, ...], ...], ...] = (),
                   picks: Sequence[Sequence[np.ndarray | None]] = ()) -> _Tables:
         """Per-stage lists of windows stacked into (k, q, span, span) arrays
@@ -138,30 +169,59 @@ class PipelinePartitioner:
             rate = self.kernel.p2p_rate(options[j][0].devices, options[j + 1][0].devices)
             p2p[j, 1:n] = rate * output[:n - 1] * self.micro_batch_size
         return _Tables(tuple(tuple(o) for o in options), per_mb, back, sync, post, opt, fits, p2p,
-                       self._stage0_tail(sync, back, post), families, tuple(tuple(p) for p in picks))
-
-    def _stage0_tail(self, sync: np.ndarray, back: np.ndarray, post: np.ndarray) -> np.ndarray:
-        """The sum-only extra: stage 0's exposed gradient sync."""
-        extra = np.zeros(sync.shape)
-        extra[0] = exposed_grad_sync(sync[0], back[0], self.overlap)
-        return extra
+                       tuple(tuple(m) for m in members), families, tuple(tuple(p) for p in picks))
 
     def merged(self, options: Sequence[Sequence[StageOption]]) -> _Tables:
         """Options that differ only in recomputation merged into one *family* per
         stage, running at each layer range the fastest member that fits: members
-        of a family share their ZeRO traffic and optimizer step, and a member
-        that recomputes more is slower (stage 0's exposed sync shrinks by at
-        most 0.7 of the added backward time), so the family is at least as good
-        as each member at every range for the objective the staircase minimises."""
+        of a family share their ZeRO traffic and optimizer step and a member that
+        recomputes more is slower, so the family's time is the least of its
+        members' (the relaxation charges each cell its members' least cost)."""
         k = len(options)
         families = tuple(_families(stage) for stage in options)
-        segments, picks = [], []
+        segments, members, picks = [], [], []
         for j, (stage, stage_families) in enumerate(zip(options, families)):
-            merged = [_merge_family([self._segment(j, k, stage[i]) for i in family], family)
-                      for family in stage_families]
+            stage_members = [tuple(self._segment(j, k, stage[i]) for i in family) for family in stage_families]
+            merged = [_merge_family(m, family) for m, family in zip(stage_members, stage_families)]
             segments.append([m[0] for m in merged])
             picks.append([m[1] for m in merged])
-        return self._assemble(options, segments, families, picks)
+            members.append(stage_members)
+        return self._assemble(options, segments, members, families, picks)
+
+    # --- the relaxation ---------------------------------------------------------------------
+    def relaxation(self, tables: _Tables, weights: np.ndarray) -> _Relaxation:
+        """``L_λ`` for these weights: per cell the least over the members that
+        fit of ``t + λ_i x_i − Λ_i back_i``, as an extra over the cell's time
+        (the bottleneck term takes the least ``t``; both under-estimate, so the
+        minimum stays a lower bound)."""
+        k = len(weights)
+        after = np.concatenate([np.cumsum(weights[::-1])[::-1][1:], [0.0]])  # Λ_i = Σ_{j>i} λ_j
+        extra = np.zeros(tables.per_mb.shape)
+        for i in range(k):
+            if weights[i] == 0.0 and after[i] == 0.0:
+                continue
+            for o, family in enumerate(tables.members[i]):
+                value = np.full(tables.per_mb.shape[2:], INF)
+                for m in family:
+                    exposed = exposed_grad_sync(m.grad_sync_s, m.back_s, self.overlap)
+                    cost = m.per_micro_batch_s + weights[i] * exposed - after[i] * m.back_s
+                    value = np.minimum(value, np.where(m.fits, cost, INF))
+                time = tables.per_mb[i, o]
+                extra[i, o] = np.where(np.isfinite(time) & np.isfinite(value), value - np.where(
+                    np.isfinite(time), time, 0.0), 0.0)
+        return _Relaxation(weights, extra, P2P_PASSES - after[:k - 1])
+
+    def _last_tail(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> int:
+        """The stage whose gradient sync ends last in this split (``iteration_time``'s ``finish``)."""
+        cells = [(j, o, bounds[j] - j, bounds[j + 1] - j - 1) for j, o in enumerate(choice)]
+        ahead, last, latest = 0.0, 0, -INF
+        for j, cell in enumerate(cells):
+            if j > 0:
+                ahead += float(tables.back[cells[j - 1]]) + float(tables.p2p[j - 1, bounds[j]])
+            end = float(exposed_grad_sync(float(tables.sync[cell]), float(tables.back[cell]), self.overlap)) - ahead
+            if end > latest:
+                last, latest = j, end
+        return last
 
     # --- the true objective ---------------------------------------------------------------------
     def iteration_s(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> float:
@@ -175,79 +235,85 @@ class PipelinePartitioner:
         return iteration_time(times, p2p, tails, self.num_micro_batches, self.overlap).total_s
 
     # --- solving --------------------------------------------------------------------------------
-    def solve(self, options: Sequence[Sequence[StageOption]], incumbent: float = INF) -> PipelineSolution | None:
+    def solve(self, options: Sequence[Sequence[StageOption]], incumbent: float = INF,
+              dual_steps: int = LAGRANGE_STEPS, stairs: int | None = STAIRS_PER_STEP) -> PipelineSolution | None:
         """The best split and options of one layout (None: nothing fits, or
-        nothing of the layout can be faster than ``incumbent``)."""
-        if len(options) > self.kernel.num_layers:
+        nothing of the layout can be faster than ``incumbent``). ``dual_steps``
+        and ``stairs`` (None: exact) set the work spent when the first answer is
+        not certified (module docstring)."""
+        k = len(options)
+        if k > self.kernel.num_layers:
             return None
         tables = self.merged(options)
-        found = self._staircase(tables, incumbent)
-        if found is None:
-            return None
-        (bounds, choice), true_f, lower = found
+        weights = np.zeros(k)
+        weights[0] = 1.0
+        best: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        true_f, lower = INF, -INF
+        for step in range(dual_steps + 1):
+            # only what beats both the incumbent and this layout's best so far matters
+            found = self._staircase(tables, self.relaxation(tables, weights), min(incumbent, true_f),
+                                    stairs if step else None)
+            if found is None:  # nothing fits, or no split's L comes under the incumbent
+                if best is None:
+                    return None
+                lower = max(lower, min(incumbent, true_f))
+                break
+            lower = max(lower, found.lower_s)
+            if found.true_f < true_f:
+                best, true_f = found.best, found.true_f
+            if true_f <= lower * (1 + 1e-12) or lower >= incumbent:
+                break
+            last = self._last_tail(tables, *found.relaxed)  # a subgradient: move λ toward it
+            weights = weights * (1 - 1 / (step + 2))
+            weights[last] += 1 / (step + 2)
+        assert best is not None
         if true_f <= lower * (1 + 1e-12):
-            return PipelineSolution(self._stages(tables, bounds, choice), true_f, lower, True)
+            return PipelineSolution(self._stages(tables, *best), true_f, lower, True)
         if self._enumerable(options):
             members = self.tables(options)
             bounds, choice, true_f = self._brute_force(members)
             return PipelineSolution(self._stages(members, bounds, choice), true_f, true_f, True)
-        for _ in range(TAIL_REPAIRS if lower < incumbent else 0):
-            repaired = self._staircase(self._with_tails(tables, bounds, choice), incumbent)
-            if repaired is None:
-                break
-            (b, c), _, _ = repaired
-            f = self.iteration_s(tables, b, c)
-            if f >= true_f * (1 - 1e-12):
-                break
-            bounds, choice, true_f = b, c, f
-        return PipelineSolution(self._stages(tables, bounds, choice), true_f, lower, False)
+        return PipelineSolution(self._stages(tables, *best), true_f, lower, False)
 
-    def _with_tails(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> _Tables:
-        """The tables with every later stage's sync tail as an extra cost, taking
-        the backward passes in front of it from a previous solution (a heuristic
-        repair when stage 0's tail is not the longest; ``F`` decides)."""
-        extra = tables.extra.copy()
-        ahead = 0.0
-        for j in range(1, len(choice)):
-            cell = (j - 1, choice[j - 1], bounds[j - 1] - (j - 1), bounds[j] - j)
-            ahead += float(tables.back[cell]) + float(tables.p2p[j - 1, bounds[j]])
-            exposed = exposed_grad_sync(tables.sync[j], tables.back[j], self.overlap)
-            extra[j] = np.maximum(exposed - ahead, 0.0)
-        return replace(tables, extra=extra)
-
-    def _staircase(self, tables: _Tables, incumbent: float = INF) \
-            -> tuple[tuple[tuple[int, ...], tuple[int, ...]], float, float] | None:
-        """Exact ``min F'`` (module docstring), with the true ``F`` of the best
-        split visited; returns ((bounds, options), F, min F'). Stops early (and
-        may return None) once nothing left can beat ``incumbent``."""
+    def _staircase(self, tables: _Tables, relaxation: _Relaxation, incumbent: float = INF,
+                   max_stairs: int | None = None) -> _Staircase | None:
+        """Exact ``min L_λ`` (module docstring), with the true ``F`` of the best
+        split visited. Stops early (and may return None) once nothing left can
+        beat ``incumbent``; after ``max_stairs`` pipeline solves it returns a
+        lower bound on ``min L_λ`` instead (every split not yet excluded costs
+        at least the last constrained optimum plus the least step)."""
         m = self.num_micro_batches
-        cuts = P2P_PASSES * tables.p2p[:, 1:-1] if len(tables.p2p) else None
+        cuts = relaxation.link_passes[:, None] * tables.p2p[:, 1:-1] if len(tables.p2p) else None
         step = tables.optimizer + tables.post  # what each stage does after the global sync
         floor = PartitionProblem.from_windows(step, 1, None, tables.fits).min_bottleneck()
         if not math.isfinite(floor):
             return None
-        best_f_prime, best_true, best = INF, INF, None
+        best_l, best_true, best, relaxed = INF, INF, None, None
         bound = INF
-        base = PartitionProblem.from_windows(tables.per_mb, m, cuts, tables.fits, tables.extra)
-        while True:
+        base = PartitionProblem.from_windows(tables.per_mb, m, cuts, tables.fits, relaxation.extra)
+        for stair in itertools.count():
             problem = base.restricted(tables.fits & (step < bound)) if math.isfinite(bound) else base
             part = fast_partition(problem)
-            if part is None or part.cost_s + floor >= best_f_prime:
+            if part is None or part.cost_s + floor >= best_l:
+                break
+            if max_stairs is not None and stair >= max_stairs:  # give up exactness, keep a valid bound
+                best_l = part.cost_s + floor
                 break
             if part.cost_s + floor >= incumbent:  # what is left cannot beat the incumbent
-                best_f_prime = min(best_f_prime, incumbent)
+                best_l = min(best_l, incumbent)
                 break
             cells = [(j, o, a - j, b - j - 1) for j, (o, a, b) in enumerate(zip(part.options, part.boundaries,
                                                                                part.boundaries[1:]))]
             largest_step = max(float(step[c]) for c in cells)
-            best_f_prime = min(best_f_prime, part.cost_s + largest_step)
+            if part.cost_s + largest_step < best_l:
+                best_l, relaxed = part.cost_s + largest_step, (part.boundaries, part.options)
             true_f = self.iteration_s(tables, part.boundaries, part.options)
             if true_f < best_true:
                 best_true, best = true_f, (part.boundaries, part.options)
             bound = largest_step
-        if best is None:
+        if best is None or relaxed is None:
             return None
-        return best, best_true, best_f_prime
+        return _Staircase(best, best_true, best_l, relaxed)
 
     def _enumerable(self, options: Sequence[Sequence[StageOption]]) -> bool:
         k, q = len(options), max(len(o) for o in options)

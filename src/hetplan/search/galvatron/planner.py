@@ -6,8 +6,8 @@ Three levels, as the paper compares them:
 * ``galvatron`` — Galvatron-Base without activation checkpointing.
 * ``galvatron-base`` (Alg. 1) — for every PP degree P, the even pipeline
   partition; per stage the decision-tree strategies (DP, SDP, TP, CKPT; see
-  ``galvatron_space``) and the dynamic program under the memory budget (see
-  ``galvatron_dp``); around it the batch-size loop: grow the global batch
+  ``galvatron.space``) and the dynamic program under the memory budget (see
+  ``galvatron.dp``); around it the batch-size loop: grow the global batch
   until no strategy fits, keep the best throughput.
 * ``galvatron-bmw`` (Alg. 2) — the same, plus the bi-objective pipeline
   partition: start from the memory-balanced partition (1F1B keeps more

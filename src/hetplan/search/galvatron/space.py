@@ -143,15 +143,16 @@ def decision_trees(n: int, paradigms: tuple[str, ...] = PARADIGMS, ckpt_choices:
     return [TreeStrategy(levels, ckpt) for ckpt in ckpt_choices for levels in trees]
 
 
-def pp_degrees(num_devices: int, num_layers: int, any_divisor: bool = True) -> list[int]:
+def pp_degrees(num_devices: int, num_layers: int | None = None, any_divisor: bool = True) -> list[int]:
     """PP degrees Galvatron tries: powers of two up to N (Alg. 1 line 4) and,
-    beyond the paper, every other divisor of N; never more stages than layers."""
+    beyond the paper, every other divisor of N; never more stages than layers
+    (``None``: no layer limit)."""
     if any_divisor:
         degrees = [p for p in range(1, num_devices + 1) if num_devices % p == 0]
     else:
         degrees = [p for p in _degrees(num_devices, True) if num_devices % p == 0]
         degrees = [1] + degrees
-    return [p for p in degrees if p <= num_layers]
+    return [p for p in degrees if num_layers is None or p <= num_layers]
 
 
 def strategy_count(num_devices: int, ckpt: bool = True, takeaway3: bool = True,
@@ -159,7 +160,7 @@ def strategy_count(num_devices: int, ckpt: bool = True, takeaway3: bool = True,
     """Per-layer candidate strategies over all PP degrees (the paper's count:
     68 for 8 GPUs before Takeaway #3, 44 after, 22 without CKPT)."""
     total = 0
-    for p in pp_degrees(num_devices, 1 << 30, any_divisor=False):
+    for p in pp_degrees(num_devices, any_divisor=False):
         total += len(decision_trees(num_devices // p, paradigms, (False, True) if ckpt else (False,), takeaway3))
     return total
 

@@ -109,11 +109,11 @@ class MetisOptions:
             falling back to the analytic estimate when the workload's profile
             lacks an entry.
         prune: skip mappings that provably cannot come within ``prune_slack``
-            of the best cost found so far (``metis_bounds``); this does not
+            of the best cost found so far (``metis.bounds``); this does not
             change the best plan by Metis's cost.
         prune_slack: relative margin kept for the shared cost model's re-ranking.
         exact_layers: polish the layer boundaries of the returned plans with
-            the exact pipeline partition (``search.partition``) for their own
+            the exact pipeline partition (``common.stage_partition``) for their own
             stages and intra-stage plans (off: the paper's proportional
             balancing only).
     """
