@@ -26,7 +26,7 @@ group's collective is cached as a rate and applied to any byte count
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Generic, Sequence, TypeVar
 
 import numpy as np
@@ -61,6 +61,7 @@ class _TimeClass:
     rec: np.ndarray
     tpc: np.ndarray
     total: np.ndarray
+    total_list: list[float] = field(compare=False, repr=False)  # ``total`` for fast scalar lookups
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,8 @@ class CostKernel:
             t = self.layer_times(gpu, share, tp, recompute, sequence_parallel)
             tpc = self.tp_comm_bytes(recompute) * share * tp_rate if share > 0 else np.zeros(self.num_layers)
             parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s, tpc)]
-            found = self._time_classes[key] = _TimeClass(*parts, total=parts[0] + parts[1] + parts[2] + parts[3])
+            total = parts[0] + parts[1] + parts[2] + parts[3]
+            found = self._time_classes[key] = _TimeClass(*parts, total=total, total_list=total.tolist())
         return found
 
     def activation_prefix(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:

@@ -99,14 +99,29 @@ class SegmentTiming:
 @dataclass(frozen=True)
 class SegmentTables:
     """Every ``[a, b)`` of one StageCosts at once: ``(L+1) x (L+1)`` matrices,
-    meaningful where ``a < b`` (elsewhere time is inf and ``fits`` False)."""
+    meaningful where ``a < b`` (elsewhere time is inf and ``fits`` False). The
+    per-step terms are proportional to the parameters held, so they are kept as
+    rates on the kernel's shared held-parameter matrix (less memory per table)."""
 
     per_micro_batch_s: np.ndarray
     back_s: np.ndarray
-    grad_sync_s: np.ndarray
-    post_step_s: np.ndarray
-    optimizer_s: np.ndarray
+    held: np.ndarray  # parameters held per device (a view of the kernel's matrix)
+    sync_per_param: float
+    post_per_param: float
+    optimizer_per_param: float
     fits: np.ndarray
+
+    @property
+    def grad_sync_s(self) -> np.ndarray:
+        return self.held * self.sync_per_param
+
+    @property
+    def post_step_s(self) -> np.ndarray:
+        return self.held * self.post_per_param
+
+    @property
+    def optimizer_s(self) -> np.ndarray:
+        return self.held * self.optimizer_per_param
 
 
 class StageCosts:
@@ -121,6 +136,7 @@ class StageCosts:
         self.num_layers = kernel.num_layers
         self._layout = kernel.layout(option.devices, option.dp, option.tp, option.split)
         self._layer_totals: np.ndarray | None = None
+        self._fits: dict[tuple[int, int, float], bool] = {}
         self._build_time_classes()
         self._build_comm()
         self._build_memory()
@@ -155,6 +171,10 @@ class StageCosts:
         self._work = k.recompute_working_bytes(o.tp, o.recompute, o.sequence_parallel) if o.recompute == "full" \
             else None
         self._gathered = k.params_per_device(o.tp) * k.weight_bytes if o.zero >= 3 and o.dp > 1 else None
+        self._act_list = self._act.tolist()  # scalar lookups (one range) are faster on lists
+        self._work_max = None if self._work is None else \
+            k.range_max_matrix(self._work, ("work", o.tp, o.sequence_parallel))
+        self._gathered_max = None if self._gathered is None else k.range_max_matrix(self._gathered, ("gathered", o.tp))
         self._memory_classes = self._layout.memory_classes
         self._device_class = self._layout.device_class
         self._use_profile = (k.memory_profile is not None and o.zero == 0 and o.recompute == "none"
@@ -179,7 +199,10 @@ class StageCosts:
     def per_micro_batch(self, a: int, b: int) -> float:
         """Time of one micro-batch through layers [a, b) (fast path of ``timing``)."""
         if self._gather == 0.0:
-            return max(float(c.total[b] - c.total[a]) for c in self._classes)
+            if len(self._classes) == 1:
+                total = self._classes[0].total_list
+                return total[b] - total[a]
+            return max(c.total_list[b] - c.total_list[a] for c in self._classes)
         return self.timing(a, b).per_micro_batch_s
 
     def layer_totals(self) -> np.ndarray:
@@ -207,9 +230,9 @@ class StageCosts:
     def _memory_line(self, a: int, b: int, in_flight: float, overhead: float) -> tuple[float, float]:
         """The analytic peak is linear in the replica's samples: (bytes at 0, bytes per sample)."""
         states = self.kernel.held_params(self.option.tp, a, b) * self._state_per_param
-        work = float(self._work[a:b].max()) if self._work is not None else 0.0
-        gathered = float(self._gathered[a:b].max()) if self._gathered is not None else 0.0
-        act = float(self._act[b] - self._act[a])
+        work = float(self._work_max[a, b]) if self._work_max is not None else 0.0
+        gathered = float(self._gathered_max[a, b]) if self._gathered_max is not None else 0.0
+        act = self._act_list[b] - self._act_list[a]
         fixed = float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead))
         return fixed, float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0))
 
@@ -248,8 +271,14 @@ class StageCosts:
         return [int(per_class[c]) for c in self._device_class]
 
     def fits(self, a: int, b: int, in_flight: float) -> bool:
-        """Every GPU of the stage holds layers [a, b) and its micro-batches."""
-        return all(m <= c.capacity for m, c in zip(self.class_memory(a, b, in_flight), self._memory_classes))
+        """Every GPU of the stage holds layers [a, b) and its micro-batches
+        (memoised: searches such as Metis's DFS ask about the same ranges again)."""
+        key = (a, b, in_flight)
+        found = self._fits.get(key)
+        if found is None:
+            found = self._fits[key] = all(m <= c.capacity for m, c in zip(self.class_memory(a, b, in_flight),
+                                                                          self._memory_classes))
+        return found
 
     # --- every range at once ----------------------------------------------------------------------
     def tables(self, in_flight: float, window: tuple[int, int] | None = None) -> SegmentTables:
@@ -284,8 +313,8 @@ class StageCosts:
         held = self.kernel.held_params_matrix(self.option.tp)[rows, cols]
         per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather, held * self._scatter) \
             if self._gather else fwd + back + tpc  # no ZeRO-3 traffic: nothing to expose
-        return SegmentTables(np.where(valid, per_mb, np.inf), back, held * self._sync, held * self._post,
-                             held * self._optimizer, valid)
+        return SegmentTables(np.where(valid, per_mb, np.inf), back, held, self._sync, self._post, self._optimizer,
+                             valid)
 
     def _fits_table(self, in_flight: float, window: tuple[int, int] | None) -> np.ndarray:
         rows, cols = self._cells(window)
@@ -314,7 +343,6 @@ class StageCosts:
         return fwd, back, take([c.tpc for c in self._classes])
 
     def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice) -> np.ndarray:
-        k, o = self.kernel, self.option
         ok = np.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=bool)
         if self._use_profile:
             for x, a in enumerate(range(rows.start, rows.stop)):
@@ -323,10 +351,8 @@ class StageCosts:
             return ok
         states = held * self._state_per_param
         act = self._act[cols][None, :] - self._act[rows][:, None]
-        work = k.range_max_matrix(self._work, ("work", o.tp, o.sequence_parallel))[rows, cols] \
-            if self._work is not None else 0.0
-        gathered = k.range_max_matrix(self._gathered, ("gathered", o.tp))[rows, cols] \
-            if self._gathered is not None else 0.0
+        work = self._work_max[rows, cols] if self._work_max is not None else 0.0
+        gathered = self._gathered_max[rows, cols] if self._gathered_max is not None else 0.0
         for c in self._memory_classes:
             peak = peak_memory_bytes(states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead)
             ok &= peak <= c.capacity

@@ -57,8 +57,10 @@ from hetplan.search.metis import MetisOptions, MetisPlanner
 
 # Planners whose plans auto's own space does not contain: always run, their plans seed the pool.
 # Metis without its exact-layer polish: auto solves every seed layout exactly anyway.
-SOURCE_PLANNERS: tuple[Callable[[], Planner], ...] = (lambda: MetisPlanner(MetisOptions(exact_layers=False)),
-                                                      lambda: get_variant("galvatron-bmw"))
+# (Galvatron-BMW runs whole: its per-layer strategies are outside auto's exact space.)
+SOURCE_PLANNERS: tuple[Callable[[], Planner], ...] = (
+    lambda: MetisPlanner(MetisOptions(exact_layers=False)),
+    lambda: get_variant("galvatron-bmw"))
 # Planners whose whole space auto's exact solve of AMP's layouts contains (uniform
 # plans, Megatron's, AMP's: heuristic placement, one (dp, tp), zero 0-3 without
 # sequence parallelism, which never costs less): run only when that containment
