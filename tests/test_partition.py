@@ -252,8 +252,8 @@ def test_dual_bounds_are_valid_and_tighter(monkeypatch: pytest.MonkeyPatch) -> N
         partitioner = PipelinePartitioner(cost.kernel, base.micro_batch_size, base.num_micro_batches)
         optimum = partitioner._brute_force(partitioner.tables(options))[2]
         plain = partitioner.solve(options, dual_steps=0)
-        dual = partitioner.solve(options, dual_steps=6, stairs=None)
-        capped = partitioner.solve(options, dual_steps=3, stairs=1)
+        dual = partitioner.solve(options, dual_steps=6, stairs=None, dual_gap=0.0)
+        capped = partitioner.solve(options, dual_steps=3, stairs=1, dual_gap=0.0)
         for solution in (plain, dual, capped):
             assert solution is not None
             assert solution.lower_bound_s <= optimum * (1 + 1e-9), seed

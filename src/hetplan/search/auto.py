@@ -246,7 +246,7 @@ class _AutoSearch:
             return
         layout = self._best_layout[1]
         partitioner = PipelinePartitioner(self.cost.kernel, layout.micro_batch_size, layout.num_micro_batches)
-        solution = partitioner.solve(self.useful_options(layout), self.best_s, POLISH_DUAL_STEPS, None)
+        solution = partitioner.solve(self.useful_options(layout), self.best_s, POLISH_DUAL_STEPS, None, 0.0)
         if solution is not None:
             self.add(self.to_plan(layout, solution))
 

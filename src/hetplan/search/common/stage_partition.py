@@ -31,7 +31,9 @@ bound on the layout's optimum, and splits whose true ``F`` is evaluated.
 ends last, as it usually does — the other stages finish their backward pass
 earlier). When the answer's ``F`` does not reach the bound, another stage's
 sync ended last; ``λ`` moves toward that stage (a subgradient step on the
-dual, at most ``LAGRANGE_STEPS`` times). The layout's bound is the largest
+dual; at most ``LAGRANGE_STEPS`` times, and only while the answer is more than
+``DUAL_GAP`` above the bound — callers that want a close answer, like auto's
+polish of its best layout, ask for more). The layout's bound is the largest
 ``min L_λ``, its answer the best ``F`` seen, *certified* when they meet. Small
 instances that stay uncertified are settled by enumerating every split.
 """
@@ -58,7 +60,10 @@ INF = math.inf
 # Splits × option choices enumerated when the staircase cannot certify its answer.
 BRUTE_FORCE_LIMIT = 20_000
 # Dual steps (module docstring) per layout when the answer is not certified.
-LAGRANGE_STEPS = 0
+LAGRANGE_STEPS = 3
+# Dual steps are taken while the answer is this far above the bound (small gaps are
+# left: the steps cost a staircase each and rarely change a plan that close).
+DUAL_GAP = 1.0
 # Pipeline solves per dual step's staircase before it settles for a bound (the first step is exact).
 STAIRS_PER_STEP = 3
 
@@ -236,11 +241,13 @@ class PipelinePartitioner:
 
     # --- solving --------------------------------------------------------------------------------
     def solve(self, options: Sequence[Sequence[StageOption]], incumbent: float = INF,
-              dual_steps: int = LAGRANGE_STEPS, stairs: int | None = STAIRS_PER_STEP) -> PipelineSolution | None:
+              dual_steps: int = LAGRANGE_STEPS, stairs: int | None = STAIRS_PER_STEP,
+              dual_gap: float = DUAL_GAP) -> PipelineSolution | None:
         """The best split and options of one layout (None: nothing fits, or
         nothing of the layout can be faster than ``incumbent``). ``dual_steps``
         and ``stairs`` (None: exact) set the work spent when the first answer is
-        not certified (module docstring)."""
+        not certified, and only while it is more than ``dual_gap`` above the
+        bound (module docstring)."""
         k = len(options)
         if k > self.kernel.num_layers:
             return None
@@ -261,7 +268,7 @@ class PipelinePartitioner:
             lower = max(lower, found.lower_s)
             if found.true_f < true_f:
                 best, true_f = found.best, found.true_f
-            if true_f <= lower * (1 + 1e-12) or lower >= incumbent:
+            if true_f <= lower * (1 + max(dual_gap, 1e-12)) or lower >= incumbent:
                 break
             last = self._last_tail(tables, *found.relaxed)  # a subgradient: move λ toward it
             weights = weights * (1 - 1 / (step + 2))
