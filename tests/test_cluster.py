@@ -23,6 +23,24 @@ def test_catalog_has_cited_specs(name: str) -> None:
     assert gpu.memory_bandwidth_bytes_per_s > 1e11 and "datasheet" in gpu.source.lower() or "whitepaper" in gpu.source
 
 
+def test_catalog_measured_and_power_numbers() -> None:
+    # shared/calibration/hardware_specs.json: best-shape bf16 matmuls reach 271.2 of 312 TF on an
+    # A100-80GB and 794.5 of 989 on an H100 (MAMF); FP8 only from Hopper and Ada; board power (TDP)
+    assert get_gpu("A100-80GB").matmul_efficiency == pytest.approx(0.8692, abs=1e-4)
+    assert get_gpu("H100").matmul_efficiency == pytest.approx(0.8033, abs=1e-4)
+    assert get_gpu("T4").matmul_efficiency == 0  # not measured: the cost model's default
+    assert get_gpu("H100").peak_flops_fp8 == get_gpu("H200").peak_flops_fp8 == 1979e12
+    assert get_gpu("L4").peak_flops_fp8 == 242.5e12 and get_gpu("RTX-4090").peak_flops_fp8 == 330.3e12
+    assert all(get_gpu(g).peak_flops_fp8 == 0 for g in ("V100-16GB", "T4", "A100-80GB", "A10", "RTX-3090"))
+    assert get_gpu("A100-80GB").peak_flops_tf32 == 156e12 and get_gpu("T4").peak_flops_tf32 == 0
+    assert [get_gpu(g).tdp_w for g in ("V100-16GB", "T4", "A100-80GB", "H100", "L4", "RTX-4090")] == \
+        [300, 70, 400, 700, 72, 450]
+    for name in REQUIRED_GPUS:
+        gpu = get_gpu(name)
+        assert gpu.tdp_w > 0 and gpu.catalog_name == name and 0 <= gpu.matmul_efficiency < 1
+        assert gpu.peak_flops_fp8 in (0, pytest.approx(2 * gpu.peak_flops, rel=0.01))
+
+
 def test_gpu_aliases() -> None:
     assert get_gpu("a100").name == "A100-40GB"
     assert get_gpu("titan rtx").name == "RTX-TITAN"
@@ -88,6 +106,10 @@ def test_yaml_round_trip_with_matrix(tmp_path) -> None:  # type: ignore[no-untyp
      "must be positive"),
     ("nodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, count: 2}", "no 'inter_node_bandwidth_gbps'"),
     ("nodes:\n  - {gpu: T4, gpus: 2.5, intra_node_bandwidth_gbps: 5}", "whole numbers"),
+    ("nodes:\n  - {gpu: T4, gpus: .nan, intra_node_bandwidth_gbps: 5}", "gpus must be a finite number"),
+    ("inter_node_bandwidth_gbps: .inf\nnodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, count: 2}",
+     "inter_node_bandwidth_gbps must be a finite number, got inf"),
+    ("nodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, memory_gb: .nan}", "memory_gb must be a finite"),
     ("nodes:\n  - {gpu: T4, gpus: 2, intra_node_bandwidth_gbps: 5}\nbandwidth_matrix_gbps: [[0, 1]]", "2x2"),
 ])
 def test_bad_yaml_gives_one_clear_line(tmp_path, text: str, message: str) -> None:  # type: ignore[no-untyped-def]

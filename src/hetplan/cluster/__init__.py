@@ -2,8 +2,8 @@
 
 import os
 
-from hetplan.cluster.catalog import GPU_CATALOG, GPUSpec, get_gpu
-from hetplan.cluster.io import cluster_from_dict, dump_cluster_yaml, load_cluster_yaml
+from hetplan.cluster.catalog import GPU_CATALOG, GPUSpec, get_gpu, power_capped
+from hetplan.cluster.io import cluster_from_dict, cluster_to_dict, dump_cluster_yaml, load_cluster_yaml
 from hetplan.cluster.presets import cluster_descriptions, cluster_names, get_cluster
 from hetplan.cluster.spec import ClusterSpec, Device, NodeSpec
 
@@ -16,7 +16,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
 
 
 __all__ = [
-    "GPU_CATALOG", "GPUSpec", "get_gpu", "ClusterSpec", "NodeSpec", "Device",
-    "load_cluster", "load_cluster_yaml", "cluster_from_dict", "dump_cluster_yaml",
+    "GPU_CATALOG", "GPUSpec", "get_gpu", "power_capped", "ClusterSpec", "NodeSpec", "Device",
+    "load_cluster", "load_cluster_yaml", "cluster_from_dict", "cluster_to_dict", "dump_cluster_yaml",
     "get_cluster", "cluster_names", "cluster_descriptions",
 ]

@@ -10,11 +10,12 @@ overrides everything when given.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
-from hetplan.cluster.catalog import GPUSpec, get_gpu
+from hetplan.cluster.catalog import GPUSpec, get_gpu, normalise_gpu_name
 from hetplan.errors import HetplanError
 from hetplan.units import gbps_to_bytes_per_s
 
@@ -24,37 +25,62 @@ class NodeSpec:
     """A machine with ``num_gpus`` GPUs of one type.
 
     Attributes:
-        gpu_type: catalog name (see ``hetplan.cluster.catalog``).
+        gpu_type: the GPU: a catalog name (see ``hetplan.cluster.catalog``) or a
+            GPUSpec (a type a cluster file defines); after construction, the
+            type's name.
         num_gpus: GPUs in this node.
         intra_bandwidth_gbps: GPU-to-GPU bandwidth inside the node, per direction.
         inter_bandwidth_gbps: this node's network bandwidth to other nodes;
             0 means the cluster-wide default.
-        memory_bytes: per-GPU memory override (0 = catalog value).
+        memory_bytes: per-GPU memory override (0 = the GPU type's value).
         name: label used in reports.
+        gpu_spec: the resolved GPU type (set from ``gpu_type`` when not given);
+            compared with the rest, so two nodes of differently capped or tuned
+            GPUs never compare equal.
     """
 
-    gpu_type: str
+    gpu_type: str | GPUSpec
     num_gpus: int
     intra_bandwidth_gbps: float
     inter_bandwidth_gbps: float = 0.0
     memory_bytes: int = 0
     name: str = ""
+    gpu_spec: GPUSpec | None = None
 
     def __post_init__(self) -> None:
-        get_gpu(self.gpu_type)  # raises a clear error for unknown types
+        spec = self._resolve_gpu()
+        object.__setattr__(self, "gpu_type", spec.name)
+        object.__setattr__(self, "gpu_spec", spec)
+        label = self.name or spec.name
         if self.num_gpus <= 0:
-            raise HetplanError(f"node {self.name or self.gpu_type!r}: num_gpus must be positive")
-        if self.intra_bandwidth_gbps <= 0:
+            raise HetplanError(f"node {label!r}: num_gpus must be positive")
+        if not (self.intra_bandwidth_gbps > 0 and math.isfinite(self.intra_bandwidth_gbps)):
             raise HetplanError(
-                f"node {self.name or self.gpu_type!r}: intra-node bandwidth must be positive, "
-                f"got {self.intra_bandwidth_gbps}"
+                f"node {label!r}: intra-node bandwidth must be positive, got {self.intra_bandwidth_gbps}"
             )
-        if self.inter_bandwidth_gbps < 0:
-            raise HetplanError(f"node {self.name or self.gpu_type!r}: inter-node bandwidth must be positive")
+        if not (self.inter_bandwidth_gbps >= 0 and math.isfinite(self.inter_bandwidth_gbps)):
+            raise HetplanError(f"node {label!r}: inter-node bandwidth must be positive")
+        if self.memory_bytes < 0:
+            raise HetplanError(f"node {label!r}: memory must be positive")
+
+    def _resolve_gpu(self) -> GPUSpec:
+        """The GPUSpec this node runs: given directly, given as ``gpu_spec``
+        (what ``dataclasses.replace`` passes back), or looked up in the catalog."""
+        if isinstance(self.gpu_type, GPUSpec):
+            if self.gpu_spec is not None and self.gpu_spec != self.gpu_type:
+                raise HetplanError(f"node {self.name!r}: gpu_type and gpu_spec name different GPUs")
+            return self.gpu_type
+        if self.gpu_spec is not None:
+            if normalise_gpu_name(self.gpu_type) != normalise_gpu_name(self.gpu_spec.name):
+                raise HetplanError(f"node {self.name!r}: gpu_type {self.gpu_type!r} is not gpu_spec "
+                                   f"{self.gpu_spec.name!r}")
+            return self.gpu_spec
+        return get_gpu(self.gpu_type)  # raises a clear error for unknown types
 
     @property
     def gpu(self) -> GPUSpec:
-        return get_gpu(self.gpu_type)
+        assert self.gpu_spec is not None  # set in __post_init__
+        return self.gpu_spec
 
 
 @dataclass(frozen=True)
@@ -98,6 +124,7 @@ class ClusterSpec:
             raise HetplanError(
                 f"cluster {self.name!r}: inter-node bandwidth must be positive, got {self.inter_bandwidth_gbps}"
             )
+        self._check_gpu_names()
         if self.bandwidth_matrix_gbps is not None:
             n = self.num_devices
             rows = self.bandwidth_matrix_gbps
@@ -112,6 +139,22 @@ class ClusterSpec:
                             f"cluster {self.name!r}: bandwidth between GPU {i} and {j} must be positive"
                         )
             object.__setattr__(self, "bandwidth_matrix_gbps", tuple(tuple(map(float, r)) for r in rows))
+
+    def _check_gpu_names(self) -> None:
+        """One name, one GPU: costs are cached and reported by GPU type name."""
+        seen: dict[str, GPUSpec] = {}
+        for node in self.nodes:
+            key = normalise_gpu_name(node.gpu.name)
+            if seen.setdefault(key, node.gpu) != node.gpu:
+                raise HetplanError(
+                    f"cluster {self.name!r}: two different GPU types are both named {node.gpu.name!r}; "
+                    "give each its own name"
+                )
+
+    @property
+    def gpu_specs(self) -> tuple[GPUSpec, ...]:
+        """Distinct GPU types, in node order."""
+        return tuple({node.gpu.name: node.gpu for node in self.nodes}.values())
 
     @cached_property
     def devices(self) -> tuple[Device, ...]:
@@ -138,11 +181,7 @@ class ClusterSpec:
     @property
     def gpu_types(self) -> tuple[str, ...]:
         """Distinct GPU types, in node order."""
-        seen: list[str] = []
-        for node in self.nodes:
-            if node.gpu.name not in seen:
-                seen.append(node.gpu.name)
-        return tuple(seen)
+        return tuple(gpu.name for gpu in self.gpu_specs)
 
     @property
     def is_homogeneous(self) -> bool:

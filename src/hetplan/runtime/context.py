@@ -660,9 +660,11 @@ def _pick_device(plan: Plan, cluster: Any, position: RankPosition, notes: list[s
                 f"the plan puts rank {position.rank} on GPU {local} of its node, but this node has "
                 f"{torch.cuda.device_count()} GPUs; the cluster differs from the plan's {plan.cluster!r}"
             )
-        expected = cluster.devices[position.device].gpu.name
+        # a capped or retuned catalog GPU is checked as its catalog type; a GPU
+        # described from scratch in a cluster file has no CUDA name to check
+        expected = cluster.devices[position.device].gpu.catalog_name
         found = torch.cuda.get_device_name(local)
-        if not os.environ.get("HETPLAN_SKIP_GPU_CHECK") and not gpu_matches(expected, found):
+        if expected and not os.environ.get("HETPLAN_SKIP_GPU_CHECK") and not gpu_matches(expected, found):
             raise HetplanError(
                 f"the plan puts rank {position.rank} on a {expected}, but this process sees a {found}; run the "
                 f"plan on the cluster it was made for ({plan.cluster!r}) or set HETPLAN_SKIP_GPU_CHECK=1"
