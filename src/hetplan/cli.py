@@ -21,7 +21,7 @@ import time
 from typing import Any, Sequence
 
 from hetplan.argtypes import positive_int
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.runtime import cli as runtime_cli
 
 DEFAULT_MODEL = "gpt2-amp"
@@ -142,7 +142,8 @@ def _header(workload: Any, extra: str = "") -> str:
     from hetplan.units import format_bytes, format_count
 
     m, c = workload.model, workload.cluster
-    lines = [f"model    {m.name}: {m.num_layers} layers, {format_count(m.total_params)} params, seq {m.seq_len}",
+    seq = f"seq {m.seq_len}" + (" (default; set --seq-len)" if m.meta.get("seq_len_default") else "")
+    lines = [f"model    {m.name}: {m.num_layers} layers, {format_count(m.total_params)} params, {seq}",
              f"cluster  {c.name}: {c.summary()}",
              f"batch    {workload.global_batch_size} samples/step, optimizer {workload.optimizer}"
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
@@ -152,12 +153,24 @@ def _header(workload: Any, extra: str = "") -> str:
 
 
 def _run_planner(planner: Any, workload: Any, top_k: int, auto_batch: bool) -> list[Any]:
-    if auto_batch:
-        if not getattr(planner, "searches_batch_size", False):
-            raise HetplanError(f"planner {planner.name!r} does not search the batch size; "
-                               "give --global-batch N or use a galvatron planner")
-        return planner.plan_auto_batch(workload, top_k)
-    return planner.plan(workload, top_k)
+    if auto_batch and not getattr(planner, "searches_batch_size", False):
+        raise HetplanError(f"planner {planner.name!r} does not search the batch size; "
+                           "give --global-batch N or use a galvatron planner")
+    try:
+        return planner.plan_auto_batch(workload, top_k) if auto_batch else planner.plan(workload, top_k)
+    except OutOfMemoryError as exc:
+        raise _seq_len_hint(exc, workload.model) from None
+
+
+def _seq_len_hint(exc: OutOfMemoryError, model: Any) -> OutOfMemoryError:
+    """For a model from a HF config, "nothing fits" may just mean a long
+    sequence (activations grow with it): say so, and how to change it. Not
+    when the weights and optimizer states alone exceed the cluster."""
+    text = str(exc)
+    if not model.meta.get("hf_class") or "optimizer states alone" in text:
+        return exc
+    how = "the default for this HF config" if model.meta.get("seq_len_default") else "from --seq-len"
+    return OutOfMemoryError(f"{text}; or a shorter --seq-len (now {model.seq_len}, {how})")
 
 
 # --- commands -------------------------------------------------------------------------

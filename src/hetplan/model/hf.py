@@ -28,9 +28,19 @@ the HF model (``transformer.h.3``, ``model.layers.0``, ``bert.encoder.layer.5``,
   ``docs/model-import.md`` compares the two.
 
 Model types with analytic rules: GPT-2, BERT/RoBERTa/XLM-R/CamemBERT (masked
-LM), T5/mT5 (seq2seq LM), Llama/Mistral/Qwen2/Qwen3 (causal LM). Any other
-model type transformers knows is traced (``hetplan.model.trace``) with token
-ids (or pixel values for vision models) as the example input.
+LM), T5/mT5 (seq2seq LM), Llama/Mistral/Qwen2/Qwen3 (causal LM), and the
+mixture-of-experts decoders Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3
+(routed top-k experts, shared experts, dense first layers, DeepSeek's latent
+attention). Any other model type transformers knows is traced
+(``hetplan.model.trace``) with token ids (or pixel values for vision models)
+as the example input.
+
+Analytic rules matter most for MoE models: on the meta device the router
+routes no real tokens, so only an analytic count (or the tracer's count of
+grouped expert GEMMs) gives a MoE layer its experts' FLOPs.
+
+Sequence length: what the config states as its training length, else
+``DEFAULT_SEQ_LEN``, never more than the model's positions (``_default_seq_len``).
 """
 
 from __future__ import annotations
@@ -44,7 +54,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hetplan.errors import HetplanError
-from hetplan.model.layers import MASK_BYTES, BlockShape, embedding_layer, lm_head_layer, transformer_block
+from hetplan.model.layers import (
+    MASK_BYTES,
+    BlockShape,
+    MLAShape,
+    MoEShape,
+    embedding_layer,
+    lm_head_layer,
+    transformer_block,
+)
 from hetplan.model.spec import LayerSpec, ModelSpec
 from hetplan.model.trace import make_layer
 
@@ -60,10 +78,16 @@ _FAMILIES = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "mixtral": "moe",
+    "qwen2_moe": "moe",
+    "qwen3_moe": "moe",
+    "deepseek_v2": "moe",
+    "deepseek_v3": "moe",
 }
 _AUTO_CLASS = {
     "gpt": "AutoModelForCausalLM",
     "llama": "AutoModelForCausalLM",
+    "moe": "AutoModelForCausalLM",
     "bert": "AutoModelForMaskedLM",
     "t5": "AutoModelForSeq2SeqLM",
 }
@@ -78,8 +102,34 @@ _REQUIRED = {
     "t5": [("d_model",), ("num_layers",), ("num_heads",), ("d_ff",), ("d_kv",), ("vocab_size",)],
     "llama": [("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",), ("intermediate_size",),
               ("vocab_size",)],
+    "moe": [("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",), ("vocab_size",),
+            ("num_experts_per_tok",)],
 }
+# MoE fields per model type on top of the family's (the expert count, widths, dense layers, MLA ranks).
+_REQUIRED_MOE = {
+    "mixtral": [("intermediate_size",), ("num_local_experts",)],
+    "qwen2_moe": [("num_experts",), ("moe_intermediate_size",), ("shared_expert_intermediate_size",),
+                  ("intermediate_size",)],
+    "qwen3_moe": [("num_experts",), ("moe_intermediate_size",), ("intermediate_size",)],
+    "deepseek_v2": [("n_routed_experts",), ("moe_intermediate_size",), ("n_shared_experts",),
+                    ("first_k_dense_replace",), ("intermediate_size",), ("kv_lora_rank",), ("q_lora_rank",),
+                    ("qk_nope_head_dim",), ("qk_rope_head_dim",), ("v_head_dim",)],
+}
+_REQUIRED_MOE["deepseek_v3"] = _REQUIRED_MOE["deepseek_v2"]
 T5_DEFAULT_SEQ_LEN = 512  # T5 has relative positions; 512 is the paper's input length (Raffel et al. 2020, §3.1.2)
+# Sequence length when a config states no training length: the pre-training
+# context of Llama 2 (Touvron et al. 2023, arXiv:2307.09288, Table 1: 4k) and
+# of DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437, §4.2: 4K in
+# pre-training). A config's max_position_embeddings is its long-context limit
+# (131,072 for Llama 3.1), not a length anyone pre-trains at.
+DEFAULT_SEQ_LEN = 4096
+# Config fields that state the length a model trains at, checked in this
+# order: Megatron's "seq_length" (carried by ChatGLM and Qwen-1 configs),
+# MPT's "max_seq_len", "max_sequence_length", and GPT-2/CTRL's "n_ctx" (CTRL
+# trains on 256-token windows with 50,000 positions: Keskar et al. 2019,
+# arXiv:1909.05858). RoPE scaling's original_max_position_embeddings (Llama
+# 3.1: 8192, DeepSeek-V3: 4096) is the length before long-context extension.
+_TRAINING_LENGTH_FIELDS = ("seq_length", "max_seq_len", "max_sequence_length", "n_ctx")
 
 
 def _import_transformers() -> tuple[Any, Any]:
@@ -138,6 +188,11 @@ def _config_from_dict(data: dict[str, Any], where: str, transformers: Any) -> An
     model_type = data.get("model_type")
     if not model_type or not isinstance(model_type, str):
         raise HetplanError(f"{where}: no \"model_type\" field; add one, e.g. \"model_type\": \"gpt2\"")
+    if model_type not in CONFIG_MAPPING and model_type in _FAMILIES:
+        raise HetplanError(
+            f"{where}: transformers {transformers.__version__} predates model_type {model_type!r}; "
+            "upgrade it (pip install -U transformers) to import this config"
+        )
     if model_type not in CONFIG_MAPPING:
         raise HetplanError(
             f"{where}: unknown model_type {model_type!r}; transformers {transformers.__version__} has no such "
@@ -145,7 +200,7 @@ def _config_from_dict(data: dict[str, Any], where: str, transformers: Any) -> An
         )
     family = _FAMILIES.get(model_type)
     if family:
-        for spellings in _REQUIRED[family]:
+        for spellings in _REQUIRED[family] + _REQUIRED_MOE.get(model_type, []):
             if not any(s in data for s in spellings):
                 raise HetplanError(
                     f"{where}: missing field {spellings[0]!r} (needed for a {model_type} model; "
@@ -332,16 +387,111 @@ def _shape_facts(config: Any, family: str) -> dict[str, Any]:
             activation="relu" if c.dense_act_fn == "relu" and not c.is_gated_act else "gelu",
             mlp_dropout=c.dropout_rate > 0, norm_saves_normalized=True,
         )
-    # llama-like
+    # llama-like (and the MoE decoders, whose attention and norms are Llama's)
     h, a = c.hidden_size, c.num_attention_heads
     d = getattr(c, "head_dim", None) or h // a
-    return dict(
+    facts = dict(
         hidden=h, heads=a, kv_heads=getattr(c, "num_key_value_heads", None) or a, ffn=c.intermediate_size,
         vocab=c.vocab_size, max_seq=c.max_position_embeddings, positions=0, gated=True,
         bias=bool(getattr(c, "attention_bias", False)), rms=True,
         dropout=(getattr(c, "attention_dropout", 0.0) or 0.0) > 0, emb_dropout=False,
         kv_channels=d if a * d != h else 0,
     )
+    if family == "moe":
+        facts.update(_moe_facts(c))
+    return facts
+
+
+def _moe_facts(c: Any) -> dict[str, Any]:
+    """Experts, dense layers and attention of a MoE decoder config, by the
+    rules of its transformers implementation (``*DecoderLayer.__init__``)."""
+    try:
+        return _moe_rules(c)
+    except ValueError as exc:  # MoEShape's check: 1 <= top_k <= experts
+        raise HetplanError(
+            f"{c.model_type} config: {exc}; set num_experts_per_tok between 1 and the number of experts"
+        ) from None
+
+
+def _moe_rules(c: Any) -> dict[str, Any]:
+    n = c.num_hidden_layers
+    mla = None
+    if c.model_type == "mixtral":  # every layer: num_local_experts SwiGLU experts of intermediate_size
+        moe = MoEShape(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size)
+        moe_layers = list(range(n))
+    elif c.model_type in ("qwen2_moe", "qwen3_moe"):
+        shared = c.shared_expert_intermediate_size if c.model_type == "qwen2_moe" else 0
+        moe = MoEShape(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                       shared_ffn=shared, shared_gate=shared > 0)
+        skip = set(getattr(c, "mlp_only_layers", None) or [])
+        step = getattr(c, "decoder_sparse_step", 1) or 1
+        moe_layers = [i for i in range(n) if i not in skip and c.num_experts > 0 and (i + 1) % step == 0]
+    else:  # deepseek_v2 / deepseek_v3: dense MLPs before first_k_dense_replace, then routed + shared experts
+        # (transformers builds MoE in every later layer; no DeepSeek release sets moe_layer_freq != 1)
+        moe = MoEShape(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                       shared_ffn=(c.n_shared_experts or 0) * c.moe_intermediate_size)
+        moe_layers = [i for i in range(n) if i >= (c.first_k_dense_replace or 0)]
+        mla = MLAShape(kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                       qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                       q_lora_rank=c.q_lora_rank or 0)
+    return dict(moe=moe, moe_layers=moe_layers, mla=mla)
+
+
+def _positions(config: Any, family: str | None) -> int:
+    """How many positions the model has (0: no limit it states): learned
+    tables can hold no more; RoPE models state their long-context limit."""
+    if family in ("gpt", "bert", "llama", "moe"):
+        return int(_shape_facts(config, family)["max_seq"])
+    if family == "t5":
+        return 0
+    for attr in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _default_seq_len(config: Any, family: str | None) -> tuple[int, str]:
+    """The sequence length to cost when none is given, and where it came from.
+
+    The training length the config states (``_TRAINING_LENGTH_FIELDS``, then
+    RoPE scaling's ``original_max_position_embeddings``), else
+    ``DEFAULT_SEQ_LEN``; never more than the model's positions. T5: 512.
+    """
+    if family == "t5":
+        n = getattr(config, "n_positions", None)
+        return (int(n), "n_positions") if n else (T5_DEFAULT_SEQ_LEN, "T5's 512")
+    positions = _positions(config, family)
+    stated: tuple[int, str] | None = None
+    for attr in _TRAINING_LENGTH_FIELDS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            stated = (value, attr)
+            break
+    if stated is None:
+        stated = _pretraining_length(config, positions)
+    if stated is not None:
+        length, field = stated
+        return (min(length, positions), field) if positions else (length, field)
+    if positions and positions < DEFAULT_SEQ_LEN:
+        return positions, "positions"
+    return DEFAULT_SEQ_LEN, "default"
+
+
+def _pretraining_length(config: Any, positions: int) -> tuple[int, str] | None:
+    """RoPE scaling's ``original_max_position_embeddings`` when it is below
+    the model's positions (transformers fills it in with
+    ``max_position_embeddings`` when a config leaves it out: no information)."""
+    candidates = [("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))]
+    for attr in ("rope_scaling", "rope_parameters"):
+        rope = getattr(config, attr, None)
+        if isinstance(rope, dict):
+            candidates.append((f"{attr}.original_max_position_embeddings",
+                               rope.get("original_max_position_embeddings")))
+    for field, value in candidates:
+        if isinstance(value, int) and 0 < value and (not positions or value < positions):
+            return value, field
+    return None
 
 
 def _block_shape(f: dict[str, Any], seq: int, fused: bool, cross_seq: int = 0, save_cross: bool = True) -> BlockShape:
@@ -353,6 +503,29 @@ def _block_shape(f: dict[str, Any], seq: int, fused: bool, cross_seq: int = 0, s
         norm_saves_normalized=f.get("norm_saves_normalized", False), fused_attention=fused,
         save_cross_input=save_cross,
     )
+
+
+def _moe_block(name: str, f: dict[str, Any], index: int, shape: BlockShape, p: int) -> LayerSpec:
+    """Block ``index`` of a MoE decoder: routed experts where the config puts
+    them, a dense SwiGLU MLP of ``intermediate_size`` elsewhere."""
+    if index in f["moe_layers"]:
+        return transformer_block(name, "moe", shape, p, moe=f["moe"], mla=f["mla"])
+    return transformer_block(name, "decoder", shape, p, mla=f["mla"])
+
+
+def _check_moe_layout(model: Any, layout: list[tuple[str, list[str]]], f: dict[str, Any], where: str) -> None:
+    """The config's dense/MoE rule must match the built model, or the FLOPs
+    would describe another model than the measured parameters."""
+    modules = dict(model.named_modules())
+    blocks = [paths[0] for kind, paths in layout if kind.startswith("block:")]
+    for index, path in enumerate(blocks):
+        built = any(".experts." in f".{name}" for name, _ in modules[path].named_parameters())
+        if built != (index in f["moe_layers"]):
+            raise HetplanError(
+                f"{where}: {path} is {'a MoE' if built else 'a dense'} layer in this transformers' "
+                f"{type(model).__name__}, unlike hetplan's rule for {model.config.model_type}; trace the model "
+                "instead (hetplan.model.trace.model_from_module)"
+            )
 
 
 def _with_final_norm(layer: LayerSpec, f: dict[str, Any], seq: int, p: int) -> LayerSpec:
@@ -399,6 +572,9 @@ def _analytic_layers(
         elif kind.startswith("block:"):
             nth = blocks_seen.get(kind, 0)
             blocks_seen[kind] = nth + 1
+            if family == "moe":
+                out.append(_moe_block(f"layer{i}", f, nth, _block_shape(f, s, fused), p))
+                continue
             if family == "t5":
                 block_kind = "decoder" if decoder_side else "encoder"
                 # the encoder output read by every cross-attention is one tensor: count it once
@@ -453,8 +629,11 @@ def model_from_hf_config(
         source: path of a ``config.json`` or of a directory holding one, a
             ``transformers.PretrainedConfig``, or a dict of config values. Hub
             names (``"meta-llama/Llama-2-7b-hf"``) are refused with a clear error.
-        seq_len: tokens per sample; default: the config's maximum positions
-            (``n_positions`` / ``max_position_embeddings``; T5: 512).
+        seq_len: tokens per sample; default: the training length the config
+            states (``seq_length``, ``n_ctx``, RoPE scaling's
+            ``original_max_position_embeddings`` ...), else
+            ``DEFAULT_SEQ_LEN`` (4096), never more than the model's positions
+            (T5: 512). ``meta["seq_len_default"]`` says a default was used.
         dtype_bytes: 2 for bf16/fp16 mixed precision, 4 for fp32.
         name: ModelSpec name; default: the config's ``_name_or_path``, else the
             config file's directory or stem, else the model type.
@@ -467,7 +646,9 @@ def model_from_hf_config(
 
     Returns:
         A ModelSpec with one layer per embedding, block and head;
-        ``meta["layer_modules"]`` lists the module paths in each layer.
+        ``meta["layer_modules"]`` lists the module paths in each layer. MoE
+        decoders have family ``"moe"``, kind ``"moe"`` for their expert layers
+        and ``meta["moe"]`` (experts, top-k, widths, ``active_params``).
     """
     config, where = load_hf_config(source)
     if dtype_bytes not in (2, 4):
@@ -479,7 +660,10 @@ def model_from_hf_config(
         return _traced(model, config, spec_name, seq_len, dtype_bytes, where)
 
     facts = _shape_facts(config, family)
-    seq = int(seq_len or facts["max_seq"])
+    seq_from = "seq_len"
+    if seq_len is None:
+        seq_len, seq_from = _default_seq_len(config, family)
+    seq = int(seq_len)
     dec_seq = int(decoder_seq_len or seq)
     if seq < 1 or dec_seq < 1:
         raise HetplanError(f"seq_len must be >= 1, got {seq_len}")
@@ -489,6 +673,8 @@ def model_from_hf_config(
             "use a shorter seq_len or raise max_position_embeddings/n_positions"
         )
     layout = hf_layout(model)
+    if family == "moe":
+        _check_moe_layout(model, layout, facts, where)
     if fused_attention is None:
         fused_attention = _uses_fused_attention(model)
     analytic = _analytic_layers(config, family, layout, seq, dec_seq, dtype_bytes, fused_attention)
@@ -503,8 +689,11 @@ def model_from_hf_config(
         "costs": "analytic (hetplan.model.layers, Korthikanti et al. 2022)",
     }
     meta["fused_attention"] = fused_attention
+    meta.update(_seq_meta(seq_from))
     if family == "t5":
         meta["decoder_seq_len"] = dec_seq
+    if family == "moe":
+        meta["moe"] = _moe_meta(facts, sum(layer.params - layer.tied_params for layer in layers))
     return ModelSpec(
         name=spec_name,
         family=family,
@@ -564,6 +753,29 @@ def _measured_params(
     return layers, layer_modules, tied_meta
 
 
+def _seq_meta(source: str) -> dict[str, Any]:
+    """``seq_len_default``: no seq_len was given (reports say so and point
+    to ``--seq-len``); ``seq_len_source``: the config field or rule used."""
+    return {"seq_len_default": source != "seq_len", "seq_len_source": source}
+
+
+def _moe_meta(f: dict[str, Any], total_params: int) -> dict[str, Any]:
+    """Expert facts, and the parameters one token passes through: all but
+    the ``num_experts - top_k`` routed experts it skips in each MoE layer."""
+    moe: MoEShape = f["moe"]
+    per_expert = (3 if moe.gated else 2) * f["hidden"] * moe.expert_ffn
+    skipped = len(f["moe_layers"]) * (moe.num_experts - moe.top_k) * per_expert
+    return {
+        "num_experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "expert_ffn": moe.expert_ffn,
+        "shared_ffn": moe.shared_ffn,
+        "moe_layers": len(f["moe_layers"]),
+        "latent_attention": f["mla"] is not None,
+        "active_params": total_params - skipped,
+    }
+
+
 def _uses_fused_attention(model: Any) -> bool:
     """SDPA and FlashAttention keep no score matrix on a GPU (``eager`` does)."""
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -587,13 +799,13 @@ def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes
     from hetplan.model.trace import model_from_module
 
     main_input = getattr(model, "main_input_name", "input_ids")
+    seq_meta: dict[str, Any] = {}
     if main_input == "input_ids":
-        seq = int(
-            seq_len
-            or getattr(config, "max_position_embeddings", None)
-            or getattr(config, "n_positions", None)
-            or T5_DEFAULT_SEQ_LEN
-        )
+        seq_from = "seq_len"
+        if seq_len is None:
+            seq_len, seq_from = _default_seq_len(config, None)
+        seq = int(seq_len)
+        seq_meta = _seq_meta(seq_from)
         inputs: dict[str, Any] = {"input_ids": torch.zeros(1, seq, dtype=torch.long, device="meta")}
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = torch.zeros(1, seq, dtype=torch.long, device="meta")
@@ -613,5 +825,5 @@ def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes
         )
     spec = model_from_module(model, inputs, name=name, dtype_bytes=dtype_bytes, family=config.model_type, seq_len=seq)
     spec.meta.update(source=where, model_type=config.model_type, hf_class=type(model).__name__,
-                     costs="traced on the meta device (hetplan.model.trace)")
+                     costs="traced on the meta device (hetplan.model.trace)", **seq_meta)
     return spec

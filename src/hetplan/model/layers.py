@@ -109,6 +109,75 @@ class BlockShape:
         return self.kv_heads or self.heads
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """The MLP of a mixture-of-experts block: a router picks ``top_k`` of
+    ``num_experts`` routed experts for each token (GShard, Lepikhin et al.
+    2020, §2.2), and shared experts, when there are any, see every token
+    (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066, §3.2).
+
+    Attributes:
+        num_experts: routed experts (Mixtral ``num_local_experts``, Qwen-MoE
+            ``num_experts``, DeepSeek ``n_routed_experts``).
+        top_k: routed experts per token (``num_experts_per_tok``).
+        expert_ffn: inner width of one routed expert.
+        shared_ffn: inner width of all shared experts together (DeepSeek
+            ``n_shared_experts * moe_intermediate_size``, Qwen2-MoE
+            ``shared_expert_intermediate_size``); 0: none.
+        shared_gate: a sigmoid gate (a ``hidden x 1`` linear) scales the
+            shared experts' output (Qwen2-MoE ``shared_expert_gate``).
+        gated: SwiGLU experts (three matrices) rather than GELU (two).
+        capacity_factor: token copies the experts process per routed copy
+            (> 1 where expert buffers are padded to a fixed capacity; 1 for
+            dropless MoE, as Mixtral, Qwen-MoE and DeepSeek train).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    gated: bool = True
+    capacity_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoEShape: need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts})")
+
+    def active_params(self, hidden: int) -> int:
+        """Expert parameters one token passes through: ``top_k`` routed experts and the shared ones."""
+        per_width = (3 if self.gated else 2) * hidden
+        return self.top_k * self.expert_ffn * per_width + self.shared_ffn * 3 * hidden
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek's multi-head latent attention (DeepSeek-V2, arXiv:2405.04434,
+    §2.1.2-2.1.3; DeepSeek-V3, arXiv:2412.19437, §2.1.1): queries and keys/values
+    go through low-rank latents, and each head's key has a ``qk_nope_head_dim``
+    part from the KV latent and a ``qk_rope_head_dim`` RoPE part shared by all
+    heads.
+
+    Attributes:
+        kv_lora_rank: width of the compressed KV latent.
+        qk_nope_head_dim, qk_rope_head_dim: per-head query/key widths
+            without and with rotary positions.
+        v_head_dim: per-head value width.
+        q_lora_rank: width of the query latent; 0: a full ``hidden x
+            heads*(nope+rope)`` query projection (DeepSeek-V2-Lite).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 @dataclass
 class _Tally:
     """Accumulates one layer's cost while its tensors are written out."""
@@ -239,20 +308,148 @@ def _mlp(t: _Tally, shape: BlockShape, p: int, s: int) -> None:
     t.mem_traffic += p * s * h * (2 + (2 if shape.dropout else 0) + 3)
 
 
-def transformer_block(name: str, kind: str, shape: BlockShape, dtype_bytes: int) -> LayerSpec:
+def _duplicated_linear(t: _Tally, rows: int, d_in: int, d_out: int, bias: bool) -> None:
+    """A linear every TP rank holds whole and computes in full (MLA's latent
+    down-projections, the MoE router: Megatron-Core builds them with
+    ``parallel_mode="duplicated"`` / unpartitioned, megatron/core/transformer/
+    multi_latent_attention.py and moe/router.py)."""
+    n = d_in * d_out + (d_out if bias else 0)
+    t.params += n
+    t.params_replicated += n
+    t.flops += 2.0 * rows * d_in * d_out
+    t.gemms += 1
+
+
+def _latent_attention(t: _Tally, shape: BlockShape, mla: MLAShape, p: int, s: int) -> None:
+    """Multi-head latent attention with its pre-norm and residual (HF
+    ``DeepseekV3Attention``): q = W_qb·norm(W_qa·x) (or W_q·x), latent
+    c = norm(W_kva·x) with a shared RoPE key part, [k_nope | v] = W_kvb·c,
+    scores over ``nope + rope`` query/key widths, output from ``heads x
+    v_head_dim``. The latent projections and their norms are duplicated on
+    every TP rank; the up-projections split by heads."""
+    h, a = shape.hidden, shape.heads
+    qk_width, v_width = a * mla.qk_head_dim, a * mla.v_head_dim
+    r_q, r_kv = mla.q_lora_rank, mla.kv_lora_rank
+    t.norm(h, shape.rms_norm)
+    t.save(p * s * h, replicated=True)  # norm input
+    t.save(p * s * h, replicated=True)  # norm output: input of the query and KV down-projections
+    if r_q:
+        _duplicated_linear(t, s, h, r_q, shape.bias)  # q_a_proj
+        t.norm(r_q, shape.rms_norm)  # q_a_layernorm
+        t.save(p * s * r_q, replicated=True)  # latent norm input
+        t.save(p * s * r_q, replicated=True)  # q_b_proj input
+        t.linear(s, r_q, qk_width, False, row_parallel=False)  # q_b_proj
+    else:
+        t.linear(s, h, qk_width, False, row_parallel=False)  # q_proj
+    _duplicated_linear(t, s, h, r_kv + mla.qk_rope_head_dim, shape.bias)  # kv_a_proj_with_mqa
+    t.norm(r_kv, shape.rms_norm)  # kv_a_layernorm
+    t.save(p * s * r_kv, replicated=True)  # latent norm input
+    t.save(p * s * r_kv, replicated=True)  # kv_b_proj input
+    t.linear(s, r_kv, a * (mla.qk_nope_head_dim + mla.v_head_dim), False, row_parallel=False)  # kv_b_proj
+    t.save(p * s * qk_width)  # Q for QK^T
+    t.save(p * s * qk_width)  # K for QK^T (nope part per head, rope part copied into every head)
+    scores = a * s * s
+    core_flops = 2.0 * s * s * (qk_width + v_width)  # QK^T and scores·V
+    t.flops += core_flops
+    t.attention_flops += core_flops
+    t.gemms += 2
+    if shape.fused_attention:
+        t.save(4.0 * a * s, core=True)  # float32 log-sum-exp per query row
+    else:
+        t.save(p * scores, core=True)  # softmax output
+        t.mem_traffic += p * scores * (2 + 2 + (2 if shape.dropout else 0))
+        if shape.dropout:
+            t.save(MASK_BYTES * scores, core=True)  # attention-dropout mask
+            t.save(p * scores, core=True)  # attention-dropout output
+    t.save(p * s * v_width)  # V for scores·V
+    t.save(p * s * v_width)  # output-projection input
+    t.linear(s, v_width, h, shape.bias, row_parallel=True)  # o_proj
+    t.tp_comm += p * s * h
+    if shape.dropout:
+        t.save(MASK_BYTES * s * h, replicated=True)
+    # norm (r+w), dropout (r+w), residual add (2r+w); the two latent norms (r+w)
+    t.mem_traffic += p * s * h * (2 + (2 if shape.dropout else 0) + 3) + p * s * (r_q + r_kv) * 2
+
+
+def _moe_mlp(t: _Tally, shape: BlockShape, moe: MoEShape, p: int, s: int) -> None:
+    """Pre-norm, router, ``top_k`` routed experts per token, shared experts,
+    residual. Parameters count every expert; FLOPs and activations count the
+    token copies the experts really process (dropless, index-based dispatch:
+    no one-hot dispatch/combine tensors). Experts are split by TP like a
+    dense MLP (Megatron-Core's expert tensor parallelism); the router is
+    duplicated."""
+    h, e, f = shape.hidden, moe.num_experts, moe.expert_ffn
+    rows = moe.top_k * s * moe.capacity_factor  # token copies the routed experts process
+    t.norm(h, shape.rms_norm)
+    t.save(p * s * h, replicated=True)  # norm input
+    t.save(p * s * h, replicated=True)  # norm output: router, dispatch and shared-expert input
+    _duplicated_linear(t, s, h, e, False)  # router
+    t.save(4.0 * s * e)  # float32 router probabilities, kept for backward
+    t.mem_traffic += 4.0 * s * e * 3  # softmax/sigmoid and top-k over the router logits
+    width = (2 if moe.gated else 1) * f  # first expert matrix (gate and up when gated)
+    t.params += e * (h * width + f * h)
+    t.flops += 2.0 * rows * (h * width + f * h)
+    t.gemms += 2  # one grouped GEMM per expert matrix
+    t.save(p * rows * h)  # dispatched expert inputs
+    if moe.gated:
+        t.save(p * rows * f * 3)  # gate (SiLU input), up, and their product (down-projection input)
+        t.mem_traffic += p * rows * f * 5  # silu (r+w) and product (2r+w)
+    else:
+        t.save(p * rows * f * 2)  # GELU input and second linear input
+        t.mem_traffic += p * rows * f * 2
+    t.save(p * rows * h)  # expert outputs, weighted by the router when combined
+    t.mem_traffic += p * rows * h * 4 + p * s * h  # dispatch (r+w), weighted combine (r+w), sum (w)
+    if moe.shared_ffn:
+        fs = moe.shared_ffn
+        t.linear(s, h, 2 * fs, False, row_parallel=False)  # shared gate and up
+        t.save(p * s * fs * 3)  # SiLU input, up, product
+        t.linear(s, fs, h, False, row_parallel=True)  # shared down
+        t.mem_traffic += p * s * fs * 5 + p * s * h * 3  # silu, product; add to the routed output
+        if moe.shared_gate:
+            _duplicated_linear(t, s, h, 1, False)  # shared_expert_gate
+            t.save(p * s + p * s * h)  # sigmoid output and the shared output it scales
+            t.mem_traffic += p * s * h * 3
+    t.tp_comm += p * s * h
+    if shape.dropout:
+        t.save(MASK_BYTES * s * h, replicated=True)
+    t.mem_traffic += p * s * h * (2 + (2 if shape.dropout else 0) + 3)
+
+
+def transformer_block(
+    name: str,
+    kind: str,
+    shape: BlockShape,
+    dtype_bytes: int,
+    *,
+    moe: MoEShape | None = None,
+    mla: MLAShape | None = None,
+) -> LayerSpec:
     """One pre-/post-norm transformer block (attention + MLP), per sample.
 
     With 16-bit elements, ``ffn = 4h``, ``kv_heads = heads`` and dropout, the
     activation total is exactly Korthikanti's ``sh(34 + 5as/h)``, replicated
     part ``10sh`` and attention core ``5as²``.
+
+    ``moe`` replaces the MLP by routed (and shared) experts (Mixtral,
+    Qwen-MoE, DeepSeek); ``mla`` replaces the attention by DeepSeek's
+    multi-head latent attention. ``shape.ffn`` is then unused or, for MLA
+    blocks without ``moe``, the width of their dense MLP.
     """
     p, s = dtype_bytes, shape.seq
     t = _Tally()
-    _attention(t, shape, p, s, s, kv_is_self=True)
+    if mla is not None:
+        if shape.cross_attention:
+            raise ValueError(f"transformer_block {name!r}: latent attention has no cross-attention form")
+        _latent_attention(t, shape, mla, p, s)
+    else:
+        _attention(t, shape, p, s, s, kv_is_self=True)
     if shape.cross_attention:
         _attention(t, shape, p, s, shape.cross_seq, kv_is_self=False)
-    _mlp(t, shape, p, s)
-    return t.layer(name, kind, p * s * shape.hidden, shape.num_kv_heads)
+    if moe is not None:
+        _moe_mlp(t, shape, moe, p, s)
+    else:
+        _mlp(t, shape, p, s)
+    return t.layer(name, kind, p * s * shape.hidden, shape.heads if mla is not None else shape.num_kv_heads)
 
 
 def embedding_layer(

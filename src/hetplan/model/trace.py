@@ -8,7 +8,10 @@ without allocating memory. During that pass we measure, per layer:
   operators read (found by storage, so ``lm_head.weight is wte.weight`` ties
   are seen), counted in each layer that uses it, with ``tied_group`` set;
 * **forward FLOPs** — ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
-  convolutions, attention kernels). On the meta device
+  convolutions, attention kernels), plus ``aten._grouped_mm``, which the
+  counter does not know (torch 2.13) and transformers' MoE experts run on
+  (``experts_implementation="grouped_mm"``, its default): without it a
+  mixture-of-experts layer would have no expert FLOPs. On the meta device
   ``scaled_dot_product_attention`` runs its math decomposition (two ``bmm``),
   so its FLOPs *are* counted (torch 2.13). Under ``FakeTensorMode`` on CPU it
   dispatches to a fused CPU kernel the counter does not know and counts 0;
@@ -647,6 +650,22 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)``: one matmul per group, 2 per
+    multiply-add. 2-D ``a`` (rows of all groups) x 3-D ``b`` (one matrix per
+    group) is the MoE case: every row meets one ``K x N`` matrix."""
+    a, b = list(a_shape), list(b_shape)
+    if len(a) == 2 and len(b) == 3:  # (S, K) x (G, K, N): rows split by offs
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 3:  # (G, M, K) x (G, K, N): batched
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    if len(a) == 2 and len(b) == 2:  # (M, K) x (K, N): K split by offs, one output per group
+        return 2 * a[0] * a[1] * b[1]
+    if len(a) == 3 and len(b) == 2:  # (G, M, K) x (K, N): N split by offs
+        return 2 * a[1] * a[2] * b[1]
+    return 0
+
+
 def _run(module: Any, state: dict, args: tuple, kwargs: dict, tracer: _Tracer, torch: Any) -> Any:
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
@@ -654,8 +673,11 @@ def _run(module: Any, state: dict, args: tuple, kwargs: dict, tracer: _Tracer, t
     modes = {m: m.training for m in module.modules()}
     module.train()  # training costs: dropout masks and everything backward needs
     function_mode, dispatch_mode = _make_modes(tracer)
+    extra: dict[Any, Any] = {}
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        extra[torch.ops.aten._grouped_mm] = grouped_mm_flops
     try:
-        with torch.device("meta"), torch.enable_grad(), FlopCounterMode(display=False) as counter:
+        with torch.device("meta"), torch.enable_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter:
             tracer.flop_counter = counter
             with function_mode, dispatch_mode, torch.autograd.graph.saved_tensors_hooks(tracer.on_saved, lambda t: t):
                 return functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
