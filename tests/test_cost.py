@@ -7,7 +7,7 @@ import pytest
 from hetplan.cluster import ClusterSpec, NodeSpec, load_cluster
 from hetplan.cost import CostModel, Workload
 from hetplan.cost import comm
-from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY, ZERO3_GATHERED_LAYERS
+from hetplan.cost.constants import ALLREDUCE_BUCKET_BYTES, COLLECTIVE_BANDWIDTH_EFFICIENCY, ZERO3_GATHERED_LAYERS
 from hetplan.cost.memory import framework_overhead_bytes, in_flight_micro_batches, model_state_bytes
 from hetplan.cost.pipeline import pipeline_time
 from hetplan.model.presets import get_model, gpt_decoder
@@ -59,7 +59,9 @@ def test_tied_weight_is_synced_and_updated_once_per_stage() -> None:
     timing = cost.stage_timing(uniform_plan(workload, 8, 1, 1, 1).stages[0], 8)
     group = tuple(range(8))
     grad = workload.state_bytes[1]
-    expected_sync = comm.allreduce_time(workload.cluster, group, model.total_params * grad, 1)
+    sync_bytes = model.total_params * grad
+    latency = comm.collective_latency(workload.cluster, group, "allreduce") * sync_bytes / ALLREDUCE_BUCKET_BYTES
+    expected_sync = comm.allreduce_time(workload.cluster, group, sync_bytes, 1) + latency
     assert timing.grad_sync_s == pytest.approx(expected_sync, rel=1e-9)
     assert timing.optimizer_s == pytest.approx(cost.kernel.optimizer_rate(group) * model.total_params, rel=1e-9)
 
@@ -70,8 +72,14 @@ def test_zero1_all_reduces_and_zero2_reduce_scatters_gradients() -> None:
     one, two = (cost.stage_timing(uniform_plan(workload, 8, 1, 1, 1, zero=z).stages[0], 8) for z in (1, 2))
     assert one.post_step_s == pytest.approx(two.post_step_s) and one.post_step_s > 0  # both gather the weights
     group = tuple(range(8))
-    ratio = comm.allreduce_time(workload.cluster, group, 1e9) / comm.reduce_scatter_time(workload.cluster, group, 1e9)
-    assert one.grad_sync_s == pytest.approx(two.grad_sync_s * ratio)
+    kernel = cost.kernel
+
+    def per_byte(kind: str) -> float:  # bandwidth plus one latency per message (a bucket or a layer)
+        latency = comm.collective_latency(workload.cluster, group, kind) / kernel.message_bytes(kind, 1)
+        return {"allreduce": comm.allreduce_time, "reduce_scatter": comm.reduce_scatter_time}[kind](
+            workload.cluster, group, 1.0) + latency
+
+    assert one.grad_sync_s == pytest.approx(two.grad_sync_s * per_byte("allreduce") / per_byte("reduce_scatter"))
 
 
 def test_lower_bound_is_below_every_plan(gpt2_hetero: Workload, gpt2_cost: CostModel) -> None:

@@ -269,10 +269,11 @@ def test_t5_512_4_gets_an_uneven_partition() -> None:
     """T5-512/4's decoder layers (sequence 4) are far lighter than its encoder
     layers: balancing memory or time moves layers to the decoder side."""
     w = workload("t5-512-4-32", "galvatron-16x-a100", 8)
-    best = get_variant("galvatron-bmw", **COARSE).plan_auto_batch(w, 1)[0]
-    sizes = [s.num_layers for s in best.plan.stages]
-    assert best.plan.pp > 1 and max(sizes) - min(sizes) >= 4, sizes
-    assert sizes[-1] > sizes[0]
+    planner = get_variant("galvatron-bmw", ckpt=False)
+    search = _Search(planner.config, w, planner.stats)
+    base = search.search_partition(2, tuple(len(r) for r in block_split(w.model, 2)), 64, 16)
+    for sizes in search.balanced_partitions(2, 64, 16, base):
+        assert sizes[-1] - sizes[0] >= 4, sizes
 
 
 # --- planners ---------------------------------------------------------------------------------
@@ -380,8 +381,13 @@ def test_table2_ordering(model: str, budget: int) -> None:
     two_dims = max(tput("galvatron-dp-tp"), tput("galvatron-dp-pp"))
     pure = max(tput(n) for n in ("pure-dp", "pure-tp", "pure-pp"))
     assert bmw >= base >= galv >= two_dims >= pure > 0
-    # the DP budgets memory in 128 bins, so it can miss pure SDP's exact fit by a bin
-    assert galv >= 0.97 * tput("pure-sdp")
+    # Galvatron's space contains pure SDP: at the batch pure SDP chose (the coarse
+    # batch grids of the two searches differ), Galvatron matches it, up to the
+    # memory bins of its DP (it can miss pure SDP's exact fit by a bin)
+    sdp = get_planner("pure-sdp").plan_auto_batch(w, 1)[0]
+    same_batch = replace(w, global_batch_size=sdp.plan.global_batch_size)
+    galv_there = get_variant("galvatron", **COARSE).plan(same_batch, 1)[0]
+    assert galv_there.estimate.samples_per_s >= 0.97 * sdp.estimate.samples_per_s
 
 
 # --- Table IV: bi-objective vs memory- and time-balanced partitions ----------------------------

@@ -11,10 +11,17 @@ the slowest link (AMP's formula) is kept as ``flat_ring_allreduce_time``.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from hetplan.cluster.spec import ClusterSpec
-from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY
+from hetplan.cost.constants import (
+    COLLECTIVE_BANDWIDTH_EFFICIENCY,
+    NCCL_BASE_LATENCY_S,
+    NCCL_RING_HOP_LATENCY_S,
+    NCCL_TREE_HOP_LATENCY_S,
+    NVLINK_MIN_GBPS,
+)
 
 
 def flat_ring_allreduce_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
@@ -102,3 +109,29 @@ def p2p_time(cluster: ClusterSpec, src: Sequence[int], dst: Sequence[int], num_b
         share = crossing.get((na, nb), 1) if na != nb else 1
         worst = max(worst, per_stream * share / bandwidth)
     return worst
+
+
+def collective_latency(cluster: ClusterSpec, group: Sequence[int], kind: str) -> float:
+    """Fixed time of one collective over ``group``, whatever its size: NCCL's
+    own cost model (``src/graph/tuning.cc``, Simple protocol). A ring takes
+    ``n - 1`` steps (all-gather, reduce-scatter) or ``2(n - 1)`` (all-reduce),
+    each paying a hop latency, the network's for the steps that cross nodes;
+    an all-reduce may instead run as a tree, ``2 (log2 N)`` network hops plus
+    the in-node chain, whichever is faster. This is what makes gradient sync
+    and ZeRO-3 gathers grow with the number of GPUs and nodes."""
+    n = len(group)
+    if n < 2:
+        return 0.0
+    by_node = cluster.nodes_of(group)
+    nodes = 1 if cluster.bandwidth_matrix_gbps is not None else len(by_node)
+    link = "nvlink" if min(cluster.nodes[i].intra_bandwidth_gbps for i in by_node) >= NVLINK_MIN_GBPS else "pci"
+    factor = 2 if kind == "allreduce" else 1
+    steps, inter = factor * (n - 1), factor * (nodes - 1)
+    ring_hops = NCCL_RING_HOP_LATENCY_S
+    ring = NCCL_BASE_LATENCY_S + (steps - inter) * ring_hops[link] + inter * ring_hops["net"]
+    if kind != "allreduce" or nodes < 2:
+        return ring
+    tree_hops = NCCL_TREE_HOP_LATENCY_S
+    per_node = max(len(members) for members in by_node.values())
+    tree = 2 * ((per_node - 1) * tree_hops[link] + math.log2(nodes) * tree_hops["net"])
+    return min(ring, tree)

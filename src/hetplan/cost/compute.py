@@ -1,7 +1,8 @@
 """Compute time of every layer on one GPU: a measured profile where there is
 one, else a roofline over FLOPs and memory traffic with a per-kernel overhead.
 
-time = matmul FLOPs / (peak · GEMM_EFFICIENCY)
+time = matmul FLOPs / (peak · matmul efficiency(GPU, matrix shape))
+     + attention FLOPs run / (peak · attention efficiency(GPU, sequence length))
      + elementwise bytes / (memory bandwidth · MEMORY_BANDWIDTH_EFFICIENCY)
      + kernels · KERNEL_LAUNCH_S
 
@@ -18,9 +19,17 @@ import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
 from hetplan.cost.constants import (
+    ATTENTION_BACKWARD_RATIO,
     ATTENTION_CORE_KERNELS,
     ATTENTION_CORE_PASSES,
+    ATTENTION_EFFICIENCY,
+    ATTENTION_HALF_SEQ,
+    ATTENTION_TO_GEMM_DEFAULT,
     BACKWARD_FLOPS_RATIO,
+    CAUSAL_EXECUTED_FRACTION,
+    GEMM_HALF_DIM,
+    SUSTAINED_MATMUL_FRACTION,
+    ELEMENTWISE_BACKWARD_RATIO,
     ELEMENTWISE_KERNELS_PER_GEMM,
     GEMM_EFFICIENCY,
     KERNEL_LAUNCH_S,
@@ -45,10 +54,102 @@ class LayerTimes:
         return self.bwd_s + self.recompute_s
 
 
+def gemm_efficiency(gpu: GPUSpec, gemm_dim: np.ndarray, tp: int) -> np.ndarray:
+    """Fraction of ``gpu``'s peak its matmuls reach, per layer.
+
+    The best-shape rate is the GPU's measured one (``matmul_efficiency``, from
+    a max-achievable-matmul benchmark) or GEMM_EFFICIENCY. Smaller matrices
+    run further below it (tile and wave quantisation, less reuse per byte:
+    NVIDIA "Matrix Multiplication Background" guide §2-4): the per-rank
+    weight side ``d`` (the layer's typical weight-matrix side divided among
+    ``tp`` ranks) costs a factor ``d / (d + half)``. The token side (thousands
+    of tokens per micro-batch in training) is large enough not to matter.
+    """
+    best = (gpu.matmul_efficiency or GEMM_EFFICIENCY) * SUSTAINED_MATMUL_FRACTION.get(gpu.catalog_name, 1.0)
+    dim = gemm_dim / np.sqrt(tp)
+    shape = np.divide(dim, dim + GEMM_HALF_DIM, out=np.ones_like(dim, dtype=float), where=gemm_dim > 0)
+    return best * shape  # a layer whose weight shape is unknown (0) gets no shape penalty
+
+
+def matmul_rate(gpu: GPUSpec, dtype_bytes: int) -> float:
+    """FLOP/s ``gpu`` sustains on large matmuls: what ranks GPUs by speed."""
+    return gpu.peak_flops_for(dtype_bytes) * float(gemm_efficiency(gpu, np.array([0.0]), 1)[0])
+
+
+def attention_efficiency(gpu: GPUSpec, seq_len: int) -> float:
+    """Fraction of peak a fused attention kernel reaches at ``seq_len`` tokens:
+    the GPU's long-sequence rate times ``s / (s + half)`` (short sequences give
+    each thread block little work: Dao 2023, Fig. 4-6)."""
+    best = ATTENTION_EFFICIENCY.get(gpu.catalog_name, (gpu.matmul_efficiency or GEMM_EFFICIENCY)
+                                    * ATTENTION_TO_GEMM_DEFAULT)
+    return best * seq_len / (seq_len + ATTENTION_HALF_SEQ) if seq_len > 0 else best
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One pass's work per layer for one GPU: matmul and attention FLOPs at
+    their own efficiencies, memory-bound bytes, kernel launches."""
+
+    gemm_s: np.ndarray
+    attention_s: np.ndarray
+    attention_backward_s: np.ndarray
+    memory_s: np.ndarray
+    launch_s: np.ndarray
+
+    def forward(self) -> np.ndarray:
+        return self.gemm_s + self.attention_s + self.memory_s + self.launch_s
+
+    def backward(self) -> np.ndarray:
+        """Twice the forward matmuls (input and weight gradients), the attention
+        core's backward, the elementwise kernels' backward traffic and twice the launches."""
+        return (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.launch_s) + ELEMENTWISE_BACKWARD_RATIO * self.memory_s
+                + self.attention_backward_s)
+
+
+def _work(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int,
+          sequence_parallel: bool) -> _Work:
+    peak = gpu.peak_flops_for(dtype_bytes)
+    gemm_flops = (arrays.fwd_flops - arrays.attention_flops) * batch / tp
+    gemm_s = gemm_flops / (peak * gemm_efficiency(gpu, _dims(arrays), tp))
+    attention_s = attention_time(arrays, gpu, batch, tp, dtype_bytes)
+    # FlashAttention's backward recomputes the scores: 2.5x its forward; eager attention's is 2x
+    backward_ratio = np.where(_fused(arrays), ATTENTION_BACKWARD_RATIO, BACKWARD_FLOPS_RATIO)
+    mem = arrays.fwd_mem_bytes * batch * tp_activation_fraction(arrays, tp, sequence_parallel)
+    memory_s = mem / (gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY)
+    launch_s = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM) * KERNEL_LAUNCH_S
+    return _Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s)
+
+
+def _fused(arrays: LayerArrays) -> np.ndarray:
+    return arrays.attention_fused if arrays.attention_fused is not None else np.zeros(arrays.num_layers, bool)
+
+
+def _dims(arrays: LayerArrays) -> np.ndarray:
+    return arrays.gemm_dim if arrays.gemm_dim is not None else np.zeros(arrays.num_layers)  # 0: shape unknown
+
+
+def attention_time(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int) -> np.ndarray:
+    """Forward time of every layer's attention core (QK^T and scores·V).
+
+    A fused kernel runs at the attention efficiency and skips the masked half
+    of a causal score matrix (Dao 2023, §3.1.1); an eager one runs two batched
+    matmuls at matmul efficiency over the whole matrix (its softmax traffic is
+    in ``fwd_mem_bytes``)."""
+    peak = gpu.peak_flops_for(dtype_bytes)
+    flops = arrays.attention_flops * batch / tp
+    fused = _fused(arrays)
+    causal = arrays.attention_causal if arrays.attention_causal is not None else np.zeros(arrays.num_layers, bool)
+    executed = np.where(fused & causal, CAUSAL_EXECUTED_FRACTION, 1.0) * flops
+    eager_eff = gemm_efficiency(gpu, np.full(arrays.num_layers, float(max(arrays.seq_len, 1))), 1)
+    efficiency = np.where(fused, attention_efficiency(gpu, arrays.seq_len), eager_eff)
+    return executed / (peak * efficiency)
+
+
 def pass_time(flops: np.ndarray | float, mem_bytes: np.ndarray | float, kernels: np.ndarray | float,
               gpu: GPUSpec, dtype_bytes: int) -> np.ndarray:
-    """The roofline: tensor-core work, memory-bound traffic and kernel launches."""
-    peak = gpu.peak_flops_for(dtype_bytes) * GEMM_EFFICIENCY
+    """A plain roofline at the sustained large-matmul rate, for work with no
+    layer shape (the memory-bound part of selective recomputation)."""
+    peak = matmul_rate(gpu, dtype_bytes)
     bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
     return np.asarray(flops) / peak + np.asarray(mem_bytes) / bandwidth + np.asarray(kernels) * KERNEL_LAUNCH_S
 
@@ -65,15 +166,10 @@ def tp_activation_fraction(arrays: LayerArrays, tp: int, sequence_parallel: bool
 
 def roofline_passes(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int,
                     sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Forward and backward roofline time of every layer for ``batch`` samples
-    on one GPU of a TP group of ``tp`` (backward: twice the work, Kaplan 2020)."""
-    flops = arrays.fwd_flops * batch / tp
-    mem = arrays.fwd_mem_bytes * batch * tp_activation_fraction(arrays, tp, sequence_parallel)
-    kernels = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM)
-    fwd = pass_time(flops, mem, kernels, gpu, dtype_bytes)
-    bwd = pass_time(flops * BACKWARD_FLOPS_RATIO, mem * BACKWARD_FLOPS_RATIO, kernels * BACKWARD_FLOPS_RATIO,
-                    gpu, dtype_bytes)
-    return fwd, bwd
+    """Forward and backward time of every layer for ``batch`` samples on one
+    GPU of a TP group of ``tp`` (module docstring)."""
+    work = _work(arrays, gpu, batch, tp, dtype_bytes, sequence_parallel)
+    return work.forward(), work.backward()
 
 
 def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int, recompute: str,
@@ -86,9 +182,9 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
         return fwd.copy()
     if recompute != "selective":
         return np.zeros_like(fwd)
-    core_flops = arrays.attention_flops * batch / tp
     core_mem = ATTENTION_CORE_PASSES * arrays.act_attention_core_bytes * batch / tp
-    analytic = pass_time(core_flops, core_mem, ATTENTION_CORE_KERNELS, gpu, dtype_bytes)
+    analytic = (attention_time(arrays, gpu, batch, tp, dtype_bytes)
+                + pass_time(0.0, core_mem, ATTENTION_CORE_KERNELS, gpu, dtype_bytes))
     extra = np.where(arrays.attention_flops > 0, analytic, 0.0)
     if measured is not None:
         share = np.divide(arrays.attention_flops, arrays.fwd_flops, out=np.zeros_like(fwd),

@@ -1,16 +1,54 @@
 """Every constant the cost model uses, with its source.
 
-Nothing here is fitted to the calibration rows in ``tests/test_calibration.py``
-(Korthikanti et al. 2022); those rows check the model, they do not set it.
+Most are taken from a paper, a datasheet or a library's own cost model. A few
+physical quantities no source gives are fitted on whole published runs
+(``shared/calibration/published_runs.json``, by ``benchmarks/fit_cost_model.py``)
+and say so beside them; nothing is a per-run correction.
 """
 
 # --- compute ----------------------------------------------------------------
-# Fraction of the datasheet tensor-core peak that large cuBLAS GEMMs sustain.
+# Fraction of the datasheet tensor-core peak that large cuBLAS GEMMs sustain,
+# for GPUs without a measured rate in the catalog (GPUSpec.matmul_efficiency).
 # NVIDIA "Matrix Multiplication Background User's Guide" (DU-09799-001, 2023),
 # §2.3/Fig. 5-6: large fp16 GEMMs on A100 reach ~250 of 312 TFLOP/s (~80%);
 # Narayanan et al. 2021 (Megatron-LM, SC'21) report end-to-end 52% of peak on
 # A100 for whole iterations, which includes everything below.
 GEMM_EFFICIENCY = 0.80
+
+# Smaller matmuls run further below a GPU's best-shape rate: efficiency falls
+# as d / (d + half) with the per-rank weight-matrix side d (NVIDIA "Matrix
+# Multiplication Background User's Guide", §2-4: tile and wave quantisation,
+# arithmetic intensity). Fitted (least squares on log throughput) on
+# shared/calibration/published_runs.json by benchmarks/fit_cost_model.py, like
+# every constant below marked "fitted"; the others are taken from a source.
+GEMM_HALF_DIM = 256.0
+# Fraction of the best-shape (short benchmark) matmul rate a GPU sustains
+# through a training run (clocks under sustained load, the mix of shapes and
+# fused epilogues of real layers): a 700 W H100 SXM loses more than a 400 W
+# A100. Fitted like GEMM_HALF_DIM; H200 is the same GH100 die and power.
+SUSTAINED_MATMUL_FRACTION = {"A100-40GB": 0.85, "A100-80GB": 0.85, "H100": 0.7, "H200": 0.7}
+
+# Fused attention: fraction of the dense 16-bit peak its forward+backward
+# reaches at long sequences, with FLOPs counted for the lower triangle of a
+# causal mask only. Fitted (like GEMM_HALF_DIM) on the MosaicML runs, whose
+# MPT models use a Triton FlashAttention kernel with an ALiBi bias: about half
+# of what FlashAttention-2's own kernel benchmark reaches (Dao 2023, Fig. 4-6:
+# ~190-200 of 312 TFLOP/s on A100; Shah et al. 2024, "FlashAttention-3",
+# Fig. 5: FlashAttention-2 on H100 SXM ~320-350 of 989).
+ATTENTION_EFFICIENCY = {"A100-40GB": 0.3, "A100-80GB": 0.3, "H100": 0.2, "H200": 0.2}
+# Other GPUs: this fraction of their matmul efficiency, the ratio of
+# FlashAttention-2's kernel benchmark to the matmul rate on A100 (0.62 / 0.87).
+ATTENTION_TO_GEMM_DEFAULT = 0.7
+# Sequence length at which fused attention runs at half its long-sequence rate
+# (Dao 2023, Fig. 4: A100 causal head dim 128 reaches ~105 TFLOP/s at 512
+# tokens and ~160 at 2k against ~195 at 16k, i.e. s / (s + ~450)).
+ATTENTION_HALF_SEQ = 450.0
+# A causal kernel computes only the blocks on or below the diagonal (Dao 2023,
+# §3.1.1): half the score matrix for long sequences.
+CAUSAL_EXECUTED_FRACTION = 0.5
+# FlashAttention's backward runs five matmuls to the forward's two (it
+# recomputes the scores: Dao 2023, §3.2), 2.5x the forward's FLOPs.
+ATTENTION_BACKWARD_RATIO = 2.5
 
 # Fraction of datasheet DRAM bandwidth that streaming (elementwise) kernels
 # reach. NVIDIA CUDA C++ Best Practices Guide §"Effective Bandwidth" and the
@@ -39,6 +77,13 @@ ATTENTION_CORE_PASSES = 2.0
 # Kaplan et al. 2020 (6N FLOPs per token for training = 2N fwd + 4N bwd).
 BACKWARD_FLOPS_RATIO = 2.0
 
+# Memory traffic of an elementwise kernel's backward over its forward's: a
+# forward reads its input and writes its output (2 passes); its backward reads
+# the saved input and the output gradient and writes the input gradient (3
+# passes): GELU, LayerNorm, dropout, scale/mask (derivatives in Hendrycks &
+# Gimpel 2016; Ba et al. 2016). Residual adds pass gradients through.
+ELEMENTWISE_BACKWARD_RATIO = 1.5
+
 # --- communication ------------------------------------------------------------
 # Tensor-parallel all-reduce volumes per training step, in units of one forward
 # pass's (LayerSpec.tp_comm_bytes): Megatron-LM's f/g operators all-reduce once
@@ -63,6 +108,22 @@ OVERLAP_SLOWDOWN = 1.3
 # nccl-tests: ~230 of 300 GB/s NVLink on A100, ~80% of InfiniBand line rate;
 # NVIDIA nccl-tests PERFORMANCE.md and DGX A100 reference numbers).
 COLLECTIVE_BANDWIDTH_EFFICIENCY = 0.77
+
+# Latency of one NCCL collective (Simple protocol), from NCCL's own tuning
+# model (NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat): a base cost plus
+# one hop latency per ring step, NVLink / PCIe inside a node and the network
+# across nodes; trees pay 2·log2(nodes) network hops.
+NCCL_BASE_LATENCY_S = 8.4e-6
+NCCL_RING_HOP_LATENCY_S = {"nvlink": 3.4e-6, "pci": 5.7e-6, "net": 9.6e-6}
+NCCL_TREE_HOP_LATENCY_S = {"nvlink": 28e-6, "pci": 28e-6, "net": 50e-6}
+# In-node links at least this fast (Gb/s per direction) are NVLink / NVSwitch;
+# PCIe 5.0 x16 is ~504 Gb/s (PCI-SIG), NVLink 2 on V100 1,200.
+NVLINK_MIN_GBPS = 600.0
+# Gradients are all-reduced in buckets of this size (PyTorch DDP's default
+# bucket_cap_mb = 25; Megatron-LM's DDP buckets are of the same order), so a
+# sync of G bytes runs G / bucket collectives. Sharded data parallelism (ZeRO-3
+# / FSDP) gathers and reduce-scatters once per layer (one FSDP unit per block).
+ALLREDUCE_BUCKET_BYTES = 25 * 2**20
 
 # --- memory -------------------------------------------------------------------
 # Bytes per parameter of model state for each optimizer (Rajbhandari et al.

@@ -32,9 +32,10 @@ from typing import Callable, Generic, Sequence, TypeVar
 import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
-from hetplan.cost.comm import allgather_time, allreduce_time, p2p_time, reduce_scatter_time
-from hetplan.cost.compute import LayerTimes, layer_times
+from hetplan.cost.comm import allgather_time, allreduce_time, collective_latency, p2p_time, reduce_scatter_time
+from hetplan.cost.compute import LayerTimes, layer_times, matmul_rate
 from hetplan.cost.constants import (
+    ALLREDUCE_BUCKET_BYTES,
     MEMORY_BANDWIDTH_EFFICIENCY,
     OPTIMIZER_STEP_BYTES_PER_PARAM,
     TP_COMM_PASSES,
@@ -195,12 +196,12 @@ class CostKernel:
 
     # --- devices and links ---------------------------------------------------------------
     def slowest_gpu(self, devices: Sequence[int]) -> GPUSpec:
-        """The GPU that sets the pace of a TP group (the lowest peak rate)."""
+        """The GPU that sets the pace of a TP group (the lowest sustained matmul rate)."""
         key = tuple(devices)
         found = self._slowest.get(key)
         if found is None:
             gpus = (self.cluster.devices[d].gpu for d in key)
-            found = self._slowest[key] = min(gpus, key=lambda g: g.peak_flops_for(self.dtype_bytes))
+            found = self._slowest[key] = min(gpus, key=lambda g: matmul_rate(g, self.dtype_bytes))
         return found
 
     def collective_rate(self, kind: str, group: Sequence[int], concurrent_groups: int = 1) -> float:
@@ -225,9 +226,21 @@ class CostKernel:
         key = ("dp", kind, tuple(devices), tp)
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = max(
-                self.collective_rate(kind, tuple(devices[r * tp + t] for r in range(dp)), tp) for t in range(tp))
+            groups = [tuple(devices[r * tp + t] for r in range(dp)) for t in range(tp)]
+            latency_per_byte = max(collective_latency(self.cluster, g, kind) for g in groups) / self.message_bytes(kind, tp)
+            found = self._rates[key] = max(self.collective_rate(kind, g, tp) for g in groups) + latency_per_byte
         return found
+
+    def message_bytes(self, kind: str, tp: int) -> float:
+        """Bytes of one data-parallel collective: a gradient bucket for an
+        all-reduce, one layer's parameters (per TP rank) for the per-layer
+        gathers and reduce-scatters of sharded data parallelism. Latency is
+        charged per message, so a collective of G bytes costs G/message of them."""
+        if kind == "allreduce":
+            return float(ALLREDUCE_BUCKET_BYTES)
+        per_layer = self.params_per_device(tp)
+        typical = float(np.median(per_layer[per_layer > 0])) if np.any(per_layer > 0) else 1.0
+        return typical * (self.weight_bytes if kind == "allgather" else self.grad_bytes)
 
     def p2p_rate(self, sender: Sequence[int], receiver: Sequence[int]) -> float:
         """Seconds per byte of one pipeline transfer between two device groups."""

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetplan.model.spec import ModelSpec
+from hetplan.model.spec import LayerSpec, ModelSpec
+
+
+# Layer kinds whose self-attention is causal: decoder blocks, dense or
+# mixture-of-experts (hetplan.model names MoE decoder blocks "moe").
+CAUSAL_KINDS = frozenset({"decoder", "moe"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,10 @@ class LayerArrays:
     output_bytes: np.ndarray
     tp_comm_bytes: np.ndarray
     profile_keys: tuple[str, ...]
+    seq_len: int = 0  # tokens per sample: sets the attention kernel's efficiency
+    attention_fused: np.ndarray | None = None  # FlashAttention-style kernel (no score matrix)
+    attention_causal: np.ndarray | None = None  # a decoder's causal mask
+    gemm_dim: np.ndarray | None = None  # typical dimension of a layer's weight matrices (TP 1)
 
     @property
     def tied_duplicate(self) -> np.ndarray:
@@ -88,4 +97,28 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
         output_bytes=column("output_bytes"),
         tp_comm_bytes=column("tp_comm_bytes"),
         profile_keys=tuple(layer.profile_key for layer in layers),
+        seq_len=int(model.seq_len or 0),
+        attention_fused=np.array([_fused_attention(layer, model.seq_len) for layer in layers]),
+        attention_causal=np.array([layer.kind in CAUSAL_KINDS for layer in layers]),
+        gemm_dim=np.array([_gemm_dim(layer) for layer in layers]),
     )
+
+
+def _fused_attention(layer: LayerSpec, seq_len: int) -> bool:
+    """Whether a layer's attention runs as one fused kernel (FlashAttention /
+    SDPA). A fused kernel keeps no score matrix: its saved core activations (a
+    log-sum-exp per query row) are far smaller than one score per token pair,
+    which is how a fused layer is told from an eager one here."""
+    if layer.attention_flops <= 0 or seq_len <= 0:
+        return False
+    return layer.act_attention_core_bytes * seq_len < layer.attention_flops
+
+
+def _gemm_dim(layer: LayerSpec) -> float:
+    """Geometric-mean side of a layer's weight matrices: sqrt(weights per matmul).
+    The attention core's two matmuls (QK^T, scores·V) hold no weights."""
+    linear = layer.gemm_count - (2 if layer.attention_flops > 0 else 0)
+    weights = layer.params - layer.params_tp_replicated
+    if linear <= 0 or weights <= 0:
+        return 0.0
+    return float(np.sqrt(weights / linear))

@@ -1,0 +1,116 @@
+"""The physical effects of the compute and communication model: each against
+a hand-computed value or a property that must hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetplan.cluster import ClusterSpec, NodeSpec
+from hetplan.cluster.catalog import get_gpu
+from hetplan.cost import comm
+from hetplan.cost.compute import attention_efficiency, attention_time, gemm_efficiency, layer_times
+from hetplan.cost.constants import (
+    ATTENTION_BACKWARD_RATIO,
+    NCCL_BASE_LATENCY_S,
+    NCCL_RING_HOP_LATENCY_S,
+    NCCL_TREE_HOP_LATENCY_S,
+    SUSTAINED_MATMUL_FRACTION,
+)
+from hetplan.cost.layers import layer_arrays
+from hetplan.model.layers import BlockShape, transformer_block
+from hetplan.model.presets import gpt_decoder
+from hetplan.model.spec import ModelSpec
+
+
+def _block_model(seq: int, fused: bool, kind: str = "decoder", hidden: int = 1024) -> ModelSpec:
+    shape = BlockShape(hidden=hidden, heads=hidden // 64, ffn=4 * hidden, seq=seq, fused_attention=fused,
+                       dropout=not fused)
+    layer = transformer_block("b", kind, shape, 2)
+    return ModelSpec(name="m", family="gpt", layers=(layer,), seq_len=seq, dtype_bytes=2, hidden_size=hidden,
+                     num_heads=hidden // 64, vocab_size=1000)
+
+
+def _cluster(nodes: int, per_node: int, intra_gbps: float = 2400.0) -> ClusterSpec:
+    return ClusterSpec("t", tuple(NodeSpec("A100-80GB", per_node, intra_gbps, name=f"n{i}") for i in range(nodes)),
+                       1600.0)
+
+
+def test_fused_causal_attention_runs_half_the_scores() -> None:
+    gpu = get_gpu("A100-80GB")
+    causal = layer_arrays(_block_model(4096, fused=True, kind="decoder"))
+    full = layer_arrays(_block_model(4096, fused=True, kind="encoder"))
+    assert causal.attention_fused[0] and full.attention_fused[0]
+    assert attention_time(causal, gpu, 1, 1, 2)[0] == pytest.approx(0.5 * attention_time(full, gpu, 1, 1, 2)[0])
+
+
+def test_eager_attention_is_not_taken_for_fused() -> None:
+    """An eager kernel keeps the score matrix; it runs the whole matrix at matmul speed."""
+    eager = layer_arrays(_block_model(2048, fused=False))
+    assert not eager.attention_fused[0]
+
+
+def test_attention_efficiency_rises_with_sequence_length() -> None:
+    gpu = get_gpu("H100")
+    rates = [attention_efficiency(gpu, s) for s in (256, 1024, 4096, 32768)]
+    assert rates == sorted(rates) and rates[-1] < 1.0
+
+
+def test_flash_attention_backward_is_2_5_forwards() -> None:
+    """Long sequence: attention dominates the block, so backward/forward tends to 2.5."""
+    arrays = layer_arrays(_block_model(65536, fused=True, hidden=256))
+    times = layer_times(arrays, get_gpu("A100-80GB"), 1, 1, "none", 2)
+    ratio = float(times.bwd_s[0] / times.fwd_s[0])
+    assert 2.0 < ratio <= ATTENTION_BACKWARD_RATIO
+
+
+def test_smaller_matmuls_run_below_the_best_rate() -> None:
+    gpu = get_gpu("A100-80GB")
+    dims = np.array([256.0, 1024.0, 8192.0])
+    big = gemm_efficiency(gpu, dims, 1)
+    assert list(big) == sorted(big) and big[-1] < gpu.matmul_efficiency
+    assert np.all(gemm_efficiency(gpu, dims, 8) < big)  # the weight side split over 8 TP ranks
+
+
+def test_measured_matmul_rate_sets_the_best_efficiency() -> None:
+    """A100-80GB's catalog entry carries its measured matmul rate: large GEMMs
+    run at the part of it a GPU sustains in training."""
+    gpu = get_gpu("A100-80GB")
+    sustained = gpu.matmul_efficiency * SUSTAINED_MATMUL_FRACTION[gpu.name]
+    assert gemm_efficiency(gpu, np.array([1e9]), 1)[0] == pytest.approx(sustained, rel=1e-6)
+
+
+def test_ring_latency_follows_nccl_model() -> None:
+    """Two nodes of 4 GPUs: an all-gather ring has 7 steps, 1 of them across nodes."""
+    cluster = _cluster(2, 4)
+    group = list(range(8))
+    hops = NCCL_RING_HOP_LATENCY_S
+    expected = NCCL_BASE_LATENCY_S + 6 * hops["nvlink"] + 1 * hops["net"]
+    assert comm.collective_latency(cluster, group, "allgather") == pytest.approx(expected)
+    # all-reduce: twice the steps, or a tree when that is faster
+    ring = NCCL_BASE_LATENCY_S + 12 * hops["nvlink"] + 2 * hops["net"]
+    tree = 2 * (3 * NCCL_TREE_HOP_LATENCY_S["nvlink"] + 1 * NCCL_TREE_HOP_LATENCY_S["net"])
+    assert comm.collective_latency(cluster, group, "allreduce") == pytest.approx(min(ring, tree))
+
+
+def test_collective_latency_grows_with_gpus_and_nodes() -> None:
+    small = comm.collective_latency(_cluster(4, 8), list(range(32)), "allgather")
+    large = comm.collective_latency(_cluster(64, 8), list(range(512)), "allgather")
+    assert large > 10 * small
+    assert comm.collective_latency(_cluster(1, 8), [0], "allgather") == 0.0
+
+
+def test_data_parallel_rate_includes_latency_per_message() -> None:
+    """A sharded-data-parallel gather costs more per byte at 512 GPUs than
+    at 16, even though the per-node bandwidth is the same."""
+    from hetplan.cost import Workload
+    from hetplan.cost.kernel import CostKernel
+
+    model = gpt_decoder("m", 8, 1024, 16, 1024, vocab=1000)
+    rates = []
+    for nodes in (2, 64):
+        kernel = CostKernel(Workload(model, _cluster(nodes, 8), 8 * nodes))
+        devices = tuple(range(8 * nodes))
+        bandwidth_only = kernel.collective_rate("allgather", devices)
+        rates.append(kernel.dp_collective_rate("allgather", devices, 1) - bandwidth_only)
+    assert rates[1] > rates[0] > 0
