@@ -115,6 +115,13 @@ def _precision(text: Any) -> str | None:
     return None
 
 
+def _optimizer(ec: dict[str, Any]) -> str:
+    """FSDP's DEFAULT mixed precision (llm-foundry's amp_bf16) reduces and keeps
+    gradients in fp32; PURE bf16 and Megatron's fp16 runs keep 16-bit gradients."""
+    fsdp, precision = str(ec.get("fsdp") or ""), str(ec.get("precision") or "")
+    return "adam-mixed-fp32-grads" if "DEFAULT" in fsdp and precision.startswith("amp") else "adam-mixed"
+
+
 def _mpt_model(m: dict[str, Any], seq: int) -> ModelSpec:
     """MosaicML MPT: ALiBi (no position table), no biases, LayerNorm without
     bias, GELU MLP of ``ffn_hidden``, FlashAttention, tied LM head, no dropout."""
@@ -203,7 +210,7 @@ def case_of(run: dict[str, Any]) -> Case:
     zero = int(ec.get("zero_stage") or 0)
     if ec.get("zero_stage") is None and "FULL_SHARD" in str(ec.get("fsdp")):
         zero = 3
-    workload = Workload(model, cluster, int(gb["sequences"]))
+    workload = Workload(model, cluster, int(gb["sequences"]), optimizer=_optimizer(ec))
     schedule = "interleaved-1f1b" if virtual > 1 else "1f1b"
     try:
         plan = uniform_plan(workload, dp, tp, pp, mbs, zero, recompute, schedule,

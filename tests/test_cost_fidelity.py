@@ -114,3 +114,23 @@ def test_data_parallel_rate_includes_latency_per_message() -> None:
         bandwidth_only = kernel.collective_rate("allgather", devices)
         rates.append(kernel.dp_collective_rate("allgather", devices, 1) - bandwidth_only)
     assert rates[1] > rates[0] > 0
+
+
+def test_fp32_gradients_double_the_sync_and_add_two_bytes_per_parameter() -> None:
+    """Megatron's bf16 main_grad / FSDP's fp32 reduce: gradients are 4 bytes,
+    held and all-reduced (25 MiB buckets of them, so the latency count doubles too)."""
+    from hetplan.cluster import load_cluster
+    from hetplan.cost import CostModel, Workload
+    from hetplan.search.baselines.uniform import uniform_plan
+
+    model = gpt_decoder("m", 4, 1024, 16, 512, vocab=1000)
+    cluster = load_cluster("16xA100-80GB")
+    costs = []
+    for optimizer in ("adam-mixed", "adam-mixed-fp32-grads"):
+        workload = Workload(model, cluster, 16, optimizer=optimizer)
+        cost = CostModel(workload)
+        plan = uniform_plan(workload, 16, 1, 1, 1)
+        costs.append((cost.stage_timing(plan.stages[0], 16).grad_sync_s, cost.estimate(plan).peak_memory_bytes[0]))
+    (sync16, mem16), (sync32, mem32) = costs
+    assert sync32 == pytest.approx(2 * sync16, rel=1e-9)
+    assert mem32 - mem16 == pytest.approx(2 * model.total_params, rel=1e-6)

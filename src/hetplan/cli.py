@@ -45,7 +45,8 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
                                                                                  "planners choose" if batch_auto else ""))
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length for HF configs")
     p.add_argument("--memory-limit", default=None, help="usable memory per GPU, e.g. 8GB (default: the GPU's)")
-    p.add_argument("--optimizer", default="", help="adam-mixed (16-bit models), adam-fp32, sgd-fp32")
+    p.add_argument("--optimizer", default="", help="adam-mixed (16-bit models), adam-mixed-fp32-grads (Megatron bf16, "
+                   "DeepSpeed BF16 optimizer, FSDP fp32 reduce), adam-fp32, sgd-fp32")
     p.add_argument("--profile", default=None, help="measured layer times (ProfileDB JSON)")
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
     p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")

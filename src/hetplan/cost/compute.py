@@ -86,7 +86,7 @@ def attention_efficiency(gpu: GPUSpec, seq_len: int) -> float:
 
 
 @dataclass(frozen=True)
-class _Work:
+class Work:
     """One pass's work per layer for one GPU: matmul and attention FLOPs at
     their own efficiencies, memory-bound bytes, kernel launches."""
 
@@ -99,6 +99,12 @@ class _Work:
     def forward(self) -> np.ndarray:
         return self.gemm_s + self.attention_s + self.memory_s + self.launch_s
 
+    def scaled(self, batch: float) -> Work:
+        """The same layers for ``batch`` samples: everything but the launches
+        grows with the batch (this is one sample's work)."""
+        return Work(self.gemm_s * batch, self.attention_s * batch, self.attention_backward_s * batch,
+                     self.memory_s * batch, self.launch_s)
+
     def backward(self) -> np.ndarray:
         """Twice the forward matmuls (input and weight gradients), the attention
         core's backward, the elementwise kernels' backward traffic and twice the launches."""
@@ -106,18 +112,20 @@ class _Work:
                 + self.attention_backward_s)
 
 
-def _work(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int,
-          sequence_parallel: bool) -> _Work:
+def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int,
+                    sequence_parallel: bool) -> Work:
+    """One sample's forward work per layer on one GPU of a TP group (the cost
+    kernel caches it per GPU type and scales it to any micro-batch share)."""
     peak = gpu.peak_flops_for(dtype_bytes)
-    gemm_flops = (arrays.fwd_flops - arrays.attention_flops) * batch / tp
+    gemm_flops = (arrays.fwd_flops - arrays.attention_flops) / tp
     gemm_s = gemm_flops / (peak * gemm_efficiency(gpu, _dims(arrays), tp))
-    attention_s = attention_time(arrays, gpu, batch, tp, dtype_bytes)
+    attention_s = attention_time(arrays, gpu, 1.0, tp, dtype_bytes)
     # FlashAttention's backward recomputes the scores: 2.5x its forward; eager attention's is 2x
     backward_ratio = np.where(_fused(arrays), ATTENTION_BACKWARD_RATIO, BACKWARD_FLOPS_RATIO)
-    mem = arrays.fwd_mem_bytes * batch * tp_activation_fraction(arrays, tp, sequence_parallel)
+    mem = arrays.fwd_mem_bytes * tp_activation_fraction(arrays, tp, sequence_parallel)
     memory_s = mem / (gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY)
     launch_s = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM) * KERNEL_LAUNCH_S
-    return _Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s)
+    return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s)
 
 
 def _fused(arrays: LayerArrays) -> np.ndarray:
@@ -165,15 +173,16 @@ def tp_activation_fraction(arrays: LayerArrays, tp: int, sequence_parallel: bool
 
 
 def roofline_passes(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int,
-                    sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                    sequence_parallel: bool = False, unit: Work | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward time of every layer for ``batch`` samples on one
-    GPU of a TP group of ``tp`` (module docstring)."""
-    work = _work(arrays, gpu, batch, tp, dtype_bytes, sequence_parallel)
+    GPU of a TP group of ``tp`` (module docstring); ``unit`` is the cached
+    ``per_sample_work`` of the same GPU, tp and sequence parallelism."""
+    work = (unit or per_sample_work(arrays, gpu, tp, dtype_bytes, sequence_parallel)).scaled(batch)
     return work.forward(), work.backward()
 
 
 def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int, recompute: str,
-                   dtype_bytes: int, measured: np.ndarray | None) -> np.ndarray:
+                   dtype_bytes: int, measured: np.ndarray | None, unit: Work | None = None) -> np.ndarray:
     """Forward work redone in the backward pass: the whole forward under full
     recomputation; under selective recomputation the attention core (Korthikanti
     et al. 2022 §5): its matmuls plus the softmax/dropout traffic over the
@@ -183,8 +192,8 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
     if recompute != "selective":
         return np.zeros_like(fwd)
     core_mem = ATTENTION_CORE_PASSES * arrays.act_attention_core_bytes * batch / tp
-    analytic = (attention_time(arrays, gpu, batch, tp, dtype_bytes)
-                + pass_time(0.0, core_mem, ATTENTION_CORE_KERNELS, gpu, dtype_bytes))
+    core = unit.attention_s * batch if unit is not None else attention_time(arrays, gpu, batch, tp, dtype_bytes)
+    analytic = core + pass_time(0.0, core_mem, ATTENTION_CORE_KERNELS, gpu, dtype_bytes)
     extra = np.where(arrays.attention_flops > 0, analytic, 0.0)
     if measured is not None:
         share = np.divide(arrays.attention_flops, arrays.fwd_flops, out=np.zeros_like(fwd),
@@ -194,18 +203,20 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
 
 
 def layer_times(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, recompute: str, dtype_bytes: int,
-                sequence_parallel: bool = False, profile: ProfileDB | None = None) -> LayerTimes:
+                sequence_parallel: bool = False, profile: ProfileDB | None = None,
+                unit: Work | None = None) -> LayerTimes:
     """Forward, backward and recompute time of every layer for ``batch``
     samples on one GPU of a TP group of size ``tp``: measured where the
-    profile has the layer, the roofline elsewhere."""
+    profile has the layer, the model elsewhere (``unit``: its cached
+    ``per_sample_work``)."""
     if batch <= 0:
         zero = np.zeros(arrays.num_layers)
         return LayerTimes(zero, zero, zero)
-    fwd, bwd = roofline_passes(arrays, gpu, batch, tp, dtype_bytes, sequence_parallel)
+    fwd, bwd = roofline_passes(arrays, gpu, batch, tp, dtype_bytes, sequence_parallel, unit)
     measured = None
     if profile is not None:
         fwd, bwd, measured = _apply_profile(arrays, profile, gpu, batch, tp, fwd, bwd)
-    return LayerTimes(fwd, bwd, recompute_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured))
+    return LayerTimes(fwd, bwd, recompute_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured, unit))
 
 
 def _apply_profile(arrays: LayerArrays, profile: ProfileDB, gpu: GPUSpec, batch: float, tp: int,

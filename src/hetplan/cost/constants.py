@@ -131,9 +131,17 @@ ALLREDUCE_BUCKET_BYTES = 25 * 2**20
 # (2) plus fp32 master weights, momentum and variance (4+4+4) = 16 bytes;
 # fp32 Adam keeps fp32 weights, gradients, momentum, variance = 16 bytes;
 # SGD with momentum in fp32: weights, gradients, momentum = 12 bytes.
+# "adam-mixed-fp32-grads": mixed-precision Adam whose gradients are kept,
+# accumulated and reduced in fp32 (4 bytes): Megatron-LM's bf16 training
+# (--accumulate-allreduce-grads-in-fp32, which its arguments.py turns on for
+# bf16: the "main_grad" buffer), DeepSpeed's BF16_Optimizer (fp32 gradient
+# accumulation buffer) and PyTorch FSDP's MixedPrecision(reduce_dtype=float32)
+# (MosaicML Composer's DEFAULT / amp_bf16 setting). Data-parallel collectives
+# then move 4-byte gradients too.
 OPTIMIZER_STATE_BYTES = {
     # name: (weight bytes, gradient bytes, optimizer-state bytes)
     "adam-mixed": (2, 2, 12),
+    "adam-mixed-fp32-grads": (2, 4, 12),
     "adam-fp32": (4, 4, 8),
     "sgd-fp32": (4, 4, 4),
 }

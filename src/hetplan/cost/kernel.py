@@ -33,7 +33,7 @@ import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
 from hetplan.cost.comm import allgather_time, allreduce_time, collective_latency, p2p_time, reduce_scatter_time
-from hetplan.cost.compute import LayerTimes, layer_times, matmul_rate
+from hetplan.cost.compute import LayerTimes, Work, layer_times, matmul_rate, per_sample_work
 from hetplan.cost.constants import (
     ALLREDUCE_BUCKET_BYTES,
     MEMORY_BANDWIDTH_EFFICIENCY,
@@ -129,6 +129,7 @@ class CostKernel:
         profile = workload.profile
         self.memory_profile = profile if isinstance(profile, MetisProfileDB) and profile.has_memory else None
         self._times: dict[tuple[object, ...], LayerTimes] = {}
+        self._units: dict[tuple[object, ...], Work] = {}
         self._rates: dict[tuple[object, ...], float] = {}
         self._slowest: dict[tuple[int, ...], GPUSpec] = {}
         self._arrays: dict[tuple[object, ...], np.ndarray] = {}
@@ -150,7 +151,16 @@ class CostKernel:
         found = self._times.get(key)
         if found is None:
             found = self._times[key] = layer_times(self.arrays, gpu, float(batch), tp, recompute, self.dtype_bytes,
-                                                    sequence_parallel, self.workload.profile)
+                                                    sequence_parallel, self.workload.profile,
+                                                    self._unit_work(gpu, tp, sequence_parallel))
+        return found
+
+    def _unit_work(self, gpu: GPUSpec, tp: int, sequence_parallel: bool) -> Work:
+        """One sample's work per layer (``compute.per_sample_work``), cached per GPU type."""
+        key = (gpu.name, tp, sequence_parallel)
+        found = self._units.get(key)
+        if found is None:
+            found = self._units[key] = per_sample_work(self.arrays, gpu, tp, self.dtype_bytes, sequence_parallel)
         return found
 
     def layer_time(self, index: int, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",
