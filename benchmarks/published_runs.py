@@ -107,9 +107,11 @@ def _interleaving(value: Any) -> int | None:
 
 
 def _precision(text: Any) -> str | None:
+    """"16-bit", "fp8" (16-bit model, FP8 matmuls: MosaicML's amp_fp8 with
+    Transformer Engine) or None when not stated."""
     words = str(text or "").lower()
     if "fp8" in words:
-        return None  # hetplan's models are 16-bit or fp32; FP8 GEMMs are not modelled
+        return "fp8"
     if any(k in words for k in ("bf16", "fp16", "mixed")):
         return "16-bit"
     return None
@@ -210,7 +212,8 @@ def case_of(run: dict[str, Any]) -> Case:
     zero = int(ec.get("zero_stage") or 0)
     if ec.get("zero_stage") is None and "FULL_SHARD" in str(ec.get("fsdp")):
         zero = 3
-    workload = Workload(model, cluster, int(gb["sequences"]), optimizer=_optimizer(ec))
+    workload = Workload(model, cluster, int(gb["sequences"]), optimizer=_optimizer(ec),
+                        fp8=_precision(ec.get("precision")) == "fp8")
     schedule = "interleaved-1f1b" if virtual > 1 else "1f1b"
     try:
         plan = uniform_plan(workload, dp, tp, pp, mbs, zero, recompute, schedule,

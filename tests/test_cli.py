@@ -120,3 +120,11 @@ def test_bad_inputs_give_one_line(tmp_path) -> None:  # type: ignore[no-untyped-
 def test_argparse_errors_exit_2() -> None:
     result = run("plan", "--global-batch", "-4")
     assert result.returncode == 2 and "must be positive" in result.stderr
+
+
+def test_fp8_on_a_gpu_without_it_is_one_line_error() -> None:
+    result = run("estimate", "--model", "tiny-gpt", "--cluster", "8xV100-16GB", "--tp", "1", "--pp", "1",
+                 "--dp", "8", "--micro-batch", "1", "--global-batch", "8", "--fp8")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("hetplan: error:") and "FP8" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

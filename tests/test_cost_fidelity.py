@@ -134,3 +134,23 @@ def test_fp32_gradients_double_the_sync_and_add_two_bytes_per_parameter() -> Non
     (sync16, mem16), (sync32, mem32) = costs
     assert sync32 == pytest.approx(2 * sync16, rel=1e-9)
     assert mem32 - mem16 == pytest.approx(2 * model.total_params, rel=1e-6)
+
+
+def test_fp8_matmuls_speed_up_only_gpus_that_have_them() -> None:
+    from hetplan.cluster import load_cluster
+    from hetplan.cost import CostModel, Workload
+    from hetplan.errors import HetplanError
+    from hetplan.search.baselines.uniform import uniform_plan
+
+    model = gpt_decoder("m", 4, 2048, 16, 2048, vocab=1000)
+
+    def step(cluster: str, fp8: bool) -> float:
+        workload = Workload(model, load_cluster(cluster), 8, fp8=fp8)
+        return CostModel(workload).estimate(uniform_plan(workload, 8, 1, 1, 1)).iteration_time_s
+
+    bf16, fp8 = step("8xH100", False), step("8xH100", True)
+    assert fp8 < bf16 < 2 * fp8  # faster matmuls, but attention and elementwise work stay 16-bit
+    with pytest.raises(HetplanError, match="no FP8"):
+        step("8xA100-80GB", True)
+    with pytest.raises(HetplanError, match="16-bit"):
+        Workload(gpt_decoder("m32", 2, 256, 4, 64, vocab=100, dtype_bytes=4), load_cluster("8xH100"), 8, fp8=True)

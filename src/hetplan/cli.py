@@ -49,6 +49,8 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
                    "DeepSpeed BF16 optimizer, FSDP fp32 reduce), adam-fp32, sgd-fp32")
     p.add_argument("--profile", default=None, help="measured layer times (ProfileDB JSON)")
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
+    p.add_argument("--fp8", action="store_true",
+                   help="linear layers' matmuls in FP8 (Transformer Engine), on GPUs with FP8 tensor cores")
     p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")
 
 
@@ -125,7 +127,7 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None) -> 
     limit = parse_memory_size(args.memory_limit) if args.memory_limit else 0
     profile = load_profile(args.profile) if args.profile else None
     return Workload(model, cluster, gbs, optimizer=args.optimizer, memory_limit_bytes=limit,
-                    overlap_grad_sync=not args.no_overlap, profile=profile)
+                    overlap_grad_sync=not args.no_overlap, profile=profile, fp8=args.fp8)
 
 
 def _write_json(path: str | None, data: Any) -> None:
@@ -147,6 +149,7 @@ def _header(workload: Any, extra: str = "") -> str:
     lines = [f"model    {m.name}: {m.num_layers} layers, {format_count(m.total_params)} params, {seq}",
              f"cluster  {c.name}: {c.summary()}",
              f"batch    {workload.global_batch_size} samples/step, optimizer {workload.optimizer}"
+             + (", FP8 matmuls" if workload.fp8 else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
     if extra:
         lines.append(extra)

@@ -43,7 +43,8 @@ def sample_cost_matrix(kernel: CostKernel, gpus: list[GPUSpec], batch: int) -> n
     when no micro-batch holds more than ``batch`` samples."""
     columns = []
     for gpu in gpus:
-        fwd, bwd = roofline_passes(kernel.arrays, gpu, batch, 1, kernel.dtype_bytes)
+        unit = kernel.unit_work(gpu, 1, False)
+        fwd, bwd = roofline_passes(kernel.arrays, gpu, batch, 1, kernel.dtype_bytes, unit=unit)
         cost = (fwd + bwd) / batch
         measured = _profiled_minimum(kernel, gpu)
         if measured is not None:

@@ -31,11 +31,13 @@ from hetplan.cost.constants import (
     SUSTAINED_MATMUL_FRACTION,
     ELEMENTWISE_BACKWARD_RATIO,
     ELEMENTWISE_KERNELS_PER_GEMM,
+    FP8_MATMUL_RELATIVE_EFFICIENCY,
     GEMM_EFFICIENCY,
     KERNEL_LAUNCH_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
 )
 from hetplan.cost.layers import LayerArrays
+from hetplan.errors import HetplanError
 from hetplan.profile.db import ProfileDB
 
 
@@ -69,6 +71,17 @@ def gemm_efficiency(gpu: GPUSpec, gemm_dim: np.ndarray, tp: int) -> np.ndarray:
     dim = gemm_dim / np.sqrt(tp)
     shape = np.divide(dim, dim + GEMM_HALF_DIM, out=np.ones_like(dim, dtype=float), where=gemm_dim > 0)
     return best * shape  # a layer whose weight shape is unknown (0) gets no shape penalty
+
+
+def _gemm_peak(gpu: GPUSpec, dtype_bytes: int, fp8: bool) -> float:
+    """The peak a layer's matmuls run against: FP8's (scaled by how much less
+    of it FP8 GEMMs reach) or the training precision's."""
+    if not fp8:
+        return gpu.peak_flops_for(dtype_bytes)
+    if gpu.peak_flops_fp8 <= 0:
+        raise HetplanError(f"GPU type {gpu.name!r} has no FP8 tensor cores; train without --fp8 "
+                           "(or give peak_tflops_fp8 in the cluster file's gpu_types)")
+    return gpu.peak_flops_fp8 * FP8_MATMUL_RELATIVE_EFFICIENCY
 
 
 def matmul_rate(gpu: GPUSpec, dtype_bytes: int) -> float:
@@ -113,12 +126,13 @@ class Work:
 
 
 def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int,
-                    sequence_parallel: bool) -> Work:
+                    sequence_parallel: bool, fp8: bool = False) -> Work:
     """One sample's forward work per layer on one GPU of a TP group (the cost
-    kernel caches it per GPU type and scales it to any micro-batch share)."""
-    peak = gpu.peak_flops_for(dtype_bytes)
+    kernel caches it per GPU type and scales it to any micro-batch share).
+    ``fp8``: the matmuls of linear layers run in FP8 (Transformer Engine
+    style); attention and elementwise work stay 16-bit."""
     gemm_flops = (arrays.fwd_flops - arrays.attention_flops) / tp
-    gemm_s = gemm_flops / (peak * gemm_efficiency(gpu, _dims(arrays), tp))
+    gemm_s = gemm_flops / (_gemm_peak(gpu, dtype_bytes, fp8) * gemm_efficiency(gpu, _dims(arrays), tp))
     attention_s = attention_time(arrays, gpu, 1.0, tp, dtype_bytes)
     # FlashAttention's backward recomputes the scores: 2.5x its forward; eager attention's is 2x
     backward_ratio = np.where(_fused(arrays), ATTENTION_BACKWARD_RATIO, BACKWARD_FLOPS_RATIO)

@@ -50,6 +50,12 @@ CAUSAL_EXECUTED_FRACTION = 0.5
 # recomputes the scores: Dao 2023, §3.2), 2.5x the forward's FLOPs.
 ATTENTION_BACKWARD_RATIO = 2.5
 
+# FP8 matmuls reach a smaller fraction of their (twice as high) peak than
+# 16-bit ones: H100 SXM's measured best-shape rates are 1,402.6 of 1,979 FP8
+# TFLOP/s (0.709) against 794.5 of 989 bf16 (0.803), a ratio of 0.88
+# (stas00/ml-engineering MAMF table, via shared/calibration/hardware_specs.json).
+FP8_MATMUL_RELATIVE_EFFICIENCY = (1402.6 / 1979) / (794.5 / 989)
+
 # Fraction of datasheet DRAM bandwidth that streaming (elementwise) kernels
 # reach. NVIDIA CUDA C++ Best Practices Guide §"Effective Bandwidth" and the
 # BabelStream results (Deakin et al. 2018) show 80-90% on V100/A100.

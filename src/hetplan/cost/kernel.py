@@ -152,15 +152,16 @@ class CostKernel:
         if found is None:
             found = self._times[key] = layer_times(self.arrays, gpu, float(batch), tp, recompute, self.dtype_bytes,
                                                     sequence_parallel, self.workload.profile,
-                                                    self._unit_work(gpu, tp, sequence_parallel))
+                                                    self.unit_work(gpu, tp, sequence_parallel))
         return found
 
-    def _unit_work(self, gpu: GPUSpec, tp: int, sequence_parallel: bool) -> Work:
+    def unit_work(self, gpu: GPUSpec, tp: int, sequence_parallel: bool) -> Work:
         """One sample's work per layer (``compute.per_sample_work``), cached per GPU type."""
         key = (gpu.name, tp, sequence_parallel)
         found = self._units.get(key)
         if found is None:
-            found = self._units[key] = per_sample_work(self.arrays, gpu, tp, self.dtype_bytes, sequence_parallel)
+            found = self._units[key] = per_sample_work(self.arrays, gpu, tp, self.dtype_bytes, sequence_parallel,
+                                                       self.workload.fp8)
         return found
 
     def layer_time(self, index: int, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",

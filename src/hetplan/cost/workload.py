@@ -25,6 +25,8 @@ class Workload:
         overlap_grad_sync: overlap gradient sync with the last backward pass
             (Galvatron-BMW §V), paying the overlap slowdown.
         profile: measured layer times, preferred over FLOP estimates.
+        fp8: linear layers' matmuls run in FP8 (Transformer Engine), on GPUs
+            that have FP8 tensor cores; everything else keeps the model's dtype.
     """
 
     model: ModelSpec
@@ -34,6 +36,7 @@ class Workload:
     memory_limit_bytes: int = 0
     overlap_grad_sync: bool = True
     profile: ProfileDB | None = field(default=None, compare=False)
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch_size <= 0:
@@ -44,6 +47,9 @@ class Workload:
             raise HetplanError(
                 f"unknown optimizer {self.optimizer!r}; choose one of {sorted(OPTIMIZER_STATE_BYTES)}"
             )
+        if self.fp8 and self.model.dtype_bytes != 2:
+            raise HetplanError("--fp8 runs the matmuls of a 16-bit model in FP8; this model trains in "
+                               f"{self.model.dtype_bytes}-byte elements")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
 
