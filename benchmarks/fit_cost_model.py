@@ -28,11 +28,18 @@ from published_runs import DEFAULT_RUNS, Case, load_cases  # noqa: E402
 import hetplan.cost.compute as compute  # noqa: E402
 from hetplan.cost.model import CostModel  # noqa: E402
 
+A100 = ("A100-40GB", "A100-80GB")  # one GA100 die
+H100 = ("H100", "H200")  # one GH100 die
+
+
+def _per_die(a100: float, h100: float) -> dict[str, float]:
+    return {**dict.fromkeys(A100, a100), **dict.fromkeys(H100, h100)}
+
+
 GRID: dict[str, list[object]] = {
-    "SUSTAINED_MATMUL_FRACTION": [{"A100-40GB": a, "A100-80GB": a, "H100": h}
-                                  for a in (0.75, 0.8, 0.85, 0.9, 0.95, 1.0) for h in (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)],
-    "ATTENTION_EFFICIENCY": [{"A100-40GB": a, "A100-80GB": a, "H100": h, "H200": h}
-                             for a in (0.3, 0.4, 0.5, 0.62) for h in (0.15, 0.2, 0.25, 0.34)],
+    "SUSTAINED_MATMUL_FRACTION": [_per_die(a, h) for a in (0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+                                  for h in (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)],
+    "ATTENTION_EFFICIENCY": [_per_die(a, h) for a in (0.25, 0.3, 0.4, 0.5, 0.62) for h in (0.15, 0.2, 0.25, 0.34)],
     "GEMM_HALF_DIM": [0.0, 64.0, 128.0, 256.0, 512.0, 768.0, 1024.0, 1536.0],
     "MEMORY_BANDWIDTH_EFFICIENCY": [0.4, 0.5, 0.6, 0.7, 0.8],
 }

@@ -238,7 +238,8 @@ class CostKernel:
         found = self._rates.get(key)
         if found is None:
             groups = [tuple(devices[r * tp + t] for r in range(dp)) for t in range(tp)]
-            latency_per_byte = max(collective_latency(self.cluster, g, kind) for g in groups) / self.message_bytes(kind, tp)
+            latency = max(collective_latency(self.cluster, g, kind) for g in groups)
+            latency_per_byte = latency / self.message_bytes(kind, tp)
             found = self._rates[key] = max(self.collective_rate(kind, g, tp) for g in groups) + latency_per_byte
         return found
 
