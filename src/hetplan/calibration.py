@@ -1,4 +1,8 @@
-"""Published measurements the cost model is checked against (never fitted to).
+"""Published measurements the cost model is checked against.
+
+These iteration times are also among the ~120 runs the four fitted constants of
+``cost/constants.py`` are fitted on (``benchmarks/fit_cost_model.py``); the
+per-layer times below are not.
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198), Table 3/4 and §6: A100-80GB SXM in DGX nodes of 8
