@@ -23,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetplan.cluster.catalog import get_gpu
 from hetplan.cluster.presets import homogeneous_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost.workload import Workload
 from hetplan.model.layers import BlockShape, embedding_layer, lm_head_layer, transformer_block
+from hetplan.errors import HetplanError
+from hetplan.model.families import llama_decoder
 from hetplan.model.presets import gpt_decoder
 from hetplan.model.spec import ModelSpec
 from hetplan.plan import Plan
@@ -137,24 +140,49 @@ def _mpt_model(m: dict[str, Any], seq: int) -> ModelSpec:
                      hidden_size=hidden, num_heads=heads, vocab_size=vocab)
 
 
+# Words in a run's model name or architecture notes that mark a Llama-style
+# decoder (RMSNorm, SwiGLU MLP, rotary positions, often grouped-query attention).
+LLAMA_WORDS = ("llama", "mistral", "qwen", "swiglu", "rmsnorm", "rope", "gqa")
+
+
 def _model(run: dict[str, Any]) -> ModelSpec | str:
+    """The run's architecture: MPT (MosaicML), Llama-style (SwiGLU, RMSNorm,
+    GQA: the named families, or any model with fewer KV heads than heads) or
+    GPT-style (Megatron's GPT-2/3 models)."""
     m = run["model"]
     needed = ("layers", "hidden", "heads", "seq_len", "vocab")
     missing = [k for k in needed if not m.get(k)]
     if missing:
         return f"model {', '.join(missing)} not stated"
-    if m.get("kv_heads") not in (None, m["heads"]):
-        return "grouped-query attention in a GPT-style model"
-    seq = int(m["seq_len"])
-    if run["id"].startswith("mosaic"):
+    seq, hidden, heads = int(m["seq_len"]), int(m["hidden"]), int(m["heads"])
+    words = f"{m.get('name', '')} {m.get('arch_notes', '')}".lower()
+    if run["id"].startswith("mosaic") or "mpt" in words:
         return _mpt_model(m, seq)
-    return gpt_decoder(str(m["name"]), int(m["layers"]), int(m["hidden"]), int(m["heads"]), seq,
+    if any(w in words for w in LLAMA_WORDS) or m.get("kv_heads") not in (None, heads):
+        if not m.get("ffn_hidden"):
+            return "Llama-style model without its MLP width (ffn_hidden)"
+        return llama_decoder(str(m["name"]), int(m["layers"]), hidden, heads, int(m.get("kv_heads") or heads),
+                             int(m["ffn_hidden"]), int(m["vocab"]), seq)
+    return gpt_decoder(str(m["name"]), int(m["layers"]), hidden, heads, seq,
                        vocab=int(m["vocab"]), ffn=int(m.get("ffn_hidden") or 0))
+
+
+def _gpu_name(raw: str) -> str | None:
+    """The catalog name of a run's GPU: the table above, else the catalog's
+    own names and aliases (H200, A100-80GB, ...)."""
+    if raw in GPU_NAMES:
+        return GPU_NAMES[raw]
+    for candidate in (raw, raw.split(" ")[0], raw.replace("-SXM5", "").replace("-SXM4", "").replace("-SXM", "")):
+        try:
+            return get_gpu(candidate).name
+        except HetplanError:
+            continue
+    return None
 
 
 def _cluster(run: dict[str, Any]) -> ClusterSpec | str:
     c = run["cluster"]
-    gpu = GPU_NAMES.get(str(c.get("gpu_type")))
+    gpu = _gpu_name(str(c.get("gpu_type")))
     if gpu is None:
         return f"GPU {c.get('gpu_type')!r} not in the catalog"
     count, per_node = int(c["count"]), int(c.get("gpus_per_node") or 8)

@@ -50,3 +50,21 @@ def test_sweeps_rank_as_measured(errors) -> None:  # type: ignore[no-untyped-def
     assert len(ranked) >= 10
     for members in ranked:
         assert spearman([m for _, m in members], [p for p, _ in members]) >= TARGET_SPEARMAN
+
+
+def test_held_out_llama_run_is_expressed() -> None:
+    """Runs outside the shared file are checked with the same tool: a Llama-style
+    GQA model on H100 SXM nodes is built as one (not skipped, not a GPT)."""
+    from published_runs import case_of
+
+    run = {"id": "held_out_llama", "model": {"name": "Llama 3 8B", "layers": 32, "hidden": 4096, "heads": 32,
+                                             "kv_heads": 8, "ffn_hidden": 14336, "seq_len": 8192, "vocab": 128256},
+           "cluster": {"gpu_type": "H100-SXM5-80GB", "count": 64, "gpus_per_node": 8},
+           "global_batch": {"sequences": 512},
+           "expert_config": {"tp": 1, "pp": 1, "dp": 64, "micro_batch": 1, "zero_stage": 3, "recompute": "none",
+                             "precision": "bf16"},
+           "measured": {"tokens_per_s": 600000}}
+    case = case_of(run)
+    assert not case.skip and case.workload is not None and case.plan is not None
+    assert case.workload.model.family == "llama" and case.workload.cluster.devices[0].gpu.name == "H100"
+    assert case_of({**run, "cluster": {**run["cluster"], "gpu_type": "MI300X"}}).skip
