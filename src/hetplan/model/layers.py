@@ -387,7 +387,7 @@ def _moe_mlp(t: _Tally, shape: BlockShape, moe: MoEShape, p: int, s: int) -> Non
     t.save(4.0 * s * e)  # float32 router probabilities, kept for backward
     t.mem_traffic += 4.0 * s * e * 3  # softmax/sigmoid and top-k over the router logits
     width = (2 if moe.gated else 1) * f  # first expert matrix (gate and up when gated)
-    t.params += e * (h * width + f * h)
+    t.params += e * (h * width + f * h + (width + h if shape.bias else 0))
     t.flops += 2.0 * rows * (h * width + f * h)
     t.gemms += 2  # one grouped GEMM per expert matrix
     t.save(p * rows * h)  # dispatched expert inputs
@@ -559,37 +559,11 @@ def moe_block(
     top_k: int = 2,
     capacity_factor: float = 1.0,
 ) -> LayerSpec:
-    """A transformer block whose MLP is a mixture of ``num_experts`` experts
-    with top-``top_k`` gating (GShard, Lepikhin et al. 2020, §2.2).
-
-    Parameters count every expert; FLOPs and activations count only the
-    ``top_k`` routed copies of each token (times ``capacity_factor``, the
-    padding of the expert buffers). The router is a ``hidden x num_experts``
-    linear whose float32 softmax is kept for backward; the one-hot dispatch
-    and combine tensors of the einsum formulation are not counted (index-based
-    dispatch does not materialise them).
-    """
+    """A GShard-style block (Lepikhin et al. 2020, §2.2): its MLP of width
+    ``shape.ffn`` (GELU) becomes ``num_experts`` experts with top-``top_k``
+    gating. The same builder as every MoE block (``transformer_block`` with a
+    ``MoEShape``); kept for the presets that describe a model this way."""
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise ValueError(f"moe_block {name!r}: need 1 <= top_k <= num_experts")
-    p, s, h, f = dtype_bytes, shape.seq, shape.hidden, shape.ffn
-    rows = top_k * s * capacity_factor  # token copies the experts process
-    t = _Tally()
-    _attention(t, shape, p, s, s, kv_is_self=True)
-    t.norm(h, shape.rms_norm)
-    t.save(p * s * h, replicated=True)  # norm input
-    t.save(p * s * h, replicated=True)  # router and dispatch input (norm output)
-    t.linear(s, h, num_experts, False, row_parallel=False)  # router
-    t.save(4.0 * s * num_experts)  # float32 router softmax, kept for backward
-    t.params += num_experts * (h * f + f * h + (f + h if shape.bias else 0))  # all experts
-    t.flops += 2.0 * rows * (h * f + f * h)
-    t.gemms += 2
-    t.save(p * rows * h)  # dispatched expert inputs
-    t.save(p * rows * f)  # activation-function input
-    t.save(p * rows * f)  # second expert linear input
-    t.save(p * rows * h)  # expert outputs, weighted by the gates when combined
-    t.mem_traffic += p * rows * (2 * h + 2 * f + 2 * h)  # dispatch, gelu, combine
-    t.tp_comm += p * s * h
-    if shape.dropout:
-        t.save(MASK_BYTES * s * h, replicated=True)
-    t.mem_traffic += p * s * h * (2 + (2 if shape.dropout else 0) + 3)
-    return t.layer(name, kind, p * s * h, shape.num_kv_heads)
+    moe = MoEShape(num_experts, top_k, shape.ffn, gated=shape.gated_mlp, capacity_factor=capacity_factor)
+    return transformer_block(name, kind, shape, dtype_bytes, moe=moe)

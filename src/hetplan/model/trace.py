@@ -673,9 +673,7 @@ def _run(module: Any, state: dict, args: tuple, kwargs: dict, tracer: _Tracer, t
     modes = {m: m.training for m in module.modules()}
     module.train()  # training costs: dropout masks and everything backward needs
     function_mode, dispatch_mode = _make_modes(tracer)
-    extra: dict[Any, Any] = {}
-    if hasattr(torch.ops.aten, "_grouped_mm"):
-        extra[torch.ops.aten._grouped_mm] = grouped_mm_flops
+    extra = {torch.ops.aten._grouped_mm: grouped_mm_flops}
     try:
         with torch.device("meta"), torch.enable_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter:
             tracer.flop_counter = counter
