@@ -127,6 +127,12 @@ def _optimizer(ec: dict[str, Any]) -> str:
     return "adam-mixed-fp32-grads" if "DEFAULT" in fsdp and precision.startswith("amp") else "adam-mixed"
 
 
+def _zero_implementation(ec: dict[str, Any]) -> str:
+    """The run's sharding framework, from its own words: DeepSpeed ZeRO, else
+    the topology-aware NCCL rings of FSDP and Megatron (``ZERO_IMPLEMENTATIONS``)."""
+    return "deepspeed" if "deepspeed" in str(ec.get("other") or "").lower() else "fsdp"
+
+
 def _mpt_model(m: dict[str, Any], seq: int) -> ModelSpec:
     """MosaicML MPT: ALiBi (no position table), no biases, LayerNorm without
     bias, GELU MLP of ``ffn_hidden``, FlashAttention, tied LM head, no dropout."""
@@ -241,7 +247,7 @@ def case_of(run: dict[str, Any]) -> Case:
     if ec.get("zero_stage") is None and "FULL_SHARD" in str(ec.get("fsdp")):
         zero = 3
     workload = Workload(model, cluster, int(gb["sequences"]), optimizer=_optimizer(ec),
-                        fp8=_precision(ec.get("precision")) == "fp8")
+                        fp8=_precision(ec.get("precision")) == "fp8", zero_implementation=_zero_implementation(ec))
     schedule = "interleaved-1f1b" if virtual > 1 else "1f1b"
     try:
         plan = uniform_plan(workload, dp, tp, pp, mbs, zero, recompute, schedule,

@@ -12,6 +12,7 @@ from hetplan.cost import comm
 from hetplan.cost.compute import attention_efficiency, attention_time, gemm_efficiency, layer_times
 from hetplan.cost.constants import (
     ATTENTION_BACKWARD_RATIO,
+    COLLECTIVE_BANDWIDTH_EFFICIENCY,
     NCCL_BASE_LATENCY_S,
     NCCL_RING_HOP_LATENCY_S,
     NCCL_TREE_HOP_LATENCY_S,
@@ -114,6 +115,38 @@ def test_data_parallel_rate_includes_latency_per_message() -> None:
         bandwidth_only = kernel.collective_rate("allgather", devices)
         rates.append(kernel.dp_collective_rate("allgather", devices, 1) - bandwidth_only)
     assert rates[1] > rates[0] > 0
+
+
+def test_deepspeed_shards_cross_each_gpus_own_nic() -> None:
+    """``zero_implementation="deepspeed"``: across nodes, every GPU's share of a
+    ZeRO-3 gather crosses its own NIC, so the network part is 8x a
+    topology-aware ring's on 8-GPU nodes; inside one node, and for gradient
+    all-reduce, the two implementations cost the same."""
+    from hetplan.cost import Workload
+    from hetplan.cost.kernel import CostKernel
+
+    model = gpt_decoder("m", 8, 1024, 16, 1024, vocab=1000)
+    kernels = {impl: CostKernel(Workload(model, _cluster(4, 8), 32, zero_implementation=impl))
+               for impl in ("fsdp", "deepspeed")}
+    spans, inside = tuple(range(32)), tuple(range(8))
+
+    fsdp, deepspeed = (kernels[i].dp_collective_rate("allgather", spans, 1) for i in ("fsdp", "deepspeed"))
+    # a topology-aware ring moves 3/4 of the buffer once through each node's
+    # 1600 Gb/s; DeepSpeed's traffic does so once per GPU of the node
+    network = 0.75 / (1600e9 / 8 * COLLECTIVE_BANDWIDTH_EFFICIENCY)
+    assert deepspeed - fsdp == pytest.approx(7 * network, rel=1e-9)
+    assert kernels["deepspeed"].dp_collective_rate("allgather", inside, 1) == \
+        kernels["fsdp"].dp_collective_rate("allgather", inside, 1)
+    assert kernels["deepspeed"].dp_collective_rate("allreduce", spans, 1) == \
+        kernels["fsdp"].dp_collective_rate("allreduce", spans, 1)
+
+
+def test_unknown_zero_implementation_is_refused() -> None:
+    from hetplan.cost import Workload
+    from hetplan.errors import HetplanError
+
+    with pytest.raises(HetplanError, match="ZeRO implementation"):
+        Workload(gpt_decoder("m", 2, 64, 4, 32, vocab=100), _cluster(1, 2), 2, zero_implementation="megatron")
 
 
 def test_fp32_gradients_double_the_sync_and_add_two_bytes_per_parameter() -> None:

@@ -51,6 +51,9 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
     p.add_argument("--fp8", action="store_true",
                    help="linear layers' matmuls in FP8 (Transformer Engine), on GPUs with FP8 tensor cores")
+    p.add_argument("--zero-impl", choices=("fsdp", "deepspeed"), default="fsdp",
+                   help="how ZeRO shards move between nodes: fsdp (PyTorch FSDP, Megatron distributed optimizer, "
+                   "hetplan's runtime; default) or deepspeed (each GPU's shard traffic crosses its own NIC)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")
 
 
@@ -127,7 +130,8 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None) -> 
     limit = parse_memory_size(args.memory_limit) if args.memory_limit else 0
     profile = load_profile(args.profile) if args.profile else None
     return Workload(model, cluster, gbs, optimizer=args.optimizer, memory_limit_bytes=limit,
-                    overlap_grad_sync=not args.no_overlap, profile=profile, fp8=args.fp8)
+                    overlap_grad_sync=not args.no_overlap, profile=profile, fp8=args.fp8,
+                    zero_implementation=args.zero_impl)
 
 
 def _write_json(path: str | None, data: Any) -> None:
@@ -150,6 +154,7 @@ def _header(workload: Any, extra: str = "") -> str:
              f"cluster  {c.name}: {c.summary()}",
              f"batch    {workload.global_batch_size} samples/step, optimizer {workload.optimizer}"
              + (", FP8 matmuls" if workload.fp8 else "")
+             + (", DeepSpeed ZeRO collectives" if workload.zero_implementation == "deepspeed" else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
     if extra:
         lines.append(extra)

@@ -115,6 +115,22 @@ OVERLAP_SLOWDOWN = 1.3
 # NVIDIA nccl-tests PERFORMANCE.md and DGX A100 reference numbers).
 COLLECTIVE_BANDWIDTH_EFFICIENCY = 0.77
 
+# How an implementation of sharded data parallelism moves its all-gathers and
+# reduce-scatters between nodes (``Workload.zero_implementation``):
+# - "fsdp": one NCCL ring per collective over the whole group, topology-aware,
+#   so a node's data crosses the network once through all of its NICs
+#   (``comm._hierarchical``). PyTorch FSDP/FSDP2 (per-block flat parameters),
+#   Megatron's distributed optimizer and hetplan's runtime. Checked on MosaicML
+#   llm-foundry's FSDP runs on 16-512 A100/H100 (docs/cost-model.md).
+# - "deepspeed": every GPU's share of the traffic crosses its own NIC, the
+#   per-GPU volume model of the ZeRO paper (Rajbhandari et al. 2020 §7: 3Ψ per
+#   GPU for stage 3) that ZeRO++ (Wang et al. 2023 §1-3) and MiCS (Zhang et al.
+#   2022 §2) build on. Measured: DeepSpeed ZeRO-3 of GPT-3 175B / 530B on
+#   384-2240 A100 (Narayanan et al. 2021, Table 2) keeps a constant step time
+#   from 768 to 1536 GPUs at one micro-batch per GPU, i.e. bandwidth-bound on
+#   each GPU's 25 GB/s NIC, about 8x slower than a topology-aware ring.
+ZERO_IMPLEMENTATIONS = ("fsdp", "deepspeed")
+
 # Latency of one NCCL collective (Simple protocol), from NCCL's own tuning
 # model (NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat): a base cost plus
 # one hop latency per ring step, NVLink / PCIe inside a node and the network

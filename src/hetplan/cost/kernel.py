@@ -240,8 +240,22 @@ class CostKernel:
             groups = [tuple(devices[r * tp + t] for r in range(dp)) for t in range(tp)]
             latency = max(collective_latency(self.cluster, g, kind) for g in groups)
             latency_per_byte = latency / self.message_bytes(kind, tp)
-            found = self._rates[key] = max(self.collective_rate(kind, g, tp) for g in groups) + latency_per_byte
+            share = tp * self._nic_sharers(kind, groups[0])
+            found = self._rates[key] = max(self.collective_rate(kind, g, share) for g in groups) + latency_per_byte
         return found
+
+    def _nic_sharers(self, kind: str, group: Sequence[int]) -> int:
+        """How many of ``group``'s GPUs on one node push their own copy of a
+        sharded collective through that node's NICs: 1 for a topology-aware
+        ring, the group's GPUs per node for DeepSpeed's per-GPU traffic
+        (``ZERO_IMPLEMENTATIONS``). All-reduce of gradient buckets is a
+        topology-aware NCCL ring in every framework."""
+        if kind == "allreduce" or self.workload.zero_implementation != "deepspeed":
+            return 1
+        by_node = self.cluster.nodes_of(group)
+        if self.cluster.bandwidth_matrix_gbps is not None or len(by_node) < 2:
+            return 1
+        return max(len(members) for members in by_node.values())
 
     def message_bytes(self, kind: str, tp: int) -> float:
         """Bytes of one data-parallel collective: a gradient bucket for an

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetplan.cluster.spec import ClusterSpec
-from hetplan.cost.constants import OPTIMIZER_STATE_BYTES
+from hetplan.cost.constants import OPTIMIZER_STATE_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
 from hetplan.profile.db import ProfileDB
@@ -27,6 +27,10 @@ class Workload:
         profile: measured layer times, preferred over FLOP estimates.
         fp8: linear layers' matmuls run in FP8 (Transformer Engine), on GPUs
             that have FP8 tensor cores; everything else keeps the model's dtype.
+        zero_implementation: how sharded data parallelism (ZeRO stages 1-3)
+            moves its shards: "fsdp" (PyTorch FSDP/FSDP2, Megatron's
+            distributed optimizer, hetplan's runtime) or "deepspeed"
+            (DeepSpeed ZeRO); see ``ZERO_IMPLEMENTATIONS``.
     """
 
     model: ModelSpec
@@ -37,6 +41,7 @@ class Workload:
     overlap_grad_sync: bool = True
     profile: ProfileDB | None = field(default=None, compare=False)
     fp8: bool = False
+    zero_implementation: str = "fsdp"
 
     def __post_init__(self) -> None:
         if self.global_batch_size <= 0:
@@ -50,6 +55,9 @@ class Workload:
         if self.fp8 and self.model.dtype_bytes != 2:
             raise HetplanError("--fp8 runs the matmuls of a 16-bit model in FP8; this model trains in "
                                f"{self.model.dtype_bytes}-byte elements")
+        if self.zero_implementation not in ZERO_IMPLEMENTATIONS:
+            raise HetplanError(f"unknown ZeRO implementation {self.zero_implementation!r}; choose one of "
+                               f"{', '.join(sorted(ZERO_IMPLEMENTATIONS))}")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
 
