@@ -17,6 +17,8 @@ TFLOP/s per GPU under their Eq. 3, which we invert.
 
 from __future__ import annotations
 
+import copy
+
 import json
 import re
 from dataclasses import dataclass
@@ -259,6 +261,34 @@ def case_of(run: dict[str, Any]) -> Case:
 
 def load_cases(path: Path = DEFAULT_RUNS) -> list[Case]:
     return [case_of(run) for run in load_runs(path)]
+
+
+# Out-of-memory outcomes a run's own notes state for a setting next to it:
+# (run id, changed settings, the words). Each becomes a case labelled OOM.
+DERIVED_OOM = (
+    ("megatron_sc21_t2_zero3_529B_640gpu", {"count": 560, "dp": 560, "sequences": 2240},
+     "560 GPUs with micro-batch 4 did not fit (OOM)"),
+)
+
+
+def derived_oom_cases(path: Path = DEFAULT_RUNS) -> list[Case]:
+    """Cases for ``DERIVED_OOM`` whose run is in ``path`` and whose note says so."""
+    runs = {str(r["id"]): r for r in load_runs(path)}
+    cases = []
+    for run_id, change, words in DERIVED_OOM:
+        run = runs.get(run_id)
+        if run is None or words not in str(run.get("notes", "")):
+            continue
+        run = copy.deepcopy(run)
+        run["id"] = f"{run_id} at {change['count']} GPUs"
+        run["cluster"]["count"] = change["count"]
+        run["expert_config"]["dp"] = change["dp"]
+        run["global_batch"] = {"sequences": change["sequences"]}
+        run["measured"] = {**run["measured"], "oom": True}
+        case = case_of(run)
+        if not case.skip:
+            cases.append(case)
+    return cases
 
 
 def interconnect_note(run: dict[str, Any]) -> str:

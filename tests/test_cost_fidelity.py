@@ -169,6 +169,25 @@ def test_fp32_gradients_double_the_sync_and_add_two_bytes_per_parameter() -> Non
     assert mem32 - mem16 == pytest.approx(2 * model.total_params, rel=1e-6)
 
 
+def test_deepspeed_bf16_optimizer_holds_two_gradient_copies_and_reduces_fp32() -> None:
+    """DeepSpeed's BF16 optimizer: bf16 + fp32 gradients (4 bytes/param more
+    than plain mixed Adam, even under ZeRO-1), the fp32 ones all-reduced."""
+    from hetplan.cluster import load_cluster
+    from hetplan.cost import CostModel, Workload
+    from hetplan.search.baselines.uniform import uniform_plan
+
+    model = gpt_decoder("m", 4, 1024, 16, 512, vocab=1000)
+    cluster = load_cluster("16xA100-80GB")
+    found = {}
+    for optimizer in ("adam-mixed", "adam-mixed-fp32-grads", "adam-bf16-deepspeed"):
+        workload = Workload(model, cluster, 16, optimizer=optimizer)
+        cost = CostModel(workload)
+        plan = uniform_plan(workload, 16, 1, 1, 1, zero=1)
+        found[optimizer] = (cost.stage_timing(plan.stages[0], 16).grad_sync_s, cost.estimate(plan).peak_memory_bytes[0])
+    assert found["adam-bf16-deepspeed"][0] == pytest.approx(found["adam-mixed-fp32-grads"][0], rel=1e-9)
+    assert found["adam-bf16-deepspeed"][1] - found["adam-mixed"][1] == pytest.approx(4 * model.total_params, rel=1e-6)
+
+
 def test_fp8_matmuls_speed_up_only_gpus_that_have_them() -> None:
     from hetplan.cluster import load_cluster
     from hetplan.cost import CostModel, Workload

@@ -46,7 +46,8 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length for HF configs")
     p.add_argument("--memory-limit", default=None, help="usable memory per GPU, e.g. 8GB (default: the GPU's)")
     p.add_argument("--optimizer", default="", help="adam-mixed (16-bit models), adam-mixed-fp32-grads (Megatron bf16, "
-                   "DeepSpeed BF16 optimizer, FSDP fp32 reduce), adam-fp32, sgd-fp32")
+                   "FSDP fp32 reduce), adam-bf16-deepspeed (DeepSpeed BF16 optimizer: bf16 + fp32 gradients), "
+                   "adam-fp32, sgd-fp32")
     p.add_argument("--profile", default=None, help="measured layer times (ProfileDB JSON)")
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
     p.add_argument("--fp8", action="store_true",

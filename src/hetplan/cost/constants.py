@@ -156,14 +156,18 @@ ALLREDUCE_BUCKET_BYTES = 25 * 2**20
 # "adam-mixed-fp32-grads": mixed-precision Adam whose gradients are kept,
 # accumulated and reduced in fp32 (4 bytes): Megatron-LM's bf16 training
 # (--accumulate-allreduce-grads-in-fp32, which its arguments.py turns on for
-# bf16: the "main_grad" buffer), DeepSpeed's BF16_Optimizer (fp32 gradient
-# accumulation buffer) and PyTorch FSDP's MixedPrecision(reduce_dtype=float32)
-# (MosaicML Composer's DEFAULT / amp_bf16 setting). Data-parallel collectives
-# then move 4-byte gradients too.
+# bf16: the "main_grad" buffer) and PyTorch FSDP's
+# MixedPrecision(reduce_dtype=float32) (MosaicML Composer's DEFAULT / amp_bf16
+# setting). Data-parallel collectives then move 4-byte gradients too.
+# "adam-bf16-deepspeed": DeepSpeed's BF16_Optimizer (Megatron-DeepSpeed bf16,
+# BLOOM): the bf16 gradients (2) plus an fp32 gradient accumulation buffer for
+# every parameter (4; deepspeed/runtime/bf16_optimizer.py
+# fp32_groups_gradients), both whole on every rank (it supports ZeRO stage 0/1).
 OPTIMIZER_STATE_BYTES = {
     # name: (weight bytes, gradient bytes, optimizer-state bytes)
     "adam-mixed": (2, 2, 12),
     "adam-mixed-fp32-grads": (2, 4, 12),
+    "adam-bf16-deepspeed": (2, 6, 12),
     "adam-fp32": (4, 4, 8),
     "sgd-fp32": (4, 4, 4),
 }

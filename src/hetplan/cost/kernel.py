@@ -125,7 +125,10 @@ class CostKernel:
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes
-        self.weight_bytes, self.grad_bytes, _ = workload.state_bytes
+        self.weight_bytes, held_grad_bytes, _ = workload.state_bytes
+        # bytes per gradient the collectives move: the widest copy held, at most
+        # fp32 (DeepSpeed's BF16 optimizer holds bf16 + fp32 and reduces the fp32)
+        self.grad_bytes = min(held_grad_bytes, 4)
         profile = workload.profile
         self.memory_profile = profile if isinstance(profile, MetisProfileDB) and profile.has_memory else None
         self._times: dict[tuple[object, ...], LayerTimes] = {}
