@@ -21,6 +21,7 @@ import time
 from typing import Any, Sequence
 
 from hetplan.argtypes import positive_int
+from hetplan.cost.constants import ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.runtime import cli as runtime_cli
 
@@ -52,7 +53,7 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
     p.add_argument("--fp8", action="store_true",
                    help="linear layers' matmuls in FP8 (Transformer Engine), on GPUs with FP8 tensor cores")
-    p.add_argument("--zero-impl", choices=("fsdp", "deepspeed"), default="fsdp",
+    p.add_argument("--zero-impl", choices=ZERO_IMPLEMENTATIONS, default="fsdp",
                    help="how ZeRO shards move between nodes: fsdp (PyTorch FSDP, Megatron distributed optimizer, "
                    "hetplan's runtime; default) or deepspeed (each GPU's shard traffic crosses its own NIC)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")
