@@ -271,9 +271,9 @@ DERIVED_OOM = (
 )
 
 
-def derived_oom_cases(path: Path = DEFAULT_RUNS) -> list[Case]:
-    """Cases for ``DERIVED_OOM`` whose run is in ``path`` and whose note says so."""
-    runs = {str(r["id"]): r for r in load_runs(path)}
+def derived_oom_cases(cases: list[Case]) -> list[Case]:
+    """Cases for ``DERIVED_OOM`` whose run is among ``cases`` and whose note says so."""
+    runs = {case.id: case.run for case in cases}
     cases = []
     for run_id, change, words in DERIVED_OOM:
         run = runs.get(run_id)

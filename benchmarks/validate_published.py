@@ -181,7 +181,7 @@ def main() -> int:
     print("Megatron 3D vs ZeRO-3 (SC21 Table 2): throughput ratio 3D / ZeRO-3")
     print(table(["model", "GPUs", "measured", "hetplan", "same order"], zrows, [False, True, True, True, False]))
 
-    labelled = derived_oom_cases(Path(args.runs))
+    labelled = derived_oom_cases(cases)
     for case in labelled:
         peaks[case.id] = predict(case)[1]
     mrows, mok = memory_checks(expressed + labelled, peaks)
