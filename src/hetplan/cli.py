@@ -186,7 +186,7 @@ def _seq_len_hint(exc: OutOfMemoryError, model: Any) -> OutOfMemoryError:
 
 # --- commands -------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hetplan.report.text import breakdown, explain, memory_table, ranked_table
+    from hetplan.report.text import breakdown, explain, memory_table, ranked_table, runtime_pipeline_note
     from hetplan.search import get_planner
 
     auto = args.global_batch == "auto"
@@ -210,8 +210,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print()
         for line in explain(best.plan, best.estimate, workload):
             print(f"- {line}")
-        for note in best.plan.notes:
-            print(f"- note: {note}")
+        for note in [*best.plan.notes, runtime_pipeline_note(best.plan, workload.model)]:
+            if note:
+                print(f"- note: {note}")
     _write_json(args.json_path, {"planner": planner.name, "search_time_s": elapsed,
                                  "plans": [r.to_dict() for r in ranked]})
     _write_pictures(args, workload, best)
@@ -291,7 +292,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from hetplan.cost import CostModel
     from hetplan.plan import RankedPlan, load_plan
-    from hetplan.report.text import breakdown, memory_table, ranked_table
+    from hetplan.report.text import breakdown, memory_table, ranked_table, runtime_pipeline_note
     from hetplan.search.baselines.uniform import uniform_plan
     from hetplan.validate import validate_plan
 
@@ -323,6 +324,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(breakdown(estimate))
     print()
     print(memory_table(plan, estimate, workload))
+    note = runtime_pipeline_note(plan, workload.model)
+    if note:
+        print(f"note: {note}")
     if args.simulate:
         from hetplan.simulate import build_schedule, format_schedule, makespan, simulate_plan
 

@@ -243,3 +243,123 @@ def hetero_plan(stages: Sequence[tuple[Sequence[int], int, int, Sequence[int], i
         out.append(replace(st, dp_split=tuple(split)))
         first += dp * tp
     return Plan(MODEL, f"local-cpu-{first}", gbs, micro, gbs // micro, schedule, tuple(out), planner="test")
+
+
+def accumulate_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
+    """Per optimizer step, two ``train_step`` calls on two batches before ``opt.step()``
+    (gradient accumulation across calls), tiny-gpt with its embedding tied to the head."""
+    import torch
+
+    from hetplan.model import get_model
+    from hetplan.runtime.context import init
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import make_optimizer, synthetic_batch
+
+    spec = get_model(MODEL)
+    ctx = init(plan_path, spec)
+    model = ctx.parallelize(lambda: build_preset_model(spec))
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        for half in range(2):
+            batch = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, 2 * step + half)
+            losses.append(ctx.train_step(model, batch, cross_entropy_loss))
+        opt.step()
+        opt.zero_grad()
+    state = ctx.full_state_dict(model)
+    ctx.close()
+    del torch
+    return {"losses": losses, "state": state}
+
+
+def accumulate_reference(steps: int = 2, gbs: int = GBS) -> tuple[list[float], dict[str, Any]]:
+    """The single-process run of ``accumulate_worker``: backward twice, then one step."""
+    from hetplan.model import get_model
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch
+
+    spec = get_model(MODEL)
+    model = build_reference(lambda: build_preset_model(spec))
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        for half in range(2):
+            x, y = synthetic_batch(spec.vocab_size, spec.seq_len, gbs, 2 * step + half)
+            loss = cross_entropy_loss(model(x), y)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def long_skip_worker(plan_path: str) -> float:
+    """A user model whose forward adds the embedding output again before the head:
+    not a chain of its layers, so a pipelined plan must refuse it."""
+    import torch
+    from torch import nn
+
+    from hetplan.model import get_model
+    from hetplan.runtime.context import init
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import synthetic_batch
+
+    spec = get_model(MODEL)
+
+    class LongSkip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            inner = build_preset_model(spec)
+            self.embed, self.layers, self.head = inner.embed, inner.layers, inner.head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            e = self.embed(x)
+            h = e
+            for layer in self.layers.values():
+                h = layer(h)
+            return self.head(h + e)
+
+    ctx = init(plan_path, spec)
+    model = ctx.parallelize(LongSkip)
+    x, y = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, 0)
+    return ctx.train_step(model, (x, y), cross_entropy_loss)
+
+
+def torch_clip_worker(plan_path: str) -> dict[str, Any]:
+    """One step, then PyTorch's own clip_grad_norm_ on the parallelised model.
+    Returns what happened, and the result of ctx.clip_grad_norm_ (the right way)."""
+    import torch
+
+    from hetplan.errors import HetplanError
+    from hetplan.model import get_model
+    from hetplan.runtime.context import init
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import synthetic_batch
+
+    spec = get_model(MODEL)
+    ctx = init(plan_path, spec)
+    model = ctx.parallelize(lambda: build_preset_model(spec))
+    batch = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, 0)
+    ctx.train_step(model, batch, cross_entropy_loss)
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        torch_clip = "ran"
+    except HetplanError as e:
+        torch_clip = str(e)
+    norm = ctx.clip_grad_norm_(model, 1e9)
+    ctx.close()
+    plain = torch.nn.Linear(2, 2)
+    plain.weight.grad = torch.ones(2, 2)
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)  # other models: PyTorch's function unchanged
+    return {"torch_clip": torch_clip, "norm": norm}
+
+
+def hf_pp_plan(gbs: int = 4) -> Plan:
+    """The tiny HF Llama in two pipeline stages (one process each)."""
+    from hetplan.model.hf import model_from_hf_config
+
+    config, _ = _tiny_llama()
+    spec = model_from_hf_config(config, seq_len=16, dtype_bytes=4)
+    n = spec.num_layers
+    stages = (uniform_stage(range(0, n // 2), [0], 1, 1, 2), uniform_stage(range(n // 2, n), [1], 1, 1, 2))
+    return Plan(spec.name, "local-cpu-2", gbs, 2, gbs // 2, "1f1b", stages, planner="test")

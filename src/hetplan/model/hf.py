@@ -689,6 +689,7 @@ def model_from_hf_config(
         "costs": "analytic (hetplan.model.layers, Korthikanti et al. 2022)",
     }
     meta["fused_attention"] = fused_attention
+    meta["runtime_pipeline"] = _runtime_pipeline(model, [layer.name for layer in layers], facts["vocab"], config)
     meta.update(_seq_meta(seq_from))
     if family == "t5":
         meta["decoder_seq_len"] = dec_seq
@@ -705,6 +706,17 @@ def model_from_hf_config(
         vocab_size=facts["vocab"],
         meta=meta,
     )
+
+
+def _runtime_pipeline(model: Any, names: list[str], vocab: int, config: Any) -> str:
+    """Why hetplan's runtime cannot run this model in pipeline stages ("" if it
+    can): its forward must be a chain of the layers (hetplan.runtime.chain)."""
+    from types import SimpleNamespace
+
+    from hetplan.runtime.chain import example_inputs, pipeline_blocker
+
+    inputs = example_inputs(SimpleNamespace(vocab_size=vocab, seq_len=8), config)
+    return pipeline_blocker(model, names, inputs)
 
 
 def _measured_params(
@@ -826,4 +838,9 @@ def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes
     spec = model_from_module(model, inputs, name=name, dtype_bytes=dtype_bytes, family=config.model_type, seq_len=seq)
     spec.meta.update(source=where, model_type=config.model_type, hf_class=type(model).__name__,
                      costs="traced on the meta device (hetplan.model.trace)", **seq_meta)
+    from hetplan.runtime.chain import pipeline_blocker
+
+    first, *rest = inputs.items()
+    spec.meta["runtime_pipeline"] = pipeline_blocker(model, [layer.name for layer in spec.layers], (first[1],),
+                                                     dict(rest))
     return spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from hetplan.cost.workload import Workload
+from hetplan.model.spec import ModelSpec
 from hetplan.plan import Estimate, Plan, RankedPlan
 from hetplan.units import format_bytes, format_time
 
@@ -88,6 +89,16 @@ def memory_table(plan: Plan, estimate: Estimate, workload: Workload) -> str:
                      "ok" if used <= cap else "OOM"])
     return table(["stage", "GPUs", "dp x tp", "layers", "peak mem/GPU", "capacity", "used", ""], rows,
                  [True, False, False, False, True, True, True, False])
+
+
+def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
+    """Said with a pipelined plan whose model hetplan's own runtime cannot split
+    (hetplan.runtime.chain): the plan is still valid for other tools."""
+    blocker = model.meta.get("runtime_pipeline", "")
+    if plan.pp == 1 or not blocker or blocker.startswith("unchecked"):
+        return ""
+    return (f"hetplan.runtime would refuse this plan's {plan.pp} pipeline stages for this model: {blocker} "
+            "(exports to Megatron-LM, DeepSpeed and torchtitan are not affected)")
 
 
 def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:

@@ -39,7 +39,9 @@ from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, load_plan
+from hetplan.runtime import clip_guard
 from hetplan.runtime import parallelize as par
+from hetplan.runtime.chain import check_chain, example_inputs as known_example_inputs
 from hetplan.runtime.layout import PlanLayout, RankPosition
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -84,6 +86,7 @@ class _ModelInfo:
     loss_fn: Any = None
     batch_shapes: tuple[Any, ...] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
+    chain_probe: nn.Module | None = None  # a meta copy whose forward the first train_step checks (pp > 1)
 
 
 class RuntimeContext:
@@ -116,6 +119,7 @@ class RuntimeContext:
         self._tie_groups = tie_groups
         self._owns_pg = owns_process_group
         self._models: dict[int, _ModelInfo] = {}
+        self._guarded_params: list[nn.Parameter] = []  # see hetplan.runtime.clip_guard
 
     # --- groups ------------------------------------------------------------------
     @property
@@ -150,7 +154,7 @@ class RuntimeContext:
 
     # --- model -----------------------------------------------------------------------
     def parallelize(self, build_model: Callable[[], nn.Module], *, seed: int = 0, meta_init: bool = True,
-                    init_fn: par.InitFn | None = None) -> nn.Module:
+                    init_fn: par.InitFn | None = None, example_inputs: Sequence[Any] | None = None) -> nn.Module:
         """Build this rank's part of the model and parallelise it as the plan says.
 
         ``build_model()`` returns the full model (built on the meta device here,
@@ -165,6 +169,12 @@ class RuntimeContext:
         Returns the user's model itself when the plan has one pipeline stage,
         else a :class:`~hetplan.runtime.parallelize.PipelinePart` holding this
         rank's layers under their original names; use ``train_step`` to run it.
+
+        With more than one stage the layers run chained, so the model's
+        ``forward`` must be exactly that chain (hetplan.runtime.chain): it is
+        checked on a meta copy with ``example_inputs`` (one micro-batch's
+        positional inputs) here, or else with the first ``train_step``'s
+        micro-batch, before any pipeline communication.
         """
         torch.manual_seed(seed)
         names = list(self.layout.layer_names)
@@ -175,6 +185,13 @@ class RuntimeContext:
             full = build_model()
         if not isinstance(full, nn.Module):
             raise HetplanError("build_model() must return a torch.nn.Module")
+        probe = None
+        if self.layout.num_chunks > 1:
+            with torch.device("meta"):
+                probe = build_model()
+            _check_chain_early(probe, names, self.spec, example_inputs)
+            if example_inputs is not None:
+                probe = None  # checked with the user's inputs: nothing left for train_step
         self._preflight(full)
         init = init_fn or getattr(full, "init_parameter", None)
         values = par.InitialValues(copy.deepcopy(full), seed, init) if meta_init else None
@@ -221,8 +238,19 @@ class RuntimeContext:
         for note in notes:
             if note not in self.notes:
                 self.notes.append(note)
-        self._models[id(local)] = _ModelInfo(parts, stages, sync_modules, tied, aliases=aliases)
+        self._models[id(local)] = _ModelInfo(parts, stages, sync_modules, tied, aliases=aliases, chain_probe=probe)
+        why = self._why_torch_clipping_is_wrong()
+        if why:
+            self._guarded_params += list(local.parameters())
+            clip_guard.guard(self._guarded_params, why)
         return local
+
+    def _why_torch_clipping_is_wrong(self) -> str:
+        if self.layout.num_chunks > 1:
+            return "each pipeline stage would be clipped by the norm of its own gradients"
+        if self.layout.max_tp > 1:
+            return "it cannot take one norm over tensor-parallel shards"
+        return ""
 
     def _layer_strategies(self) -> tuple[dict[str, str], dict[str, int]]:
         recompute: dict[str, str] = {}
@@ -240,7 +268,7 @@ class RuntimeContext:
         return recompute, zero
 
     def _preflight(self, full: nn.Module) -> None:
-        preflight(self.layout, self.spec, full)
+        preflight(self.layout, self.spec, full, chain=False)  # parallelize checks the chain on its meta probe
 
     # --- batches ----------------------------------------------------------------------
     def local_batch(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -285,6 +313,9 @@ class RuntimeContext:
                 f"batch shapes changed from {info.batch_shapes} to {shapes}: pipelined training keeps the shapes "
                 "of the first step (torch pipelining would hang); drop the last partial batch (drop_last=True)"
             )
+        if info.chain_probe is not None:  # every rank alike, before the pipeline's first message
+            check_chain(info.chain_probe, self.layout.layer_names, (x[:max(1, self.position.samples_per_micro_batch)],))
+            info.chain_probe = None
         scale = self.layout.loss_scale(self.position.dp_index) if self.is_last_stage else 1.0
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         if self.layout.pp == 1:
@@ -305,11 +336,45 @@ class RuntimeContext:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
             self.last_outputs = outputs if return_outputs else None
         else:
+            earlier = self._take_tied_grads(model, info)
             losses = self._pipeline_step(info, x, y, loss_fn, scale, return_outputs)
             if losses:
                 total += torch.stack([t.detach().float() for t in losses]).sum()
             self._sync_tied_grads(model, info)
+            self._restore_tied_grads(model, earlier)
         return self._global_loss(total)
+
+    def _tied_fqns(self, info: _ModelInfo) -> list[str]:
+        """This rank's copies of weights tied across stages."""
+        names = self.layout.layer_names
+        out = []
+        for canon, alias in info.tied_pairs:
+            for fqn in (canon, alias):
+                if self.layout.pp_index_of_layer(par.owner_layer(fqn, names)) == self.position.pp_index:
+                    out.append(fqn)
+        return out
+
+    def _take_tied_grads(self, model: nn.Module, info: _ModelInfo) -> dict[str, torch.Tensor]:
+        """Set aside the gradients tied copies hold from earlier ``train_step``
+        calls (accumulation): the sync adds the two copies' gradients, and must
+        add only this call's, or an earlier call's would count twice."""
+        earlier = {}
+        for fqn in self._tied_fqns(info):
+            p = model.get_parameter(fqn)
+            if p.grad is not None:
+                earlier[fqn] = p.grad
+                p.grad = None
+        return earlier
+
+    def _restore_tied_grads(self, model: nn.Module, earlier: dict[str, torch.Tensor]) -> None:
+        for fqn, grad in earlier.items():
+            p = model.get_parameter(fqn)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                if getattr(grad, "placements", None) != getattr(p.grad, "placements", None):
+                    grad = grad.redistribute(p.grad.device_mesh, p.grad.placements)
+                p.grad.add_(grad)
 
     def _pipeline_step(self, info: _ModelInfo, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., Any],
                        scale: float, return_outputs: bool) -> list[torch.Tensor]:
@@ -494,6 +559,8 @@ class RuntimeContext:
         ``exit_process`` also end the process at once (``os._exit(0)`` after
         flushing output): with torch 2.13 some distributed runs otherwise abort
         at interpreter exit ("terminate called without an active exception")."""
+        clip_guard.release(self._guarded_params)
+        self._guarded_params = []
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.mesh = None
@@ -503,12 +570,16 @@ class RuntimeContext:
             os._exit(0)
 
 
-def preflight(layout: PlanLayout, spec: Any, full: nn.Module) -> None:
+def preflight(layout: PlanLayout, spec: Any, full: nn.Module, example_inputs: Sequence[Any] | None = None,
+              chain: bool = True) -> None:
     """Checks every rank runs on the whole (meta) model before anything is split,
     so a bad plan fails the same way everywhere (no rank left waiting); also
-    what ``hetplan train`` runs before it starts any process."""
+    what ``hetplan train`` runs before it starts any process (with
+    ``example_inputs``, also the pipeline chain check)."""
     names = list(layout.layer_names)
     par.check_layer_names(full, names, layout.plan.model)
+    if chain and layout.num_chunks > 1:
+        _check_chain_early(full, names, spec, example_inputs)
     if layout.pp > 1:
         stray = par.uncovered_state(full, names)
         if stray:
@@ -537,6 +608,25 @@ def preflight(layout: PlanLayout, spec: Any, full: nn.Module) -> None:
                 f"sequence parallelism splits the sequence of {spec.seq_len} over tp={layout.tp}; "
                 "use a tp that divides the sequence length"
             )
+
+
+def _check_chain_early(full: nn.Module, names: list[str], spec: Any, inputs: Sequence[Any] | None) -> None:
+    """The pipeline chain check before anything is split. Without the user's
+    inputs, try the ones hetplan knows (token ids, an HF image); if the model
+    cannot run on those, the first ``train_step`` checks with the real batch."""
+    if any(p.device.type != "meta" for p in full.parameters()):
+        return  # a real model: parallelize checks its meta copy instead
+    if inputs is not None:
+        check_chain(full, names, tuple(inputs))
+        return
+    guess = known_example_inputs(spec, getattr(full, "config", None))
+    if guess is None:
+        return
+    try:
+        check_chain(full, names, guess)
+    except HetplanError as e:
+        if not str(e).startswith("cannot check"):
+            raise
 
 
 def _tied_groups(spec: Any) -> list[list[str]]:

@@ -1,0 +1,199 @@
+"""The pipeline chain check: a model whose forward is not a chain of the plan's
+layers is refused with one line naming the layer, and a chain passes.
+
+Each model here differs from a chain in one way a pipeline of its layers would
+silently lose (issue: "pipeline parallelism ignores the model's own forward")."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from hetplan.errors import HetplanError  # noqa: E402
+from hetplan.runtime.chain import check_chain  # noqa: E402
+
+NAMES = ["embed", "blocks.0", "blocks.1", "head"]
+X = torch.zeros(2, 8, dtype=torch.long)
+
+
+class Chain(nn.Module):
+    """embed -> blocks -> head: exactly a chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 16)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+class LongSkip(Chain):
+    """The embedding output is added again before the head (an MLP-mixer-like long skip)."""
+
+    def forward(self, x):
+        e = self.embed(x)
+        h = e
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h + e)
+
+
+class Reuse(Chain):
+    def forward(self, x):
+        h = self.embed(x)
+        h = self.blocks[0](h)
+        h = self.blocks[0](h)
+        return self.head(self.blocks[1](h))
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.blocks = nn.ModuleList([MaskedBlock(), MaskedBlock()])
+        self.head = nn.Linear(4, 16)
+
+    def forward(self, x, mask=None):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h, mask=mask)
+        return self.head(h)
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h, mask=None, scale=1.0):
+        return self.lin(h if mask is None else h * mask[..., None]) * scale
+
+
+class BetweenLayers(Chain):
+    def forward(self, x):
+        h = self.blocks[0](self.embed(x))
+        return self.head(self.blocks[1](h * 2.0))
+
+
+class InPlaceBetween(Chain):
+    def forward(self, x):
+        h = self.blocks[0](self.embed(x))
+        h.mul_(2.0)
+        return self.head(self.blocks[1](h))
+
+
+class AfterLast(Chain):
+    def forward(self, x):
+        return super().forward(x).float() * 0.5
+
+
+class Swapped(Chain):
+    def forward(self, x):
+        h = self.embed(x)
+        h = self.blocks[1](self.blocks[0](h))
+        return self.head(h)
+
+    # the plan below lists blocks.1 before blocks.0
+
+
+def meta(cls: type) -> nn.Module:
+    """check_chain runs a meta-device copy of the model, as the runtime builds one."""
+    with torch.device("meta"):
+        return cls()
+
+
+def test_a_chain_passes():
+    check_chain(meta(Chain), NAMES, (X,))
+
+
+def test_the_built_in_gpt_is_a_chain():
+    from hetplan.model import get_model
+    from hetplan.runtime.models import build_preset_model
+
+    spec = get_model("tiny-gpt")
+    with torch.device("meta"):
+        model = build_preset_model(spec)
+    check_chain(model, [layer.name for layer in spec.layers], (torch.zeros(2, spec.seq_len, dtype=torch.long),))
+
+
+def test_default_valued_keyword_arguments_are_kept():
+    check_chain(meta(Masked), NAMES, (X,))  # mask=None is the block's default: nothing is lost
+
+
+@pytest.mark.parametrize("model, names, kwargs, needle", [
+    (LongSkip, NAMES, {}, "the input of layer 'head' is not exactly the output of layer 'blocks.1'"),
+    (Reuse, NAMES, {}, "layer 'blocks.0' is called 2 times"),
+    (Masked, NAMES, {"mask": torch.ones(2, 8)}, "keyword input(s) mask"),
+    (BetweenLayers, NAMES, {}, "the input of layer 'blocks.1' is not exactly the output of layer 'blocks.0'"),
+    (InPlaceBetween, NAMES, {}, "the output of layer 'blocks.0' is modified in place before layer 'blocks.1'"),
+    (AfterLast, NAMES, {}, "the model's output is not exactly the output of layer 'head'"),
+    (Swapped, ["embed", "blocks.1", "blocks.0", "head"], {}, "calls layer 'blocks.0' where the plan has 'blocks.1'"),
+], ids=["long-skip", "reuse", "mask", "op-between", "in-place", "after-last", "order"])
+def test_non_chains_are_refused_with_one_line(model, names, kwargs, needle):
+    with pytest.raises(HetplanError) as e:
+        check_chain(meta(model), names, (X,), kwargs)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+    assert "one pipeline stage" in msg
+
+
+def test_keyword_input_of_a_layer_is_refused():
+    class PassesMask(Masked):
+        def forward(self, x):
+            h = self.embed(x)
+            mask = torch.ones(x.shape, device=x.device)
+            for b in self.blocks:
+                h = b(h, mask=mask)
+            return self.head(h)
+
+    with pytest.raises(HetplanError, match="layer 'blocks.0' is called with keyword input"):
+        check_chain(meta(PassesMask), NAMES, (X,))
+
+
+def test_a_forward_that_cannot_run_on_meta_is_refused_not_skipped():
+    class DataDependent(Chain):
+        def forward(self, x):
+            if int(x.sum()) > 0:  # needs real data
+                x = x - 1
+            return super().forward(x)
+
+    with pytest.raises(HetplanError, match="cannot check that the model's forward is a chain"):
+        check_chain(meta(DataDependent), NAMES, (X,))
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
+
+
+def test_hf_import_records_why_the_runtime_cannot_pipeline_it():
+    pytest.importorskip("transformers")
+    from hetplan.model.hf import model_from_hf_config
+
+    spec = model_from_hf_config(dict(LLAMA), seq_len=16)
+    why = spec.meta["runtime_pipeline"]
+    assert "layer 'model.layers.0' is called with keyword input(s)" in why and "position_embeddings" in why
+
+
+def test_estimate_of_a_pipelined_hf_plan_says_the_runtime_would_refuse_it(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import json
+
+    from hetplan.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA))
+    base = ["estimate", "--model", str(cfg), "--cluster", "4xA100-80GB", "--tp", "1", "--dp", "2",
+            "--micro-batch", "1", "--global-batch", "8", "--seq-len", "16"]
+    assert main([*base, "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "note: hetplan.runtime would refuse this plan's 2 pipeline stages" in out
+    assert main([*base[:-8], "--dp", "4", "--micro-batch", "1", "--global-batch", "8", "--seq-len", "16",
+                 "--pp", "1"]) == 0
+    assert "hetplan.runtime would refuse" not in capsys.readouterr().out
