@@ -53,7 +53,7 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
     p.add_argument("--fp8", action="store_true",
                    help="linear layers' matmuls in FP8 (Transformer Engine), on GPUs with FP8 tensor cores")
-    p.add_argument("--zero-impl", choices=ZERO_IMPLEMENTATIONS, default="fsdp",
+    p.add_argument("--zero-impl", choices=ZERO_IMPLEMENTATIONS, default=None,
                    help="how ZeRO shards move between nodes: fsdp (PyTorch FSDP, Megatron distributed optimizer, "
                    "hetplan's runtime; default) or deepspeed (each GPU's shard traffic crosses its own NIC)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("estimate", help="cost a plan file or one uniform dp/tp/pp setting")
     p.add_argument("plan_file", nargs="?", default=None, help="plan JSON from 'hetplan plan --json'")
+    p.add_argument("--index", type=positive_int, default=1, help="which plan of a ranked file (1 = best)")
     _add_workload_args(p, batch_auto=False)
     p.add_argument("--tp", type=positive_int, default=None)
     p.add_argument("--pp", type=positive_int, default=None)
@@ -99,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a plan as torchtitan/Megatron/DeepSpeed settings or module lists")
     p.add_argument("plan_file", help="plan JSON from 'hetplan plan --json'")
     p.add_argument("--format", required=True, choices=("modules", "torchtitan", "megatron", "deepspeed"))
-    p.add_argument("--model", default=None, help="model the plan was made for (default: the name in the plan)")
+    p.add_argument("--model", default=None, help="model the plan was made for (default: the one in the plan file)")
+    p.add_argument("--cluster", default=None, help="cluster the plan was made for (default: the one in the plan file)")
+    p.add_argument("--index", type=positive_int, default=1, help="which plan of a ranked file (1 = best)")
     p.add_argument("--out", default=None, help="write here instead of printing")
     p.set_defaults(func=cmd_export)
 
@@ -119,21 +122,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --- helpers ---------------------------------------------------------------------
-def load_workload(args: argparse.Namespace, global_batch: int | None = None) -> Any:
+def load_workload(args: argparse.Namespace, global_batch: int | None = None, plan_file: Any = None) -> Any:
+    """The workload from the command line; with ``plan_file`` (a PlanFile), the
+    model, cluster and settings it was made for, which options override."""
     from hetplan.cluster import load_cluster
     from hetplan.cost import Workload
     from hetplan.model import load_model
+    from hetplan.planfile import resolve_cluster, resolve_model
     from hetplan.profile import load_profile
     from hetplan.units import parse_memory_size
 
-    model = load_model(args.model or DEFAULT_MODEL, seq_len=args.seq_len)
-    cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
+    if plan_file is not None:
+        model = resolve_model(plan_file, args.model, args.seq_len)
+        cluster = resolve_cluster(plan_file, args.cluster)
+    else:
+        model = load_model(args.model or DEFAULT_MODEL, seq_len=args.seq_len)
+        cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
+    saved = plan_file.settings if plan_file is not None else {}
     gbs = global_batch if global_batch is not None else (args.global_batch or DEFAULT_GLOBAL_BATCH)
-    limit = parse_memory_size(args.memory_limit) if args.memory_limit else 0
+    limit = parse_memory_size(args.memory_limit) if args.memory_limit else saved.get("memory_limit_bytes", 0)
     profile = load_profile(args.profile) if args.profile else None
-    return Workload(model, cluster, gbs, optimizer=args.optimizer, memory_limit_bytes=limit,
-                    overlap_grad_sync=not args.no_overlap, profile=profile, fp8=args.fp8,
-                    zero_implementation=args.zero_impl)
+    return Workload(model, cluster, gbs, optimizer=args.optimizer or saved.get("optimizer", ""),
+                    memory_limit_bytes=limit,
+                    overlap_grad_sync=not args.no_overlap and saved.get("overlap_grad_sync", True),
+                    profile=profile, fp8=args.fp8 or saved.get("fp8", False),
+                    zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"))
 
 
 def _write_json(path: str | None, data: Any) -> None:
@@ -186,6 +199,7 @@ def _seq_len_hint(exc: OutOfMemoryError, model: Any) -> OutOfMemoryError:
 
 # --- commands -------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    from hetplan.planfile import workload_record
     from hetplan.report.text import breakdown, explain, memory_table, ranked_table, runtime_pipeline_note
     from hetplan.search import get_planner
 
@@ -214,7 +228,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if note:
                 print(f"- note: {note}")
     _write_json(args.json_path, {"planner": planner.name, "search_time_s": elapsed,
-                                 "plans": [r.to_dict() for r in ranked]})
+                                 "plans": [r.to_dict() for r in ranked], **workload_record(workload)})
     _write_pictures(args, workload, best)
     return 0
 
@@ -291,7 +305,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from hetplan.cost import CostModel
-    from hetplan.plan import RankedPlan, load_plan
+    from hetplan.plan import RankedPlan
+    from hetplan.planfile import read_plan_file, workload_record
     from hetplan.report.text import breakdown, memory_table, ranked_table, runtime_pipeline_note
     from hetplan.search.baselines.uniform import uniform_plan
     from hetplan.validate import validate_plan
@@ -300,10 +315,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.plan_file:
         if any(d is not None for d in degrees):
             raise HetplanError("give either a plan file or --tp/--pp/--dp/--micro-batch, not both")
-        plan = load_plan(args.plan_file)
-        args.model = args.model or plan.model
-        args.cluster = args.cluster or plan.cluster
-        workload = load_workload(args, global_batch=plan.global_batch_size)
+        plan_file = read_plan_file(args.plan_file)
+        plan = plan_file.plan(args.index)
+        if plan_file.model is None:  # a format-1 file: names only
+            args.model = args.model or plan.model
+            args.cluster = args.cluster or plan.cluster
+        workload = load_workload(args, global_batch=plan.global_batch_size, plan_file=plan_file)
         validate_plan(plan, workload.model, workload.cluster)
     else:
         missing = [n for n, d in zip(("--tp", "--pp", "--dp", "--micro-batch"), degrees) if d is None]
@@ -336,18 +353,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if plan.num_micro_batches * plan.pp <= 64:
             print(format_schedule(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches)))
         print(f"simulated pipeline {makespan(events) * 1e3:.2f} ms vs closed form {pipeline * 1e3:.2f} ms")
-    _write_json(args.json_path, {"plans": [RankedPlan(plan, estimate).to_dict()]})
+    _write_json(args.json_path, {"plans": [RankedPlan(plan, estimate).to_dict()], **workload_record(workload)})
     _write_pictures(args, workload, RankedPlan(plan, estimate))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from hetplan.export import export_plan, to_toml
-    from hetplan.model import load_model
-    from hetplan.plan import load_plan
+    from hetplan.planfile import read_plan_file, resolve_cluster, resolve_model
 
-    plan = load_plan(args.plan_file)
-    model = load_model(args.model or plan.model)
+    plan_file = read_plan_file(args.plan_file)
+    plan = plan_file.plan(args.index)
+    model = resolve_model(plan_file, args.model)
+    if args.cluster:
+        resolve_cluster(plan_file, args.cluster)  # only checked: the exports do not depend on it
     result = export_plan(plan, model, args.format)
     if args.format == "torchtitan":
         text = to_toml(result)

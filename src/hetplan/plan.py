@@ -357,23 +357,9 @@ def save_plan(path: str | os.PathLike[str], plan: Plan, estimate: Estimate | Non
         json.dump(data, f, indent=2)
 
 
-def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read a plan file written by ``hetplan plan/estimate --json`` (either a
-    single plan or a ranked list, whose first entry is taken)."""
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise HetplanError(f"cannot read plan file {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise HetplanError(f"plan file {path} is not valid JSON (line {exc.lineno}): fix or regenerate it") from None
-    if isinstance(data, dict) and "plans" in data:
-        data = data["plans"]
-    if isinstance(data, list):
-        if not data:
-            raise HetplanError(f"plan file {path} holds no plans")
-        data = data[0]
-    if isinstance(data, dict) and "plan" in data:
-        data = data["plan"]
-    return Plan.from_dict(data)
+def load_plan(path: str | os.PathLike[str], index: int = 1) -> Plan:
+    """The ``index``-th plan of a plan file (see hetplan.planfile, which also
+    gives the model and cluster the file embeds)."""
+    from hetplan.planfile import read_plan_file
+
+    return read_plan_file(path).plan(index)

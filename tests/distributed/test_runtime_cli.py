@@ -51,3 +51,36 @@ def test_run_starts_a_user_script_with_the_plan(tmp_path) -> None:
     state = torch.load(export)
     model = build_preset_model(get_model("tiny-gpt"))
     model.load_state_dict(state)  # the export loads into the unsplit model
+
+
+THREE_NODES = """name: three-small-nodes
+inter_node_bandwidth_gbps: 10.0
+nodes:
+- {name: a, gpu: A100-40GB, gpus: 2, intra_node_bandwidth_gbps: 300.0, inter_node_bandwidth_gbps: 10.0}
+- {name: b, gpu: V100-16GB, gpus: 1, intra_node_bandwidth_gbps: 150.0, inter_node_bandwidth_gbps: 10.0}
+- {name: c, gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 50.0, inter_node_bandwidth_gbps: 10.0}
+"""
+
+
+@pytest.mark.slow
+def test_metis_plan_for_three_nodes_trains_and_verifies_on_one_machine(tmp_path) -> None:
+    """The heterogeneous plans that are hetplan's reason to exist can be tried here:
+    `hetplan train` runs a plan for several nodes as local processes (and says so)."""
+    cluster = tmp_path / "three.yaml"
+    cluster.write_text(THREE_NODES)
+    plan = str(tmp_path / "p.json")
+    proc = _hetplan("plan", "--planner", "metis", "--model", "tiny-gpt", "--cluster", str(cluster),
+                    "--global-batch", "8", "--json", plan, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    from hetplan.planfile import read_plan_file
+    from hetplan.runtime.launch import plan_nodes
+
+    pf = read_plan_file(plan)
+    best = pf.plan()
+    assert len(plan_nodes(best, pf.cluster)) > 1
+    assert any(len(set(s.dp_split)) > 1 for s in best.stages), best  # an uneven data split
+    cluster.unlink()  # the plan file holds the cluster
+    proc = _hetplan("train", "--model", "tiny-gpt", "--plan", plan, "--steps", "2", "--verify")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "nodes of 'three-small-nodes'; hetplan train runs its" in proc.stdout, proc.stdout
+    assert "verify: OK" in proc.stdout, proc.stdout

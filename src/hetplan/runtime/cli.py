@@ -86,16 +86,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hetplan.runtime.context import check_plan, preflight
     from hetplan.runtime.models import build_preset_model
 
-    plan, spec, _cluster, layout = check_plan(args.plan, args.model)
+    plan, spec, cluster, layout = check_plan(args.plan, args.model)
     with torch.device("meta"):
         meta = build_preset_model(spec)
     preflight(layout, spec, meta)
-    nodes = launch.plan_nodes(plan)
-    if len(nodes) > 1:
-        raise HetplanError(
-            f"the plan spans {len(nodes)} nodes; 'hetplan train' runs on this machine only -- use "
-            f"'hetplan run {args.plan} --print -- SCRIPT' for the per-node commands"
-        )
+    nodes = launch.plan_nodes(plan, cluster)
     if args.verify and args.optimizer != "sgd":
         raise HetplanError("--verify needs --optimizer sgd: Adam turns rounding noise into full-size steps "
                            "(see docs/runtime.md)")
@@ -103,13 +98,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
           f"{plan.global_batch_size} samples, {n} process{'es' if n > 1 else ''}", flush=True)
     print(f"plan: {layout.describe()}", flush=True)
+    env = _child_env()
+    if len(nodes) > 1:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
+        env.update(HETPLAN_ONE_MACHINE="1", HETPLAN_DEVICE=env.get("HETPLAN_DEVICE", "cpu"))
+        print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
+              f"on this machine ({env['HETPLAN_DEVICE']}): the losses are the plan's, the speeds are not its GPUs' "
+              f"(on the real cluster: 'hetplan run {args.plan} --print -- SCRIPT')", flush=True)
     if spec.dtype_bytes == 2:
         print("note: the plan assumes 16-bit training; hetplan train runs the built-in model in fp32", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetplan-train-") as tmp:
         out = args.out or tmp
-        worker_args = ["--plan", os.path.abspath(args.plan), "--model", spec.name, "--steps", str(args.steps),
+        worker_args = ["--plan", os.path.abspath(args.plan), "--steps", str(args.steps),
                        "--seed", str(args.seed), "--optimizer", args.optimizer, "--clip", str(args.clip),
                        "--out", out]
+        if args.model:
+            worker_args += ["--model", args.model]
         if args.lr is not None:
             worker_args += ["--lr", str(args.lr)]
         if args.verify:
@@ -128,7 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             trainer.train(trainer.parse_args(worker_args))
         else:
             argv = launch.standalone_argv(n, ["-m", "hetplan.runtime.trainer", *worker_args])
-            code = subprocess.call(argv, env=_child_env())
+            code = subprocess.call(argv, env=env)
             if code != 0:
                 print(f"hetplan: error: training failed (torchrun exit status {code}); see the messages above",
                       file=sys.stderr)
@@ -179,7 +182,7 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str) -> int:
 
 # --- hetplan run ------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetplan.plan import load_plan
+    from hetplan.planfile import read_plan_file
     from hetplan.runtime import launch
 
     script = list(args.script)
@@ -197,10 +200,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.master_addr, args.master_port = more.master_addr, more.master_port
     if not script:
         raise HetplanError("no training script: use 'hetplan run plan.json -- train.py [args]'")
-    plan = load_plan(args.plan_file)
-    nodes = launch.plan_nodes(plan)
+    plan_file = read_plan_file(args.plan_file)
+    plan = plan_file.plan()
+    nodes = launch.plan_nodes(plan, plan_file.cluster)
     if args.print_only or len(nodes) > 1:
-        cmds = launch.torchrun_commands(plan, args.plan_file, script, args.master_addr, args.master_port)
+        cmds = launch.torchrun_commands(plan, args.plan_file, script, args.master_addr, args.master_port,
+                                        cluster=plan_file.cluster)
         n = sum(len(d) for _, d in nodes)
         print(f"# {n} processes on {len(nodes)} node{'s' if len(nodes) > 1 else ''}; run on each node:")
         for k, (node, cmd) in enumerate(cmds):

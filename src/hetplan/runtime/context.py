@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, load_plan
+from hetplan.plan import Plan
 from hetplan.runtime import clip_guard
 from hetplan.runtime import parallelize as par
 from hetplan.runtime.chain import check_chain, example_inputs as known_example_inputs
@@ -56,18 +56,8 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
-def _load_spec(plan: Plan, model: Any) -> Any:
-    from hetplan.model.spec import ModelSpec
-
-    if isinstance(model, ModelSpec):
-        return model
-    name = model if isinstance(model, str) else plan.model
-    from hetplan.model import load_model
-
-    return load_model(name)
-
-
 def _load_cluster(plan: Plan) -> Any:
+    """For a bare Plan object (no file): the named cluster, if this machine knows it."""
     from hetplan.cluster import load_cluster
 
     try:
@@ -616,6 +606,7 @@ def _check_chain_early(full: nn.Module, names: list[str], spec: Any, inputs: Seq
     cannot run on those, the first ``train_step`` checks with the real batch."""
     if any(p.device.type != "meta" for p in full.parameters()):
         return  # a real model: parallelize checks its meta copy instead
+    par.check_layer_names(full, names, getattr(spec, "name", ""))
     if inputs is not None:
         check_chain(full, names, tuple(inputs))
         return
@@ -669,7 +660,8 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
 
     ``plan``: a Plan or a plan JSON path (default: ``$HETPLAN_PLAN``, which
     ``hetplan run`` sets). ``model``: the ModelSpec or preset name (default: the
-    plan's model). Launch with one process per device the plan uses
+    model a plan file embeds, else the plan's model name; one given must be
+    the same model). Launch with one process per device the plan uses
     (``hetplan run plan.json -- script.py`` does). Every check that can fail
     runs before the first collective, on every rank, with the same message.
     """
@@ -696,7 +688,7 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
     device = _pick_device(plan, cluster, position, notes)
     if timeout_s is None:
         timeout_s = float(os.environ.get("HETPLAN_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    if cluster is not None:
+    if cluster is not None and not os.environ.get("HETPLAN_ONE_MACHINE"):  # set by `hetplan train`
         _check_node_placement(layout, cluster, rank)
     torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
     mesh = None
@@ -724,12 +716,21 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
 def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None) -> tuple[Plan, Any, Any, PlanLayout]:
     """Load and check a plan without torch.distributed: (plan, ModelSpec,
     ClusterSpec or None, PlanLayout). Raises HetplanError naming the problem."""
-    if not isinstance(plan, Plan):
-        plan = load_plan(plan)
-    spec = _load_spec(plan, model)
+    from hetplan.model import load_model
+    from hetplan.model.spec import ModelSpec
+
+    if isinstance(plan, Plan):
+        spec = model if isinstance(model, ModelSpec) else load_model(model or plan.model)
+        cluster = _load_cluster(plan)
+    else:  # a plan file: the model and cluster it embeds (format 2), or their names
+        from hetplan.planfile import read_plan_file, resolve_cluster, resolve_model
+
+        plan_file = read_plan_file(plan)
+        plan = plan_file.plan()
+        spec = resolve_model(plan_file, model)
+        cluster = resolve_cluster(plan_file) if plan_file.cluster is not None else _load_cluster(plan)
     if spec.name != plan.model:
         raise HetplanError(f"the plan was made for model {plan.model!r}, not {spec.name!r}; make a plan for this model")
-    cluster = _load_cluster(plan)
     if cluster is not None:
         from hetplan.validate import validate_plan
 

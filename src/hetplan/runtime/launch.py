@@ -39,16 +39,18 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
 
 
 # --- torchrun -----------------------------------------------------------------------------
-def plan_nodes(plan: Any) -> list[tuple[int, list[int]]]:
-    """(cluster node index, plan devices on it) in node order. One pseudo-node
-    if the plan's cluster cannot be loaded here."""
+def plan_nodes(plan: Any, cluster: Any = None) -> list[tuple[int, list[int]]]:
+    """(cluster node index, plan devices on it) in node order. ``cluster``:
+    the one the plan file embeds; else the named one, and one pseudo-node if
+    this machine does not know that name."""
     devices = sorted(d for s in plan.stages for d in s.devices)
-    try:
-        from hetplan.cluster import load_cluster
+    if cluster is None:
+        try:
+            from hetplan.cluster import load_cluster
 
-        cluster = load_cluster(plan.cluster)
-    except (HetplanError, OSError):
-        return [(0, devices)]
+            cluster = load_cluster(plan.cluster)
+        except (HetplanError, OSError):
+            return [(0, devices)]
     by_node: dict[int, list[int]] = {}
     for d in devices:
         if d >= cluster.num_devices:
@@ -58,9 +60,10 @@ def plan_nodes(plan: Any) -> list[tuple[int, list[int]]]:
 
 
 def torchrun_commands(plan: Any, plan_path: str, script: Sequence[str], master_addr: str = "NODE0_ADDRESS",
-                      master_port: int = 29500, python: str | None = None) -> list[tuple[int, str]]:
+                      master_port: int = 29500, python: str | None = None, cluster: Any = None
+                      ) -> list[tuple[int, str]]:
     """One shell command per node: (cluster node index, command)."""
-    nodes = plan_nodes(plan)
+    nodes = plan_nodes(plan, cluster)
     python = python or sys.executable
     cmds = []
     for k, (node, devs) in enumerate(nodes):

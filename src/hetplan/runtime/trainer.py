@@ -42,15 +42,13 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     ``spec``: a ModelSpec to use instead of looking up ``cfg.model``."""
     import torch
 
-    from hetplan.plan import load_plan
     from hetplan.runtime import checkpoint as ck
     from hetplan.runtime.context import init
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import make_optimizer, synthetic_batch
 
-    plan = load_plan(cfg.plan_path)
-    spec = spec if spec is not None else _spec(cfg.model or plan.model)
-    ctx = init(plan, spec)
+    ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None))
+    plan, spec = ctx.plan, ctx.spec
     model = ctx.parallelize(lambda: build_preset_model(spec), seed=cfg.seed)
     opt = make_optimizer(model.parameters(), cfg.optimizer, cfg.lr)
     for note in ctx.notes:
@@ -96,12 +94,6 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     result["state"] = state
     ctx.close()
     return result
-
-
-def _spec(name: str) -> Any:
-    from hetplan.model import load_model
-
-    return load_model(name)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
