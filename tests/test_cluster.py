@@ -42,7 +42,9 @@ def test_catalog_measured_and_power_numbers() -> None:
 
 
 def test_gpu_aliases() -> None:
-    assert get_gpu("a100").name == "A100-40GB"
+    assert get_gpu("a100-40").name == "A100-40GB" and get_gpu("a100-80").name == "A100-80GB"
+    with pytest.raises(HetplanError, match="ambiguous.*A100-40GB and A100-80GB.*pick one"):
+        get_gpu("a100")  # the 40 GB and 80 GB parts differ: no silent pick
     assert get_gpu("titan rtx").name == "RTX-TITAN"
     with pytest.raises(HetplanError, match="unknown GPU type 'B300'"):
         get_gpu("B300")

@@ -79,4 +79,4 @@ def test_held_out_llama_run_is_expressed() -> None:
     case = case_of(run)
     assert not case.skip and case.workload is not None and case.plan is not None
     assert case.workload.model.family == "llama" and case.workload.cluster.devices[0].gpu.name == "H100"
-    assert case_of({**run, "cluster": {**run["cluster"], "gpu_type": "MI300X"}}).skip
+    assert case_of({**run, "cluster": {**run["cluster"], "gpu_type": "MI355X"}}).skip  # not in the catalog

@@ -5,9 +5,22 @@ accumulation — what mixed-precision training uses; ``peak_flops_fp32`` is the
 plain fp32 (non-tensor-core) rate used for fp32 training. Memory is the usable
 capacity in bytes (a "16 GB" card holds 16 GiB).
 
+Datasheets often print tensor rates "with sparsity" (2:4 structured sparsity,
+2x the dense rate); those are halved here, and each ``source`` says which
+printed figure was halved. One entry is one device that one process drives:
+one GPU of a GB200 superchip (1 Grace CPU + 2 Blackwell GPUs) or of an H100
+NVL pair, and one GCD of an MI250X (an MI250X OAM module carries two GCDs that
+ROCm shows as two devices, so its module numbers are halved). A number no
+source gives stays 0 (an optional field) and the source says so. ``A100``
+alone is refused: the 40 GB and 80 GB parts differ in memory and bandwidth.
+
 Measured numbers (``matmul_efficiency``) and board power (``tdp_w``) come from
 ``shared/calibration/hardware_specs.json``, which collects them with their
-sources; each entry's ``source`` names where its numbers come from.
+sources, where it has the GPU; otherwise board power comes from the datasheet
+and ``matmul_efficiency`` stays 0 (not measured). Each entry's ``source`` names
+where its numbers come from; ``tests/data/gpu_datasheets.json`` keeps the printed
+datasheet figures of the GPUs added in 2026, and ``tests/test_gpu_catalog.py``
+checks the entries against them.
 
 A cluster file may describe GPUs the catalog lacks, or change any number of a
 catalog GPU (``hetplan.cluster.io``); ``power_capped`` models a board power cap.
@@ -60,7 +73,8 @@ class GPUSpec:
         peak_flops_fp8: dense FP8 tensor-core FLOP/s (0: the GPU has no FP8).
         matmul_efficiency: measured best-shape matmul FLOP/s over ``peak_flops``
             (0: not measured; the cost model then uses its generation default).
-        peak_flops_tf32: dense TF32 tensor-core FLOP/s (0: the GPU has no TF32).
+        peak_flops_tf32: dense TF32 tensor-core FLOP/s (0: the GPU has no TF32,
+            or its datasheet prints no TF32 rate).
         tdp_w: board power limit at which the peaks above hold: the TDP, or the
             cap for a power-capped type (0: unknown).
         derived_from: the catalog GPU this type was made from (a cluster file's
@@ -132,6 +146,18 @@ def _gpu(name: str, mem_gib: float, tf16: float, tf32: float, bw_gbs: float, sou
 
 _V100_SXM = "NVIDIA Tesla V100 datasheet (2020): SXM2 125 TF tensor, 15.7 TF fp32, 900 GB/s"
 _A100 = "NVIDIA A100 datasheet (2021): 312 TF bf16 dense, 156 TF TF32 dense, 19.5 TF fp32"
+_H100_SHEET = ("NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100/; spec table as copied at "
+               "archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html and thundercompute.com's H100 guide)")
+_HGX_BLACKWELL = ("NVIDIA HGX / GB200 NVL72 platform specifications, 'Individual Blackwell GPU Specifications' "
+                  "(nvidia.com/en-us/data-center/hgx/; table as copied at "
+                  "zdszero.github.io/Computer/Artificial_Intelligence/Hardware.html; the halved tensor figures agree "
+                  "with the dense ones of glennklockwood.com/garden/processors/B200 and stas00/ml-engineering "
+                  "compute/accelerator, which print FP32 80 TF (B200) / 90 TF (GB200), NVIDIA's earlier figures)")
+_POWER_TABLE = "stas00/ml-engineering compute/accelerator power table"
+_AMD_MI300 = ("AMD Instinct MI300 series specifications (as tabulated by stas00/ml-engineering "
+              "compute/accelerator, notes 17-18)")
+_GAUDI_HC = ("Intel, 'Intel Gaudi 3 AI Accelerator: Architected for Gen AI Training and Inference', Hot Chips "
+             "2024 (R. Kaplan; copy at sgpjbg.com/baogao/465025.html)")
 # Board power (TDP) and measured best-shape bf16 matmul rates (MAMF):
 _HW = "shared/calibration/hardware_specs.json"
 _MAMF = f"stas00/ml-engineering MAMF table via {_HW}"
@@ -179,6 +205,95 @@ GPU_CATALOG: dict[str, GPUSpec] = {
              "tensor (fp32 accumulate) dense, 330.3 TF fp8 tensor (fp32 accumulate) dense, 82.6 TF "
              f"TF32 tensor dense, 82.6 TF fp32, 1,008 GB/s, 450 W ({_HW})",
              tf32_tensor=82.6, fp8=330.3, tdp_w=450),
+        # --- added 2026: Blackwell, Hopper variants, Ada/Ampere workstation, AMD, Intel ---
+        # Sparse ("with sparsity") tensor figures halved; see each source.
+        _gpu("B200", 180, 2250, 75, 7700,
+             f"{_HGX_BLACKWELL}, HGX B200 column: FP16/BF16 tensor 4.5 PF, FP8 9 PF, TF32 2.2 PF (with "
+             "sparsity; halved to 2,250 / 4,500 / 1,100 TF dense), FP32 75 TF, 180 GB HBM3E, 7.7 TB/s, TDP "
+             f"configurable up to 1,000 W (also {_POWER_TABLE}: 1,000 W maximum TGP); the DGX B200 datasheet's "
+             "64 TB/s per 8 GPUs would be 8 TB/s, and a B200 reads back a 7,680-bit bus at 3,996 MHz = 7.67 TB/s "
+             f"(pytorch/ao PR 4002), so 7.7 is kept; not in {_HW}: matmul_efficiency 0 (not measured)",
+             tf32_tensor=1100, fp8=4500, tdp_w=1000),
+        _gpu("GB200", 186, 2500, 80, 8000,
+             f"{_HGX_BLACKWELL}, GB200 NVL72 column (nvidia.com/en-us/data-center/gb200-nvl72/), per GPU: "
+             "FP16/BF16 tensor 5 PF, FP8 10 PF, TF32 2.5 PF (with sparsity; halved to 2,500 / 5,000 / 1,250 TF "
+             "dense), FP32 80 TF, 186 GB HBM3E, 8 TB/s, TDP configurable up to 1,200 W; one entry is one "
+             "Blackwell GPU (a GB200 superchip is 1 Grace CPU + 2 GPUs); matmul_efficiency 0 (not measured)",
+             tf32_tensor=1250, fp8=5000, tdp_w=1200),
+        _gpu("H100-PCIe", 80, 756.5, 51, 2000,
+             f"{_H100_SHEET}, PCIe column: BF16 1,513, FP8 3,026, TF32 756 TF with sparsity (halved to "
+             "756.5 / 1,513 / 378 TF dense), FP32 51 TF, 80 GB HBM2e, 2,000 GB/s; TDP 350 W (NVIDIA H100 "
+             f"PCIe product brief PB-11133-001_v02: 'maximum thermal design power (TDP) level of 350 W'); {_HW} "
+             "has the same peaks and no measured matmul rate",
+             tf32_tensor=378, fp8=1513, tdp_w=350),
+        _gpu("H100-NVL", 94, 835.5, 60, 3900,
+             "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100/), NVL column: BF16 1,671, FP8 3,341, "
+             "TF32 835 TF with sparsity (halved to 835.5 / 1,670.5 / 417.5 TF dense), FP32 60 TF, 94 GB HBM3, "
+             "3.9 TB/s, TDP 350-400 W configurable (400 W: the peaks hold at the top of the range; 94 GB, 3.9 TB/s "
+             f"also in thundercompute.com's H100 guide, 350-400 W in {_POWER_TABLE}); one entry is one GPU of the "
+             f"NVLink-bridged pair; not in {_HW}: matmul_efficiency 0 (not measured)",
+             tf32_tensor=417.5, fp8=1670.5, tdp_w=400),
+        _gpu("H800", 80, 989, 67, 3350,
+             "NVIDIA H800 SXM5: the H100 SXM's GH100 die with NVLink cut to 400 GB/s and FP64 to 1 TF, the "
+             "same FP8/FP16/BF16/TF32/FP32 rates, 80 GB HBM3 and 3.35 TB/s (philisun.com 'NVIDIA H800 vs H100: "
+             "a technical deep dive' spec table; aiwiki.ai/wiki/nvidia_h800); so the H100 SXM datasheet's "
+             f"dense 989 TF bf16, 1,979 TF fp8, 494.5 TF TF32, 67 TF fp32 ({_HW}); TDP not found in the "
+             "retrieved sources: tdp_w 0", tf32_tensor=494.5, fp8=1979),
+        _gpu("H20", 96, 148, 44, 4000,
+             "NVIDIA HGX H20 specifications as reported (NVIDIA publishes no datasheet page; "
+             "1cnz.cn/d/2353773.html, zangshuxian.com/new/674733024499207168, willitrunai.com/gpus/h20-96gb): "
+             "dense FP16/BF16 148 TF, FP8 296 TF, TF32 74 TF, FP32 44 TF, FP64 1 TF, 96 GB HBM3, 4.0 TB/s, "
+             "NVLink 900 GB/s, 400 W TDP", tf32_tensor=74, fp8=296, tdp_w=400),
+        _gpu("L40S", 48, 362.05, 91.6, 864,
+             "NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s/; spec table as copied at "
+             "mullet.se/product.html?product_id=355414): BF16 362.05 | 733*, FP8 733 | 1,466*, TF32 183 | 366* "
+             "TF (dense | *with sparsity), FP32 91.6 TF, 48 GB GDDR6, 864 GB/s, 350 W max power, PCIe Gen4, no "
+             f"NVLink; {_HW} has the same peaks and no measured matmul rate",
+             tf32_tensor=183, fp8=733, tdp_w=350),
+        _gpu("RTX-A6000", 48, 154.85, 38.7, 768,
+             "NVIDIA RTX A6000 datasheet (nvidia.com/en-us/design-visualization/rtx-a6000/): 'Tensor "
+             "performance 309.7 TFLOPS' (FP16 with sparsity; halved to 154.85 TF dense FP16/BF16 with FP32 "
+             "accumulate, Microway's Ampere comparison lists 154.8 dense), FP32 38.7 TF, 48 GB GDDR6, 768 GB/s, "
+             "300 W max power, NVLink bridge 112.5 GB/s (servethehome.com spec table); Ampere: no FP8; TF32 not "
+             "printed on the datasheet: 0", tdp_w=300),
+        _gpu("RTX-6000-Ada", 48, 364.25, 91.1, 960,
+             "NVIDIA RTX 6000 Ada Generation datasheet (nvidia.com/en-us/design-visualization/rtx-6000/): "
+             "FP32 91.1 TF, 48 GB GDDR6, 960 GB/s, 300 W max power (as tabulated by heise.de and "
+             "grafikkarten.com from NVIDIA/PNY/Leadtek specs); 'Tensor performance 1,457 TFLOPS' is FP8 with "
+             "sparsity: 728.5 TF FP8 dense, 364.25 TF FP16/BF16 (FP32 accumulate) dense, matching 568 tensor "
+             "cores x 2,505 MHz boost x 256 FLOP/clock = 364.2 TF; TF32 not printed on the datasheet: 0",
+             fp8=728.5, tdp_w=300),
+        _gpu("MI250X", 64, 191.5, 23.95, 1600,
+             "AMD Instinct MI250X specifications (amd.com/en/products/accelerators/instinct/mi200/mi250x.html; "
+             "table as copied at zexron.com and yobitel.com/knowledge-base/amd-mi250), whole OAM module: "
+             "FP16/BF16 matrix 383.0 TF, FP32 vector 47.9 TF (matrix 95.7), 128 GB HBM2e, 3.2 TB/s, 560 W "
+             "board power; no FP8, no TF32. One entry is one GCD: the module carries two GCDs that ROCm shows "
+             "as two devices, each driven by its own process (stas00/ml-engineering compute/accelerator: "
+             "'MI250X has 2 GCDs ... a single matmul uses only 1 of them'), so every number is halved: "
+             "191.5 / 23.95 TF, 64 GB, 1.6 TB/s, 280 W (half the module's 560 W peak board power; AMD also lists "
+             f"a 500 W TDP, and the peak TBP is kept as for MI300X and MI325X, {_POWER_TABLE})", tdp_w=280),
+        _gpu("MI300X", 192, 1307.4, 163.4, 5300,
+             f"{_AMD_MI300}, MI300X (amd.com/en/products/accelerators/instinct/mi300/mi300x.html): FP16/BF16 "
+             "matrix 1,307.4 TF, FP8 2,614.9 TF, TF32 653.7 TF (dense; AMD prints the sparse figures "
+             "separately at 2x), FP32 vector 163.4 TF, 192 GB HBM3, 5.3 TB/s, 750 W; Infinity Fabric 896 GB/s "
+             "aggregate", tf32_tensor=653.7, fp8=2614.9, tdp_w=750),
+        _gpu("MI325X", 256, 1307.4, 163.4, 6000,
+             f"{_AMD_MI300}, MI325X (amd.com/en/products/accelerators/instinct/mi300/mi325x.html; "
+             "awesomeagents.ai/hardware/amd-mi325x): the MI300X's CDNA3 compute, FP16/BF16 1,307.4 TF, FP8 "
+             "2,614.9 TF, TF32 653.7 TF (dense), FP32 163.4 TF, with 256 GB HBM3E, 6 TB/s, 1,000 W",
+             tf32_tensor=653.7, fp8=2614.9, tdp_w=1000),
+        _gpu("Gaudi2", 96, 432, 0, 2460,
+             f"{_GAUDI_HC}, Gaudi 2 column: 432 TF peak BF16, 96 GB HBM2e, 2.46 TB/s, 600 W (OAM); FP8 865 TF "
+             "(Intel Gaudi 2 AI accelerators white paper 839363, as tabulated by stas00/ml-engineering); Gaudi "
+             "publishes no sparse rates; FP32 and TF32 rates not published: 0 (fp32 training refused)",
+             fp8=865, tdp_w=600),
+        _gpu("Gaudi3", 128, 1835, 0, 3670,
+             f"{_GAUDI_HC}, Gaudi 3 spec table: BF16 matrix 1,835 TF, FP8 matrix 1,835 TF, BF16 vector 28.7 TF, "
+             "128 GB HBM2e, 3.67 TB/s, 900 W air-cooled OAM (1,200 W liquid-cooled); TF32 (MME) 459 TF "
+             "(Intel Gaudi 3 AI accelerator white paper 817486, via stas00/ml-engineering); plain (vector) FP32 "
+             "not published: 0 (the MME's FP32 rate is 229 TF); ml-engineering notes shipping parts clock the "
+             "MME at 1,600 MHz, not 1,750, i.e. 1,677 TF BF16 in practice",
+             tf32_tensor=459, fp8=1835, tdp_w=900),
         # A CPU "device" for local runs with gloo (the runtime's tests). Throughput
         # is only used to rank plans for tiny test models; measured with
         # benchmarks/measure_cpu.py on this 2-core machine class (~50 GFLOP/s fp32).
@@ -189,11 +304,26 @@ GPU_CATALOG: dict[str, GPUSpec] = {
 _ALIASES = {
     "V100": "V100-16GB", "V100-16": "V100-16GB", "V100-32": "V100-32GB", "V100-SXM2-16GB": "V100-16GB",
     "P100-16GB": "P100", "T4-16GB": "T4",
-    "A100": "A100-40GB", "A100-40": "A100-40GB", "A100-80": "A100-80GB",
-    "H100-80GB": "H100", "H100-SXM": "H100", "H200-141GB": "H200",
+    "A100-40": "A100-40GB", "A100-80": "A100-80GB", "A100-SXM4-40GB": "A100-40GB", "A100-SXM4-80GB": "A100-80GB",
+    "H100-80GB": "H100", "H100-SXM": "H100", "H100-SXM5": "H100", "H200-141GB": "H200", "H200-SXM": "H200",
     "A10-24GB": "A10", "L4-24GB": "L4",
     "TITAN-RTX": "RTX-TITAN", "RTXTITAN": "RTX-TITAN", "TITAN": "RTX-TITAN",
     "3090": "RTX-3090", "4090": "RTX-4090",
+    "B200-180GB": "B200", "B200-SXM": "B200", "B200-SXM-180GB": "B200",
+    "GB200-186GB": "GB200", "GB200-NVL72": "GB200",
+    "H100-PCIe-80GB": "H100-PCIe", "H100-NVL-94GB": "H100-NVL", "H100NVL": "H100-NVL",
+    "H800-80GB": "H800", "H800-SXM": "H800", "H800-SXM5": "H800", "H20-96GB": "H20",
+    "L40S-48GB": "L40S", "A6000": "RTX-A6000", "RTXA6000": "RTX-A6000",
+    "RTX-6000-Ada-Generation": "RTX-6000-Ada", "RTX6000-Ada": "RTX-6000-Ada", "6000-Ada": "RTX-6000-Ada",
+    "MI250X-GCD": "MI250X", "MI300X-192GB": "MI300X", "MI325X-256GB": "MI325X",
+    "Gaudi-2": "Gaudi2", "Gaudi2-96GB": "Gaudi2", "HL-225H": "Gaudi2",
+    "Gaudi-3": "Gaudi3", "Gaudi3-128GB": "Gaudi3", "HL-325L": "Gaudi3",
+}
+
+# Names that mean more than one catalog GPU: looking one up is an error that
+# names the choices, never a silent pick (plain "A100" once meant the 40 GB part).
+_AMBIGUOUS = {
+    "A100": ("A100-40GB", "A100-80GB"),
 }
 
 
@@ -203,11 +333,17 @@ def normalise_gpu_name(name: str) -> str:
 
 
 def find_catalog_gpu(name: str) -> GPUSpec | None:
-    """The catalog entry a name or alias means, or None."""
+    """The catalog entry a name or alias means, or None. A name that means
+    several entries (``A100``) raises HetplanError naming them."""
     key = normalise_gpu_name(name)
     for canonical in GPU_CATALOG:
         if normalise_gpu_name(canonical) == key:
             return GPU_CATALOG[canonical]
+    for ambiguous, choices in _AMBIGUOUS.items():
+        if normalise_gpu_name(ambiguous) == key:
+            raise HetplanError(f"GPU type {name.strip()!r} is ambiguous: the catalog has "
+                               f"{' and '.join(choices)} (different memory and bandwidth); pick one: "
+                               f"{' or '.join(choices)}")
     for alias, canonical in _ALIASES.items():
         if normalise_gpu_name(alias) == key:
             return GPU_CATALOG[canonical]

@@ -20,6 +20,19 @@ NVLINK3_A100_GBPS = 2400.0  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirection
 NVLINK4_H100_GBPS = 3600.0  # NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional
 IB_HDR_GBPS = 200.0  # InfiniBand HDR, one 200 Gb/s HCA per GPU (NVIDIA DGX A100 user guide)
 IB_NDR_GBPS = 400.0  # InfiniBand NDR, one 400 Gb/s HCA per GPU (NVIDIA DGX H100 user guide)
+PCIE5_X16_GBPS = 504.0  # PCI-SIG PCIe 5.0: 32 GT/s x16 = 63 GB/s (H100 PCIe / NVL datasheets: PCIe Gen5 x16)
+NVLINK5_B200_GBPS = 7200.0  # NVIDIA HGX B200 / GB200 NVL72 specs: NVLink 5, 1.8 TB/s per GPU bidirectional
+NVLINK_H800_GBPS = 1600.0  # NVIDIA H800 SXM5: NVLink 400 GB/s bidirectional (H100's cut for export)
+# AMD Instinct MI300X/MI325X platform: 7 Infinity Fabric links of 128 GB/s
+# bidirectional to the other 7 GPUs (AMD MI300X datasheet: 896 GB/s aggregate).
+INFINITY_FABRIC_MI300_GBPS = 3584.0
+# AMD Instinct MI250X datasheet: 8 Infinity Fabric links, 800 GB/s peak
+# aggregate per OAM module of two GCDs: 400 GB/s per GCD (one device here).
+INFINITY_FABRIC_MI250X_GCD_GBPS = 1600.0
+# Intel Gaudi 2 / Gaudi 3 white papers: 24 on-chip RoCE ports of 100 / 200 GbE,
+# 21 wired all-to-all inside the 8-card server, 3 for scale-out.
+GAUDI2_INTRA_GBPS, GAUDI2_SCALE_OUT_GBPS = 21 * 100.0, 3 * 100.0
+GAUDI3_INTRA_GBPS, GAUDI3_SCALE_OUT_GBPS = 21 * 200.0, 3 * 200.0
 
 _INTRA_BY_GPU = {
     "V100-16GB": NVLINK2_V100_GBPS, "V100-32GB": NVLINK2_V100_GBPS,
@@ -27,8 +40,17 @@ _INTRA_BY_GPU = {
     "H100": NVLINK4_H100_GBPS, "H200": NVLINK4_H100_GBPS,
     "A10": PCIE4_X16_GBPS, "L4": PCIE4_X16_GBPS, "RTX-3090": PCIE4_X16_GBPS, "RTX-4090": PCIE4_X16_GBPS,
     "T4": PCIE3_X16_GBPS, "P100": PCIE3_X16_GBPS, "RTX-TITAN": PCIE3_X16_GBPS,
+    "B200": NVLINK5_B200_GBPS, "GB200": NVLINK5_B200_GBPS, "H800": NVLINK_H800_GBPS,
+    "H20": NVLINK4_H100_GBPS,  # NVIDIA H20: NVLink 900 GB/s, as the H100
+    "H100-PCIe": PCIE5_X16_GBPS, "H100-NVL": PCIE5_X16_GBPS,  # NVLink bridges join pairs only
+    "L40S": PCIE4_X16_GBPS, "RTX-A6000": PCIE4_X16_GBPS, "RTX-6000-Ada": PCIE4_X16_GBPS,
+    "MI250X": INFINITY_FABRIC_MI250X_GCD_GBPS, "MI300X": INFINITY_FABRIC_MI300_GBPS, "MI325X": INFINITY_FABRIC_MI300_GBPS,
+    "Gaudi2": GAUDI2_INTRA_GBPS, "Gaudi3": GAUDI3_INTRA_GBPS,
 }
-_NIC_PER_GPU_BY_GPU = {"A100-40GB": IB_HDR_GBPS, "A100-80GB": IB_HDR_GBPS, "H100": IB_NDR_GBPS, "H200": IB_NDR_GBPS}
+# One NIC per GPU (DGX B200 user guide: 8 ConnectX-7 400 Gb/s; Gaudi: its own scale-out ports).
+_NIC_PER_GPU_BY_GPU = {"A100-40GB": IB_HDR_GBPS, "A100-80GB": IB_HDR_GBPS, "H100": IB_NDR_GBPS, "H200": IB_NDR_GBPS,
+                       "B200": IB_NDR_GBPS, "GB200": IB_NDR_GBPS,
+                       "Gaudi2": GAUDI2_SCALE_OUT_GBPS, "Gaudi3": GAUDI3_SCALE_OUT_GBPS}
 DEFAULT_INTER_GBPS = 100.0  # a 100 Gb/s InfiniBand EDR / Ethernet NIC per node
 
 _Factory = Callable[[], ClusterSpec]
