@@ -21,7 +21,7 @@ import time
 from typing import Any, Sequence
 
 from hetplan.argtypes import positive_int
-from hetplan.cost.constants import ZERO_IMPLEMENTATIONS
+from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.runtime import cli as runtime_cli
 
@@ -53,6 +53,8 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
     p.add_argument("--fp8", action="store_true",
                    help="linear layers' matmuls in FP8 (Transformer Engine), on GPUs with FP8 tensor cores")
+    p.add_argument("--precision", choices=tuple(PRECISION_BYTES), default=None,
+                   help="training precision (default: the model's; HF configs: bf16); the runtime trains in it")
     p.add_argument("--zero-impl", choices=ZERO_IMPLEMENTATIONS, default=None,
                    help="how ZeRO shards move between nodes: fsdp (PyTorch FSDP, Megatron distributed optimizer, "
                    "hetplan's runtime; default) or deepspeed (each GPU's shard traffic crosses its own NIC)")
@@ -132,11 +134,12 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
     from hetplan.profile import load_profile
     from hetplan.units import parse_memory_size
 
+    dtype = PRECISION_BYTES[args.precision] if args.precision else None
     if plan_file is not None:
-        model = resolve_model(plan_file, args.model, args.seq_len)
+        model = resolve_model(plan_file, args.model, args.seq_len, dtype)
         cluster = resolve_cluster(plan_file, args.cluster)
     else:
-        model = load_model(args.model or DEFAULT_MODEL, seq_len=args.seq_len)
+        model = load_model(args.model or DEFAULT_MODEL, seq_len=args.seq_len, dtype_bytes=dtype)
         cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
     saved = plan_file.settings if plan_file is not None else {}
     gbs = global_batch if global_batch is not None else (args.global_batch or DEFAULT_GLOBAL_BATCH)
@@ -146,7 +149,8 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
                     memory_limit_bytes=limit,
                     overlap_grad_sync=not args.no_overlap and saved.get("overlap_grad_sync", True),
                     profile=profile, fp8=args.fp8 or saved.get("fp8", False),
-                    zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"))
+                    zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"),
+                    precision=args.precision or saved.get("precision", ""))
 
 
 def _write_json(path: str | None, data: Any) -> None:
@@ -167,7 +171,7 @@ def _header(workload: Any, extra: str = "") -> str:
     seq = f"seq {m.seq_len}" + (" (default; set --seq-len)" if m.meta.get("seq_len_default") else "")
     lines = [f"model    {m.name}: {m.num_layers} layers, {format_count(m.total_params)} params, {seq}",
              f"cluster  {c.name}: {c.summary()}",
-             f"batch    {workload.global_batch_size} samples/step, optimizer {workload.optimizer}"
+             f"batch    {workload.global_batch_size} samples/step, {workload.precision}, optimizer {workload.optimizer}"
              + (", FP8 matmuls" if workload.fp8 else "")
              + (", DeepSpeed ZeRO collectives" if workload.zero_implementation == "deepspeed" else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]

@@ -11,7 +11,7 @@ or trained anywhere else ("unknown model preset"). Format 2 (``hetplan plan`` /
      "plans": [{"plan": ..., "estimate": ...}, ...],
      "model_spec": ModelSpec.to_dict(),          # layers, costs, meta (source)
      "cluster_spec": cluster_to_dict(cluster),   # the cluster YAML's form
-     "settings": {"optimizer": ..., "fp8": ..., "zero_implementation": ...,
+     "settings": {"precision": ..., "optimizer": ..., "fp8": ..., "zero_implementation": ...,
                   "memory_limit_bytes": ..., "overlap_grad_sync": ...}}
 
 Every reader (``estimate``, ``export``, ``train``, ``run``, ``hetplan.runtime.init``)
@@ -32,7 +32,7 @@ from hetplan.errors import HetplanError
 from hetplan.plan import Plan
 
 PLAN_FILE_VERSION = 2
-SETTING_KEYS = ("optimizer", "fp8", "zero_implementation", "memory_limit_bytes", "overlap_grad_sync")
+SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "memory_limit_bytes", "overlap_grad_sync")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,8 @@ def _plan_entries(data: Any, path: str) -> list[dict[str, Any]]:
     return [e["plan"] if isinstance(e, dict) and "plan" in e else e for e in entries]
 
 
-def resolve_model(pf: PlanFile, override: Any = None, seq_len: int | None = None) -> Any:
+def resolve_model(pf: PlanFile, override: Any = None, seq_len: int | None = None,
+                  dtype_bytes: int | None = None) -> Any:
     """The model of the plan file; ``override`` (a name/path or ModelSpec) must be the same model."""
     from hetplan.model import load_model
     from hetplan.model.spec import ModelSpec
@@ -118,7 +119,7 @@ def resolve_model(pf: PlanFile, override: Any = None, seq_len: int | None = None
     if isinstance(override, ModelSpec):
         model = override
     else:
-        model = load_model(override or pf.plans[0].model, seq_len=seq_len)
+        model = load_model(override or pf.plans[0].model, seq_len=seq_len, dtype_bytes=dtype_bytes)
     if pf.model is not None:
         _check_same_model(model, pf.model)
     return model

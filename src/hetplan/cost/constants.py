@@ -131,6 +131,12 @@ COLLECTIVE_BANDWIDTH_EFFICIENCY = 0.77
 #   each GPU's 25 GB/s NIC, about 8x slower than a topology-aware ring.
 ZERO_IMPLEMENTATIONS = ("fsdp", "deepspeed")
 
+# Training precision -> bytes per weight/activation element the cost model
+# counts (IEEE 754 binary32 = 4; bfloat16 and binary16 = 2). bf16 and fp16
+# cost the same here; they differ in the runtime (fp16 needs loss scaling:
+# Micikevicius et al. 2018, "Mixed Precision Training", §3.2).
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
 # Latency of one NCCL collective (Simple protocol), from NCCL's own tuning
 # model (NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat): a base cost plus
 # one hop latency per ring step, NVLink / PCIe inside a node and the network

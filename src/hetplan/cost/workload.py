@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetplan.cluster.spec import ClusterSpec
-from hetplan.cost.constants import OPTIMIZER_STATE_BYTES, ZERO_IMPLEMENTATIONS
+from hetplan.cost.constants import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
 from hetplan.profile.db import ProfileDB
@@ -27,6 +27,8 @@ class Workload:
         profile: measured layer times, preferred over FLOP estimates.
         fp8: linear layers' matmuls run in FP8 (Transformer Engine), on GPUs
             that have FP8 tensor cores; everything else keeps the model's dtype.
+        precision: "fp32", "bf16" or "fp16" (``PRECISION_BYTES``); must match
+            the model's ``dtype_bytes``; default from it (2 bytes: bf16).
         zero_implementation: how sharded data parallelism (ZeRO stages 1-3)
             moves its shards: "fsdp" (PyTorch FSDP/FSDP2, Megatron's
             distributed optimizer, hetplan's runtime) or "deepspeed"
@@ -42,8 +44,10 @@ class Workload:
     profile: ProfileDB | None = field(default=None, compare=False)
     fp8: bool = False
     zero_implementation: str = "fsdp"
+    precision: str = ""
 
     def __post_init__(self) -> None:
+        self._check_precision()
         if self.global_batch_size <= 0:
             raise HetplanError(f"global batch size must be positive, got {self.global_batch_size}")
         if not self.optimizer:
@@ -60,6 +64,20 @@ class Workload:
                                f"{', '.join(sorted(ZERO_IMPLEMENTATIONS))}")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
+
+    def _check_precision(self) -> None:
+        """Default: what the model is costed in (4 bytes: fp32, 2: bf16); a
+        given precision must match it, or the plan would cost another model."""
+        if not self.precision:
+            object.__setattr__(self, "precision", "fp32" if self.model.dtype_bytes == 4 else "bf16")
+        if self.precision not in PRECISION_BYTES:
+            raise HetplanError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISION_BYTES)}")
+        if PRECISION_BYTES[self.precision] != self.model.dtype_bytes:
+            raise HetplanError(
+                f"model {self.model.name!r} is costed in {self.model.dtype_bytes}-byte elements, not {self.precision}; "
+                "presets keep their papers' precision: use a HF config.json (built in the precision you ask for) "
+                "or drop --precision"
+            )
 
     @property
     def state_bytes(self) -> tuple[int, int, int]:

@@ -10,9 +10,11 @@ from hetplan.model.presets import get_model, model_descriptions, model_names
 from hetplan.model.spec import LayerSpec, ModelSpec
 
 
-def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
+def load_model(name_or_path: str, seq_len: int | None = None, dtype_bytes: int | None = None) -> ModelSpec:
     """A preset name, a HF ``config.json`` (or a directory holding one), or a
-    ModelSpec JSON written by hetplan (it has a "layers" list)."""
+    ModelSpec JSON written by hetplan (it has a "layers" list). ``dtype_bytes``
+    builds a HF config in that precision (default 2); presets and ModelSpec
+    files keep theirs."""
     if os.path.isdir(name_or_path) or name_or_path.endswith(".json") or os.path.sep in name_or_path:
         path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
         if os.path.isfile(path):
@@ -27,7 +29,7 @@ def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
                 return ModelSpec.from_dict(data)
         from hetplan.model.hf import model_from_hf_config
 
-        return model_from_hf_config(name_or_path, seq_len=seq_len)
+        return model_from_hf_config(name_or_path, seq_len=seq_len, dtype_bytes=dtype_bytes or 2)
     if seq_len is not None:
         raise HetplanError("--seq-len applies to HF configs; presets have their papers' sequence length")
     return get_model(name_or_path)

@@ -249,3 +249,10 @@ for _name, _layers, _hidden, _heads, _kv, _ffn, _vocab, _seq, _src in (
 def _tiny_gpt() -> ModelSpec:
     return gpt_decoder("tiny-gpt", num_layers=4, hidden=64, heads=4, seq=32, vocab=256, dtype_bytes=4,
                        meta={"source": "hetplan test model (GPT-2 style, tied embeddings)"})
+
+
+@preset("tiny-llama-bf16", "Tiny Llama for runtime tests of mixed precision: 4 layers, hidden 64, 4 heads / 2 KV "
+                           "heads, SwiGLU 128, vocab 256, seq 32, bf16")
+def _tiny_llama_bf16() -> ModelSpec:
+    return llama_decoder("tiny-llama-bf16", 4, 64, 4, 2, 128, 256, 32, dtype_bytes=2,
+                         meta={"source": "hetplan test model (Llama style, untied head)"})

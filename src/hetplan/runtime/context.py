@@ -40,6 +40,7 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
 from hetplan.runtime import clip_guard
+from hetplan.runtime import precision as mp
 from hetplan.runtime import parallelize as par
 from hetplan.runtime.chain import check_chain, example_inputs as known_example_inputs
 from hetplan.runtime.layout import PlanLayout, RankPosition
@@ -74,6 +75,7 @@ class _ModelInfo:
     tied_pairs: list[tuple[str, str]]
     schedule: Any = None
     loss_fn: Any = None
+    loss_weight: float = 1.0  # this rank's loss scale (uneven data split x fp16 loss scaling)
     batch_shapes: tuple[Any, ...] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
     chain_probe: nn.Module | None = None  # a meta copy whose forward the first train_step checks (pp > 1)
@@ -88,12 +90,14 @@ class RuntimeContext:
         rank, world_size, device: as in torch.distributed.
         mesh: the ``("pp", "dp", "tp")`` DeviceMesh (None in a one-process run).
         notes: what the runtime did differently from the plan's letter, and why.
+        precision: "fp32", "bf16" or "fp16" (hetplan.runtime.precision);
+            ``loss_scaler`` (fp16) counts skipped steps.
         last_outputs: outputs of the last step's micro-batches on last-stage ranks.
     """
 
     def __init__(self, plan: Plan, spec: Any, layout: PlanLayout, position: RankPosition, device: torch.device,
                  mesh: Any, tie_groups: dict[tuple[int, int, int, int], Any], notes: list[str],
-                 owns_process_group: bool) -> None:
+                 owns_process_group: bool, precision: str = "fp32") -> None:
         self.plan = plan
         self.spec = spec
         self.layout = layout
@@ -110,6 +114,8 @@ class RuntimeContext:
         self._owns_pg = owns_process_group
         self._models: dict[int, _ModelInfo] = {}
         self._guarded_params: list[nn.Parameter] = []  # see hetplan.runtime.clip_guard
+        self.precision = precision
+        self.loss_scaler = mp.LossScaler() if precision == "fp16" else None
 
     # --- groups ------------------------------------------------------------------
     @property
@@ -308,6 +314,21 @@ class RuntimeContext:
             info.chain_probe = None
         scale = self.layout.loss_scale(self.position.dp_index) if self.is_last_stage else 1.0
         total = torch.zeros((), device=self.device, dtype=torch.float32)
+        fp16_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        earlier = self._take_grads(model, info, every=self.loss_scaler is not None)
+        with mp.autocast(self.device, self.precision):
+            self._forward_backward(model, info, x, y, loss_fn, scale * fp16_scale, total, return_outputs)
+        if self.layout.pp > 1:
+            self._sync_tied_grads(model, info)
+        if self.loss_scaler is not None and not self._unscale(model):
+            earlier = {}  # overflow: the whole step is skipped (every gradient None)
+        self._restore_grads(model, earlier)
+        return self._global_loss(total / fp16_scale)
+
+    def _forward_backward(self, model: nn.Module, info: _ModelInfo, x: torch.Tensor, y: torch.Tensor,
+                          loss_fn: Callable[..., torch.Tensor], scale: float, total: torch.Tensor,
+                          return_outputs: bool) -> None:
+        """All micro-batches of the step; their scaled losses are added to ``total``."""
         if self.layout.pp == 1:
             m = self.plan.num_micro_batches
             b = self.position.samples_per_micro_batch
@@ -326,13 +347,22 @@ class RuntimeContext:
                     outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
             self.last_outputs = outputs if return_outputs else None
         else:
-            earlier = self._take_tied_grads(model, info)
             losses = self._pipeline_step(info, x, y, loss_fn, scale, return_outputs)
             if losses:
                 total += torch.stack([t.detach().float() for t in losses]).sum()
-            self._sync_tied_grads(model, info)
-            self._restore_tied_grads(model, earlier)
-        return self._global_loss(total)
+
+    def _unscale(self, model: nn.Module) -> bool:
+        """fp16: unscale this call's gradients; on overflow anywhere drop them all."""
+        assert self.loss_scaler is not None
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.loss_scaler.unscale([p.grad for p in params], self.device):
+            return True
+        for p in model.parameters():
+            p.grad = None
+        note = "fp16 loss scaling: a step overflowed and was skipped (gradients left None)"
+        if note not in self.notes:
+            self.notes.append(note)
+        return False
 
     def _tied_fqns(self, info: _ModelInfo) -> list[str]:
         """This rank's copies of weights tied across stages."""
@@ -344,19 +374,22 @@ class RuntimeContext:
                     out.append(fqn)
         return out
 
-    def _take_tied_grads(self, model: nn.Module, info: _ModelInfo) -> dict[str, torch.Tensor]:
-        """Set aside the gradients tied copies hold from earlier ``train_step``
-        calls (accumulation): the sync adds the two copies' gradients, and must
-        add only this call's, or an earlier call's would count twice."""
+    def _take_grads(self, model: nn.Module, info: _ModelInfo, every: bool) -> dict[str, torch.Tensor]:
+        """Set aside gradients held from earlier ``train_step`` calls
+        (accumulation), to add back at the end: those of tied copies, whose
+        sync adds the two copies' gradients and must add only this call's (or an
+        earlier call's would count twice); with ``every`` (fp16) all of them,
+        since only this call's are loss-scaled."""
         earlier = {}
-        for fqn in self._tied_fqns(info):
+        names = [n for n, _ in model.named_parameters()] if every else self._tied_fqns(info)
+        for fqn in names:
             p = model.get_parameter(fqn)
             if p.grad is not None:
                 earlier[fqn] = p.grad
                 p.grad = None
         return earlier
 
-    def _restore_tied_grads(self, model: nn.Module, earlier: dict[str, torch.Tensor]) -> None:
+    def _restore_grads(self, model: nn.Module, earlier: dict[str, torch.Tensor]) -> None:
         for fqn, grad in earlier.items():
             p = model.get_parameter(fqn)
             if p.grad is None:
@@ -370,7 +403,7 @@ class RuntimeContext:
                        scale: float, return_outputs: bool) -> list[torch.Tensor]:
         from torch.distributed import pipelining as pl
 
-        info.loss_fn = loss_fn
+        info.loss_fn, info.loss_weight = loss_fn, scale
         if self.layout.heterogeneous:
             losses, outputs = info.stages[0].step(x if self.is_first_stage else None,
                                                   y if self.is_last_stage else None, loss_fn, scale,
@@ -379,7 +412,7 @@ class RuntimeContext:
             return losses
         if info.schedule is None:
             def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-                return info.loss_fn(output, target) * scale
+                return info.loss_fn(output, target) * info.loss_weight
 
             m = self.plan.num_micro_batches
             kind = self.layout.schedule
@@ -669,7 +702,7 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
         plan = os.environ.get("HETPLAN_PLAN")
         if not plan:
             raise HetplanError("no plan given: pass one to hetplan.runtime.init or set HETPLAN_PLAN")
-    plan, spec, cluster, layout = check_plan(plan, model)
+    plan, spec, cluster, layout, precision = _check_plan(plan, model)
     notes = list(layout.notes)
     world = _env_int("WORLD_SIZE")
     rank = _env_int("RANK")
@@ -709,16 +742,27 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
             mesh = DeviceMesh(device.type, torch.tensor(layout.mesh_ranks(), dtype=torch.int64),
                               mesh_dim_names=("pp", "dp", "tp"))
         tie_groups = _make_tie_groups(layout, spec)
-    ctx = RuntimeContext(plan, spec, layout, position, device, mesh, tie_groups, notes, owns)
+    ctx = RuntimeContext(plan, spec, layout, position, device, mesh, tie_groups, notes, owns, precision)
     return ctx
 
 
 def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None) -> tuple[Plan, Any, Any, PlanLayout]:
     """Load and check a plan without torch.distributed: (plan, ModelSpec,
     ClusterSpec or None, PlanLayout). Raises HetplanError naming the problem."""
+    return _check_plan(plan, model)[:4]
+
+
+def plan_precision(plan: Plan | str | os.PathLike[str], model: Any = None) -> str:
+    """The precision a plan (file) trains in: "fp32", "bf16" or "fp16"."""
+    return _check_plan(plan, model)[4]
+
+
+def _check_plan(plan: Plan | str | os.PathLike[str], model: Any = None
+                ) -> tuple[Plan, Any, Any, PlanLayout, str]:
     from hetplan.model import load_model
     from hetplan.model.spec import ModelSpec
 
+    settings: dict[str, Any] = {}
     if isinstance(plan, Plan):
         spec = model if isinstance(model, ModelSpec) else load_model(model or plan.model)
         cluster = _load_cluster(plan)
@@ -729,6 +773,7 @@ def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None) -> tuple[
         plan = plan_file.plan()
         spec = resolve_model(plan_file, model)
         cluster = resolve_cluster(plan_file) if plan_file.cluster is not None else _load_cluster(plan)
+        settings = plan_file.settings
     if spec.name != plan.model:
         raise HetplanError(f"the plan was made for model {plan.model!r}, not {spec.name!r}; make a plan for this model")
     if cluster is not None:
@@ -736,7 +781,7 @@ def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None) -> tuple[
 
         validate_plan(plan, spec, cluster)
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
-    return plan, spec, cluster, layout
+    return plan, spec, cluster, layout, mp.precision_of(settings, spec.dtype_bytes)
 
 
 def _pick_device(plan: Plan, cluster: Any, position: RankPosition, notes: list[str]) -> torch.device:

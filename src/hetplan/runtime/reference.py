@@ -60,11 +60,16 @@ def make_optimizer(params: Iterable[nn.Parameter], name: str = "sgd", lr: float 
 
 def train_reference(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                     loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-                    clip: float | None = None) -> list[float]:
-    """Plain PyTorch training on whole global batches; returns the losses."""
+                    clip: float | None = None, precision: str = "fp32") -> list[float]:
+    """Plain PyTorch training on whole global batches, the forward under the
+    plan's precision (hetplan.runtime.precision; no loss scaling: in fp32
+    gradients a power-of-two scale changes nothing); returns the losses."""
+    from hetplan.runtime.precision import autocast
+
     losses = []
     for x, y in batches:
-        loss = loss_fn(model(x), y)
+        with autocast(x.device, precision):
+            loss = loss_fn(model(x), y)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
