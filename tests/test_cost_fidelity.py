@@ -206,3 +206,27 @@ def test_fp8_matmuls_speed_up_only_gpus_that_have_them() -> None:
         step("8xA100-80GB", True)
     with pytest.raises(HetplanError, match="16-bit"):
         Workload(gpt_decoder("m32", 2, 256, 4, 64, vocab=100, dtype_bytes=4), load_cluster("8xH100"), 8, fp8=True)
+
+
+def test_sustained_matmul_rate_for_fitted_measured_and_unmeasured_gpus():
+    """Fitted GPUs keep their fraction; a GPU with a measured best-shape rate but
+    no published run (B200, MI300X) sustains the mean fitted fraction of it, never
+    the benchmark rate whole; an unmeasured one the large-GEMM rate."""
+    import numpy as np
+
+    from hetplan.cluster.catalog import get_gpu
+    from hetplan.cost.compute import gemm_efficiency
+    from hetplan.cost.constants import DEFAULT_SUSTAINED_MATMUL_FRACTION, GEMM_EFFICIENCY, SUSTAINED_MATMUL_FRACTION
+
+    def best(name: str) -> float:
+        return float(gemm_efficiency(get_gpu(name), np.array([0.0]), 1)[0])
+
+    fitted = SUSTAINED_MATMUL_FRACTION
+    assert DEFAULT_SUSTAINED_MATMUL_FRACTION == pytest.approx(sum(fitted.values()) / len(fitted))
+    assert best("H100") == pytest.approx(get_gpu("H100").matmul_efficiency * fitted["H100"])
+    assert best("H200") == pytest.approx(GEMM_EFFICIENCY * fitted["H200"])
+    for name in ("B200", "MI300X"):
+        gpu = get_gpu(name)
+        assert gpu.matmul_efficiency > 0
+        assert best(name) == pytest.approx(gpu.matmul_efficiency * DEFAULT_SUSTAINED_MATMUL_FRACTION)
+    assert best("T4") == pytest.approx(GEMM_EFFICIENCY)

@@ -98,8 +98,57 @@ def test_new_gpu_is_a_dense_16_bit_rate(name: str) -> None:
     assert gpu.peak_flops_fp8 <= 2 * gpu.peak_flops * 1.05
     assert gpu.peak_flops_tf32 <= gpu.peak_flops / 2 * 1.05
     assert gpu.peak_flops_fp32 < gpu.peak_flops
-    assert gpu.matmul_efficiency == 0  # none is measured in shared/calibration/hardware_specs.json
     assert gpu.catalog_name == name
+
+
+# Where the measured matmul rates come from (each record in the datasheet file quotes its row).
+MAMF_TABLE = "stas00/ml-engineering compute/accelerator/README.md"
+MAMF_KEYS = {"tflops", "table_theory_tflops", "table_efficiency_pct", "row", "source", "theory_differs"}
+
+
+def test_mamf_records_quote_their_table_rows() -> None:
+    """Every new GPU has a MAMF record: a measured rate with the table row it
+    was read from (MAMF, Theory and Efficiency cells as printed, Efficiency =
+    MAMF / Theory as the table defines it), or no rate and why not."""
+    for name in NEW_GPUS:
+        record = SHEETS[name]["mamf_bf16"]
+        if record["tflops"] is None:
+            assert set(record) == {"tflops", "why"} and record["why"].strip(), name
+            continue
+        assert MAMF_KEYS - {"theory_differs"} <= set(record) <= MAMF_KEYS, name
+        assert MAMF_TABLE in record["source"] and "Maximum Achievable Matmul FLOPS" in record["source"], name
+        cells = [cell.strip() for cell in record["row"].strip().strip("|").split("|")]
+        assert float(cells[1]) == record["tflops"], name
+        assert float(cells[2]) == record["table_theory_tflops"], name
+        assert cells[3] == f"{record['table_efficiency_pct']}%", name
+        assert round(100 * record["tflops"] / record["table_theory_tflops"], 1) == record["table_efficiency_pct"], name
+
+
+@pytest.mark.parametrize("name", NEW_GPUS)
+def test_new_gpu_matmul_efficiency_is_measured_over_the_catalog_peak(name: str) -> None:
+    """matmul_efficiency = measured MAMF / the catalog's dense bf16 peak (as
+    for H100 and A100-80GB), so peak x efficiency is the measured rate even
+    where the table's Theory column is another peak (Gaudi 3's 1,600 MHz
+    clock); 0 where nothing is measured, and the source says so."""
+    gpu = GPU_CATALOG[name]
+    sheet = SHEETS[name]
+    record = sheet["mamf_bf16"]
+    if record["tflops"] is None:
+        assert gpu.matmul_efficiency == 0
+        assert "matmul_efficiency 0 (not measured" in gpu.source
+        return
+    peak = dense_value(sheet["values"]["peak_tflops"], float(sheet.get("per_device_divisor", 1)))
+    assert gpu.matmul_efficiency == pytest.approx(record["tflops"] / peak, rel=1e-12)
+    assert gpu.peak_flops * gpu.matmul_efficiency == pytest.approx(record["tflops"] * TERA, rel=1e-12)
+    assert 0 < gpu.matmul_efficiency < 1
+    # The table's peak is the catalog's (up to rounding: AMD's 1,307.4 TF printed as 1300), or the record says why not.
+    same_peak = record["table_theory_tflops"] == pytest.approx(peak, rel=0.01)
+    assert same_peak != ("theory_differs" in record), f"{name}: table Theory {record['table_theory_tflops']} vs {peak}"
+    # The source cites the measured rate and the table row it was read from.
+    assert f"measured bf16 matmul {record['tflops']} TF" in gpu.source
+    assert MAMF_TABLE in gpu.source
+    cells = [cell.strip() for cell in record["row"].strip().strip("|").split("|")]
+    assert " | ".join(cells[:6]) in gpu.source, f"{name}: source does not quote the row"
 
 
 @pytest.mark.parametrize("name", list(GPU_CATALOG))

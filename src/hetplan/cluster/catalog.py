@@ -17,10 +17,13 @@ alone is refused: the 40 GB and 80 GB parts differ in memory and bandwidth.
 Measured numbers (``matmul_efficiency``) and board power (``tdp_w``) come from
 ``shared/calibration/hardware_specs.json``, which collects them with their
 sources, where it has the GPU; otherwise board power comes from the datasheet
-and ``matmul_efficiency`` stays 0 (not measured). Each entry's ``source`` names
-where its numbers come from; ``tests/data/gpu_datasheets.json`` keeps the printed
-datasheet figures of the GPUs added in 2026, and ``tests/test_gpu_catalog.py``
-checks the entries against them.
+and ``matmul_efficiency`` from the table that file quotes (stas00/ml-engineering's
+"Maximum Achievable Matmul FLOPS comparison table"), read directly: the measured
+rate over the catalog's ``peak_flops`` (not the table's own "Theory" column, where
+the two differ), and 0 (not measured) for a GPU the table has no row for. Each
+entry's ``source`` names where its numbers come from; ``tests/data/gpu_datasheets.json``
+keeps the printed datasheet figures and table rows of the GPUs added in 2026, and
+``tests/test_gpu_catalog.py`` checks the entries against them.
 
 A cluster file may describe GPUs the catalog lacks, or change any number of a
 catalog GPU (``hetplan.cluster.io``); ``power_capped`` models a board power cap.
@@ -161,6 +164,10 @@ _GAUDI_HC = ("Intel, 'Intel Gaudi 3 AI Accelerator: Architected for Gen AI Train
 # Board power (TDP) and measured best-shape bf16 matmul rates (MAMF):
 _HW = "shared/calibration/hardware_specs.json"
 _MAMF = f"stas00/ml-engineering MAMF table via {_HW}"
+# ... and read from the table itself for GPUs the file lacks (each entry quotes its row):
+_MAMF_TABLE = ("stas00/ml-engineering compute/accelerator/README.md at commit 744d01e (2026-08-22), 'Maximum "
+               "Achievable Matmul FLOPS comparison table', BF16")
+_NO_MAMF = "matmul_efficiency 0 (not measured: no {} row in the ml-engineering MAMF table)"
 
 GPU_CATALOG: dict[str, GPUSpec] = {
     g.name: g
@@ -212,57 +219,62 @@ GPU_CATALOG: dict[str, GPUSpec] = {
              "sparsity; halved to 2,250 / 4,500 / 1,100 TF dense), FP32 75 TF, 180 GB HBM3E, 7.7 TB/s, TDP "
              f"configurable up to 1,000 W (also {_POWER_TABLE}: 1,000 W maximum TGP); the DGX B200 datasheet's "
              "64 TB/s per 8 GPUs would be 8 TB/s, and a B200 reads back a 7,680-bit bus at 3,996 MHz = 7.67 TB/s "
-             f"(pytorch/ao PR 4002), so 7.7 is kept; not in {_HW}: matmul_efficiency 0 (not measured)",
-             tf32_tensor=1100, fp8=4500, tdp_w=1000),
+             f"(pytorch/ao PR 4002), so 7.7 is kept; not in {_HW}; measured bf16 matmul 1745.0 TF ({_MAMF_TABLE}, row "
+             "'NVIDIA B200 SXM | 1745.0 | 2250 | 77.6% | 1792x16128x3072 | 2.7.1+cu128': the table's peak is the "
+             "catalog's 2,250 TF)",
+             tf32_tensor=1100, fp8=4500, matmul_efficiency=1745.0 / 2250, tdp_w=1000),
         _gpu("GB200", 186, 2500, 80, 8000,
              f"{_HGX_BLACKWELL}, GB200 NVL72 column (nvidia.com/en-us/data-center/gb200-nvl72/), per GPU: "
              "FP16/BF16 tensor 5 PF, FP8 10 PF, TF32 2.5 PF (with sparsity; halved to 2,500 / 5,000 / 1,250 TF "
              "dense), FP32 80 TF, 186 GB HBM3E, 8 TB/s, TDP configurable up to 1,200 W; one entry is one "
-             "Blackwell GPU (a GB200 superchip is 1 Grace CPU + 2 GPUs); matmul_efficiency 0 (not measured)",
-             tf32_tensor=1250, fp8=5000, tdp_w=1200),
+             "Blackwell GPU (a GB200 superchip is 1 Grace CPU + 2 GPUs); measured bf16 matmul 1822.0 TF on one GPU "
+             f"({_MAMF_TABLE}, row 'NVIDIA GB200 SXM | 1822.0 | 2500 | 72.9% | 4096x9728x2048 | "
+             "2.10.0.dev20250916+cu130': the table's peak is the catalog's per-GPU 2,500 TF)",
+             tf32_tensor=1250, fp8=5000, matmul_efficiency=1822.0 / 2500, tdp_w=1200),
         _gpu("H100-PCIe", 80, 756.5, 51, 2000,
              f"{_H100_SHEET}, PCIe column: BF16 1,513, FP8 3,026, TF32 756 TF with sparsity (halved to "
              "756.5 / 1,513 / 378 TF dense), FP32 51 TF, 80 GB HBM2e, 2,000 GB/s; TDP 350 W (NVIDIA H100 "
              f"PCIe product brief PB-11133-001_v02: 'maximum thermal design power (TDP) level of 350 W'); {_HW} "
-             "has the same peaks and no measured matmul rate",
+             f"has the same peaks and no measured matmul rate; {_NO_MAMF.format('H100 PCIe')}",
              tf32_tensor=378, fp8=1513, tdp_w=350),
         _gpu("H100-NVL", 94, 835.5, 60, 3900,
              "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100/), NVL column: BF16 1,671, FP8 3,341, "
              "TF32 835 TF with sparsity (halved to 835.5 / 1,670.5 / 417.5 TF dense), FP32 60 TF, 94 GB HBM3, "
              "3.9 TB/s, TDP 350-400 W configurable (400 W: the peaks hold at the top of the range; 94 GB, 3.9 TB/s "
              f"also in thundercompute.com's H100 guide, 350-400 W in {_POWER_TABLE}); one entry is one GPU of the "
-             f"NVLink-bridged pair; not in {_HW}: matmul_efficiency 0 (not measured)",
+             f"NVLink-bridged pair; not in {_HW}; {_NO_MAMF.format('H100 NVL')}",
              tf32_tensor=417.5, fp8=1670.5, tdp_w=400),
         _gpu("H800", 80, 989, 67, 3350,
              "NVIDIA H800 SXM5: the H100 SXM's GH100 die with NVLink cut to 400 GB/s and FP64 to 1 TF, the "
              "same FP8/FP16/BF16/TF32/FP32 rates, 80 GB HBM3 and 3.35 TB/s (philisun.com 'NVIDIA H800 vs H100: "
              "a technical deep dive' spec table; aiwiki.ai/wiki/nvidia_h800); so the H100 SXM datasheet's "
              f"dense 989 TF bf16, 1,979 TF fp8, 494.5 TF TF32, 67 TF fp32 ({_HW}); TDP not found in the "
-             "retrieved sources: tdp_w 0", tf32_tensor=494.5, fp8=1979),
+             f"retrieved sources: tdp_w 0; {_NO_MAMF.format('H800')}: its H100 SXM row is another SKU, not "
+             "carried over while the H800's power limit is unknown", tf32_tensor=494.5, fp8=1979),
         _gpu("H20", 96, 148, 44, 4000,
              "NVIDIA HGX H20 specifications as reported (NVIDIA publishes no datasheet page; "
              "1cnz.cn/d/2353773.html, zangshuxian.com/new/674733024499207168, willitrunai.com/gpus/h20-96gb): "
              "dense FP16/BF16 148 TF, FP8 296 TF, TF32 74 TF, FP32 44 TF, FP64 1 TF, 96 GB HBM3, 4.0 TB/s, "
-             "NVLink 900 GB/s, 400 W TDP", tf32_tensor=74, fp8=296, tdp_w=400),
+             f"NVLink 900 GB/s, 400 W TDP; {_NO_MAMF.format('H20')}", tf32_tensor=74, fp8=296, tdp_w=400),
         _gpu("L40S", 48, 362.05, 91.6, 864,
              "NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s/; spec table as copied at "
              "mullet.se/product.html?product_id=355414): BF16 362.05 | 733*, FP8 733 | 1,466*, TF32 183 | 366* "
              "TF (dense | *with sparsity), FP32 91.6 TF, 48 GB GDDR6, 864 GB/s, 350 W max power, PCIe Gen4, no "
-             f"NVLink; {_HW} has the same peaks and no measured matmul rate",
+             f"NVLink; {_HW} has the same peaks and no measured matmul rate; {_NO_MAMF.format('L40S')}",
              tf32_tensor=183, fp8=733, tdp_w=350),
         _gpu("RTX-A6000", 48, 154.85, 38.7, 768,
              "NVIDIA RTX A6000 datasheet (nvidia.com/en-us/design-visualization/rtx-a6000/): 'Tensor "
              "performance 309.7 TFLOPS' (FP16 with sparsity; halved to 154.85 TF dense FP16/BF16 with FP32 "
              "accumulate, Microway's Ampere comparison lists 154.8 dense), FP32 38.7 TF, 48 GB GDDR6, 768 GB/s, "
              "300 W max power, NVLink bridge 112.5 GB/s (servethehome.com spec table); Ampere: no FP8; TF32 not "
-             "printed on the datasheet: 0", tdp_w=300),
+             f"printed on the datasheet: 0; {_NO_MAMF.format('RTX A6000')}", tdp_w=300),
         _gpu("RTX-6000-Ada", 48, 364.25, 91.1, 960,
              "NVIDIA RTX 6000 Ada Generation datasheet (nvidia.com/en-us/design-visualization/rtx-6000/): "
              "FP32 91.1 TF, 48 GB GDDR6, 960 GB/s, 300 W max power (as tabulated by heise.de and "
              "grafikkarten.com from NVIDIA/PNY/Leadtek specs); 'Tensor performance 1,457 TFLOPS' is FP8 with "
              "sparsity: 728.5 TF FP8 dense, 364.25 TF FP16/BF16 (FP32 accumulate) dense, matching 568 tensor "
-             "cores x 2,505 MHz boost x 256 FLOP/clock = 364.2 TF; TF32 not printed on the datasheet: 0",
-             fp8=728.5, tdp_w=300),
+             "cores x 2,505 MHz boost x 256 FLOP/clock = 364.2 TF; TF32 not printed on the datasheet: 0; "
+             f"{_NO_MAMF.format('RTX 6000 Ada')}", fp8=728.5, tdp_w=300),
         _gpu("MI250X", 64, 191.5, 23.95, 1600,
              "AMD Instinct MI250X specifications (amd.com/en/products/accelerators/instinct/mi200/mi250x.html; "
              "table as copied at zexron.com and yobitel.com/knowledge-base/amd-mi250), whole OAM module: "
@@ -271,29 +283,44 @@ GPU_CATALOG: dict[str, GPUSpec] = {
              "as two devices, each driven by its own process (stas00/ml-engineering compute/accelerator: "
              "'MI250X has 2 GCDs ... a single matmul uses only 1 of them'), so every number is halved: "
              "191.5 / 23.95 TF, 64 GB, 1.6 TB/s, 280 W (half the module's 560 W peak board power; AMD also lists "
-             f"a 500 W TDP, and the peak TBP is kept as for MI300X and MI325X, {_POWER_TABLE})", tdp_w=280),
+             f"a 500 W TDP, and the peak TBP is kept as for MI300X and MI325X, {_POWER_TABLE}); "
+             f"{_NO_MAMF.format('MI250X')}: its per-GCD 147.0 TF was in the older 'v1' table, which did not reset "
+             "the cache between runs ('in theory should have given higher scores', the README said) and was removed "
+             "in commit e695968 without a new MI250X row", tdp_w=280),
         _gpu("MI300X", 192, 1307.4, 163.4, 5300,
              f"{_AMD_MI300}, MI300X (amd.com/en/products/accelerators/instinct/mi300/mi300x.html): FP16/BF16 "
              "matrix 1,307.4 TF, FP8 2,614.9 TF, TF32 653.7 TF (dense; AMD prints the sparse figures "
              "separately at 2x), FP32 vector 163.4 TF, 192 GB HBM3, 5.3 TB/s, 750 W; Infinity Fabric 896 GB/s "
-             "aggregate", tf32_tensor=653.7, fp8=2614.9, tdp_w=750),
+             f"aggregate; measured bf16 matmul 668.4 TF ({_MAMF_TABLE}, row 'AMD MI300X | 668.4 | 1300 | 51.4% | "
+             "10240x15360x8192 | 2.5.1+6.3.42131 | PYTORCH_TUNABLEOP_ENABLED=1': its 1300 is AMD's 1,307.4 TF "
+             "rounded, and the efficiency is taken against 1,307.4)",
+             tf32_tensor=653.7, fp8=2614.9, matmul_efficiency=668.4 / 1307.4, tdp_w=750),
         _gpu("MI325X", 256, 1307.4, 163.4, 6000,
              f"{_AMD_MI300}, MI325X (amd.com/en/products/accelerators/instinct/mi300/mi325x.html; "
              "awesomeagents.ai/hardware/amd-mi325x): the MI300X's CDNA3 compute, FP16/BF16 1,307.4 TF, FP8 "
-             "2,614.9 TF, TF32 653.7 TF (dense), FP32 163.4 TF, with 256 GB HBM3E, 6 TB/s, 1,000 W",
-             tf32_tensor=653.7, fp8=2614.9, tdp_w=1000),
+             "2,614.9 TF, TF32 653.7 TF (dense), FP32 163.4 TF, with 256 GB HBM3E, 6 TB/s, 1,000 W; measured bf16 "
+             f"matmul 784.9 TF ({_MAMF_TABLE}, row 'AMD MI325X | 784.9 | 1300 | 60.4% | 13312x10240x8192 | "
+             "2.6.0+6.2.4 | PYTORCH_TUNABLEOP_ENABLED=1, 1000W': at the catalog's 1,000 W; its 1300 is AMD's "
+             "1,307.4 TF rounded, and the efficiency is taken against 1,307.4)",
+             tf32_tensor=653.7, fp8=2614.9, matmul_efficiency=784.9 / 1307.4, tdp_w=1000),
         _gpu("Gaudi2", 96, 432, 0, 2460,
              f"{_GAUDI_HC}, Gaudi 2 column: 432 TF peak BF16, 96 GB HBM2e, 2.46 TB/s, 600 W (OAM); FP8 865 TF "
              "(Intel Gaudi 2 AI accelerators white paper 839363, as tabulated by stas00/ml-engineering); Gaudi "
-             "publishes no sparse rates; FP32 and TF32 rates not published: 0 (fp32 training refused)",
-             fp8=865, tdp_w=600),
+             "publishes no sparse rates; FP32 and TF32 rates not published: 0 (fp32 training refused); measured bf16 "
+             f"matmul 418.7 TF ({_MAMF_TABLE}, row 'Intel Gaudi 2 | 418.7 | 432 | 96.9% | 14336x15360x2048 | "
+             "2.6.0+hpu_1.21.2-76.gitabf798b | PT_HPU_LAZY_MODE=1': the table's peak is the catalog's 432 TF)",
+             fp8=865, matmul_efficiency=418.7 / 432, tdp_w=600),
         _gpu("Gaudi3", 128, 1835, 0, 3670,
              f"{_GAUDI_HC}, Gaudi 3 spec table: BF16 matrix 1,835 TF, FP8 matrix 1,835 TF, BF16 vector 28.7 TF, "
              "128 GB HBM2e, 3.67 TB/s, 900 W air-cooled OAM (1,200 W liquid-cooled); TF32 (MME) 459 TF "
              "(Intel Gaudi 3 AI accelerator white paper 817486, via stas00/ml-engineering); plain (vector) FP32 "
              "not published: 0 (the MME's FP32 rate is 229 TF); ml-engineering notes shipping parts clock the "
-             "MME at 1,600 MHz, not 1,750, i.e. 1,677 TF BF16 in practice",
-             tf32_tensor=459, fp8=1835, tdp_w=900),
+             "MME at 1,600 MHz, not 1,750, i.e. 1,677 TF BF16 in practice; measured bf16 matmul 1243.0 TF "
+             f"({_MAMF_TABLE}, row 'Intel Gaudi 3 | 1243.0 | 1677 | 74.1% | 16384x4096x768 | "
+             "2.6.0+hpu_1.21.4-3.gitabf798b | PT_HPU_LAZY_MODE=1': its 74.1% is of the 1,677 TF of the 1,600 MHz "
+             "clock, so against the catalog's 1,835 TF the efficiency is 1243.0 / 1835, which gives back the "
+             "measured 1,243 TF)",
+             tf32_tensor=459, fp8=1835, matmul_efficiency=1243.0 / 1835, tdp_w=900),
         # A CPU "device" for local runs with gloo (the runtime's tests). Throughput
         # is only used to rank plans for tiny test models; measured with
         # benchmarks/measure_cpu.py on this 2-core machine class (~50 GFLOP/s fp32).

@@ -27,14 +27,15 @@ from hetplan.cost.constants import (
     ATTENTION_TO_GEMM_DEFAULT,
     BACKWARD_FLOPS_RATIO,
     CAUSAL_EXECUTED_FRACTION,
-    GEMM_HALF_DIM,
-    SUSTAINED_MATMUL_FRACTION,
+    DEFAULT_SUSTAINED_MATMUL_FRACTION,
     ELEMENTWISE_BACKWARD_RATIO,
     ELEMENTWISE_KERNELS_PER_GEMM,
     FP8_MATMUL_RELATIVE_EFFICIENCY,
     GEMM_EFFICIENCY,
+    GEMM_HALF_DIM,
     KERNEL_LAUNCH_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
+    SUSTAINED_MATMUL_FRACTION,
 )
 from hetplan.cost.layers import LayerArrays
 from hetplan.errors import HetplanError
@@ -67,10 +68,19 @@ def gemm_efficiency(gpu: GPUSpec, gemm_dim: np.ndarray, tp: int) -> np.ndarray:
     ``tp`` ranks) costs a factor ``d / (d + half)``. The token side (thousands
     of tokens per micro-batch in training) is large enough not to matter.
     """
-    best = (gpu.matmul_efficiency or GEMM_EFFICIENCY) * SUSTAINED_MATMUL_FRACTION.get(gpu.catalog_name, 1.0)
+    best = _sustained_matmul_efficiency(gpu)
     dim = gemm_dim / np.sqrt(tp)
     shape = np.divide(dim, dim + GEMM_HALF_DIM, out=np.ones_like(dim, dtype=float), where=gemm_dim > 0)
     return best * shape  # a layer whose weight shape is unknown (0) gets no shape penalty
+
+
+def _sustained_matmul_efficiency(gpu: GPUSpec) -> float:
+    """Best-shape matmul rate through a training run, as a fraction of peak
+    (constants: SUSTAINED_MATMUL_FRACTION and its default)."""
+    best = gpu.matmul_efficiency or GEMM_EFFICIENCY
+    if gpu.catalog_name in SUSTAINED_MATMUL_FRACTION:
+        return best * SUSTAINED_MATMUL_FRACTION[gpu.catalog_name]
+    return best * DEFAULT_SUSTAINED_MATMUL_FRACTION if gpu.matmul_efficiency else best
 
 
 def _gemm_peak(gpu: GPUSpec, dtype_bytes: int, fp8: bool) -> float:
