@@ -128,3 +128,16 @@ def test_fp8_on_a_gpu_without_it_is_one_line_error() -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("hetplan: error:") and "FP8" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_version_module_entry_and_planners_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hetplan import __version__
+
+    version = subprocess.run([sys.executable, "-m", "hetplan", "--version"], capture_output=True, text=True,
+                             timeout=120)
+    assert version.returncode == 0 and version.stdout.strip() == f"hetplan {__version__}"
+    listed = run("planners", "--json", str(tmp_path / "p.json"))
+    assert listed.returncode == 0, listed.stderr
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert {"name": "uniform"}.items() <= next(p for p in data["planners"] if p["name"] == "uniform").items()
+    assert all(p["description"] for p in data["planners"])

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from hetplan import __version__
 from hetplan.argtypes import positive_int
 from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
@@ -64,6 +65,7 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetplan", description="Plan and run parallel training on "
                                      "heterogeneous GPU clusters.")
+    parser.add_argument("--version", action="version", version=f"hetplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("plan", help="find the best plans for a model on a cluster")
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_clusters)
 
     p = sub.add_parser("planners", help="list planners")
+    p.add_argument("--json", dest="json_path", default=None)
     p.set_defaults(func=cmd_planners)
 
     runtime_cli.register(sub)
@@ -436,7 +439,9 @@ def cmd_planners(args: argparse.Namespace) -> int:
     from hetplan.report.text import table
     from hetplan.search import planner_descriptions
 
-    print(table(["planner", "what it does"], list(planner_descriptions().items()), [False, False]))
+    described = planner_descriptions()
+    print(table(["planner", "what it does"], list(described.items()), [False, False]))
+    _write_json(args.json_path, {"planners": [{"name": n, "description": d} for n, d in described.items()]})
     return 0
 
 

@@ -363,3 +363,26 @@ def hf_pp_plan(gbs: int = 4) -> Plan:
     n = spec.num_layers
     stages = (uniform_stage(range(0, n // 2), [0], 1, 1, 2), uniform_stage(range(n // 2, n), [1], 1, 1, 2))
     return Plan(spec.name, "local-cpu-2", gbs, 2, gbs // 2, "1f1b", stages, planner="test")
+
+
+def compiled_whole_worker(plan_path: str) -> dict[str, Any]:
+    """The user compiles the returned model themselves (torch.compile(model))."""
+    import torch
+
+    from hetplan.errors import HetplanError
+    from hetplan.model import get_model
+    from hetplan.runtime.context import init
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import synthetic_batch
+
+    spec = get_model(MODEL)
+    ctx = init(plan_path, spec)
+    model = torch.compile(ctx.parallelize(lambda: build_preset_model(spec)))
+    batch = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, 0)
+    try:
+        result = {"loss": ctx.train_step(model, batch, cross_entropy_loss), "norm": ctx.clip_grad_norm_(model, 1e9),
+                  "state": sorted(ctx.full_state_dict(model))}
+    except HetplanError as e:
+        result = {"error": str(e)}
+    ctx.close()
+    return result

@@ -117,3 +117,16 @@ def test_mixed_precision_plan_trains_and_verifies(precision: str, tmp_path) -> N
     cmp = compare(summary["losses"], fp32, torch.load(out / "state.pt"), model.state_dict())
     if precision == "bf16":  # against fp32 it fails --verify's fp32 bound: it really ran in 16 bits
         assert cmp["param_rel_diff"] > 1e-4, cmp
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_and_verify(tmp_path) -> None:
+    """--compile: torch.compile per layer under pp2 (inductor on CPU), same losses
+    and parameters as the uncompiled single-process reference."""
+    plan = str(tmp_path / "p.json")
+    proc = _hetplan("estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-2", "--global-batch", "8",
+                    "--tp", "1", "--pp", "2", "--dp", "1", "--micro-batch", "2", "--json", plan)
+    assert proc.returncode == 0, proc.stderr
+    proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify", "--compile", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verify: OK" in proc.stdout, proc.stdout

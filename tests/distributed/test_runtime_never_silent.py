@@ -87,3 +87,17 @@ def test_hf_model_in_two_stages_is_refused_with_the_real_reason(tmp_path) -> Non
     for r in results:
         assert r.exitcode not in (0, None)
         assert "layer 'model.layers.0' is called with keyword input(s)" in r.error, r.error
+
+
+@pytest.mark.slow
+def test_user_compiled_model_trains_with_one_stage_and_is_refused_with_several(tmp_path) -> None:
+    """torch.compile(model) of the returned model: train_step uses it with one
+    stage (same first loss as the reference; names without _orig_mod); with
+    several stages it would not run, so it is refused with the way to compile."""
+    from rt_helpers import compiled_whole_worker, reference
+
+    one = run(compiled_whole_worker, 2, write_plan(tmp_path, make_plan(dp=2, micro=2), "one.json"), timeout_s=500)
+    assert one[0]["loss"] == pytest.approx(reference()[0][0], rel=1e-5)
+    assert one[0]["state"] and not any("_orig_mod" in k for k in one[0]["state"])
+    two = run(compiled_whole_worker, 2, write_plan(tmp_path, make_plan(pp=2, micro=2), "two.json"))
+    assert all("compile each layer with ctx.parallelize(build_model, compile=True)" in r["error"] for r in two)

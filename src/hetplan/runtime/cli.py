@@ -49,6 +49,7 @@ def register(subparsers: Any) -> None:
                    + ", ".join(f"{v:g} ({k})" for k, v in VERIFY_TOLERANCE.items()))
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="check the plan trains in this precision (the plan file's setting decides)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each layer (after TP and checkpointing)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="sgd (momentum 0.9, default) or adamw; --verify needs sgd (see docs/runtime.md)")
@@ -125,6 +126,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                        "--out", out]
         if args.model:
             worker_args += ["--model", args.model]
+        if args.compile:
+            worker_args.append("--compile")
         if args.lr is not None:
             worker_args += ["--lr", str(args.lr)]
         if args.verify:

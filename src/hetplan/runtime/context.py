@@ -150,7 +150,8 @@ class RuntimeContext:
 
     # --- model -----------------------------------------------------------------------
     def parallelize(self, build_model: Callable[[], nn.Module], *, seed: int = 0, meta_init: bool = True,
-                    init_fn: par.InitFn | None = None, example_inputs: Sequence[Any] | None = None) -> nn.Module:
+                    init_fn: par.InitFn | None = None, example_inputs: Sequence[Any] | None = None,
+                    compile: bool = False) -> nn.Module:
         """Build this rank's part of the model and parallelise it as the plan says.
 
         ``build_model()`` returns the full model (built on the meta device here,
@@ -171,6 +172,11 @@ class RuntimeContext:
         checked on a meta copy with ``example_inputs`` (one micro-batch's
         positional inputs) here, or else with the first ``train_step``'s
         micro-batch, before any pipeline communication.
+
+        ``compile=True`` compiles each layer with ``torch.compile`` (after TP
+        and checkpointing, before FSDP; see ``parallelize.apply_compile``).
+        Compiling the returned model yourself works with one pipeline stage
+        (``train_step`` accepts the compiled wrapper), not with several.
         """
         torch.manual_seed(seed)
         names = list(self.layout.layer_names)
@@ -214,6 +220,8 @@ class RuntimeContext:
                 par.apply_tp(part, chunk_names, self.tp_mesh, self.layout.sequence_parallel, notes,
                              model_tp_plan(full))
             par.apply_recompute(part, {n: recompute[n] for n in chunk_names}, notes)
+            if compile:
+                par.apply_compile(part, chunk_names)
             if self.stage_dp > 1:
                 sync_modules += par.apply_dp(part, {n: zero[n] for n in chunk_names}, self.dp_mesh, notes)
         if self.stage_dp == 1 and any(zero[n] for c in local_chunks for n in self.layout.chunk_names(c)):
@@ -294,9 +302,7 @@ class RuntimeContext:
         user's optimizer. ``loss_fn(output, target)`` must return the *mean*
         loss of a micro-batch. With ``return_outputs`` the model outputs of the
         step are kept in ``ctx.last_outputs`` on last-stage ranks."""
-        info = self._models.get(id(model))
-        if info is None:
-            raise HetplanError("train_step needs the model returned by ctx.parallelize")
+        info = self._model_info(model)
         if len(batch) != 2:
             raise HetplanError("batch must be (inputs, targets)")
         x = self.local_batch(batch[0]).to(self.device)
@@ -324,6 +330,28 @@ class RuntimeContext:
             earlier = {}  # overflow: the whole step is skipped (every gradient None)
         self._restore_grads(model, earlier)
         return self._global_loss(total / fp16_scale)
+
+    def _unwrap(self, model: nn.Module) -> nn.Module:
+        """The parallelised model behind a ``torch.compile`` wrapper of it (names without ``_orig_mod.``)."""
+        inner = getattr(model, "_orig_mod", None)
+        return inner if inner is not None and id(inner) in self._models else model
+
+    def _model_info(self, model: nn.Module) -> _ModelInfo:
+        """The parallelised model's record; also for ``torch.compile(model)`` of it
+        (one stage: the compiled wrapper runs the forward)."""
+        info = self._models.get(id(model))
+        if info is not None:
+            return info
+        inner = getattr(model, "_orig_mod", None)
+        info = self._models.get(id(inner)) if inner is not None else None
+        if info is None:
+            raise HetplanError("train_step needs the model returned by ctx.parallelize")
+        if self.layout.num_chunks > 1:
+            raise HetplanError(
+                "a pipelined model runs each stage's layers, never the compiled whole model; compile each layer "
+                "with ctx.parallelize(build_model, compile=True) instead of torch.compile(model)"
+            )
+        return info
 
     def _forward_backward(self, model: nn.Module, info: _ModelInfo, x: torch.Tensor, y: torch.Tensor,
                           loss_fn: Callable[..., torch.Tensor], scale: float, total: torch.Tensor,
@@ -499,6 +527,7 @@ class RuntimeContext:
         shards and replicas; a tied weight counted once). Returns the norm."""
         from torch.distributed.tensor import DTensor
 
+        model = self._unwrap(model)
         info = self._models.get(id(model))
         aliases = info.aliases if info else {}
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -534,19 +563,19 @@ class RuntimeContext:
         """Save model (+ optimizer) with torch.distributed.checkpoint; loads under any plan."""
         from hetplan.runtime import checkpoint
 
-        checkpoint.save(self, path, model, optimizer, extra)
+        checkpoint.save(self, path, self._unwrap(model), optimizer, extra)
 
     def load(self, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Load a checkpoint written by ``save`` under any plan; returns the extra values."""
         from hetplan.runtime import checkpoint
 
-        return checkpoint.load(self, path, model, optimizer)
+        return checkpoint.load(self, path, self._unwrap(model), optimizer)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state dict as plain CPU tensors on rank 0 ({} elsewhere)."""
         from hetplan.runtime import checkpoint
 
-        return checkpoint.full_state_dict(self, model)
+        return checkpoint.full_state_dict(self, self._unwrap(model))
 
     def export(self, path: str, model: nn.Module) -> None:
         """Write the full state dict to ``path`` (torch.save) from rank 0."""
@@ -559,6 +588,8 @@ class RuntimeContext:
     def parameter_layout(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str]]:
         """name -> (global shape, local shape, placements) of this rank's parameters."""
         from torch.distributed.tensor import DTensor
+
+        model = self._unwrap(model)
 
         out = {}
         for name, p in model.named_parameters():

@@ -258,6 +258,16 @@ def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str]
                      "recomputing those layers fully (hetplan.runtime.register_selective_recompute)")
 
 
+# --- compilation ----------------------------------------------------------------------------------
+def apply_compile(root: nn.Module, layer_names: Sequence[str]) -> None:
+    """``torch.compile`` each layer in place (``nn.Module.compile``), after TP and
+    checkpointing and before FSDP, as torchtitan compiles per block: module and
+    parameter names stay the model's, and identical blocks share one compiled
+    graph."""
+    for name in layer_names:
+        root.get_submodule(name).compile()
+
+
 # --- data parallelism ---------------------------------------------------------------------------
 def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[str]) -> list[tuple[nn.Module, bool]]:
     """Wrap each layer per its ZeRO stage, then the part itself (the FSDP root,

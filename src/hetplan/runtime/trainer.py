@@ -35,6 +35,7 @@ class TrainConfig:
     load_from: str = ""  # start from this checkpoint (any plan)
     die_after: int = 0  # tests: SIGKILL every rank right after this step (and its checkpoint)
     quiet: bool = False
+    compile: bool = False  # torch.compile each layer (RuntimeContext.parallelize)
 
 
 def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
 
     ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None))
     plan, spec = ctx.plan, ctx.spec
-    model = ctx.parallelize(lambda: build_preset_model(spec), seed=cfg.seed)
+    model = ctx.parallelize(lambda: build_preset_model(spec), seed=cfg.seed, compile=cfg.compile)
     opt = make_optimizer(model.parameters(), cfg.optimizer, cfg.lr)
     for note in ctx.notes:
         if not cfg.quiet:
@@ -113,9 +114,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--load-from", default="")
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--compile", action="store_true")
     a = p.parse_args(argv)
     return TrainConfig(a.plan, a.model, a.steps, a.seed, a.lr, a.optimizer, a.clip, a.out, a.export,
-                       a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet)
+                       a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet,
+                       a.compile)
 
 
 def main(argv: list[str] | None = None) -> int:
