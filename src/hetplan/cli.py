@@ -167,6 +167,15 @@ def _write_json(path: str | None, data: Any) -> None:
     print(f"wrote {path}")
 
 
+def _ranked_json(ranked: Any, cost_model: Any) -> dict[str, Any]:
+    """A ranked plan as JSON, with each GPU's peak memory by category
+    (``memory_breakdown_bytes``: params, grads, optimizer, activations, buffers)."""
+    data = ranked.to_dict()
+    data["estimate"]["memory_breakdown_bytes"] = {str(d): parts for d, parts in
+                                                  sorted(cost_model.memory_breakdown(ranked.plan).items())}
+    return data
+
+
 def _header(workload: Any, extra: str = "") -> str:
     from hetplan.units import format_bytes, format_count
 
@@ -206,6 +215,7 @@ def _seq_len_hint(exc: OutOfMemoryError, model: Any) -> OutOfMemoryError:
 
 # --- commands -------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    from hetplan.cost import CostModel
     from hetplan.planfile import workload_record
     from hetplan.report.text import breakdown, explain, memory_table, ranked_table, runtime_pipeline_note
     from hetplan.search import get_planner
@@ -219,6 +229,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = ranked[0]
     if auto:
         workload = load_workload(args, global_batch=best.plan.global_batch_size)
+    cost_model = CostModel(workload)
     print(_header(workload, f"planner  {planner.name}: searched in {elapsed:.2f} s"))
     print()
     print(ranked_table(ranked))
@@ -227,7 +238,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"best plan: {best.plan.describe()}")
         print(breakdown(best.estimate))
         print()
-        print(memory_table(best.plan, best.estimate, workload))
+        print(memory_table(best.plan, best.estimate, workload, cost_model.memory_breakdown(best.plan)))
         print()
         for line in explain(best.plan, best.estimate, workload):
             print(f"- {line}")
@@ -235,7 +246,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if note:
                 print(f"- note: {note}")
     _write_json(args.json_path, {"planner": planner.name, "search_time_s": elapsed,
-                                 "plans": [r.to_dict() for r in ranked], **workload_record(workload)})
+                                 "plans": [_ranked_json(r, cost_model) for r in ranked],
+                                 **workload_record(workload)})
     _write_pictures(args, workload, best)
     return 0
 
@@ -340,14 +352,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                             args.schedule, args.sequence_parallel, planner="manual",
                             virtual_stages=args.virtual_stages)
         validate_plan(plan, workload.model, workload.cluster)
-    estimate = CostModel(workload).estimate(plan)
+    cost_model = CostModel(workload)
+    estimate = cost_model.estimate(plan)
     print(_header(workload))
     print()
     print(ranked_table([RankedPlan(plan, estimate)]))
     print()
     print(breakdown(estimate))
     print()
-    print(memory_table(plan, estimate, workload))
+    print(memory_table(plan, estimate, workload, cost_model.memory_breakdown(plan)))
     note = runtime_pipeline_note(plan, workload.model)
     if note:
         print(f"note: {note}")
@@ -360,7 +373,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if plan.num_micro_batches * plan.pp <= 64:
             print(format_schedule(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches)))
         print(f"simulated pipeline {makespan(events) * 1e3:.2f} ms vs closed form {pipeline * 1e3:.2f} ms")
-    _write_json(args.json_path, {"plans": [RankedPlan(plan, estimate).to_dict()], **workload_record(workload)})
+    _write_json(args.json_path, {"plans": [_ranked_json(RankedPlan(plan, estimate), cost_model)],
+                                 **workload_record(workload)})
     _write_pictures(args, workload, RankedPlan(plan, estimate))
     return 0
 

@@ -16,6 +16,8 @@ by ``1 + (pp − 1)/(pp·v)`` (Narayanan et al. 2021 §2.2.2).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hetplan.cost.constants import CPU_FRAMEWORK_OVERHEAD_BYTES, FRAMEWORK_OVERHEAD_BYTES, ZERO3_GATHERED_LAYERS
@@ -32,14 +34,19 @@ def model_state_bytes(params: np.ndarray | float, zero: int, dp: int,
 
 def state_bytes_per_param(zero: int, dp: int, state_bytes: tuple[int, int, int]) -> float:
     """Model-state bytes one device keeps per parameter it holds (see ``model_state_bytes``)."""
-    weight, grad, opt = state_bytes
+    return sum(state_bytes_split(zero, dp, state_bytes))
+
+
+def state_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int]) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer-state) bytes one device keeps per parameter it holds."""
+    weight, grad, opt = (float(x) for x in state_bytes)
     if zero >= 1:
         opt = opt / dp
     if zero >= 2:
         grad = grad / dp
     if zero >= 3:
         weight = weight / dp
-    return weight + grad + opt
+    return weight, grad, opt
 
 
 def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
@@ -79,9 +86,29 @@ def framework_overhead_bytes(is_cpu: bool) -> int:
     return CPU_FRAMEWORK_OVERHEAD_BYTES if is_cpu else FRAMEWORK_OVERHEAD_BYTES
 
 
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def memory_parts(weights: Any, grads: Any, optimizer: Any, activations_per_micro_batch: Any, in_flight: float,
+                 recompute_working: Any, largest_gathered: Any, overhead: Any) -> dict[str, Any]:
+    """The peak of one GPU by category (``MEMORY_CATEGORIES``), the formula of
+    the module docstring: parameters (its shard plus ZeRO-3's gathered
+    layers), gradients, optimizer states, activations (micro-batches in flight
+    plus the recompute working set) and buffers (framework overhead)."""
+    return {
+        "params": weights + ZERO3_GATHERED_LAYERS * largest_gathered,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations_per_micro_batch * in_flight + recompute_working,
+        "buffers": overhead,
+    }
+
+
 def peak_memory_bytes(states: np.ndarray | float, activations_per_micro_batch: np.ndarray | float,
                       in_flight: float, recompute_working: np.ndarray | float, largest_gathered: np.ndarray | float,
                       overhead: float) -> np.ndarray | float:
-    """Peak bytes on one GPU from its stage's sums and maxima (module docstring)."""
-    return (states + ZERO3_GATHERED_LAYERS * largest_gathered + activations_per_micro_batch * in_flight
-            + recompute_working + overhead)
+    """Peak bytes on one GPU from its stage's sums and maxima: the sum of
+    ``memory_parts`` (model states in one sum)."""
+    parts = memory_parts(states, 0.0, 0.0, activations_per_micro_batch, in_flight, recompute_working,
+                         largest_gathered, overhead)
+    return parts["params"] + parts["activations"] + parts["buffers"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from hetplan.cost.constants import TRANSFORM_PASSES
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
-from hetplan.cost.memory import peak_memory_bytes, state_bytes_per_param
+from hetplan.cost.memory import memory_parts, state_bytes_split
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.plan import Stage
 
@@ -133,29 +133,37 @@ def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) 
 
 def mixed_stage_memory(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float) -> list[int]:
     """Peak bytes of each device of a stage with per-layer strategies."""
+    return [int(sum(parts.values())) for parts in stage_memory_parts(kernel, stage, micro_batch_size, in_flight)]
+
+
+def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
+                       in_flight: float) -> list[dict[str, float]]:
+    """Each device's peak by category (``memory.memory_parts``), for any stage:
+    per-layer strategies summed layer by layer."""
     per_layer = []
     for pos, strategy in enumerate(stage.strategies):
         dp, tp = stage.layer_degrees(pos)
         index = stage.layers[pos]
-        states = held_params(kernel, stage, pos) * state_bytes_per_param(strategy.zero, dp,
-                                                                           kernel.workload.state_bytes)
+        held = held_params(kernel, stage, pos)
+        states = tuple(held * x for x in state_bytes_split(strategy.zero, dp, kernel.workload.state_bytes))
         act = float(kernel.activation_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
         work = float(kernel.recompute_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
         gathered = float(kernel.params_per_device(tp)[index]) * kernel.weight_bytes \
             if strategy.zero >= 3 and dp > 1 else 0.0
         per_layer.append((tp, states, act, work, gathered))
-    states = sum(x[1] for x in per_layer)
+    weights, grads, optimizer = (sum(x[1][k] for x in per_layer) for k in range(3))
     gathered = max(x[4] for x in per_layer)
     shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
               for pos, (tp, *_) in enumerate(per_layer)}  # a replica's share of a micro-batch, per TP degree
     out = []
-    cache: dict[tuple[float, ...], int] = {}
+    cache: dict[tuple[float, ...], dict[str, float]] = {}  # devices with the same shares and overhead
     for i, device in enumerate(stage.devices):
         batch = {tp: replicas[i // tp] for tp, replicas in shares.items()}
         key = tuple(batch[tp] for tp in sorted(batch)) + (kernel.overhead_bytes(device),)
         if key not in cache:
             act = sum(a * batch[tp] for tp, _, a, _, _ in per_layer)
             work = max(w * batch[tp] for tp, _, _, w, _ in per_layer)
-            cache[key] = int(peak_memory_bytes(states, act, in_flight, work, gathered, kernel.overhead_bytes(device)))
+            cache[key] = memory_parts(weights, grads, optimizer, act, in_flight, work, gathered,
+                                      kernel.overhead_bytes(device))
         out.append(cache[key])
     return out

@@ -15,7 +15,7 @@ from hetplan.cost.constants import P2P_PASSES
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, StageOption
 from hetplan.cost.memory import in_flight_micro_batches
-from hetplan.cost.mixed import mixed_stage_memory, mixed_stage_timing
+from hetplan.cost.mixed import mixed_stage_memory, mixed_stage_timing, stage_memory_parts
 from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time
 from hetplan.cost.workload import Workload
 from hetplan.plan import Estimate, Plan, Stage, StageEstimate
@@ -55,6 +55,21 @@ class CostModel:
         if option is None:
             return mixed_stage_memory(self.kernel, stage, micro_batch_size, in_flight)
         return self.kernel.stage(option).device_memory(stage.layers[0], stage.layers[-1] + 1, in_flight)
+
+    def memory_breakdown(self, plan: Plan) -> dict[int, dict[str, int]]:
+        """Each device's peak by category (params, grads, optimizer, activations,
+        buffers; ``memory.memory_parts``); the categories add up to the peak of
+        ``estimate``. Empty where a profile gives measured memory (not split)."""
+        if self.kernel.memory_profile is not None:
+            return {}
+        out: dict[int, dict[str, int]] = {}
+        for j, stage in enumerate(plan.stages):
+            in_flight = in_flight_micro_batches(plan.schedule, j, plan.pp, plan.num_micro_batches,
+                                                plan.virtual_stages)
+            parts = stage_memory_parts(self.kernel, stage, plan.micro_batch_size, in_flight)
+            for device, p in zip(stage.devices, parts):
+                out[device] = {k: int(v) for k, v in p.items()}
+        return out
 
     def p2p_times(self, plan: Plan) -> list[float]:
         """One-way activation transfer of one micro-batch across each stage boundary."""

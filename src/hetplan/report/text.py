@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.cost.workload import Workload
 from hetplan.model.spec import ModelSpec
 from hetplan.plan import Estimate, Plan, RankedPlan
@@ -75,20 +76,29 @@ def breakdown(estimate: Estimate) -> str:
     return table(["time goes to", "seconds", "share"], rows, [False, True, True])
 
 
-def memory_table(plan: Plan, estimate: Estimate, workload: Workload) -> str:
-    """Peak memory per stage and GPU type (min/max over the stage's GPUs)."""
+def memory_table(plan: Plan, estimate: Estimate, workload: Workload,
+                 breakdown: dict[int, dict[str, int]] | None = None) -> str:
+    """Peak memory per stage and GPU type (the fullest GPU of that type), split
+    into parameters, gradients, optimizer states, activations and buffers
+    where ``breakdown`` (``CostModel.memory_breakdown``) is given."""
     rows = []
     for j, (stage, se) in enumerate(zip(plan.stages, estimate.stages)):
-        gpus = sorted({workload.cluster.devices[d].gpu.name for d in stage.devices})
-        worst = max(range(len(se.memory_bytes)), key=lambda i: se.memory_bytes[i] / se.memory_capacity_bytes[i])
-        used, cap = se.memory_bytes[worst], se.memory_capacity_bytes[worst]
         first, last = stage.layers[0], stage.layers[-1]
         names = f"{workload.model.layers[first].name}..{workload.model.layers[last].name}"
-        rows.append([j, ",".join(gpus), f"{stage.dp}x{stage.tp}", f"{stage.num_layers} ({names})",
-                     format_bytes(used), format_bytes(cap), f"{100 * used / cap:.0f}%",
-                     "ok" if used <= cap else "OOM"])
-    return table(["stage", "GPUs", "dp x tp", "layers", "peak mem/GPU", "capacity", "used", ""], rows,
-                 [True, False, False, False, True, True, True, False])
+        by_type: dict[str, list[int]] = {}
+        for i, d in enumerate(stage.devices):
+            by_type.setdefault(workload.cluster.devices[d].gpu.name, []).append(i)
+        for gpu, positions in sorted(by_type.items()):
+            worst = max(positions, key=lambda i: se.memory_bytes[i] / se.memory_capacity_bytes[i])
+            used, cap = se.memory_bytes[worst], se.memory_capacity_bytes[worst]
+            parts = (breakdown or {}).get(stage.devices[worst])
+            split = [format_bytes(parts[k]) for k in MEMORY_CATEGORIES] if parts else ["-"] * len(MEMORY_CATEGORIES)
+            rows.append([j, gpu, f"{stage.dp}x{stage.tp}", f"{stage.num_layers} ({names})", *split,
+                         format_bytes(used), format_bytes(cap), f"{100 * used / cap:.0f}%",
+                         "ok" if used <= cap else "OOM"])
+    headers = ["stage", "GPU", "dp x tp", "layers", *MEMORY_CATEGORIES, "peak mem/GPU", "capacity", "used", ""]
+    right = [True, False, False, False, *[True] * len(MEMORY_CATEGORIES), True, True, True, False]
+    return table(headers, rows, right)
 
 
 def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:

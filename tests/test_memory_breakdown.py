@@ -1,0 +1,64 @@
+"""Peak memory per GPU by category (params, grads, optimizer, activations,
+buffers): the categories add up to the peak every planner ranks by, and each
+moves the way its physical cause says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetplan.cli import main
+from hetplan.cluster import load_cluster
+from hetplan.cost import CostModel, Workload
+from hetplan.cost.memory import MEMORY_CATEGORIES
+from hetplan.model import get_model
+from hetplan.search import get_planner
+from hetplan.search.baselines.uniform import uniform_plan
+
+CASES = [("gpt3-1.3b", "metis-t4-v100-16", 64, "metis"), ("gpt3-1.3b", "metis-t4-v100-16", 64, "auto"),
+         ("gpt2-amp", "amp-heterogeneous", 32, "amp"), ("bert-huge-32", "galvatron-8x-titan", 32, "galvatron-bmw")]
+
+
+@pytest.mark.parametrize("model, cluster, gbs, planner", CASES, ids=[c[3] for c in CASES])
+def test_categories_add_up_to_the_ranked_peak(model, cluster, gbs, planner):
+    workload = Workload(get_model(model), load_cluster(cluster), gbs)
+    cost = CostModel(workload)
+    for ranked in get_planner(planner).plan(workload, 3):
+        parts = cost.memory_breakdown(ranked.plan)
+        assert set(parts) == set(ranked.estimate.peak_memory_bytes)
+        for device, peak in ranked.estimate.peak_memory_bytes.items():
+            assert tuple(parts[device]) == MEMORY_CATEGORIES
+            assert all(v >= 0 for v in parts[device].values())
+            assert sum(parts[device].values()) == pytest.approx(peak, abs=8)
+
+
+def _parts(zero=0, recompute="none", micro=1):
+    workload = Workload(get_model("gpt3-1.3b"), load_cluster("8xA100-80GB"), 64)
+    plan = uniform_plan(workload, 8, 1, 1, micro, zero, recompute)
+    return CostModel(workload).memory_breakdown(plan)[0]
+
+
+def test_each_category_moves_with_its_cause():
+    base, z3 = _parts(), _parts(zero=3)
+    for key in ("grads", "optimizer"):
+        assert z3[key] == pytest.approx(base[key] / 8, rel=1e-6)  # sharded over dp=8
+    assert z3["params"] < base["params"] / 2  # sharded, plus two gathered layers
+    assert _parts(recompute="full")["activations"] < base["activations"] / 3
+    doubled = _parts(micro=2)
+    assert doubled["activations"] == pytest.approx(2 * base["activations"], rel=1e-6)
+    assert {k: doubled[k] for k in ("params", "grads", "optimizer", "buffers")} == \
+        {k: base[k] for k in ("params", "grads", "optimizer", "buffers")}
+
+
+def test_plan_json_carries_the_breakdown(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    assert main(["plan", "--model", "gpt3-1.3b", "--cluster", "metis-t4-v100-16", "--global-batch", "64",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert all(k in out for k in MEMORY_CATEGORIES)  # the table's columns
+    for entry in json.loads(path.read_text())["plans"]:
+        est = entry["estimate"]
+        parts = est["memory_breakdown_bytes"]
+        for device, peak in est["peak_memory_bytes"].items():
+            assert sum(parts[device].values()) == pytest.approx(peak, abs=8)
