@@ -86,3 +86,37 @@ def test_module_name_lists(plan: Plan, gpt2_hetero: Workload) -> None:
     names = stage_module_names(plan, gpt2_hetero.model)
     assert names[0][0] == "embed" and names[-1][-1] == "head"
     assert sum(len(n) for n in names) == gpt2_hetero.model.num_layers
+
+
+def test_micro_batch_size_means_per_replica_in_json_and_tables():
+    """'mbs' as every other tool means it: samples per data-parallel replica per
+    micro-batch; the total over the replicas is micro_batch_total. Plans
+    written before (no micro_batch_total) stored the total and still load."""
+    from hetplan.export import export_plan
+    from hetplan.model import get_model
+    from hetplan.plan import Plan, uniform_stage
+
+    stage = uniform_stage(range(6), list(range(8)), 8, 1, 8)  # 8 replicas, 1 sample each
+    plan = Plan("tiny-gpt", "local-cpu-8", 64, 8, 8, "1f1b", (stage,))
+    assert plan.micro_batch_per_replica == 1
+    assert "mbs 1 x 8 (per replica)" in plan.describe()
+    data = plan.to_dict()
+    assert data["micro_batch_size"] == 1 and data["micro_batch_total"] == 8
+    assert Plan.from_dict(data) == plan
+    megatron = export_plan(plan, get_model("tiny-gpt"), "megatron")
+    assert megatron[megatron.index("--micro-batch-size") + 1] == str(data["micro_batch_size"])
+    old = {k: v for k, v in data.items() if k != "micro_batch_total"}
+    old["micro_batch_size"] = 8  # the total, as format-2 files wrote it
+    assert Plan.from_dict(old) == plan
+
+
+def test_uneven_shares_have_no_single_per_replica_size():
+    from dataclasses import replace
+
+    from hetplan.plan import Plan, uniform_stage
+
+    stage = replace(uniform_stage(range(6), [0, 1], 2, 1, 2), dp_split=(3, 1))
+    plan = Plan("tiny-gpt", "local-cpu-2", 8, 4, 2, "1f1b", (stage,))
+    assert plan.micro_batch_per_replica is None
+    assert "mb 4 x 2 (split per stage)" in plan.describe() and "split 3:1" in plan.describe()
+    assert plan.to_dict()["micro_batch_size"] is None and Plan.from_dict(plan.to_dict()) == plan

@@ -107,8 +107,9 @@ class Plan:
         model: model name the plan was made for (checked on load).
         cluster: cluster name the plan was made for.
         global_batch_size: samples per optimizer step.
-        micro_batch_size: samples per pipeline micro-batch (summed over the dp
-            replicas of a stage).
+        micro_batch_size: samples per pipeline micro-batch, summed over the dp
+            replicas of a stage (``micro_batch_per_replica`` is what other
+            tools call the micro-batch size; the JSON form uses theirs).
         num_micro_batches: micro-batches per step (gradient accumulation steps).
         schedule: "1f1b", "gpipe" or "interleaved-1f1b".
         stages: pipeline stages in order.
@@ -140,14 +141,23 @@ class Plan:
         return len(self.stages)
 
     @property
+    def micro_batch_per_replica(self) -> int | None:
+        """Samples each data-parallel replica takes per micro-batch, as Megatron,
+        DeepSpeed and torchtitan mean "micro-batch size"; None where replicas
+        take different shares (uneven splits, stages of different dp).
+        ``micro_batch_size`` is the micro-batch summed over a stage's replicas."""
+        shares = {share for s in self.stages for share in s.dp_split}
+        return shares.pop() if len(shares) == 1 else None
+
+    @property
     def num_devices(self) -> int:
         return sum(len(s.devices) for s in self.stages)
 
     def describe(self) -> str:
         """Compact one-line summary.
 
-        Uniform stages: 'dp4 tp1 pp4 layers 7/7/6/6 z1 mbs 4 x 8 1f1b';
-        stages that differ: 'pp2 [dp2 tp2 13L | dp4 tp1 13L split 3:1:...] mbs 8 x 4 1f1b'.
+        Uniform stages: 'dp4 tp1 pp4 layers 7/7/6/6 z1 mbs 1 x 8 (per replica) 1f1b';
+        stages that differ: 'pp2 [dp2 tp2 13L | dp4 tp1 13L split 3:1:...] mb 8 x 4 (split per stage) 1f1b'.
         """
 
         def extras(s: Stage) -> str:
@@ -165,7 +175,10 @@ class Plan:
         def uneven(s: Stage) -> str:
             return " split " + ":".join(map(str, s.dp_split)) if len(set(s.dp_split)) > 1 else ""
 
-        tail = f"mbs {self.micro_batch_size} x {self.num_micro_batches} {self.schedule}"
+        per = self.micro_batch_per_replica
+        size = f"mbs {per} x {self.num_micro_batches} (per replica)" if per is not None else \
+            f"mb {self.micro_batch_size} x {self.num_micro_batches} (split per stage)"
+        tail = f"{size} {self.schedule}"
         if self.virtual_stages > 1:
             tail += f" v{self.virtual_stages}"
         first = self.stages[0]
@@ -181,7 +194,14 @@ class Plan:
 
     # --- serialisation -----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON form. ``micro_batch_size`` is per data-parallel replica, as in
+        every other tool (None where replicas' shares differ: see each stage's
+        ``dp_split``); ``micro_batch_total`` is the micro-batch over a stage's
+        replicas, this class's ``micro_batch_size``."""
+        data = asdict(self)
+        data["micro_batch_size"] = self.micro_batch_per_replica
+        data["micro_batch_total"] = self.micro_batch_size
+        return data
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Plan:
@@ -205,7 +225,7 @@ class Plan:
                 model=str(data["model"]),
                 cluster=str(data["cluster"]),
                 global_batch_size=int(data["global_batch_size"]),
-                micro_batch_size=int(data["micro_batch_size"]),
+                micro_batch_size=_micro_batch_total(data),
                 num_micro_batches=int(data["num_micro_batches"]),
                 schedule=str(data["schedule"]),
                 stages=stages,
@@ -220,6 +240,14 @@ class Plan:
 
     def with_changes(self, **changes: Any) -> Plan:
         return replace(self, **changes)
+
+
+def _micro_batch_total(data: dict[str, Any]) -> int:
+    """Plans written before ``micro_batch_total`` existed (plan files of format
+    1 and 2) stored the total under ``micro_batch_size``."""
+    if "micro_batch_total" in data:
+        return int(data["micro_batch_total"])
+    return int(data["micro_batch_size"])
 
 
 def _group_runs(values: Sequence[Any]) -> list[tuple[Any, int]]:

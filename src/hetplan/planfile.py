@@ -4,15 +4,19 @@ settings they were made for.
 A plan names layers by index and GPUs by number; without the model and
 cluster those numbers mean nothing. Format 1 stored only their names, so a plan
 made from a ``config.json`` and a cluster YAML could not be estimated, exported
-or trained anywhere else ("unknown model preset"). Format 2 (``hetplan plan`` /
-``estimate --json`` write it) embeds::
+or trained anywhere else ("unknown model preset"). Format 2 and later
+(``hetplan plan`` / ``estimate --json`` write it) embed::
 
-    {"format_version": 2,
+    {"format_version": 3,
      "plans": [{"plan": ..., "estimate": ...}, ...],
      "model_spec": ModelSpec.to_dict(),          # layers, costs, meta (source)
      "cluster_spec": cluster_to_dict(cluster),   # the cluster YAML's form
      "settings": {"precision": ..., "optimizer": ..., "fp8": ..., "zero_implementation": ...,
                   "memory_limit_bytes": ..., "overlap_grad_sync": ...}}
+
+Format 3 writes each plan's ``micro_batch_size`` per data-parallel replica
+(Megatron's meaning) with the total in ``micro_batch_total``; older plans
+stored the total under ``micro_batch_size`` and load as such.
 
 Every reader (``estimate``, ``export``, ``train``, ``run``, ``hetplan.runtime.init``)
 takes the model and cluster from the file. ``--model`` / ``--cluster`` still
@@ -31,7 +35,7 @@ from typing import Any
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
 
-PLAN_FILE_VERSION = 2
+PLAN_FILE_VERSION = 3
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "memory_limit_bytes", "overlap_grad_sync")
 
 
