@@ -21,7 +21,7 @@ import time
 from typing import Any, Sequence
 
 from hetplan import __version__
-from hetplan.argtypes import positive_int
+from hetplan.argtypes import gpu_prices, positive_int, token_count
 from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.runtime import cli as runtime_cli
@@ -60,6 +60,10 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
                    help="how ZeRO shards move between nodes: fsdp (PyTorch FSDP, Megatron distributed optimizer, "
                    "hetplan's runtime; default) or deepspeed (each GPU's shard traffic crosses its own NIC)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")
+    p.add_argument("--tokens", type=token_count, default=None,
+                   help="tokens to train (e.g. 300B): days and GPU-hours (and cost with prices)")
+    p.add_argument("--price-per-gpu-hour", dest="prices", type=gpu_prices, default=None,
+                   help="price per GPU-hour: one number, or GPU=PRICE,... per type (e.g. H100=4.9,A100-80GB=1.8)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=positive_int, default=1, help="which plan of a ranked file (1 = best)")
     p.add_argument("--out", default=None, help="write here instead of printing")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("whatif", help="the best plan as the cluster or batch changes: one row per variant")
+    _add_workload_args(p, batch_auto=False)
+    p.add_argument("--vary", required=True, metavar="WHAT=V1,V2,...",
+                   help="gpus=64,128,256 | gpu=H100,A100-80GB | global-batch=256,512 (on a homogeneous cluster)")
+    p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"planner (default {DEFAULT_PLANNER})")
+    p.set_defaults(func=cmd_whatif)
 
     p = sub.add_parser("models", help="list model presets")
     p.add_argument("--json", dest="json_path", default=None)
@@ -167,13 +178,26 @@ def _write_json(path: str | None, data: Any) -> None:
     print(f"wrote {path}")
 
 
-def _ranked_json(ranked: Any, cost_model: Any) -> dict[str, Any]:
+def _ranked_json(ranked: Any, cost_model: Any, args: argparse.Namespace) -> dict[str, Any]:
     """A ranked plan as JSON, with each GPU's peak memory by category
-    (``memory_breakdown_bytes``: params, grads, optimizer, activations, buffers)."""
+    (``memory_breakdown_bytes``: params, grads, optimizer, activations, buffers)
+    and the time (and cost) to train (``training``: report/training.py)."""
+    from hetplan.report.training import training_numbers
+
     data = ranked.to_dict()
     data["estimate"]["memory_breakdown_bytes"] = {str(d): parts for d, parts in
                                                   sorted(cost_model.memory_breakdown(ranked.plan).items())}
+    w = cost_model.workload
+    data["training"] = training_numbers(ranked.plan, ranked.estimate, w.cluster, w.model.seq_len, args.tokens,
+                                        args.prices)
     return data
+
+
+def _training_report(ranked: Any, workload: Any, args: argparse.Namespace) -> list[str]:
+    from hetplan.report.training import training_lines, training_numbers
+
+    return training_lines(training_numbers(ranked.plan, ranked.estimate, workload.cluster, workload.model.seq_len,
+                                           args.tokens, args.prices))
 
 
 def _header(workload: Any, extra: str = "") -> str:
@@ -240,13 +264,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print()
         print(memory_table(best.plan, best.estimate, workload, cost_model.memory_breakdown(best.plan)))
         print()
-        for line in explain(best.plan, best.estimate, workload):
+        for line in [*explain(best.plan, best.estimate, workload), *_training_report(best, workload, args)]:
             print(f"- {line}")
         for note in [*best.plan.notes, runtime_pipeline_note(best.plan, workload.model)]:
             if note:
                 print(f"- note: {note}")
     _write_json(args.json_path, {"planner": planner.name, "search_time_s": elapsed,
-                                 "plans": [_ranked_json(r, cost_model) for r in ranked],
+                                 "plans": [_ranked_json(r, cost_model, args) for r in ranked],
                                  **workload_record(workload)})
     _write_pictures(args, workload, best)
     return 0
@@ -361,6 +385,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(breakdown(estimate))
     print()
     print(memory_table(plan, estimate, workload, cost_model.memory_breakdown(plan)))
+    print()
+    for line in _training_report(RankedPlan(plan, estimate), workload, args):
+        print(f"- {line}")
     note = runtime_pipeline_note(plan, workload.model)
     if note:
         print(f"note: {note}")
@@ -373,7 +400,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if plan.num_micro_batches * plan.pp <= 64:
             print(format_schedule(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches)))
         print(f"simulated pipeline {makespan(events) * 1e3:.2f} ms vs closed form {pipeline * 1e3:.2f} ms")
-    _write_json(args.json_path, {"plans": [_ranked_json(RankedPlan(plan, estimate), cost_model)],
+    _write_json(args.json_path, {"plans": [_ranked_json(RankedPlan(plan, estimate), cost_model, args)],
                                  **workload_record(workload)})
     _write_pictures(args, workload, RankedPlan(plan, estimate))
     return 0
@@ -408,6 +435,65 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     else:
         print(text)
+    return 0
+
+
+WHATIF_KNOBS = ("gpus", "gpu", "global-batch")
+
+
+def _whatif_variants(args: argparse.Namespace) -> tuple[str, list[str]]:
+    what, sep, values = args.vary.partition("=")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or what not in WHATIF_KNOBS or not items:
+        raise HetplanError(f"--vary takes WHAT=V1,V2,... with WHAT one of {', '.join(WHATIF_KNOBS)}; got {args.vary!r}")
+    if what != "gpu":
+        for v in items:
+            if not v.isdigit() or int(v) <= 0:
+                raise HetplanError(f"--vary {what}: {v!r} is not a positive whole number")
+    return what, items
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    """Plan the same model under each variant of the cluster or batch."""
+    from hetplan.cost import CostModel
+    from hetplan.report.text import table
+    from hetplan.report.training import training_numbers
+    from hetplan.search import get_planner
+    from hetplan.units import format_bytes, format_time
+
+    what, items = _whatif_variants(args)
+    base = load_workload(args)
+    if what in ("gpus", "gpu") and not base.cluster.is_homogeneous:
+        raise HetplanError(f"--vary {what} changes a homogeneous cluster; {base.cluster.name!r} mixes GPU types "
+                           "or node sizes: write one cluster file per variant and run 'hetplan compare' or plan each")
+    gpu, count = base.cluster.devices[0].gpu.name, base.cluster.num_devices
+    planner = get_planner(args.planner)
+    rows, data = [], []
+    print(_header(base, f"whatif   {what} = {', '.join(items)}, planner {planner.name}"))
+    for value in items:
+        cluster_name = f"{value}x{gpu}" if what == "gpus" else f"{count}x{value}" if what == "gpu" else None
+        args.cluster = cluster_name or args.cluster
+        gbs = int(value) if what == "global-batch" else None
+        workload = load_workload(args, global_batch=gbs) if cluster_name or gbs else base
+        try:
+            best = _run_planner(planner, workload, 1, False)[0]
+        except HetplanError as exc:
+            rows.append([f"{what}={value}", f"no plan: {str(exc)[:60]}", *["-"] * 6])
+            data.append({"variant": {what: value}, "error": str(exc)})
+            continue
+        e, n = best.estimate, training_numbers(best.plan, best.estimate, workload.cluster,
+                                               workload.model.seq_len, args.tokens, args.prices)
+        money = f"${n['usd_per_billion_tokens']:,.0f}" if "usd_per_billion_tokens" in n else "-"
+        days = f"{n['days']:,.1f}" if "days" in n else "-"
+        rows.append([f"{what}={value}", best.plan.describe(), format_time(e.iteration_time_s),
+                     f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", format_bytes(e.max_memory_bytes), money, days])
+        data.append({"variant": {what: value}, "cluster": workload.cluster.name,
+                     **_ranked_json(best, CostModel(workload), args)})
+    print()
+    print(table(["variant", "best plan", "iter time", "tokens/s", "MFU", "max mem/GPU", "$/1B tokens",
+                 "days" if args.tokens else "days (--tokens)"], rows,
+                [False, False, True, True, True, True, True, True]))
+    _write_json(args.json_path, {"vary": what, "variants": data})
     return 0
 
 
