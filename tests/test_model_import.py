@@ -473,3 +473,22 @@ def test_traced_hf_model_agrees_with_the_analytic_path(key: str, block_ratio: tu
     assert block_ratio[0] < a.act_bytes / t.act_bytes <= block_ratio[1]
     if key != "llama":  # with dropout, eager attention keeps exactly Korthikanti's 5as^2 bytes
         assert t.act_attention_core_bytes == pytest.approx(a.act_attention_core_bytes)
+
+
+def test_tracing_reports_progress_per_layer(monkeypatch) -> None:
+    """A long trace (a large HF model on the meta device) says where it is: one
+    progress step per layer entered, named by its module path."""
+    import hetplan.model.trace as trace_module
+    from hetplan.progress import Progress
+
+    seen: list[tuple[str, int | None, str]] = []
+
+    class Recording(Progress):
+        def advance(self, steps: int = 1, note: str = "") -> None:
+            super().advance(steps, note)
+            seen.append((self.label, self.total, note))
+
+    monkeypatch.setattr(trace_module, "Progress", Recording)
+    spec = model_from_module(mlp_stack(), torch.zeros(2, 32), name="mlp")
+    assert [note for _, _, note in seen] == [layer.name for layer in spec.layers]
+    assert {(label, total) for label, total, _ in seen} == {("tracing mlp", 3)}

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import LayerSpec, ModelSpec
+from hetplan.progress import Progress
 
 _LAYER_FIELDS = {f.name for f in fields(LayerSpec)}
 
@@ -256,6 +257,7 @@ class _Tracer:
         self.group_parent: dict[int, str] = {}
         self.anchor_paths: set[str] = set()
         self.mask_keys: set[int] = set()  # storages of dropout masks
+        self.progress: Progress | None = None  # one step per layer entered (long traces show where they are)
 
     @property
     def seg(self) -> _Segment:
@@ -298,6 +300,8 @@ class _Tracer:
             anchor.input_shape = tuple(first.shape) if floating else _main_shape(tensors)
         anchor.calls += 1
         self.segments.append(_Segment(anchor=index))
+        if self.progress is not None:
+            self.progress.advance(note=anchor.path)
 
     def exit_anchor(self, index: int, output: Any) -> None:
         tensors = _activation_inputs(list(_tensors(output, self.torch)))
@@ -458,7 +462,10 @@ def model_from_module(
     params = _meta_state(module, dtype, torch)
     tracer = _Tracer(torch, params.names, params.buffer_keys)
     user_mode = _set_anchors(tracer, module, layer_names)
-    output = _traced_forward(module, params.state, args, kwargs, tracer, torch)
+    with Progress(f"tracing {name or type(module).__name__}", total=len(tracer.anchors) or None) as progress:
+        tracer.progress = progress
+        output = _traced_forward(module, params.state, args, kwargs, tracer, torch)
+    tracer.progress = None
     trace = _Trace(
         tracer=tracer,
         module=module,
