@@ -29,6 +29,10 @@ from hetplan.errors import HetplanError
 _ADVICE = "so a pipeline of its layers would train a different model; make that computation part of a layer, or use a plan with one pipeline stage"
 
 
+class _NotAChain(Exception):
+    """Raised from a hook to end the forward as soon as the answer is known."""
+
+
 @dataclass
 class _Call:
     name: str
@@ -88,7 +92,13 @@ def record_calls(model: nn.Module, names: Sequence[str], args: Sequence[Any],
     handles = []
 
     def pre_hook(name: str) -> Any:
-        def hook(_module: nn.Module, hargs: tuple[Any, ...], hkwargs: dict[str, Any]) -> None:
+        def hook(module: nn.Module, hargs: tuple[Any, ...], hkwargs: dict[str, Any]) -> None:
+            lost = _non_default_kwargs(module, hkwargs)
+            if lost:  # decided here: stop the forward (a large model's meta forward takes seconds)
+                raise _NotAChain(
+                    f"layer {name!r} is called with keyword input(s) {', '.join(lost)}, which a pipeline does not "
+                    f"pass on, {_ADVICE}"
+                )
             call = _Call(name, tuple(hargs), dict(hkwargs), inside=running[-1].name if running else None)
             calls.append(call)
             running.append(call)
@@ -106,6 +116,8 @@ def record_calls(model: nn.Module, names: Sequence[str], args: Sequence[Any],
     try:
         with torch.no_grad():
             output = model(*margs, **mkwargs)
+    except _NotAChain as e:
+        raise HetplanError(str(e)) from None
     except HetplanError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of user code on the meta device
@@ -135,14 +147,7 @@ def check_chain(model: nn.Module, names: Sequence[str], args: Sequence[Any],
     expected: list[Any] = list(margs)
     previous = "the model's inputs"
     versions = [_version(t) for t in expected]
-    for call in calls:
-        module = model.get_submodule(call.name)
-        lost = _non_default_kwargs(module, call.kwargs)
-        if lost:
-            raise HetplanError(
-                f"layer {call.name!r} is called with keyword input(s) {', '.join(lost)}, which a pipeline does not "
-                f"pass on, {_ADVICE}"
-            )
+    for call in calls:  # keyword inputs were refused while the forward ran (record_calls)
         got = list(call.args)
         if len(got) != len(expected) or not all(a is b for a, b in zip(got, expected)):
             raise HetplanError(
