@@ -108,7 +108,8 @@ def peak_memory_bytes(states: np.ndarray | float, activations_per_micro_batch: n
                       in_flight: float, recompute_working: np.ndarray | float, largest_gathered: np.ndarray | float,
                       overhead: float) -> np.ndarray | float:
     """Peak bytes on one GPU from its stage's sums and maxima: the sum of
-    ``memory_parts`` (model states in one sum)."""
-    parts = memory_parts(states, 0.0, 0.0, activations_per_micro_batch, in_flight, recompute_working,
-                         largest_gathered, overhead)
-    return parts["params"] + parts["activations"] + parts["buffers"]
+    ``memory_parts`` with the model states in one sum, written out because the
+    searches call it in their inner loops (tests/test_memory_breakdown.py checks
+    the two agree on every device of every ranked plan)."""
+    return (states + ZERO3_GATHERED_LAYERS * largest_gathered + activations_per_micro_batch * in_flight
+            + recompute_working + overhead)

@@ -141,28 +141,28 @@ def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
     """Each device's peak by category (``memory.memory_parts``), for any stage:
     per-layer strategies summed layer by layer."""
     per_layer = []
+    weights = grads = optimizer = gathered = 0.0
     for pos, strategy in enumerate(stage.strategies):
         dp, tp = stage.layer_degrees(pos)
         index = stage.layers[pos]
         held = held_params(kernel, stage, pos)
-        states = tuple(held * x for x in state_bytes_split(strategy.zero, dp, kernel.workload.state_bytes))
+        w, g, o = state_bytes_split(strategy.zero, dp, kernel.workload.state_bytes)
+        weights, grads, optimizer = weights + held * w, grads + held * g, optimizer + held * o
         act = float(kernel.activation_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
         work = float(kernel.recompute_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
-        gathered = float(kernel.params_per_device(tp)[index]) * kernel.weight_bytes \
-            if strategy.zero >= 3 and dp > 1 else 0.0
-        per_layer.append((tp, states, act, work, gathered))
-    weights, grads, optimizer = (sum(x[1][k] for x in per_layer) for k in range(3))
-    gathered = max(x[4] for x in per_layer)
+        if strategy.zero >= 3 and dp > 1:
+            gathered = max(gathered, float(kernel.params_per_device(tp)[index]) * kernel.weight_bytes)
+        per_layer.append((tp, act, work))
     shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
-              for pos, (tp, *_) in enumerate(per_layer)}  # a replica's share of a micro-batch, per TP degree
+              for pos, (tp, _, _) in enumerate(per_layer)}  # a replica's share of a micro-batch, per TP degree
     out = []
     cache: dict[tuple[float, ...], dict[str, float]] = {}  # devices with the same shares and overhead
     for i, device in enumerate(stage.devices):
         batch = {tp: replicas[i // tp] for tp, replicas in shares.items()}
         key = tuple(batch[tp] for tp in sorted(batch)) + (kernel.overhead_bytes(device),)
         if key not in cache:
-            act = sum(a * batch[tp] for tp, _, a, _, _ in per_layer)
-            work = max(w * batch[tp] for tp, _, _, w, _ in per_layer)
+            act = sum(a * batch[tp] for tp, a, _ in per_layer)
+            work = max(w * batch[tp] for tp, _, w in per_layer)
             cache[key] = memory_parts(weights, grads, optimizer, act, in_flight, work, gathered,
                                       kernel.overhead_bytes(device))
         out.append(cache[key])
