@@ -487,8 +487,9 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         days = f"{n['days']:,.1f}" if "days" in n else "-"
         rows.append([f"{what}={value}", best.plan.describe(), format_time(e.iteration_time_s),
                      f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", format_bytes(e.max_memory_bytes), money, days])
-        data.append({"variant": {what: value}, "cluster": workload.cluster.name,
-                     **_ranked_json(best, CostModel(workload), args)})
+        if args.json_path:  # the JSON adds the memory breakdown, which needs this variant's cost model
+            data.append({"variant": {what: value}, "cluster": workload.cluster.name,
+                         **_ranked_json(best, CostModel(workload), args)})
     print()
     print(table(["variant", "best plan", "iter time", "tokens/s", "MFU", "max mem/GPU", "$/1B tokens",
                  "days" if args.tokens else "days (--tokens)"], rows,

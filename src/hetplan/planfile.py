@@ -27,12 +27,12 @@ silently different plan. Format-1 files still load, by name.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from hetplan.errors import HetplanError
+from hetplan.jsonfile import read_json
 from hetplan.plan import Plan
 
 PLAN_FILE_VERSION = 3
@@ -76,13 +76,7 @@ def read_plan_file(path: str | os.PathLike[str]) -> PlanFile:
     from hetplan.model.spec import ModelSpec
 
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise HetplanError(f"cannot read plan file {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise HetplanError(f"plan file {path} is not valid JSON (line {exc.lineno}): fix or regenerate it") from None
+    data = read_json(path, "plan file", "fix or regenerate it")
     version = int(data.get("format_version", 1)) if isinstance(data, dict) else 1
     if version > PLAN_FILE_VERSION:
         raise HetplanError(f"plan file {path} has format {version}, newer than this hetplan reads "

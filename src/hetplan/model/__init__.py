@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from hetplan.errors import HetplanError
+from hetplan.jsonfile import read_json
 from hetplan.model.presets import get_model, model_descriptions, model_names
 from hetplan.model.spec import LayerSpec, ModelSpec
 
@@ -18,13 +18,7 @@ def load_model(name_or_path: str, seq_len: int | None = None, dtype_bytes: int |
     if os.path.isdir(name_or_path) or name_or_path.endswith(".json") or os.path.sep in name_or_path:
         path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
         if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise HetplanError(f"model file {path} is not valid JSON (line {exc.lineno}): fix the syntax") from None
-            except OSError as exc:
-                raise HetplanError(f"cannot read model file {path}: {exc.strerror}") from None
+            data = read_json(path, "model file", "fix the syntax")
             if isinstance(data, dict) and "layers" in data:
                 return ModelSpec.from_dict(data)
         from hetplan.model.hf import model_from_hf_config

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from hetplan.errors import HetplanError
+from hetplan.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,7 @@ class ProfileEntry:
 
 def read_profile_json(path: str) -> object:
     """Parsed JSON of a profile file; unreadable or malformed files are one clear error."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as exc:
-        raise HetplanError(f"cannot read profile {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise HetplanError(f"profile {path} is not valid JSON (line {exc.lineno})") from None
+    return read_json(path, "profile")
 
 
 class ProfileDB:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hetplan.cluster.catalog import normalise_gpu_name
 from hetplan.errors import HetplanError
 from hetplan.plan import Estimate, Plan
 
@@ -28,8 +29,6 @@ def price_per_hour(plan: Plan, cluster: Any, prices: dict[str, float]) -> float:
 
 
 def _price_of(gpu: str, prices: dict[str, float]) -> float | None:
-    from hetplan.cluster.catalog import normalise_gpu_name
-
     for name, price in prices.items():
         if name != "*" and normalise_gpu_name(name) == normalise_gpu_name(gpu):
             return price

@@ -94,11 +94,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from hetplan.runtime import launch
-    from hetplan.runtime.context import check_plan, plan_precision, preflight
+    from hetplan.runtime.context import check_plan_precision, preflight
     from hetplan.runtime.models import build_preset_model
 
-    plan, spec, cluster, layout = check_plan(args.plan, args.model)
-    precision = plan_precision(args.plan, args.model)
+    plan, spec, cluster, layout, precision = check_plan_precision(args.plan, args.model)
     if args.precision and args.precision != precision:
         raise HetplanError(f"the plan trains in {precision}, not {args.precision}; make a plan with "
                            f"--precision {args.precision} (the cost model and the runtime use the plan's)")

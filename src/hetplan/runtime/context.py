@@ -783,9 +783,10 @@ def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None) -> tuple[
     return _check_plan(plan, model)[:4]
 
 
-def plan_precision(plan: Plan | str | os.PathLike[str], model: Any = None) -> str:
-    """The precision a plan (file) trains in: "fp32", "bf16" or "fp16"."""
-    return _check_plan(plan, model)[4]
+def check_plan_precision(plan: Plan | str | os.PathLike[str], model: Any = None
+                         ) -> tuple[Plan, Any, Any, PlanLayout, str]:
+    """``check_plan`` and the precision the plan trains in ("fp32", "bf16" or "fp16")."""
+    return _check_plan(plan, model)
 
 
 def _check_plan(plan: Plan | str | os.PathLike[str], model: Any = None
