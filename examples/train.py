@@ -43,7 +43,7 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
 
     start = 0
-    found = hr.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    found = hr.latest_checkpoint(args.checkpoint_dir, note=lambda text: ctx.print(f"note: {text}")) if args.checkpoint_dir else None
     if found:
         start = ctx.load(found[0], model, opt)["step"]
         for _ in range(start):

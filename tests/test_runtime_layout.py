@@ -149,12 +149,14 @@ def test_importing_the_runtime_cli_does_not_import_torch():
 
 
 def test_latest_checkpoint_ignores_incomplete_ones(tmp_path):
-    from hetplan.runtime.checkpoint import checkpoint_dir, latest_checkpoint
+    from hetplan.runtime.checkpoint import MANIFEST, checkpoint_dir, latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path / "none")) is None
     for step, complete in ((1, True), (2, True), (3, False)):
         d = checkpoint_dir(str(tmp_path), step)
         os.makedirs(d)
         if complete:
-            open(os.path.join(d, ".metadata"), "w").close()
-    assert latest_checkpoint(str(tmp_path)) == (checkpoint_dir(str(tmp_path), 2), 2)
+            open(os.path.join(d, MANIFEST), "w").close()
+    notes: list[str] = []
+    assert latest_checkpoint(str(tmp_path), note=notes.append) == (checkpoint_dir(str(tmp_path), 2), 2)
+    assert len(notes) == 1 and "step_00000003" in notes[0]

@@ -7,16 +7,72 @@ This module imports nothing from hetplan, so ``hetplan.cli`` and
 from __future__ import annotations
 
 import argparse
+from typing import Callable, NoReturn
+
+EXIT_USAGE = 2
 
 
-def positive_int(text: str) -> int:
-    """A whole number > 0; anything else is an argparse error naming the bad value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is the promised one line
+    ``hetplan: error: ...`` (exit 2) naming the command's --help; the usage
+    text is printed only by --help. Sub-commands' parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
+        self.exit(EXIT_USAGE, f"hetplan: error: {message} (see 'hetplan {command}--help')\n")
+import math
+
+
+# No count on a command line is near 2**31; past it a number is a slip (and
+# Python refuses to parse integers of more than 4,300 digits).
+MAX_COUNT = 2**31 - 1
+
+
+def positive_int(text: str, maximum: int = MAX_COUNT) -> int:
+    """A whole number in [1, maximum]; anything else is an argparse error naming the bad value."""
+    text = text.strip()
+    if not text.lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if len(text.lstrip("+-")) > len(str(maximum)) or int(text) > maximum:
+        raise argparse.ArgumentTypeError(f"{text[:20]}{'...' if len(text) > 20 else ''} is above hetplan's "
+                                         f"limit of {maximum:,}; is the number right?")
+    value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def at_most(maximum: int) -> Callable[[str], int]:
+    """``positive_int`` with a lower ``maximum`` (hetplan.limits), for argparse ``type=``."""
+    def parse(text: str) -> int:
+        return positive_int(text, maximum)
+    parse.__name__ = f"positive_int_at_most_{maximum}"
+    return parse
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def finite_positive_float(text: str) -> float:
+    """A finite number > 0 (not nan, inf or negative)."""
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def finite_nonneg_float(text: str) -> float:
+    """A finite number >= 0 (not nan, inf or negative)."""
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
 
 

@@ -8,9 +8,17 @@ a resumed run only matches if the optimizer state was restored too.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import time
+from types import SimpleNamespace
+
 import pytest
 
-from hetplan.runtime.checkpoint import checkpoint_dir, latest_checkpoint
+from hetplan.errors import HetplanError
+from hetplan.runtime.checkpoint import MANIFEST, checkpoint_dir, latest_checkpoint, verify
 from rt_helpers import TOL, assert_matches_reference, hetero_plan, make_plan, reference, run, run_raw, train_worker, write_plan
 
 
@@ -55,3 +63,111 @@ def test_killed_run_resumes_with_the_same_loss_curve(tmp_path) -> None:
     assert latest_checkpoint(ckpt) == (checkpoint_dir(ckpt, 2), 2)
     resumed = run(train_worker, 4, path, 4, dict(checkpoint_dir=ckpt, checkpoint_every=1, resume=True))
     _assert_continues(resumed[0], 4, 2)
+
+
+# --- checkpoints that cannot silently corrupt a run: the manifest --------------------------------
+ONE_PROCESS = SimpleNamespace(distributed=False)  # verify() in this process
+LIMIT_S = 90.0  # a rank left waiting would hit the collective timeout, far beyond this
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """Checkpoints step_1 and step_2 of a 2-process ZeRO-3 run (each rank writes a shard file)."""
+    root = tmp_path_factory.mktemp("saved")
+    run(train_worker, 2, write_plan(root, make_plan(dp=2, micro=2, zero=3)), 2,
+        dict(checkpoint_dir=str(root / "ckpt"), checkpoint_every=1, export=False))
+    return str(root / "ckpt")
+
+
+def _copy(saved: str, tmp_path, step: int | None = 2) -> str:
+    """A private copy of the saved checkpoints (one step, or all of them) to damage."""
+    if step is None:
+        return shutil.copytree(saved, tmp_path / "ckpt")
+    return shutil.copytree(checkpoint_dir(saved, step), tmp_path / f"step_{step}")
+
+
+def _refused(path: str) -> str:
+    with pytest.raises(HetplanError) as exc:
+        verify(ONE_PROCESS, path)
+    msg = str(exc.value)
+    assert "\n" not in msg and path in msg, msg
+    return msg
+
+
+def _load_everywhere(tmp_path, path: str) -> list:
+    """Load ``path`` with 2 processes; every rank must fail, none may hang."""
+    t0 = time.monotonic()
+    results = run_raw(train_worker, 2, write_plan(tmp_path, make_plan(dp=2, micro=2)), 3,
+                      dict(load_from=path, export=False), timeout_s=LIMIT_S)
+    assert time.monotonic() - t0 < LIMIT_S
+    assert all(r.exitcode not in (0, None) for r in results), [(r.rank, r.exitcode, r.error) for r in results]
+    errors = {r.error for r in results}
+    assert len(errors) == 1, errors  # the same message on every rank
+    msg = errors.pop()
+    assert msg.startswith("HetplanError: ") and "\n" not in msg, msg
+    return msg
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(saved) -> None:
+    path = checkpoint_dir(saved, 2)
+    with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+        manifest = json.load(f)
+    assert manifest["version"] == 1
+    names = sorted(n for n in os.listdir(path) if n != MANIFEST)
+    assert sorted(manifest["files"]) == names and ".metadata" in names
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(names)  # a shard file per rank
+    for name in names:
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        assert manifest["files"][name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    verify(ONE_PROCESS, path)  # intact: accepted
+    assert latest_checkpoint(saved) == (path, 2)
+
+
+def test_truncated_shard_is_refused_on_every_rank(saved, tmp_path) -> None:
+    path = str(_copy(saved, tmp_path))
+    shard = os.path.join(path, "__1_0.distcp")
+    size = os.path.getsize(shard)
+    os.truncate(shard, size // 2)
+    msg = _load_everywhere(tmp_path, path)
+    assert f"checkpoint {path}: file __1_0.distcp is {size // 2} bytes, the manifest says {size} (truncated)" in msg
+    assert "resume from an earlier checkpoint or delete this one" in msg
+
+
+def test_one_flipped_byte_is_refused_on_every_rank(saved, tmp_path) -> None:
+    path = str(_copy(saved, tmp_path))
+    shard = os.path.join(path, "__1_0.distcp")  # hashed by rank 1: rank 0 must fail with its message too
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    msg = _load_everywhere(tmp_path, path)
+    assert f"checkpoint {path}: file __1_0.distcp has sha256 " in msg and "(corrupted)" in msg, msg
+
+
+def test_incomplete_or_altered_checkpoints_are_refused(saved, tmp_path) -> None:
+    path = str(_copy(saved, tmp_path))
+    with open(os.path.join(path, ".nfs000123"), "wb") as f:  # hidden droppings are not data: ignored
+        f.write(b"x")
+    verify(ONE_PROCESS, path)
+    with open(os.path.join(path, "__7_0.distcp"), "wb") as f:
+        f.write(b"stray")
+    assert "file __7_0.distcp is not in the manifest" in _refused(path)
+    os.remove(os.path.join(path, "__7_0.distcp"))
+    os.remove(os.path.join(path, "__0_0.distcp"))
+    assert "file __0_0.distcp is missing" in _refused(path)
+    os.remove(os.path.join(path, MANIFEST))
+    assert f"checkpoint {path} is incomplete: it has no {MANIFEST}" in _refused(path)
+    assert "does not exist" in _refused(str(tmp_path / "nowhere"))
+
+
+def test_resume_skips_a_newer_checkpoint_without_manifest(saved, tmp_path, capsys) -> None:
+    root = str(_copy(saved, tmp_path, None))
+    os.remove(os.path.join(checkpoint_dir(root, 2), MANIFEST))  # as if killed while saving step 2
+    assert latest_checkpoint(root) == (checkpoint_dir(root, 1), 1)
+    err = capsys.readouterr().err
+    assert f"skipping checkpoint {checkpoint_dir(root, 2)}: it is incomplete" in err, err
+    resumed = run(train_worker, 2, write_plan(tmp_path, make_plan(dp=2, micro=2, zero=3)), 3,
+                  dict(checkpoint_dir=root, resume=True))
+    _assert_continues(resumed[0], 3, 1)

@@ -11,16 +11,35 @@ Weights tied across pipeline stages (embedding / LM head) are saved by both
 stages under their own names; with one stage only the first name may exist.
 On load a name missing from the checkpoint is read from its tied twin.
 
-A checkpoint directory is complete when DCP has written its ``.metadata``
-(after every rank's data): :func:`latest_checkpoint` ignores incomplete ones,
-so a run killed while saving resumes from the previous checkpoint.
+A checkpoint directory is complete when it has a manifest,
+``hetplan-manifest.json``: once DCP has written every rank's data and its
+``.metadata`` (and every rank has passed a barrier), the files are hashed
+(each rank hashes its own ``__<rank>_*.distcp`` files, rank 0 the rest) and
+rank 0 writes the manifest LAST and atomically (temporary file in the same
+directory, fsync, ``os.replace``). It lists every file of the checkpoint
+(hidden files other than ``.metadata`` aside) with its size in bytes and
+sha256, and the format version. Saving into a directory first removes its old
+manifest, so a directory without one is a save that did not finish.
+
+Every load verifies the manifest before reading anything: no manifest
+(incomplete), a listed file missing, of another size (truncated) or with
+another checksum (corrupted), or a data file the manifest does not list, is a
+:class:`~hetplan.errors.HetplanError` naming the file. The ranks share the
+hashing and agree on the verdict (an all-gather), so every rank fails with the
+same message and none is left waiting. :func:`latest_checkpoint` (``hetplan
+train --resume``) picks the newest checkpoint with a manifest and notes, on
+stderr, newer ones it skipped as incomplete, so a run killed while saving
+resumes from the previous checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +50,192 @@ from hetplan.errors import HetplanError
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 EXTRA_PREFIX = "extra."
+
+MANIFEST = "hetplan-manifest.json"
+MANIFEST_FORMAT = "hetplan-checkpoint"
+MANIFEST_VERSION = 1
+_CHUNK = 1 << 20  # hash in 1 MiB reads
+_RANK_FILE = re.compile(r"^__(\d+)_")  # DCP's per-rank data files: __<rank>_<n>.distcp
+_WHAT_TO_DO = "resume from an earlier checkpoint or delete this one"
+
+
+# --- the manifest ------------------------------------------------------------------------------
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return h.hexdigest()
+            h.update(view[:n])
+
+
+def _listed(name: str) -> bool:
+    """Whether a file belongs in the manifest: all but the manifest itself (and
+    its temporary file) and hidden files other than DCP's ``.metadata``
+    (editor, NFS or Finder droppings)."""
+    base = name.rsplit("/", 1)[-1]
+    return base != MANIFEST and (not base.startswith(".") or base == ".metadata")
+
+
+def _files(path: str) -> list[str]:
+    """The checkpoint's files, relative to ``path`` ('/'-separated), sorted."""
+    out = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for n in names:
+            full = os.path.join(root, n)
+            rel = os.path.relpath(full, path).replace(os.sep, "/")
+            if _listed(rel) and os.path.isfile(full):
+                out.append(rel)
+    return sorted(out)
+
+
+def _hasher(name: str, world: int) -> int:
+    """The rank that hashes a file: ``__<r>_*.distcp`` rank r (modulo the world), the rest rank 0."""
+    m = _RANK_FILE.match(name.rsplit("/", 1)[-1])
+    return int(m.group(1)) % world if m else 0
+
+
+def _rank_world(ctx: Any) -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if ctx.distributed else (0, 1)
+
+
+def _all_gather(ctx: Any, value: Any) -> list[Any]:
+    if not ctx.distributed:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _agree(ctx: Any, error: str | None) -> None:
+    """Raise the first rank's error on every rank. An all-gather, not a
+    broadcast from a rank that may have failed: every rank reaches it, so none
+    is left waiting, and every rank fails with the same message."""
+    error = next((e for e in _all_gather(ctx, error) if e), None)
+    if error:
+        raise HetplanError(error)
+
+
+def _write_manifest(ctx: Any, path: str) -> None:
+    """After every rank's DCP save: hash the files (each rank its own shards),
+    then rank 0 writes the manifest, atomically and last."""
+    rank, world = _rank_world(ctx)
+    mine: dict[str, dict[str, Any]] = {}
+    error = None
+    try:
+        for name in _files(path):
+            if _hasher(name, world) == rank:
+                full = os.path.join(path, name)
+                mine[name] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
+    except OSError as exc:
+        error = f"cannot hash checkpoint {path} for its manifest: {exc}"
+    parts = _all_gather(ctx, (mine, error))
+    _agree(ctx, next((e for _, e in parts if e), None))
+    error = None
+    if rank == 0:
+        files: dict[str, dict[str, Any]] = {}
+        for part, _ in parts:
+            files.update(part)
+        data = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+                "files": {k: files[k] for k in sorted(files)}}
+        try:
+            _write_atomic(os.path.join(path, MANIFEST), json.dumps(data, indent=1).encode())
+        except OSError as exc:
+            error = f"cannot write the manifest of checkpoint {path}: {exc}"
+    _agree(ctx, error)  # also the barrier: on return the manifest is there for every rank
+
+
+def _write_atomic(target: str, data: bytes) -> None:
+    """Write a temporary file beside ``target``, fsync it, rename it over ``target``, fsync the directory."""
+    directory = os.path.dirname(target) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(target)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot fsync a directory
+    finally:
+        os.close(fd)
+
+
+def _check(path: str, rank: int, world: int) -> None:
+    """The checks of :func:`verify` on this rank (it hashes only its share of the files)."""
+    if not os.path.isdir(path):
+        raise HetplanError(f"checkpoint {path} does not exist or is not a directory; check the path")
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise HetplanError(f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did not finish, or "
+                           f"hetplan did not write it); {_WHAT_TO_DO}")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        fmt, version, files = manifest.get("format"), manifest.get("version"), manifest["files"]
+        if fmt == MANIFEST_FORMAT and version == MANIFEST_VERSION:
+            for name, entry in files.items():
+                if (not _listed(name) or name.startswith("/") or ".." in name.split("/")
+                        or not isinstance(entry["bytes"], int) or len(str(entry["sha256"])) != 64):
+                    raise ValueError(f"bad entry {name!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HetplanError(f"checkpoint {path}: its {MANIFEST} is unreadable ({exc}); {_WHAT_TO_DO}") from None
+    if fmt != MANIFEST_FORMAT or version != MANIFEST_VERSION:
+        raise HetplanError(f"checkpoint {path}: its {MANIFEST} is format {fmt!r} version {version!r}, this hetplan "
+                           f"reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}; load it with the hetplan that "
+                           f"wrote it, or {_WHAT_TO_DO}")
+    for name in sorted(files):
+        full = os.path.join(path, *name.split("/"))
+        if not os.path.isfile(full):
+            raise HetplanError(f"checkpoint {path}: file {name} is missing (the manifest lists it); {_WHAT_TO_DO}")
+        size, want = os.path.getsize(full), files[name]["bytes"]
+        if size != want:
+            how = "truncated" if size < want else "longer than saved: overwritten or appended to"
+            raise HetplanError(f"checkpoint {path}: file {name} is {size} bytes, the manifest says {want} ({how}); "
+                               f"{_WHAT_TO_DO}")
+    extra = [n for n in _files(path) if n not in files]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise HetplanError(f"checkpoint {path}: file {extra[0]}{more} is not in the manifest (added after the save); "
+                           f"remove it, or {_WHAT_TO_DO}")
+    for name in sorted(files):
+        if _hasher(name, world) != rank:
+            continue
+        got, want = _sha256(os.path.join(path, *name.split("/"))), str(files[name]["sha256"])
+        if got != want:
+            raise HetplanError(f"checkpoint {path}: file {name} has sha256 {got[:16]}..., the manifest says "
+                               f"{want[:16]}... (corrupted); {_WHAT_TO_DO}")
+
+
+def verify(ctx: Any, path: str) -> None:
+    """Refuse a checkpoint that is incomplete (no manifest), has a file missing,
+    truncated or corrupted, or a data file its manifest does not list: a
+    HetplanError naming the file, the same on every rank (they share the
+    hashing and agree on the verdict). ``ctx``: a RuntimeContext, or anything
+    with ``distributed = False`` for one process."""
+    rank, world = _rank_world(ctx)
+    error = None
+    try:
+        _check(path, rank, world)
+    except HetplanError as exc:
+        error = str(exc)
+    except OSError as exc:
+        error = f"checkpoint {path}: cannot read it ({exc}); {_WHAT_TO_DO}"
+    _agree(ctx, error)
 
 
 def _options(**kwargs: Any) -> Any:
@@ -60,8 +265,19 @@ def save(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
         state.update({OPTIM_PREFIX + k: v for k, v in _optim_sd(model, optimizer).items()})
     for k, v in extra.items():
         state[EXTRA_PREFIX + k] = torch.tensor(v) if isinstance(v, (int, float)) else v
+    error = None
+    if _rank_world(ctx)[0] == 0:  # an old manifest must not vouch for files being rewritten
+        try:
+            os.makedirs(path, exist_ok=True)
+            if os.path.lexists(os.path.join(path, MANIFEST)):
+                os.remove(os.path.join(path, MANIFEST))
+        except OSError as exc:
+            error = f"cannot write checkpoint {path}: {exc}"
+    _agree(ctx, error)
     os.makedirs(path, exist_ok=True)
     dcp.save(state, checkpoint_id=path, no_dist=not ctx.distributed)
+    ctx.barrier()  # every rank's data and DCP's .metadata are written
+    _write_manifest(ctx, path)
 
 
 def _tied_twin(key: str, prefix: str, aliases: dict[str, str], available: set[str]) -> str | None:
@@ -84,6 +300,7 @@ def load(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    verify(ctx, path)  # before reading anything: incomplete, truncated, corrupted or extra files
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise HetplanError(f"{path} is not a complete checkpoint (no .metadata); pick another or retrain")
     reader = dcp.FileSystemReader(path)
@@ -177,15 +394,25 @@ def checkpoint_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def latest_checkpoint(root: str) -> tuple[str, int] | None:
-    """The newest complete ``root/step_N`` checkpoint and its step, or None."""
+def latest_checkpoint(root: str, note: Callable[[str], None] | None = None) -> tuple[str, int] | None:
+    """The newest complete ``root/step_N`` checkpoint (one with a manifest) and its step, or None.
+
+    Newer directories without a manifest (saves that did not finish) are
+    skipped, each with a note: ``note(text)``, by default printed on stderr.
+    Only the manifest's presence is checked here; :func:`load` verifies the files.
+    """
     if not os.path.isdir(root):
         return None
-    best = None
+    if note is None:
+        def note(text: str) -> None:
+            print(f"note: {text}", file=sys.stderr, flush=True)
+    steps = []
     for entry in os.listdir(root):
         m = _STEP_DIR.match(entry)
-        if m and os.path.exists(os.path.join(root, entry, ".metadata")):
-            step = int(m.group(1))
-            if best is None or step > best[1]:
-                best = (os.path.join(root, entry), step)
-    return best
+        if m and os.path.isdir(os.path.join(root, entry)):
+            steps.append((int(m.group(1)), os.path.join(root, entry)))
+    for step, path in sorted(steps, reverse=True):
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            return path, step
+        note(f"skipping checkpoint {path}: it is incomplete (no {MANIFEST}: its save did not finish)")
+    return None

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from typing import Any
 
-from hetplan.argtypes import positive_int
+from hetplan.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, positive_int
 from hetplan.errors import HetplanError
 
 # Largest relative difference --verify accepts, by precision. fp32: rounding
@@ -36,6 +36,15 @@ from hetplan.errors import HetplanError
 # parameter difference 1.3e-4 in bf16, 2.6e-5 in fp16. The bounds leave ~8x
 # room; a real error (a gradient missing or counted twice) is 1e-2 or more.
 VERIFY_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 2e-4}
+
+
+_TIMEOUT_HELP = ("seconds before a rank that stopped responding ends the run: the collective timeout, and the "
+                 "heartbeat names a stopped rank after 0.8 of it (default 300; env HETPLAN_PG_TIMEOUT_S)")
+
+
+def _timeout_env(args: argparse.Namespace) -> dict[str, str]:
+    """What passes ``--timeout`` to the processes (hetplan.runtime.init reads it)."""
+    return {"HETPLAN_PG_TIMEOUT_S": repr(args.timeout)} if getattr(args, "timeout", None) else {}
 
 
 def register(subparsers: Any) -> None:
@@ -53,13 +62,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="sgd (momentum 0.9, default) or adamw; --verify needs sgd (see docs/runtime.md)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
-    p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
+    p.add_argument("--lr", type=finite_positive_float, default=None,
+                   help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
+    p.add_argument("--clip", type=finite_nonneg_float, default=1.0,
+                   help="clip gradients to this global norm (0: off)")
     p.add_argument("--checkpoint-dir", default="", help="save a DCP checkpoint here every --checkpoint-every steps")
-    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=positive_int, default=None,
+                   help="steps between checkpoints (needs --checkpoint-dir; default: one at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--load", dest="load_from", default="", help="start from this checkpoint (saved under any plan)")
     p.add_argument("--out", default="", help="write summary.json (and state.pt with --verify) here")
+    p.add_argument("--timeout", type=finite_positive_float, default=None, metavar="SECONDS", help=_TIMEOUT_HELP)
     p.set_defaults(func=cmd_train)
 
     p = subparsers.add_parser("run", help="start a training script with a plan via torchrun (needs torch)")
@@ -68,6 +81,7 @@ def register(subparsers: Any) -> None:
                    help="print the torchrun command for every node instead of running")
     p.add_argument("--master-addr", default="NODE0_ADDRESS", help="address of the first node (multi-node)")
     p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--timeout", type=finite_positive_float, default=None, metavar="SECONDS", help=_TIMEOUT_HELP)
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     p.set_defaults(func=cmd_run)
 
@@ -89,7 +103,47 @@ def _child_env() -> dict[str, str]:
 
 
 # --- hetplan train -------------------------------------------------------------------------------
+def _check_writable_dir(flag: str, path: str) -> None:
+    """``path`` is a directory, or one can be made there (checked, not made)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise HetplanError(f"{flag} {path}: it exists and is not a directory; give a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise HetplanError(f"{flag} {path}: the directory is not writable; give another one")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise HetplanError(f"{flag} {path}: cannot create it, {parent} is not a directory; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HetplanError(f"{flag} {path}: cannot create it, {parent} is not writable; give another path")
+
+
+def check_train_flags(args: argparse.Namespace) -> None:
+    """The flags of ``hetplan train`` together, before any work (the types checked each one)."""
+    if args.resume and not args.checkpoint_dir:
+        raise HetplanError("--resume needs --checkpoint-dir (the directory whose newest checkpoint to continue from)")
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
+        raise HetplanError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
+    if args.resume and args.load_from:
+        raise HetplanError("--resume and --load exclude each other: --load starts from one checkpoint, "
+                           "--resume from the newest in --checkpoint-dir; give one")
+    if args.verify and args.load_from:
+        raise HetplanError("--verify compares a run from step 0; drop --load (or --verify)")
+    if args.verify and args.optimizer != "sgd":
+        raise HetplanError("--verify needs --optimizer sgd: Adam turns rounding noise into full-size steps "
+                           "(see docs/runtime.md)")
+    if args.load_from and not os.path.isdir(args.load_from):
+        raise HetplanError(f"--load {args.load_from}: no such checkpoint directory")
+    if args.out:
+        _check_writable_dir("--out", args.out)
+    if args.checkpoint_dir:
+        _check_writable_dir("--checkpoint-dir", args.checkpoint_dir)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    check_train_flags(args)
     _require_torch()
     import torch
 
@@ -105,14 +159,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         meta = build_preset_model(spec)
     preflight(layout, spec, meta)
     nodes = launch.plan_nodes(plan, cluster)
-    if args.verify and args.optimizer != "sgd":
-        raise HetplanError("--verify needs --optimizer sgd: Adam turns rounding noise into full-size steps "
-                           "(see docs/runtime.md)")
     n = layout.world_size
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
           f"{plan.global_batch_size} samples, {precision}, {n} process{'es' if n > 1 else ''}", flush=True)
     print(f"plan: {layout.describe()}", flush=True)
-    env = _child_env()
+    env = {**_child_env(), **_timeout_env(args)}
     if len(nodes) > 1:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
         env.update(HETPLAN_ONE_MACHINE="1", HETPLAN_DEVICE=env.get("HETPLAN_DEVICE", "cpu"))
         print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
@@ -204,15 +255,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "--" in script:  # options given after the plan file, before "--"
         cut = script.index("--")
         head, script = script[:cut], script[cut + 1:]
-        extra = argparse.ArgumentParser(prog="hetplan run", add_help=False)
+        extra = OneLineParser(prog="hetplan run", add_help=False)
         extra.add_argument("--print", dest="print_only", action="store_true")
         extra.add_argument("--master-addr", default=args.master_addr)
         extra.add_argument("--master-port", type=int, default=args.master_port)
+        extra.add_argument("--timeout", type=finite_positive_float, default=args.timeout)
         more, unknown = extra.parse_known_args(head)
         if unknown:
             raise HetplanError(f"unknown option(s) for 'hetplan run': {' '.join(unknown)}")
         args.print_only = args.print_only or more.print_only
         args.master_addr, args.master_port = more.master_addr, more.master_port
+        args.timeout = more.timeout
     if not script:
         raise HetplanError("no training script: use 'hetplan run plan.json -- train.py [args]'")
     plan_file = read_plan_file(args.plan_file)
@@ -220,7 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     nodes = launch.plan_nodes(plan, plan_file.cluster)
     if args.print_only or len(nodes) > 1:
         cmds = launch.torchrun_commands(plan, args.plan_file, script, args.master_addr, args.master_port,
-                                        cluster=plan_file.cluster)
+                                        cluster=plan_file.cluster, env=_timeout_env(args))
         n = sum(len(d) for _, d in nodes)
         print(f"# {n} processes on {len(nodes)} node{'s' if len(nodes) > 1 else ''}; run on each node:")
         for k, (node, cmd) in enumerate(cmds):
@@ -230,7 +283,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     _require_torch()
     n = len(nodes[0][1])
-    env = _child_env()
+    env = {**_child_env(), **_timeout_env(args)}
     env["HETPLAN_PLAN"] = os.path.abspath(args.plan_file)
     argv = launch.standalone_argv(n, script)
     return subprocess.call(argv, env=env)

@@ -40,12 +40,19 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
 from hetplan.runtime import clip_guard
+from hetplan.runtime import heartbeat as hb
 from hetplan.runtime import precision as mp
 from hetplan.runtime import parallelize as par
 from hetplan.runtime.chain import check_chain, example_inputs as known_example_inputs
 from hetplan.runtime.layout import PlanLayout, RankPosition
 
-DEFAULT_TIMEOUT_S = 1800.0
+# Collective / rendezvous timeout (init(timeout_s=...), `--timeout`, env HETPLAN_PG_TIMEOUT_S). 5 minutes:
+# longer than the legitimate waits of a healthy run -- other ranks waiting while one compiles its first
+# step (torch.compile) or loads a checkpoint -- and short enough that a wedged job is noticed within
+# minutes, not after 30 (torch's gloo default, and this constant's old value). Raise it for runs whose
+# first step or checkpoint load takes longer. The heartbeat (hetplan.runtime.heartbeat) names a stopped
+# rank after 0.8 of it.
+DEFAULT_TIMEOUT_S = 300.0
 
 # FSDP2 warns when a wrapped module returns a view (in-place ops on it would skip a hook);
 # the runtime never modifies outputs in place, and a model's logits are often a view.
@@ -116,6 +123,7 @@ class RuntimeContext:
         self._guarded_params: list[nn.Parameter] = []  # see hetplan.runtime.clip_guard
         self.precision = precision
         self.loss_scaler = mp.LossScaler() if precision == "fp16" else None
+        self._heartbeat: Any = None  # set by init for world > 1; stopped by close()
 
     # --- groups ------------------------------------------------------------------
     @property
@@ -615,6 +623,9 @@ class RuntimeContext:
         at interpreter exit ("terminate called without an active exception")."""
         clip_guard.release(self._guarded_params)
         self._guarded_params = []
+        if self._heartbeat is not None:  # before the process group (and maybe the store) goes
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.mesh = None
@@ -751,18 +762,20 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
     position = layout.position(rank)
     device = _pick_device(plan, cluster, position, notes)
     if timeout_s is None:
-        timeout_s = float(os.environ.get("HETPLAN_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        timeout_s = _env_timeout()
     if cluster is not None and not os.environ.get("HETPLAN_ONE_MACHINE"):  # set by `hetplan train`
         _check_node_placement(layout, cluster, rank)
     torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
     mesh = None
     tie_groups: dict[tuple[int, int, int, int], Any] = {}
     owns = False
+    heartbeat = None
     if layout.world_size > 1:
         if not already:
             be = backend or ("nccl" if device.type == "cuda" else "gloo")
             dist.init_process_group(be, timeout=datetime.timedelta(seconds=timeout_s))
             owns = True
+        heartbeat = hb.start(layout, rank, timeout_s)  # names a rank that stops responding (world > 1)
         from torch.distributed.device_mesh import DeviceMesh
 
         if layout.heterogeneous:  # one (dp, tp) mesh per stage; every rank builds all of them
@@ -774,7 +787,21 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
                               mesh_dim_names=("pp", "dp", "tp"))
         tie_groups = _make_tie_groups(layout, spec)
     ctx = RuntimeContext(plan, spec, layout, position, device, mesh, tie_groups, notes, owns, precision)
+    ctx._heartbeat = heartbeat
     return ctx
+
+
+def _env_timeout() -> float:
+    text = os.environ.get("HETPLAN_PG_TIMEOUT_S", "")
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise HetplanError(f"HETPLAN_PG_TIMEOUT_S={text!r}: the timeout must be a finite number of seconds > 0")
+    return value
 
 
 def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None) -> tuple[Plan, Any, Any, PlanLayout]:

@@ -60,14 +60,16 @@ def plan_nodes(plan: Any, cluster: Any = None) -> list[tuple[int, list[int]]]:
 
 
 def torchrun_commands(plan: Any, plan_path: str, script: Sequence[str], master_addr: str = "NODE0_ADDRESS",
-                      master_port: int = 29500, python: str | None = None, cluster: Any = None
-                      ) -> list[tuple[int, str]]:
-    """One shell command per node: (cluster node index, command)."""
+                      master_port: int = 29500, python: str | None = None, cluster: Any = None,
+                      env: dict[str, str] | None = None) -> list[tuple[int, str]]:
+    """One shell command per node: (cluster node index, command); ``env``: more
+    variables for the processes (e.g. HETPLAN_PG_TIMEOUT_S from ``--timeout``)."""
     nodes = plan_nodes(plan, cluster)
     python = python or sys.executable
     cmds = []
     for k, (node, devs) in enumerate(nodes):
-        parts = [f"HETPLAN_PLAN={shlex.quote(os.path.abspath(plan_path))}", shlex.quote(python), "-m",
+        parts = [f"HETPLAN_PLAN={shlex.quote(os.path.abspath(plan_path))}",
+                 *(f"{name}={shlex.quote(value)}" for name, value in (env or {}).items()), shlex.quote(python), "-m",
                  "torch.distributed.run", f"--nnodes={len(nodes)}", f"--node-rank={k}",
                  f"--nproc-per-node={len(devs)}", f"--master-addr={master_addr}", f"--master-port={master_port}"]
         parts += [shlex.quote(s) for s in script]

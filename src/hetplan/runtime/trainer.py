@@ -59,11 +59,15 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     if cfg.load_from:
         start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
     elif cfg.resume and cfg.checkpoint_dir:
-        found = ck.latest_checkpoint(cfg.checkpoint_dir)
+        # newest checkpoint with a manifest (newer incomplete ones: a note on rank 0's stderr);
+        # ctx.load verifies its files on every rank before reading them
+        found = ck.latest_checkpoint(cfg.checkpoint_dir, note=lambda t: ctx.print(f"note: {t}", file=sys.stderr))
         if found:
             start = int(ctx.load(found[0], model, opt).get("step", found[1]))
             if not cfg.quiet:
                 ctx.print(f"resumed from {found[0]} (step {start})")
+        elif not cfg.quiet:
+            ctx.print(f"note: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0", file=sys.stderr)
     losses, times = [], []
     for step in range(start, cfg.steps):
         x, y = synthetic_batch(spec.vocab_size, spec.seq_len, plan.global_batch_size, step, cfg.seed)
