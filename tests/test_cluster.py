@@ -97,7 +97,7 @@ def test_yaml_round_trip_with_matrix(tmp_path) -> None:  # type: ignore[no-untyp
 
 
 @pytest.mark.parametrize("text, message", [
-    ("nodes: [", "not valid YAML at line"),
+    ("nodes: [", r"not valid YAML: .*\(line 2\)"),
     ("- 1\n- 2", "expected a mapping"),
     ("nodes: []", "non-empty list"),
     ("nodes:\n  - gpu: T4\n    gpus: 4", "missing 'intra_node_bandwidth_gbps'"),

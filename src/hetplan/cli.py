@@ -21,28 +21,32 @@ import time
 from typing import Any, Sequence
 
 from hetplan import __version__
-from hetplan.argtypes import gpu_prices, positive_int, token_count
+from hetplan.argtypes import EXIT_USAGE, OneLineParser, at_most, gpu_prices, positive_int, token_count
 from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
+from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
 from hetplan.runtime import cli as runtime_cli
 
 DEFAULT_MODEL = "gpt2-amp"
 DEFAULT_CLUSTER = "amp-heterogeneous"
 DEFAULT_GLOBAL_BATCH = 32
 DEFAULT_PLANNER = "auto"
-EXIT_USAGE = 2
+
+
+_batch = at_most(MAX_GLOBAL_BATCH)
+_degree = at_most(MAX_GPUS)
 
 
 def _global_batch(text: str) -> int | str:
     if text == "auto":
         return "auto"
-    return positive_int(text)
+    return _batch(text)
 
 
 def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> None:
     p.add_argument("--model", default=None, help=f"preset name, HF config.json or ModelSpec .json (default {DEFAULT_MODEL})")
     p.add_argument("--cluster", default=None, help=f"preset name, NxGPU, or cluster .yaml (default {DEFAULT_CLUSTER})")
-    p.add_argument("--global-batch", type=_global_batch if batch_auto else positive_int, default=None,
+    p.add_argument("--global-batch", type=_global_batch if batch_auto else _batch, default=None,
                    help=f"samples per step (default {DEFAULT_GLOBAL_BATCH})" + ("; 'auto' lets batch-searching "
                                                                                  "planners choose" if batch_auto else ""))
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length for HF configs")
@@ -67,8 +71,7 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hetplan", description="Plan and run parallel training on "
-                                     "heterogeneous GPU clusters.")
+    parser = OneLineParser(prog="hetplan", description="Plan and run parallel training on heterogeneous GPU clusters.")
     parser.add_argument("--version", action="version", version=f"hetplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -90,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan_file", nargs="?", default=None, help="plan JSON from 'hetplan plan --json'")
     p.add_argument("--index", type=positive_int, default=1, help="which plan of a ranked file (1 = best)")
     _add_workload_args(p, batch_auto=False)
-    p.add_argument("--tp", type=positive_int, default=None)
-    p.add_argument("--pp", type=positive_int, default=None)
-    p.add_argument("--dp", type=positive_int, default=None)
-    p.add_argument("--micro-batch", type=positive_int, default=None, help="samples per dp replica per micro-batch")
+    p.add_argument("--tp", type=_degree, default=None)
+    p.add_argument("--pp", type=_degree, default=None)
+    p.add_argument("--dp", type=_degree, default=None)
+    p.add_argument("--micro-batch", type=_batch, default=None, help="samples per dp replica per micro-batch")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -157,7 +160,8 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
         cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
     saved = plan_file.settings if plan_file is not None else {}
     gbs = global_batch if global_batch is not None else (args.global_batch or DEFAULT_GLOBAL_BATCH)
-    limit = parse_memory_size(args.memory_limit) if args.memory_limit else saved.get("memory_limit_bytes", 0)
+    limit = parse_memory_size(args.memory_limit) if args.memory_limit is not None \
+        else saved.get("memory_limit_bytes", 0)
     profile = load_profile(args.profile) if args.profile else None
     return Workload(model, cluster, gbs, optimizer=args.optimizer or saved.get("optimizer", ""),
                     memory_limit_bytes=limit,
@@ -310,7 +314,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     auto = args.global_batch == "auto"
     workload = load_workload(args, global_batch=1 if auto else None)
-    names = [n.strip() for n in args.planners.split(",")] if args.planners else planner_names()
+    names = planner_names() if args.planners is None else [n.strip() for n in args.planners.split(",")]
+    if not all(names):
+        raise HetplanError(f"--planners {args.planners!r} names an empty planner; give names separated by commas "
+                           "(see 'hetplan planners'), or leave --planners out for all")
     rows_json, results = [], []
     for name in names:
         planner = get_planner(name)

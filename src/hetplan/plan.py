@@ -18,11 +18,14 @@ An :class:`Estimate` is the cost model's prediction for one Plan.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from hetplan import fields
 from hetplan.errors import HetplanError
+from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 RECOMPUTE = ("none", "selective", "full")
@@ -204,50 +207,92 @@ class Plan:
         return data
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> Plan:
-        """Inverse of to_dict; malformed data raises HetplanError."""
-        if not isinstance(data, dict):
-            raise HetplanError("a plan must be a JSON object")
-        try:
-            stages = tuple(
-                Stage(
-                    layers=tuple(int(x) for x in s["layers"]),
-                    devices=tuple(int(x) for x in s["devices"]),
-                    dp=int(s["dp"]),
-                    tp=int(s["tp"]),
-                    dp_split=tuple(int(x) for x in s["dp_split"]),
-                    strategies=tuple(LayerStrategy(**st) for st in s["strategies"]),
-                    sequence_parallel=bool(s.get("sequence_parallel", False)),
-                )
-                for s in data["stages"]
-            )
-            return Plan(
-                model=str(data["model"]),
-                cluster=str(data["cluster"]),
-                global_batch_size=int(data["global_batch_size"]),
-                micro_batch_size=_micro_batch_total(data),
-                num_micro_batches=int(data["num_micro_batches"]),
-                schedule=str(data["schedule"]),
-                stages=stages,
-                planner=str(data.get("planner", "")),
-                virtual_stages=int(data.get("virtual_stages", 1)),
-                notes=tuple(data.get("notes", ())),
-            )
-        except KeyError as exc:
-            raise HetplanError(f"plan is missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise HetplanError(f"plan has a malformed field: {exc}") from None
+    def from_dict(data: Any) -> Plan:
+        """Inverse of to_dict. Every field is read with its exact type and an
+        unknown key is refused (hetplan.fields): a plan is never trained or
+        costed other than as written."""
+        plan = fields.mapping("plan", data, _PLAN_KEYS, _PLAN_REQUIRED)
+        stages = fields.listing("plan.stages", plan["stages"], MAX_GPUS)
+        notes = fields.listing("plan.notes", plan.get("notes", []))
+        result = Plan(
+            model=fields.text("plan.model", plan["model"]),
+            cluster=fields.text("plan.cluster", plan["cluster"]),
+            global_batch_size=fields.whole("plan.global_batch_size", plan["global_batch_size"],
+                                           maximum=MAX_GLOBAL_BATCH),
+            micro_batch_size=_micro_batch_total(plan),
+            num_micro_batches=fields.whole("plan.num_micro_batches", plan["num_micro_batches"],
+                                           maximum=MAX_GLOBAL_BATCH),
+            schedule=fields.text("plan.schedule", plan["schedule"], SCHEDULES),
+            stages=tuple(_stage_from_dict(f"plan.stages[{j}]", s) for j, s in enumerate(stages)),
+            planner=fields.text("plan.planner", plan.get("planner", "")),
+            virtual_stages=fields.whole("plan.virtual_stages", plan.get("virtual_stages", 1)),
+            notes=tuple(fields.text(f"plan.notes[{k}]", n) for k, n in enumerate(notes)),
+        )
+        _check_per_replica(plan, result)
+        return result
 
     def with_changes(self, **changes: Any) -> Plan:
         return replace(self, **changes)
 
 
-def _micro_batch_total(data: dict[str, Any]) -> int:
+_PLAN_KEYS = ("model", "cluster", "global_batch_size", "micro_batch_size", "micro_batch_total", "num_micro_batches",
+              "schedule", "stages", "planner", "virtual_stages", "notes")
+_PLAN_REQUIRED = ("model", "cluster", "global_batch_size", "num_micro_batches", "schedule", "stages")
+_STAGE_KEYS = ("layers", "devices", "dp", "tp", "dp_split", "strategies", "sequence_parallel")
+_STRATEGY_KEYS = ("zero", "recompute", "tp")
+
+
+def _micro_batch_total(data: Mapping[str, Any]) -> int:
     """Plans written before ``micro_batch_total`` existed (plan files of format
-    1 and 2) stored the total under ``micro_batch_size``."""
-    if "micro_batch_total" in data:
-        return int(data["micro_batch_total"])
-    return int(data["micro_batch_size"])
+    1 and 2) stored the total under ``micro_batch_size`` (now per replica, and
+    null where replicas' shares differ)."""
+    key = "micro_batch_total" if "micro_batch_total" in data else "micro_batch_size"
+    if key not in data:
+        raise HetplanError("plan: missing 'micro_batch_total'")
+    return fields.whole(f"plan.{key}", data[key], maximum=MAX_GLOBAL_BATCH)
+
+
+def _check_per_replica(data: Mapping[str, Any], plan: Plan) -> None:
+    """Since format 3 ``micro_batch_size`` is per replica and only written out:
+    an edit of it (rather than of ``micro_batch_total`` and ``dp_split``) would
+    be ignored, so it must agree."""
+    if "micro_batch_total" not in data or "micro_batch_size" not in data:
+        return
+    given = data["micro_batch_size"]
+    if given is not None:
+        given = fields.whole("plan.micro_batch_size", given, maximum=MAX_GLOBAL_BATCH)
+    if given != plan.micro_batch_per_replica:
+        raise HetplanError(f"plan.micro_batch_size is {given} per replica (null: shares differ), but micro_batch_total "
+                           f"{plan.micro_batch_size} over the stages' dp_split gives {plan.micro_batch_per_replica}; "
+                           "change micro_batch_total and dp_split (or make the plan again with hetplan)")
+
+
+def _whole_list(where: str, value: Any, minimum: int) -> tuple[int, ...]:
+    items = fields.listing(where, value, MAX_GPUS)
+    return tuple(fields.whole(f"{where}[{k}]", x, minimum, MAX_GLOBAL_BATCH) for k, x in enumerate(items))
+
+
+def _stage_from_dict(where: str, data: Any) -> Stage:
+    stage = fields.mapping(where, data, _STAGE_KEYS, _STAGE_KEYS[:-1])
+    strategies = fields.listing(f"{where}.strategies", stage["strategies"], MAX_GPUS)
+    return Stage(
+        layers=_whole_list(f"{where}.layers", stage["layers"], 0),
+        devices=_whole_list(f"{where}.devices", stage["devices"], 0),
+        dp=fields.whole(f"{where}.dp", stage["dp"], maximum=MAX_GPUS),
+        tp=fields.whole(f"{where}.tp", stage["tp"], maximum=MAX_GPUS),
+        dp_split=_whole_list(f"{where}.dp_split", stage["dp_split"], 0),
+        strategies=tuple(_strategy_from_dict(f"{where}.strategies[{k}]", st) for k, st in enumerate(strategies)),
+        sequence_parallel=fields.flag(f"{where}.sequence_parallel", stage.get("sequence_parallel", False)),
+    )
+
+
+def _strategy_from_dict(where: str, data: Any) -> LayerStrategy:
+    st = fields.mapping(where, data, _STRATEGY_KEYS)
+    zero = fields.whole(f"{where}.zero", st.get("zero", 0), 0)
+    if zero not in ZERO_STAGES:
+        raise HetplanError(f"{where}.zero must be one of {ZERO_STAGES}, got {zero}")
+    return LayerStrategy(zero=zero, recompute=fields.text(f"{where}.recompute", st.get("recompute", "none"), RECOMPUTE),
+                         tp=fields.whole(f"{where}.tp", st.get("tp", 0), 0, MAX_GPUS))
 
 
 def _group_runs(values: Sequence[Any]) -> list[tuple[Any, int]]:
@@ -321,6 +366,26 @@ class Estimate:
     fits: bool
     stages: tuple[StageEstimate, ...] = field(default=())
     lower_bound_s: float = 0.0  # no plan of the workload is faster (cost/bounds.py)
+
+    TIME_PARTS = ("compute_s", "bubble_s", "p2p_s", "dp_sync_s", "tp_comm_s", "recompute_s", "optimizer_s")
+
+    def checked(self) -> Estimate:
+        """This estimate with rounding noise clamped (a bubble of -2e-19 s is a
+        difference of two equal sums): every time, rate, MFU and byte count
+        finite and >= 0, the parts adding up to the total. Anything else is a
+        bug in the cost model, and raised as one (never printed as a number)."""
+        total = self.iteration_time_s
+        noise = 1e-9 * total if math.isfinite(total) else 0.0
+        numbers = {name: getattr(self, name) for name in (*self.TIME_PARTS, "iteration_time_s", "samples_per_s",
+                                                           "tokens_per_s", "mfu", "lower_bound_s")}
+        bad = {k: v for k, v in numbers.items() if not math.isfinite(v) or v < -noise}
+        bad.update({f"memory of GPU {d}": m for d, m in self.peak_memory_bytes.items() if m < 0})
+        if bad or not total > 0:
+            raise RuntimeError(f"cost model bug: the estimate has impossible numbers {bad or {'total': total}}")
+        parts = sum(max(0.0, numbers[k]) for k in self.TIME_PARTS)
+        if abs(parts - total) > 1e-6 * total:
+            raise RuntimeError(f"cost model bug: the parts of the step add up to {parts!r} s, not {total!r} s")
+        return replace(self, **{k: 0.0 for k, v in numbers.items() if v < 0})
 
     @property
     def bound_gap(self) -> float | None:

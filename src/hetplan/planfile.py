@@ -31,9 +31,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetplan import fields
+from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError
-from hetplan.jsonfile import read_json
 from hetplan.plan import Plan
+from hetplan.userfiles import read_json
 
 PLAN_FILE_VERSION = 3
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "memory_limit_bytes", "overlap_grad_sync")
@@ -51,11 +53,21 @@ class PlanFile:
     version: int = 1
 
     def plan(self, index: int = 1) -> Plan:
-        """The ``index``-th plan (1 = the best)."""
+        """The ``index``-th plan (1 = the best), checked against the model and
+        cluster the file embeds (a format-1 file's plan is checked by its user,
+        once the model and cluster are known by name)."""
         if not 1 <= index <= len(self.plans):
             raise HetplanError(f"plan file {self.path} holds {len(self.plans)} plan(s); use --index 1.."
                                f"{len(self.plans)}")
-        return self.plans[index - 1]
+        plan = self.plans[index - 1]
+        if self.model is not None and self.cluster is not None:
+            from hetplan.validate import validate_plan
+
+            try:
+                validate_plan(plan, self.model, self.cluster)
+            except HetplanError as exc:
+                raise HetplanError(f"plan file {self.path}, plan {index}: {exc}") from None
+        return plan
 
 
 def workload_record(workload: Any) -> dict[str, Any]:
@@ -77,30 +89,65 @@ def read_plan_file(path: str | os.PathLike[str]) -> PlanFile:
 
     path = os.fspath(path)
     data = read_json(path, "plan file", "fix or regenerate it")
-    version = int(data.get("format_version", 1)) if isinstance(data, dict) else 1
-    if version > PLAN_FILE_VERSION:
-        raise HetplanError(f"plan file {path} has format {version}, newer than this hetplan reads "
-                           f"({PLAN_FILE_VERSION}); upgrade hetplan")
-    plans = tuple(Plan.from_dict(entry) for entry in _plan_entries(data, path))
-    model = cluster = None
-    if isinstance(data, dict) and data.get("model_spec") is not None:
-        model = ModelSpec.from_dict(data["model_spec"])
-    if isinstance(data, dict) and data.get("cluster_spec") is not None:
-        cluster = cluster_from_dict(data["cluster_spec"], f"plan file {path}")
-    settings = dict(data.get("settings") or {}) if isinstance(data, dict) else {}
-    unknown = sorted(set(settings) - set(SETTING_KEYS))
-    if unknown:
-        raise HetplanError(f"plan file {path}: unknown setting(s) {', '.join(unknown)}")
-    return PlanFile(path, plans, model, cluster, settings, version)
+    try:
+        return _plan_file(path, data)
+    except HetplanError as exc:
+        raise HetplanError(f"plan file {path}: {exc}") from None
 
 
-def _plan_entries(data: Any, path: str) -> list[dict[str, Any]]:
+def _plan_file(path: str, data: Any) -> PlanFile:
+    from hetplan.cluster import cluster_from_dict
+    from hetplan.model.spec import ModelSpec
+
     if isinstance(data, dict) and "plans" in data:
-        data = data["plans"]
-    entries = data if isinstance(data, list) else [data]
+        top = fields.mapping("the file", data, _FILE_KEYS, ("plans",))
+        version = fields.whole("format_version", top.get("format_version", 1))
+        if version > PLAN_FILE_VERSION:
+            raise HetplanError(f"format {version} is newer than this hetplan reads ({PLAN_FILE_VERSION}); "
+                               "upgrade hetplan")
+        entries = fields.listing("plans", top["plans"])
+        if "planner" in top:
+            fields.text("planner", top["planner"])
+        if "search_time_s" in top:
+            fields.number("search_time_s", top["search_time_s"], 0.0, strict=False)
+    else:  # one plan, or one {"plan": ..., "estimate": ...} entry, or a list of them (format 1)
+        top, version = {}, 1
+        entries = data if isinstance(data, list) else [data]
     if not entries:
-        raise HetplanError(f"plan file {path} holds no plans")
-    return [e["plan"] if isinstance(e, dict) and "plan" in e else e for e in entries]
+        raise HetplanError("holds no plans")
+    plans = tuple(Plan.from_dict(_plan_of(f"plans[{k}]", e)) for k, e in enumerate(entries))
+    model = ModelSpec.from_dict(top["model_spec"], "model_spec") if top.get("model_spec") is not None else None
+    cluster = cluster_from_dict(top["cluster_spec"], "cluster_spec") if top.get("cluster_spec") is not None else None
+    return PlanFile(path, plans, model, cluster, _settings(top.get("settings") or {}), version)
+
+
+# "planner" and "search_time_s": what 'hetplan plan --json' adds about the search
+_FILE_KEYS = ("format_version", "plans", "model_spec", "cluster_spec", "settings", "planner", "search_time_s")
+_ENTRY_KEYS = ("plan", "estimate", "planner_cost_s", "training")
+
+
+def _plan_of(where: str, entry: Any) -> Any:
+    """The plan of a ranked entry ({"plan": ..., "estimate": ...}) or a bare plan."""
+    if isinstance(entry, dict) and "plan" in entry:
+        entry = fields.mapping(where, entry, _ENTRY_KEYS)
+        if "planner_cost_s" in entry:
+            fields.number(f"{where}.planner_cost_s", entry["planner_cost_s"], 0.0, strict=False)
+        return entry["plan"]
+    return entry
+
+
+def _settings(data: Any) -> dict[str, Any]:
+    """The workload settings, each with its exact type (a typo is an error, not a default)."""
+    raw = fields.mapping("settings", data, SETTING_KEYS)
+    readers = {
+        "precision": lambda w, v: fields.text(w, v, ("", *PRECISION_BYTES)),
+        "optimizer": fields.text,
+        "fp8": fields.flag,
+        "zero_implementation": lambda w, v: fields.text(w, v, ZERO_IMPLEMENTATIONS),
+        "memory_limit_bytes": lambda w, v: fields.whole(w, v, 0),
+        "overlap_grad_sync": fields.flag,
+    }
+    return {key: readers[key](f"settings.{key}", value) for key, value in raw.items()}
 
 
 def resolve_model(pf: PlanFile, override: Any = None, seq_len: int | None = None,

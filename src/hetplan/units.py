@@ -25,23 +25,33 @@ def gbps_to_bytes_per_s(gbps: float) -> float:
     return gbps * 1e9 / 8.0
 
 
+# Smaller than any accelerator's memory by 16x (the smallest in the catalog
+# hold 16 GiB; a CPU process in the runtime tests a few); a limit below it is a
+# slip such as "0.5" meant as GB.
+MIN_MEMORY_LIMIT_BYTES = 2**20
+
+
 def parse_memory_size(text: str | int | float) -> int:
     """Parse '8GB', '12 GiB', '16g' or a byte count into bytes.
 
     GPU memory is quoted in binary units ("24 GB" cards hold 24 GiB), so GB and
-    GiB both mean 2**30 here, as in the papers' memory budgets.
+    GiB both mean 2**30 here, as in the papers' memory budgets. Text needs its
+    unit: "0.5" could mean bytes or GB, and read as bytes it is no limit at all.
     """
-    if isinstance(text, (int, float)):
-        if text <= 0:
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if not text > 0 or text == float("inf"):
             raise HetplanError(f"memory size must be positive, got {text}")
         return int(text)
     match = _SIZE.match(str(text))
     if not match:
         raise HetplanError(f"cannot read memory size {text!r}: write e.g. '8GB' or '16GiB'")
     value, unit = float(match.group(1)), (match.group(2) or "").lower()
-    if value <= 0:
-        raise HetplanError(f"memory size must be positive, got {text!r}")
-    return int(value * _FACTORS[unit])
+    if not unit:
+        raise HetplanError(f"memory size {text!r} has no unit: write e.g. '{text.strip()}GB' or '{text.strip()}MB'")
+    size = int(value * _FACTORS[unit])
+    if size < MIN_MEMORY_LIMIT_BYTES:
+        raise HetplanError(f"memory size {text!r} is {size:,} bytes, below 1 MiB: is the unit right?")
+    return size
 
 
 def format_bytes(num_bytes: float) -> str:

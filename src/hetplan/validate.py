@@ -37,6 +37,21 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, check_name
         raise InvalidPlanError(
             f"stages cover layers 0-{expected - 1}, but the model has {model.num_layers} layers"
         )
+    _check_virtual_stages(plan)
+
+
+def _check_virtual_stages(plan: Plan) -> None:
+    """Each of a stage's ``v`` model chunks needs a layer: with fewer, the cost
+    model would divide the pipeline bubble by chunks that cannot exist."""
+    if plan.virtual_stages == 1:
+        return
+    if plan.schedule != "interleaved-1f1b":
+        raise InvalidPlanError(f"virtual_stages = {plan.virtual_stages} needs the interleaved-1f1b schedule, "
+                               f"not {plan.schedule}")
+    fewest = min(s.num_layers for s in plan.stages)
+    if fewest < plan.virtual_stages:
+        raise InvalidPlanError(f"virtual_stages = {plan.virtual_stages}, but a stage has only {fewest} layer(s) "
+                               "to cut into that many chunks; use at most that many virtual stages")
 
 
 def _check_batches_and_schedule(plan: Plan) -> None:
@@ -66,9 +81,10 @@ def _check_layers(where: str, stage: Stage, model: ModelSpec, expected: int) -> 
     if not stage.layers:
         raise InvalidPlanError(f"{where} has no layers")
     for index in stage.layers:
+        if index >= model.num_layers or index < 0:
+            raise InvalidPlanError(f"{where} names layer {index}, but the model has {model.num_layers} "
+                                   f"(0-{model.num_layers - 1})")
         if index != expected:
-            if index >= model.num_layers or index < 0:
-                raise InvalidPlanError(f"{where} names layer {index}, but the model has {model.num_layers}")
             raise InvalidPlanError(
                 f"{where} starts or continues at layer {index}, expected layer {expected}: "
                 "stages must cover the layers in order, each exactly once"

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from hetplan.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES, check_at_most
 from hetplan.cluster.catalog import (
     GPU_CATALOG, TERA, GPUSpec, find_catalog_gpu, get_gpu, in_si, in_units, is_catalog_gpu, normalise_gpu_name,
     power_capped,
@@ -50,6 +51,7 @@ from hetplan.cluster.catalog import (
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.errors import HetplanError
 from hetplan.units import GIB
+from hetplan.userfiles import read_yaml
 
 _TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types"}
 _NODE_KEYS = {"gpu", "gpus", "intra_node_bandwidth_gbps", "count", "inter_node_bandwidth_gbps", "memory_gb", "name",
@@ -83,6 +85,16 @@ def _number(where: str, value: Any, positive: bool = True, zero_ok: bool = False
     if positive and not zero_ok and value <= 0:
         raise HetplanError(f"{where} must be positive, got {value}")
     return float(value)
+
+
+def _text(where: str, value: Any) -> str:
+    """A name or description: plain text (a number is taken as its text), never a list or mapping."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise HetplanError(f"{where} must be text, got {type(value).__name__}")
+    text = str(value).strip()
+    if not text or len(text) > 1000 or not text.isprintable():
+        raise HetplanError(f"{where} must be one line of 1 to 1000 printable characters")
+    return text
 
 
 def _mapping(where: str, value: Any, what: str) -> dict[Any, Any]:
@@ -215,7 +227,7 @@ def gpu_types_from_dict(data: Any, source: str = "cluster") -> dict[str, GPUSpec
 def _node_gpu(where: str, nd: Mapping[str, Any], custom: Mapping[str, GPUSpec]) -> GPUSpec:
     """A node's GPU: a file-defined or catalog type, with its per-node overrides."""
     try:
-        spec = get_gpu(str(nd["gpu"]), custom)
+        spec = get_gpu(_text(f"{where}.gpu", nd["gpu"]), custom)
     except HetplanError as exc:
         raise HetplanError(f"{where}.gpu: {exc}") from None
     if "overrides" not in nd:
@@ -244,6 +256,7 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> ClusterSpec:
     nodes_data = data.get("nodes")
     if not isinstance(nodes_data, list) or not nodes_data:
         raise HetplanError(f"{source}: 'nodes' must be a non-empty list of nodes")
+    _check_cluster_size(source, nodes_data)
     nodes: list[NodeSpec] = []
     for i, nd in enumerate(nodes_data):
         nodes += _nodes(f"{source}: nodes[{i}]", nd, custom, len(nodes))
@@ -259,10 +272,27 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> ClusterSpec:
             raise HetplanError(f"{source}: bandwidth_matrix_gbps must be a list of rows")
         matrix = tuple(tuple(_number(f"{source}: bandwidth_matrix_gbps[{i}]", v, positive=False) for v in row)
                        for i, row in enumerate(matrix))
-    cluster = ClusterSpec(str(data.get("name", source)), tuple(nodes), inter, matrix,
-                          description=str(data.get("description", f"from {source}")))
+    cluster = ClusterSpec(_text(f"{source}: name", data.get("name", source)), tuple(nodes), inter, matrix,
+                          description=_text(f"{source}: description", data.get("description", f"from {source}")))
     _check_name_is_not_a_preset(cluster, source)
     return cluster
+
+
+def _check_cluster_size(source: str, nodes_data: list[Any]) -> None:
+    """Count GPUs and nodes from the entries, before any node is built."""
+    gpus = nodes = 0
+    for i, nd in enumerate(nodes_data):
+        if not isinstance(nd, dict):
+            continue  # _nodes says what is wrong with it
+        where = f"{source}: nodes[{i}]"
+        per_node = _number(f"{where}.gpus", nd.get("gpus", 1))
+        count = _number(f"{where}.count", nd.get("count", 1))
+        check_at_most(f"{where}.gpus", per_node, MAX_GPUS_PER_NODE, "give one entry per node (count: N for many)")
+        check_at_most(f"{where}.count", count, MAX_NODES, "is the number right?")
+        nodes += int(count)
+        gpus += int(count) * int(per_node)
+    check_at_most(f"{source}: nodes (count included)", nodes, MAX_NODES, "is the cluster right?")
+    check_at_most(f"{source}: GPUs in the cluster", gpus, MAX_GPUS, "is the cluster right?")
 
 
 def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int) -> list[NodeSpec]:
@@ -284,7 +314,7 @@ def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int)
     gpu = _node_gpu(where, nd, custom)
     nodes = []
     for k in range(int(count)):
-        label = str(nd.get("name", f"node{first_index + k}"))
+        label = _text(f"{where}.name", nd.get("name", f"node{first_index + k}"))
         if count > 1:
             label = f"{label}-{k}"
         nodes.append(NodeSpec(gpu, int(gpus), intra, inter, memory, label))
@@ -309,15 +339,7 @@ def _check_name_is_not_a_preset(cluster: ClusterSpec, source: str) -> None:
 def load_cluster_yaml(path: str | os.PathLike[str]) -> ClusterSpec:
     """Read a cluster YAML file; any problem is one HetplanError line."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        raise HetplanError(f"cannot read cluster file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise HetplanError(f"cluster file {path} is not valid YAML{where}: fix the syntax") from None
+    data = read_yaml(path, "cluster file")
     name = os.path.splitext(os.path.basename(path))[0]
     if isinstance(data, dict) and "name" not in data:
         data = {**data, "name": name}

@@ -11,6 +11,7 @@ from typing import Callable
 from hetplan.cluster.catalog import get_gpu
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.errors import HetplanError
+from hetplan.limits import MAX_GPUS, MAX_LOCAL_PROCESSES, check_at_most
 
 # Link speeds per direction, Gbit/s.
 PCIE3_X16_GBPS = 126.0  # PCI-SIG PCIe 3.0: 8 GT/s x16 lanes, 128b/130b = 15.75 GB/s
@@ -208,6 +209,7 @@ def homogeneous_cluster(num_gpus: int, gpu_type: str, gpus_per_node: int = 8) ->
     gpu = get_gpu(gpu_type)
     if num_gpus <= 0:
         raise HetplanError(f"cluster size must be positive, got {num_gpus}")
+    check_at_most("GPUs in the cluster", num_gpus, MAX_GPUS, "is the number right?")
     per_node = min(gpus_per_node, num_gpus)
     if num_gpus % per_node:
         raise HetplanError(f"{num_gpus} GPUs do not fill nodes of {per_node}; use a multiple of {per_node}")
@@ -222,9 +224,20 @@ def local_cpu_cluster(num_processes: int) -> ClusterSpec:
     """N CPU processes on this machine (gloo): for the runtime's tests."""
     if num_processes <= 0:
         raise HetplanError("local-cpu-N needs N >= 1")
+    check_at_most("local-cpu-N processes", num_processes, MAX_LOCAL_PROCESSES,
+                  "they all run on this machine: use fewer")
     node = NodeSpec("CPU", num_processes, LOCAL_LOOPBACK_GBPS, name="localhost")
     return ClusterSpec(f"local-cpu-{num_processes}", (node,), LOCAL_LOOPBACK_GBPS,
                        description=f"{num_processes} CPU processes on this machine (gloo)")
+
+
+def _whole(digits: str, what: str, limit: int) -> int:
+    """The count a name spells, refused past ``limit`` before it is even parsed
+    (Python refuses to parse integers of more than 4,300 digits)."""
+    if len(digits) > len(str(limit)):
+        raise HetplanError(f"{what} = {digits[:12]}{'...' if len(digits) > 12 else ''} is above hetplan's "
+                           f"limit of {limit:,}; is the number right?")
+    return int(digits)
 
 
 def cluster_names() -> list[str]:
@@ -243,9 +256,9 @@ def get_cluster(name: str) -> ClusterSpec:
     if name in _PRESETS:
         return _PRESETS[name][0]()
     if m := _LOCAL_CPU.match(name):
-        return local_cpu_cluster(int(m.group(1)))
+        return local_cpu_cluster(_whole(m.group(1), "local-cpu-N processes", MAX_LOCAL_PROCESSES))
     if m := _GENERIC.match(name):
-        return homogeneous_cluster(int(m.group(1)), m.group(2))
+        return homogeneous_cluster(_whole(m.group(1), "GPUs in the cluster", MAX_GPUS), m.group(2))
     raise HetplanError(
         f"unknown cluster preset {name!r}; run 'hetplan clusters' to list presets, "
         "use the form 64xA100-80GB, or pass a cluster .yaml path"

@@ -153,4 +153,4 @@ class CostModel:
             fits=all(peak[d] <= capacity[d] for d in peak),
             stages=tuple(stage_estimates),
             lower_bound_s=self.lower_bound_s(),
-        )
+        ).checked()

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import numbers
 import os
 import warnings
 from dataclasses import replace
@@ -63,7 +65,7 @@ from hetplan.model.layers import (
     lm_head_layer,
     transformer_block,
 )
-from hetplan.model.spec import LayerSpec, ModelSpec
+from hetplan.model.spec import MAX_LAYERS, MAX_PARAMS, MAX_SEQ_LEN, LayerSpec, ModelSpec, show_number
 from hetplan.model.trace import make_layer
 
 _FAMILIES = {
@@ -130,6 +132,34 @@ DEFAULT_SEQ_LEN = 4096
 # arXiv:1909.05858). RoPE scaling's original_max_position_embeddings (Llama
 # 3.1: 8192, DeepSeek-V3: 4096) is the length before long-context extension.
 _TRAINING_LENGTH_FIELDS = ("seq_length", "max_seq_len", "max_sequence_length", "n_ctx")
+# Numeric config fields checked before transformers sees the config (any
+# model type; absent or null fields are left to transformers' defaults,
+# except the shape fields a family requires, _REQUIRED): a boolean, a string,
+# a fraction, NaN or a value below the minimum is refused naming the key.
+# Layer counts are also held to MAX_LAYERS: transformers builds every layer,
+# even on the meta device, so 10^5 layers would take minutes.
+_LAYER_COUNT_FIELDS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers", "n_layers",
+                       "encoder_layers", "decoder_layers")
+_HIDDEN_FIELDS = ("n_embd", "hidden_size", "d_model")
+_INT_FIELDS: dict[str, int] = {  # field: minimum
+    **{key: 1 for key in _LAYER_COUNT_FIELDS + _HIDDEN_FIELDS + _TRAINING_LENGTH_FIELDS},
+    **{key: 1 for key in (
+        "n_head", "num_attention_heads", "num_heads", "num_key_value_heads", "intermediate_size", "n_inner", "d_ff",
+        "d_kv", "head_dim", "vocab_size", "max_position_embeddings", "n_positions", "moe_intermediate_size",
+        "num_local_experts", "num_experts_per_tok", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step")},
+    **{key: 0 for key in ("num_experts", "shared_expert_intermediate_size", "n_shared_experts",
+                          "first_k_dense_replace", "type_vocab_size")},
+}
+_FLOAT_FIELDS: dict[str, tuple[float, float, bool]] = {  # field: (low, high, low allowed)
+    **{key: (0.0, 1.0, True) for key in (
+        "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+        "dropout_rate", "attention_dropout", "hidden_dropout")},
+    **{key: (0.0, math.inf, False) for key in ("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta")},
+}
+# Model types whose head width is not hidden / heads when a config leaves
+# head_dim out (Qwen3: 128; DeepSeek: latent attention's own widths).
+_OWN_HEAD_DIM = ("qwen3", "deepseek_v2", "deepseek_v3")
 
 
 def _import_transformers() -> tuple[Any, Any]:
@@ -143,18 +173,24 @@ def _import_transformers() -> tuple[Any, Any]:
     return torch, transformers
 
 
-def load_hf_config(source: Any) -> tuple[Any, str]:
+def load_hf_config(source: Any, where: str | None = None) -> tuple[Any, str]:
     """A ``transformers.PretrainedConfig`` and a description of where it came from.
 
     ``source`` is a config object, a dict of config values, or the path of a
     ``config.json`` (or of a directory holding one). Hub names are refused:
-    nothing can be downloaded here.
+    nothing can be downloaded here. ``where`` names a dict in messages (the
+    file it was read from). Sizes are checked (types, ranges, heads that
+    divide, hetplan's limits) before any model is built.
     """
     _, transformers = _import_transformers()
     if isinstance(source, transformers.PretrainedConfig):
-        return source, f"{type(source).__name__} object"
+        where = where or f"{type(source).__name__} object"
+        for key, value in check_config_values(source.to_dict(), source.model_type, where).items():
+            setattr(source, key, value)
+        return source, where
     if isinstance(source, dict):
-        return _config_from_dict(dict(source), "config dict", transformers), "config dict"
+        where = where or "config dict"
+        return _config_from_dict(dict(source), where, transformers), where
     if not isinstance(source, (str, os.PathLike)):
         raise HetplanError(
             f"expected a config.json path or a transformers PretrainedConfig, got {type(source).__name__}"
@@ -206,12 +242,103 @@ def _config_from_dict(data: dict[str, Any], where: str, transformers: Any) -> An
                     f"{where}: missing field {spellings[0]!r} (needed for a {model_type} model; "
                     "transformers would silently use its default)"
                 )
+    data.update(check_config_values(data, model_type, where))
     config_class = CONFIG_MAPPING[model_type]
     try:
         with _quiet(transformers):
             return config_class.from_dict({k: v for k, v in data.items() if k != "model_type"})
     except Exception as exc:
         raise HetplanError(f"{where}: invalid {model_type} config: {_first_line(exc)}") from None
+
+
+def check_config_values(data: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
+    """Check a HF config's sizes before transformers builds anything: types
+    and ranges (``_INT_FIELDS``, ``_FLOAT_FIELDS``), heads that divide the
+    hidden size, KV heads that divide the heads, and hetplan's limits on
+    layers (``MAX_LAYERS``) and parameters (``MAX_PARAMS``, estimated from
+    the widths). Returns the fields to change (integral floats as ints);
+    raises a one-line HetplanError naming ``where`` and the key."""
+    family = _FAMILIES.get(model_type)
+    bad = f"{where}: invalid {model_type} config"
+    required = {key for spellings in _REQUIRED.get(family or "", []) for key in spellings}  # null is no size
+    fixed: dict[str, Any] = {}
+    for key, minimum in _INT_FIELDS.items():
+        value = data.get(key)
+        if value is None and (key not in required or key not in data) or (
+            family is None and isinstance(value, (list, dict))
+        ):
+            continue  # transformers' default; a list (Swin's num_heads per stage) in a model hetplan traces
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HetplanError(f"{bad}: {key} is not a finite number ({value}); give a whole number >= {minimum}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+            not isinstance(value, numbers.Integral) and not float(value).is_integer()
+        ):
+            shown = json.dumps(value) if isinstance(value, (bool, type(None), str)) else repr(value)
+            raise HetplanError(f"{bad}: {key} must be a whole number, got {shown}")
+        if value < minimum:
+            raise HetplanError(f"{bad}: {key} = {value} must be >= {minimum}")
+        if not isinstance(value, numbers.Integral):
+            fixed[key] = value = int(value)
+    for key, (low, high, low_ok) in _FLOAT_FIELDS.items():
+        value = data.get(key)
+        if value is None or family is None and isinstance(value, (list, dict)):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            shown = json.dumps(value) if isinstance(value, (bool, str)) else repr(value)
+            raise HetplanError(f"{bad}: {key} must be a finite number, got {shown}")
+        if not (low <= value if low_ok else low < value) or value > high:
+            span = f"between {low:g} and {high:g}" if high < math.inf else f"above {low:g}"
+            raise HetplanError(f"{bad}: {key} = {value} must be {span}")
+    values = {**data, **fixed}
+
+    def get(*keys: str) -> int:
+        return next((v for k in keys if isinstance(v := values.get(k), int) and not isinstance(v, bool)), 0)
+
+    layers = 0
+    for key in _LAYER_COUNT_FIELDS:
+        n = get(key)
+        if n > MAX_LAYERS:
+            raise HetplanError(
+                f"{where}: {key} = {show_number(n)} is above hetplan's limit of {MAX_LAYERS} layers "
+                "(the deepest models trained have a few hundred); check the value"
+            )
+        layers = max(layers, n)
+    if family == "t5":
+        layers = get("num_layers") + (get("num_decoder_layers") or get("num_layers"))
+        if layers > MAX_LAYERS:
+            raise HetplanError(f"{where}: num_layers + num_decoder_layers = {show_number(layers)} is above "
+                               f"hetplan's limit of {MAX_LAYERS} layers; check the values")
+    hidden_key = next((k for k in _HIDDEN_FIELDS if get(k)), "")
+    heads_key = next((k for k in ("n_head", "num_attention_heads", "num_heads") if get(k)), "")
+    hidden, heads, kv_heads = get(hidden_key), get(heads_key), get("num_key_value_heads")
+    derived_head_dim = family in ("gpt", "bert") or family in ("llama", "moe") and (
+        values.get("head_dim") is None and model_type not in _OWN_HEAD_DIM
+    )
+    if derived_head_dim and hidden and heads and hidden % heads:
+        raise HetplanError(f"{bad}: {heads_key} = {heads} does not divide {hidden_key} = {hidden}; "
+                           f"use a number of heads that divides {hidden}")
+    if heads and kv_heads and heads % kv_heads:
+        raise HetplanError(f"{bad}: num_key_value_heads = {kv_heads} does not divide {heads_key} = {heads}; "
+                           f"use a divisor of {heads} (1 for multi-query, {heads} for multi-head attention)")
+    # Parameters, estimated from the widths: every block holds at least its
+    # attention output projection (hidden^2) and its MLP (2 x hidden x width
+    # per expert); embedding and learned position tables hold hidden per row.
+    sizes = {k: get(k) for k in (hidden_key, "intermediate_size", "n_inner", "d_ff", "moe_intermediate_size",
+                                 "num_local_experts", "n_routed_experts", "num_experts", "vocab_size",
+                                 "n_positions", "max_position_embeddings") if k and get(k)}
+    ffn = get("intermediate_size", "n_inner", "d_ff") or (4 * hidden if family == "gpt" else 0)
+    experts = get("num_local_experts", "n_routed_experts", "num_experts")
+    expert_ffn = get("moe_intermediate_size") or ffn
+    learned = get("n_positions", "max_position_embeddings") if family in ("gpt", "bert") else 0
+    estimate = layers * (hidden * hidden + 2 * hidden * max(ffn, experts * expert_ffn))
+    estimate += (get("vocab_size") + learned) * hidden
+    if estimate > MAX_PARAMS:
+        listed = ", ".join(f"{k} = {show_number(v)}" for k, v in sizes.items())
+        raise HetplanError(
+            f"{where}: {layers} layers with {listed} mean about {show_number(estimate)} parameters, above hetplan's "
+            f"limit of {MAX_PARAMS:.0e}; check the sizes"
+        )
+    return fixed
 
 
 @contextlib.contextmanager
@@ -622,6 +749,7 @@ def model_from_hf_config(
     *,
     decoder_seq_len: int | None = None,
     fused_attention: bool | None = None,
+    where: str | None = None,
 ) -> ModelSpec:
     """A per-sample ModelSpec for the HF model described by ``source``.
 
@@ -643,6 +771,8 @@ def model_from_hf_config(
             no score matrix for backward (SDPA / FlashAttention on a GPU).
             Default: what the model is built with; transformers picks
             ``"sdpa"`` unless the config sets ``"_attn_implementation": "eager"``.
+        where: the file a dict ``source`` was read from (``load_model``
+            reads it once); names the config in messages and the model.
 
     Returns:
         A ModelSpec with one layer per embedding, block and head;
@@ -650,12 +780,16 @@ def model_from_hf_config(
         decoders have family ``"moe"``, kind ``"moe"`` for their expert layers
         and ``meta["moe"]`` (experts, top-k, widths, ``active_params``).
     """
-    config, where = load_hf_config(source)
+    from_file = isinstance(source, (str, os.PathLike)) or where is not None
+    config, where = load_hf_config(source, where)
     if dtype_bytes not in (2, 4):
         raise HetplanError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
     family = _FAMILIES.get(config.model_type)
+    if family is not None:  # checked before building the model
+        _check_seq_len(*((int(seq_len), "seq_len") if seq_len is not None else _default_seq_len(config, family)),
+                       where)
     model = build_meta_model(config, where)
-    spec_name = name or _default_name(config, source, where)
+    spec_name = name or _default_name(config, from_file, where)
     if family is None:
         return _traced(model, config, spec_name, seq_len, dtype_bytes, where)
 
@@ -667,6 +801,8 @@ def model_from_hf_config(
     dec_seq = int(decoder_seq_len or seq)
     if seq < 1 or dec_seq < 1:
         raise HetplanError(f"seq_len must be >= 1, got {seq_len}")
+    _check_seq_len(seq, seq_from, where)
+    _check_seq_len(dec_seq, "decoder_seq_len", where)
     if family in ("gpt", "bert") and seq > facts["max_seq"]:
         raise HetplanError(
             f"seq_len {seq} exceeds the {facts['max_seq']} learned positions of this {config.model_type} config; "
@@ -794,11 +930,18 @@ def _uses_fused_attention(model: Any) -> bool:
     return implementation != "eager"
 
 
-def _default_name(config: Any, source: Any, where: str) -> str:
+def _check_seq_len(seq: int, source: str, where: str) -> None:
+    if seq > MAX_SEQ_LEN:
+        named = f"seq_len {seq}" if source == "seq_len" else f"{source} = {seq} (the sequence length)"
+        raise HetplanError(f"{where}: {named} is above hetplan's limit of {MAX_SEQ_LEN} tokens; "
+                           "use a shorter sequence length (--seq-len)")
+
+
+def _default_name(config: Any, from_file: bool, where: str) -> str:
     name_or_path = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
     if name_or_path:
         return str(name_or_path).rstrip("/").split("/")[-1]
-    if isinstance(source, (str, os.PathLike)):
+    if from_file:
         path = Path(where)
         return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     return config.model_type
@@ -817,6 +960,7 @@ def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes
         if seq_len is None:
             seq_len, seq_from = _default_seq_len(config, None)
         seq = int(seq_len)
+        _check_seq_len(seq, seq_from, where)
         seq_meta = _seq_meta(seq_from)
         inputs: dict[str, Any] = {"input_ids": torch.zeros(1, seq, dtype=torch.long, device="meta")}
         if getattr(config, "is_encoder_decoder", False):

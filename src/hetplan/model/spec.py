@@ -19,10 +19,33 @@ can each be costed:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import math
+import numbers
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from hetplan.errors import HetplanError
+
+# Limits on what a model may be: generous but finite, so that a typo or a
+# corrupt file (an extra zero, a stray exponent) is refused at once instead of
+# hanging an import or a search for minutes. Checked before anything is built
+# (ModelSpec JSON: here; HF configs: hetplan.model.hf, before transformers
+# builds the model).
+#
+# Layers: the deepest models trained have a few hundred blocks (Llama 3.1 405B:
+# 126, DeepSeek-V3: 61, GPT-3: 96); 10,000 is 50x that, while a model of 10^5
+# layers would take minutes to build on the meta device and to partition.
+MAX_LAYERS = 10_000
+# Parameters: the largest published models hold about 1-2 trillion (Switch-C:
+# 1.6T, Kimi K2: 1T); 100 trillion is 50x that (and 200 TB of bf16 weights).
+MAX_PARAMS = 100 * 10**12
+# Tokens per sample: the longest context windows today are about 10M tokens
+# (Llama 4 Scout: 10,485,760 positions); 2^24 = 16,777,216 is above that.
+MAX_SEQ_LEN = 2**24
+# Per-sample FLOPs and bytes of one layer: 100T parameters x 16M tokens x 2 is
+# about 3e21 FLOPs; 1e30 leaves room for any real layer while keeping products
+# with batch sizes and GPU counts far from float overflow (1.8e308).
+MAX_PER_SAMPLE = 1e30
 
 
 @dataclass(frozen=True)
@@ -86,19 +109,10 @@ class LayerSpec:
     profile_key: str = ""
 
     def __post_init__(self) -> None:
-        for attr in ("params", "fwd_flops", "act_bytes", "input_bytes", "output_bytes"):
-            if getattr(self, attr) < 0:
-                raise HetplanError(f"layer {self.name!r}: {attr} must be >= 0")
-        if self.tp_max < 0:
-            raise HetplanError(f"layer {self.name!r}: tp_max must be >= 0 (0: no limit)")
-        if not 0 <= self.tied_params <= self.params:
-            raise HetplanError(f"layer {self.name!r}: tied_params must be between 0 and its {self.params} params")
-        if self.tied_params and not self.tied_group:
-            raise HetplanError(f"layer {self.name!r}: tied_params needs a tied_group")
-        if self.act_tp_replicated_bytes + self.act_attention_core_bytes > self.act_bytes * 1.000001:
-            raise HetplanError(
-                f"layer {self.name!r}: replicated + attention-core activations exceed the total"
-            )
+        where = f"layer {self.name!r}" if isinstance(self.name, str) else "layer"
+        for name, value in _checked_values(self, _LAYER_RULES, where).items():
+            object.__setattr__(self, name, value)  # integral floats (1e9) become ints
+        _check_layer_relations(self.__dict__, where)
         if not self.profile_key:
             object.__setattr__(self, "profile_key", self.default_profile_key())
 
@@ -148,14 +162,21 @@ class ModelSpec:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        where = f"model {self.name!r}" if isinstance(self.name, str) else "model"
         if not self.layers:
-            raise HetplanError(f"model {self.name!r} has no layers")
-        if self.dtype_bytes not in (2, 4):
-            raise HetplanError(f"model {self.name!r}: dtype_bytes must be 2 or 4")
+            raise HetplanError(f"{where} has no layers")
+        if len(self.layers) > MAX_LAYERS:
+            raise HetplanError(f"{where} has {len(self.layers)} layers, above hetplan's limit of {MAX_LAYERS}")
+        for name, value in _checked_values(self, _MODEL_RULES, where).items():
+            object.__setattr__(self, name, value)
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
-            raise HetplanError(f"model {self.name!r}: layer names must be unique")
+            duplicate = next(n for n in names if names.count(n) > 1)
+            raise HetplanError(f"{where}: layer names must be unique ({duplicate!r} appears twice or more)")
         object.__setattr__(self, "layers", tuple(self.layers))
+        if self.total_params > MAX_PARAMS:
+            raise HetplanError(f"{where} has {self.total_params:.3g} parameters, above hetplan's limit of "
+                               f"{MAX_PARAMS:.0e}; check the layers' params")
 
     @property
     def num_layers(self) -> int:
@@ -195,10 +216,182 @@ class ModelSpec:
         return data
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> ModelSpec:
-        try:
-            layers = tuple(LayerSpec(**layer) for layer in data["layers"])
-            rest = {k: v for k, v in data.items() if k != "layers"}
-            return ModelSpec(layers=layers, **rest)
-        except (KeyError, TypeError) as exc:
-            raise HetplanError(f"malformed model description: {exc}") from None
+    def from_dict(data: Any, source: str = "model description") -> ModelSpec:
+        """The ModelSpec ``to_dict`` wrote; ``source`` names it in messages
+        ("model file m.json"). Every problem (a missing or unknown key, a value
+        of the wrong type, out of range or above hetplan's limits) is one
+        HetplanError naming the field and the layer, raised before any layer
+        is built (``validate_model_dict``)."""
+        values, layers = validate_model_dict(data, source)
+        return ModelSpec(layers=tuple(LayerSpec(**layer) for layer in layers), **values)
+
+
+# --------------------------------------------------------------------------- validation
+#
+# One set of rules for both ways a model is made: ``ModelSpec.from_dict`` (a
+# JSON file: every key and type checked before anything is built) and the
+# dataclasses' ``__post_init__`` (presets, importers: the same value checks).
+
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: str  # "int", "float", "str" or "dict"
+    minimum: float = 0
+    maximum: float = MAX_PER_SAMPLE
+    required: bool = False
+    nonempty: bool = False  # strings
+    unit: str = ""  # of the maximum, in messages ("tokens")
+    choices: tuple[int, ...] = ()  # the only values allowed, if any
+
+
+def _rules(cls: type, overrides: dict[str, _Rule]) -> dict[str, _Rule]:
+    """A rule per dataclass field: its annotated type, >= 0, required where it has no default."""
+    out = {}
+    for f in fields(cls):
+        required = f.default is MISSING and f.default_factory is MISSING
+        kind = str(f.type).split("[")[0].split(".")[-1]
+        rule = overrides.get(f.name, _Rule(kind))
+        out[f.name] = replace(rule, required=required)
+    return out
+
+
+def show_number(value: Any) -> str:
+    """A number for a message: ints in full up to 16 digits, else 3 significant digits."""
+    if isinstance(value, numbers.Integral) and abs(value) < 10**16:
+        return str(value)
+    if isinstance(value, numbers.Integral) and abs(value) >= 10**300:
+        return f"{str(value)[:1]}e+{len(str(abs(value))) - 1}"
+    return f"{value:.3g}" if abs(value) >= 1e6 or value != int(value) else str(int(value))
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return f"a JSON {'list' if isinstance(value, list) else 'object'}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_value(value: Any, name: str, rule: _Rule, where: str) -> Any:
+    """``value`` if it obeys ``rule`` (an integral float for an int field
+    becomes an int), else a HetplanError naming ``where`` and ``name``."""
+    if rule.kind == "str":
+        if not isinstance(value, str) or (rule.nonempty and not value):
+            raise HetplanError(f"{where}: {name} must be a {'non-empty ' if rule.nonempty else ''}string, "
+                               f"got {_describe(value)}")
+        return value
+    if rule.kind == "dict":
+        if not isinstance(value, dict):
+            raise HetplanError(f"{where}: {name} must be a JSON object, got {_describe(value)}")
+        return value
+    whole = rule.kind == "int"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise HetplanError(f"{where}: {name} must be a {'whole number' if whole else 'number'}, "
+                           f"got {_describe(value)}")
+    if not isinstance(value, numbers.Integral) and not math.isfinite(value):  # ints may exceed floats
+        raise HetplanError(f"{where}: {name} is not a finite number ({value}); give a number >= {rule.minimum:g}")
+    if whole and not isinstance(value, numbers.Integral):
+        if not float(value).is_integer():
+            raise HetplanError(f"{where}: {name} must be a whole number, got {value!r}")
+        value = int(value)
+    shown = show_number(value)
+    if rule.choices and value not in rule.choices:
+        raise HetplanError(f"{where}: {name} must be {' or '.join(map(str, rule.choices))}, got {shown}")
+    if value < rule.minimum:
+        raise HetplanError(f"{where}: {name} = {shown} must be >= {rule.minimum:g}")
+    if value > rule.maximum:
+        maximum = int(rule.maximum) if rule.maximum < 1e18 else f"{rule.maximum:.0e}"
+        raise HetplanError(f"{where}: {name} = {shown} is above hetplan's limit of {maximum}"
+                           f"{' ' + rule.unit if rule.unit else ''}; check the value")
+    return value
+
+
+def _checked_values(obj: Any, rules: dict[str, _Rule], where: str) -> dict[str, Any]:
+    """The fields of ``obj`` whose checked value differs in type (int for 2.0)."""
+    changed = {}
+    for name, rule in rules.items():
+        if rule.kind == "tuple":
+            continue
+        value = getattr(obj, name)
+        checked = _check_value(value, name, rule, where)
+        if type(checked) is not type(value):
+            changed[name] = checked
+    return changed
+
+
+def _check_layer_relations(v: dict[str, Any], where: str) -> None:
+    """The rules between a layer's fields (its values already checked one by one)."""
+    if v["tied_params"] > v["params"]:
+        raise HetplanError(f"{where}: tied_params must be between 0 and its {v['params']} params")
+    if v["params_tp_replicated"] > v["params"]:
+        raise HetplanError(f"{where}: params_tp_replicated must be between 0 and its {v['params']} params")
+    if v["tied_params"] and not v["tied_group"]:
+        raise HetplanError(f"{where}: tied_params needs a tied_group")
+    if v["attention_flops"] > v["fwd_flops"] * 1.000001:
+        raise HetplanError(f"{where}: attention_flops ({v['attention_flops']:.6g}) exceed fwd_flops "
+                           f"({v['fwd_flops']:.6g}), of which they are a part")
+    if v["act_tp_replicated_bytes"] + v["act_attention_core_bytes"] > v["act_bytes"] * 1.000001:
+        raise HetplanError(f"{where}: act_tp_replicated_bytes + act_attention_core_bytes exceed act_bytes")
+
+
+def _check_keys(data: Any, rules: dict[str, _Rule], where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise HetplanError(f"{where} must be a JSON object, got {_describe(data)}")
+    unknown = sorted(str(k) for k in data if k not in rules)
+    if unknown:
+        raise HetplanError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(rules)}")
+    missing = [k for k, rule in rules.items() if rule.required and k not in data]
+    if missing:
+        raise HetplanError(f"{where}: missing key(s) {missing}")
+    return {k: _check_value(v, k, rules[k], where) if rules[k].kind != "tuple" else v for k, v in data.items()}
+
+
+_LAYER_RULES = _rules(LayerSpec, {
+    "name": _Rule("str", nonempty=True),
+    "kind": _Rule("str", nonempty=True),
+    "params": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),
+    "params_tp_replicated": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),
+    "tied_params": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),
+})
+_MODEL_RULES = _rules(ModelSpec, {
+    "layers": _Rule("tuple"),
+    "seq_len": _Rule("int", minimum=1, maximum=MAX_SEQ_LEN, unit="tokens"),
+    "dtype_bytes": _Rule("int", choices=(2, 4)),  # bf16/fp16 or fp32
+})
+_LAYER_DEFAULTS = {f.name: f.default for f in fields(LayerSpec) if f.default is not MISSING}
+
+
+def validate_model_dict(data: Any, source: str = "model description") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Check a ModelSpec JSON object (``ModelSpec.to_dict``) before anything is
+    built: keys, types, finite and non-negative numbers, whole numbers where a
+    count goes, hetplan's limits (``MAX_LAYERS``, ``MAX_PARAMS``,
+    ``MAX_SEQ_LEN``). Returns the model's values (without layers) and the
+    layers' values, integral floats made ints; raises a one-line
+    HetplanError naming ``source``, the layer and the field."""
+    values = _check_keys(data, _MODEL_RULES, source)
+    raw_layers = values.pop("layers")
+    if not isinstance(raw_layers, list):
+        raise HetplanError(f"{source}: layers must be a list of layer objects, got {_describe(raw_layers)}")
+    if not raw_layers:
+        raise HetplanError(f"{source}: the model has no layers; a model needs at least one")
+    if len(raw_layers) > MAX_LAYERS:
+        raise HetplanError(f"{source}: {len(raw_layers)} layers is above hetplan's limit of {MAX_LAYERS} layers")
+    layers = []
+    total = 0
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(raw_layers):
+        name = raw.get("name") if isinstance(raw, dict) else None
+        where = f"{source}: layer {i}" + (f" ({name!r})" if isinstance(name, str) and name else "")
+        layer = _check_keys(raw, _LAYER_RULES, where)
+        _check_layer_relations({**_LAYER_DEFAULTS, **layer}, where)
+        if layer["name"] in seen:
+            raise HetplanError(f"{where}: layer {seen[layer['name']]} has the same name; layer names must be unique")
+        seen[layer["name"]] = i
+        total += layer["params"] - layer.get("tied_params", 0)
+        layers.append(layer)
+    if total > MAX_PARAMS:
+        raise HetplanError(f"{source}: {total:.3g} parameters in all is above hetplan's limit of {MAX_PARAMS:.0e}")
+    return values, layers

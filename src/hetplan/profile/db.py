@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from hetplan.errors import HetplanError
-from hetplan.jsonfile import read_json
+from hetplan.userfiles import read_json
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,33 @@
+"""Size limits on what hetplan accepts, checked before anything is built.
+
+Each is far above every real training job, so none stops a real user, yet
+finite: a typo (``10000000000xH100``), a wrong file or a fuzzer's input gets a
+one-line error at once instead of minutes of work or gigabytes of memory. The
+limits on files are in ``hetplan.userfiles``; those on models in
+``hetplan.model.spec``.
+"""
+
+from __future__ import annotations
+
+from hetplan.errors import HetplanError
+
+# The largest announced training clusters hold about 100k GPUs (xAI Colossus,
+# 2024: 100,000 H100; Meta's Llama 3 ran on 16,384 H100, arXiv:2407.21783).
+MAX_GPUS = 131_072
+# 131,072 GPUs in nodes of one GPU each.
+MAX_NODES = MAX_GPUS
+# One "node" that is one NVLink domain: GB200 NVL72 has 72 GPUs; NVIDIA's
+# NVL576 design 576. A node of 4,096 GPUs is a typo.
+MAX_GPUS_PER_NODE = 4096
+# Processes of local-cpu-N run on this machine.
+MAX_LOCAL_PROCESSES = 1024
+# Samples per step: Llama 3 405B trained with 16M tokens a step = 2,048 samples
+# of 8k; the GPT-3 paper's largest batch is 3.2M tokens. 2^24 samples is 8,000x that.
+MAX_GLOBAL_BATCH = 2**24
+
+
+def check_at_most(what: str, value: int | float, limit: int, fix: str) -> None:
+    """One line naming the value, the limit and what to change."""
+    if value > limit:
+        value = int(value) if float(value).is_integer() else value
+        raise HetplanError(f"{what} = {value:,} is above hetplan's limit of {limit:,}; {fix}")
