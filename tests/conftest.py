@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hetplan.cluster import load_cluster
@@ -17,3 +19,10 @@ def gpt2_hetero() -> Workload:
 @pytest.fixture
 def gpt2_cost(gpt2_hetero: Workload) -> CostModel:
     return CostModel(gpt2_hetero)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The fuzz tests run derandomized (the same inputs every run) unless a
+    seed is given: ``pytest -m fuzz --hypothesis-seed=N`` explores others."""
+    if config.getoption("hypothesis_seed", default=None) is not None:
+        os.environ["HETPLAN_FUZZ_SEEDED"] = "1"
