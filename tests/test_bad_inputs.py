@@ -200,3 +200,15 @@ def test_command_line_errors_are_one_line(argv: list[str], fragment: str,
 def test_help_still_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(["plan", "--help"]) == 0
     assert "usage: hetplan plan" in capsys.readouterr().out
+
+
+def test_export_checks_a_plan_without_embedded_model(plan_json: dict[str, Any], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A format-1 file names its model and cluster: export checks the plan against them."""
+    data = {"plans": json.loads(json.dumps(plan_json["plans"]))}
+    path = _file(tmp_path, "old.json", json.dumps(data))
+    assert _run(["export", path, "--format", "megatron"]) == 0
+    capsys.readouterr()
+    _plan(data)["stages"][1]["devices"] = [7]
+    path = _file(tmp_path, "old.json", json.dumps(data))
+    _one_line_error(["export", path, "--format", "megatron"], capsys, "uses GPU 7", "local-cpu-2")

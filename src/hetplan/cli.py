@@ -416,12 +416,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from hetplan.export import export_plan, to_toml
     from hetplan.planfile import read_plan_file, resolve_cluster, resolve_model
+    from hetplan.validate import validate_plan
 
     plan_file = read_plan_file(args.plan_file)
     plan = plan_file.plan(args.index)
     model = resolve_model(plan_file, args.model)
-    if args.cluster:
-        resolve_cluster(plan_file, args.cluster)  # only checked: the exports do not depend on it
+    validate_plan(plan, model, resolve_cluster(plan_file, args.cluster))  # never export a plan that cannot run
     result = export_plan(plan, model, args.format)
     if args.format == "torchtitan":
         text = to_toml(result)
