@@ -21,7 +21,9 @@ def number(where: str, value: Any, minimum: float | None = 0.0, strict: bool = T
     if not math.isfinite(value):
         raise HetplanError(f"{where} must be a finite number, got {value}")
     if minimum is not None and (value <= minimum if strict else value < minimum):
-        raise HetplanError(f"{where} must be {'>' if strict else '>='} {minimum:g}, got {value:g}")
+        bound = ("positive" if strict else "zero or positive") if minimum == 0 else \
+            f"{'>' if strict else '>='} {minimum:g}"
+        raise HetplanError(f"{where} must be {bound}, got {value:g}")
     return float(value)
 
 

@@ -84,9 +84,6 @@ def workload_record(workload: Any) -> dict[str, Any]:
 
 def read_plan_file(path: str | os.PathLike[str]) -> PlanFile:
     """Read a plan file of either format (a ranked list or a single plan)."""
-    from hetplan.cluster import cluster_from_dict
-    from hetplan.model.spec import ModelSpec
-
     path = os.fspath(path)
     data = read_json(path, "plan file", "fix or regenerate it")
     try:

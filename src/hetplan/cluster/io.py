@@ -36,13 +36,13 @@ falls back to a catalog entry of the same name.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import yaml
 
+from hetplan import fields
 from hetplan.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES, check_at_most
 from hetplan.cluster.catalog import (
     GPU_CATALOG, TERA, GPUSpec, find_catalog_gpu, get_gpu, in_si, in_units, is_catalog_gpu, normalise_gpu_name,
@@ -76,15 +76,7 @@ GPU_TYPE_KEYS = OVERRIDE_KEYS | {"base", "source"}
 
 def _number(where: str, value: Any, positive: bool = True, zero_ok: bool = False) -> float:
     """A finite number; positive unless told otherwise (``zero_ok``: >= 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise HetplanError(f"{where} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise HetplanError(f"{where} must be a finite number, got {value}")
-    if zero_ok and value < 0:
-        raise HetplanError(f"{where} must be zero or positive, got {value}")
-    if positive and not zero_ok and value <= 0:
-        raise HetplanError(f"{where} must be positive, got {value}")
-    return float(value)
+    return fields.number(where, value, 0.0 if positive else None, strict=not zero_ok)
 
 
 def _text(where: str, value: Any) -> str:
@@ -104,9 +96,7 @@ def _mapping(where: str, value: Any, what: str) -> dict[Any, Any]:
 
 
 def _check_keys(where: str, entry: Mapping[Any, Any], allowed: frozenset[str] | set[str]) -> None:
-    unknown = set(map(str, entry)) - set(allowed)
-    if unknown:
-        raise HetplanError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    fields.mapping(where, entry, allowed)
 
 
 # --- GPU types ---------------------------------------------------------------------
