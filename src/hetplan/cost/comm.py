@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.cost.constants import (
     COLLECTIVE_BANDWIDTH_EFFICIENCY,
@@ -22,6 +24,7 @@ from hetplan.cost.constants import (
     NCCL_TREE_HOP_LATENCY_S,
     NVLINK_MIN_GBPS,
 )
+from hetplan.units import gbps_to_bytes_per_s
 
 
 def flat_ring_allreduce_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
@@ -43,6 +46,29 @@ def _ring_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float, fac
     return factor * (n - 1) * num_bytes / (n * bandwidth)
 
 
+def node_counts(cluster: ClusterSpec, group: Sequence[int]) -> dict[int, int]:
+    """How many of the group's GPUs sit on each node it touches (what the
+    node model's collectives read). Large groups are counted with numpy:
+    device ids run node by node, so a GPU's node is found by bisection."""
+    if len(group) <= 64:
+        counts: dict[int, int] = {}
+        for d in group:
+            node = cluster.devices[d].node
+            counts[node] = counts.get(node, 0) + 1
+        return counts
+    firsts = np.cumsum([0] + [node.num_gpus for node in cluster.nodes[:-1]])
+    nodes, sizes = np.unique(np.searchsorted(firsts, np.asarray(group), side="right") - 1, return_counts=True)
+    return dict(zip(nodes.tolist(), sizes.tolist()))
+
+
+def _node_ring_time(cluster: ClusterSpec, node: int, n: int, num_bytes: float, factor: float) -> float:
+    """``_ring_time`` of ``n`` GPUs of one node (its fabric is their slowest link)."""
+    if n < 2 or num_bytes <= 0:
+        return 0.0
+    bandwidth = gbps_to_bytes_per_s(cluster.nodes[node].intra_bandwidth_gbps) * COLLECTIVE_BANDWIDTH_EFFICIENCY
+    return factor * (n - 1) * num_bytes / (n * bandwidth)
+
+
 def _hierarchical(cluster: ClusterSpec, group: Sequence[int], num_bytes: float, factor: float,
                   concurrent_groups: int = 1) -> float:
     """Collective over a multi-node group: intra-node part on NVLink/PCIe,
@@ -50,11 +76,13 @@ def _hierarchical(cluster: ClusterSpec, group: Sequence[int], num_bytes: float, 
     inter-node phase moves the node's whole share through one NIC, and
     ``concurrent_groups`` groups running at once — the TP ranks of a stage
     each syncing their own shard — split it)."""
-    by_node = cluster.nodes_of(group)
-    if cluster.bandwidth_matrix_gbps is not None or len(by_node) == 1:
+    if cluster.bandwidth_matrix_gbps is not None:
         return _ring_time(cluster, group, num_bytes, factor)
+    by_node = node_counts(cluster, group)
+    if len(by_node) == 1:
+        return _node_ring_time(cluster, next(iter(by_node)), len(group), num_bytes, factor)
     # intra phase: the slowest node, on its slice of the group
-    intra = max(_ring_time(cluster, members, num_bytes, factor / 2.0) for members in by_node.values())
+    intra = max(_node_ring_time(cluster, node, n, num_bytes, factor / 2.0) for node, n in by_node.items())
     nodes = list(by_node)
     num_nodes = len(nodes)
     nic = (min(cluster.node_inter_gbps(n) for n in nodes) * 1e9 / 8.0 * COLLECTIVE_BANDWIDTH_EFFICIENCY
@@ -122,7 +150,7 @@ def collective_latency(cluster: ClusterSpec, group: Sequence[int], kind: str) ->
     n = len(group)
     if n < 2:
         return 0.0
-    by_node = cluster.nodes_of(group)
+    by_node = node_counts(cluster, group)
     nodes = 1 if cluster.bandwidth_matrix_gbps is not None else len(by_node)
     link = "nvlink" if min(cluster.nodes[i].intra_bandwidth_gbps for i in by_node) >= NVLINK_MIN_GBPS else "pci"
     factor = 2 if kind == "allreduce" else 1
@@ -132,6 +160,6 @@ def collective_latency(cluster: ClusterSpec, group: Sequence[int], kind: str) ->
     if kind != "allreduce" or nodes < 2:
         return ring
     tree_hops = NCCL_TREE_HOP_LATENCY_S
-    per_node = max(len(members) for members in by_node.values())
+    per_node = max(by_node.values())
     tree = 2 * ((per_node - 1) * tree_hops[link] + math.log2(nodes) * tree_hops["net"])
     return min(ring, tree)

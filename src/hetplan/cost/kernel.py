@@ -40,9 +40,10 @@ from hetplan.cost.constants import (
     OPTIMIZER_STEP_BYTES_PER_PARAM,
     TP_COMM_PASSES,
 )
+from hetplan.cost.groups import ClusterArrays, first_appearance
 from hetplan.cost.layers import LayerArrays, layer_arrays
 from hetplan.cost.memory import activation_bytes, framework_overhead_bytes, recompute_working_bytes
-from hetplan.cost.stage import SegmentTables, StageCosts, StageOption
+from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
 from hetplan.cost.workload import Workload
 from hetplan.profile.metis import MetisProfileDB
 
@@ -78,19 +79,40 @@ class _MemoryClass:
 class _Layout:
     """What a stage's devices, degrees and split decide, whatever its ZeRO stage
     or recomputation: the replicas that cost alike, the memory classes of its
-    GPUs, and its data-parallel and optimizer rates."""
+    GPUs, and its data-parallel and optimizer rates.
+
+    ``signature`` holds everything else here depends on, with the devices
+    themselves left out: stages with equal signatures (a uniform plan's
+    stages, on identical nodes) cost the same, so they share one
+    ``StageCosts`` (``CostKernel.stage``); ``index`` numbers the kernel's
+    distinct signatures."""
 
     time_classes: tuple[tuple[GPUSpec, int, float], ...]  # (slowest GPU, share, TP all-reduce s/byte)
     memory_classes: tuple[_MemoryClass, ...]
     device_class: np.ndarray  # memory class of each device of the stage, in device order
     dp_rate: Callable[[str], float]  # per collective: s/byte on the slowest data-parallel group
     optimizer_rate: float  # s/parameter of the optimizer step
+    signature: tuple[object, ...]
+    index: int
+
+
+@dataclass(frozen=True)
+class _DataParallelGroups:
+    """A stage's data-parallel groups up to symmetry: a representative group of
+    each distinct shape (``groups.ClusterArrays.shape``), and the shape of the
+    first group (its GPUs per node decide DeepSpeed's NIC sharing)."""
+
+    representatives: tuple[tuple[int, ...], ...]
+    key: tuple[object, ...]  # (the distinct shapes, the first group's shape)
 
 
 # Segment tables kept per kernel (each is a few (L+1)^2 matrices; searches ask
 # for the same stages again and again, but a 1,000-GPU search would not fit
 # them all in memory).
 RECENT_TABLES = 256
+
+# Device tuples the kernel finds by identity, and keeps as arrays (``CostKernel.device_set``).
+RECENT_DEVICE_TUPLES = 4096
 
 T = TypeVar("T")
 
@@ -136,8 +158,12 @@ class CostKernel:
         self._rates: dict[tuple[object, ...], float] = {}
         self._slowest: dict[tuple[int, ...], GPUSpec] = {}
         self._arrays: dict[tuple[object, ...], np.ndarray] = {}
-        self._stages: dict[StageOption, StageCosts] = {}
+        self._stages: dict[tuple[int, int, str, bool], StageCosts] = {}  # by layout index and strategy
+        self._signatures: dict[tuple[object, ...], int] = {}
         self._layouts: dict[tuple[object, ...], _Layout] = {}
+        self._sets: dict[tuple[int, ...], int] = {}  # device tuples, numbered (``device_set``)
+        self._sets_by_id: dict[int, tuple[tuple[int, ...], int]] = {}
+        self._set_arrays: _Recent[np.ndarray] = _Recent(RECENT_DEVICE_TUPLES)
         self._time_classes: dict[tuple[object, ...], _TimeClass] = {}
         self.recent_tables: _Recent[SegmentTables | np.ndarray] = _Recent(RECENT_TABLES)
         self._supports: dict[int, np.ndarray] = {}
@@ -145,6 +171,11 @@ class CostKernel:
         self._params_prefix: dict[int, list[float]] = {}
         self._capacity = [workload.device_capacity_bytes(d.id) for d in self.cluster.devices]
         self._overhead = [framework_overhead_bytes(d.gpu.name == "CPU") for d in self.cluster.devices]
+        self._cluster_arrays: ClusterArrays | None = None
+        self._matmul: dict[str, float] = {}  # sustained matmul FLOP/s per GPU type
+        self._type_rate_array: np.ndarray | None = None  # the same per ``cluster_arrays.gpus``, once all are known
+        self._messages: dict[tuple[str, int], float] = {}
+        self._dp_groups: dict[tuple[int, int], _DataParallelGroups] = {}  # by device set and tp
 
     # --- per-layer tables -------------------------------------------------------------
     def layer_times(self, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",
@@ -209,21 +240,92 @@ class CostKernel:
         return bool(self.supports_tp(tp).all())
 
     # --- devices and links ---------------------------------------------------------------
+    @property
+    def cluster_arrays(self) -> ClusterArrays:
+        """The cluster's per-device numbers as numpy arrays (built on first use)."""
+        if self._cluster_arrays is None:
+            self._cluster_arrays = ClusterArrays(self.cluster, self._capacity, self._overhead)
+        return self._cluster_arrays
+
+    def device_set(self, devices: Sequence[int]) -> int:
+        """A number naming ``devices`` (in their order) in the kernel's caches.
+        A tuple is found by its identity first: planners pass one stage's
+        tuple again and again, and hashing a stage's thousands of ids at every
+        lookup was much of the cost of ranking plans on 4,096 GPUs. (The entry
+        keeps the tuple alive, so its id is not reused while it is there;
+        other sequences may change, so they are looked up by value.)"""
+        seen = self._sets_by_id.get(id(devices))
+        if seen is not None and seen[0] is devices:
+            return seen[1]
+        number = self._sets.setdefault(tuple(devices), len(self._sets))
+        if type(devices) is not tuple:
+            return number
+        if len(self._sets_by_id) >= RECENT_DEVICE_TUPLES:
+            self._sets_by_id.clear()
+        self._sets_by_id[id(devices)] = (devices, number)
+        return number
+
+    def device_array(self, devices: Sequence[int]) -> np.ndarray:
+        """``devices`` as a read-only numpy array (cached: converting thousands
+        of ids at every use showed up on 16,384 GPUs)."""
+        if isinstance(devices, np.ndarray):
+            return devices
+        number = self.device_set(devices)
+        found = self._set_arrays.get(number)
+        if found is None:
+            found = np.asarray(devices, dtype=np.int64)
+            found.flags.writeable = False
+            self._set_arrays.put(number, found)
+        return found
+
+    def matmul_rate(self, gpu: GPUSpec) -> float:
+        """``compute.matmul_rate`` of a GPU type, cached (it ranks GPUs by speed)."""
+        found = self._matmul.get(gpu.name)
+        if found is None:
+            found = self._matmul[gpu.name] = matmul_rate(gpu, self.dtype_bytes)
+        return found
+
     def slowest_gpu(self, devices: Sequence[int]) -> GPUSpec:
         """The GPU that sets the pace of a TP group (the lowest sustained matmul rate)."""
         key = tuple(devices)
         found = self._slowest.get(key)
         if found is None:
             gpus = (self.cluster.devices[d].gpu for d in key)
-            found = self._slowest[key] = min(gpus, key=lambda g: matmul_rate(g, self.dtype_bytes))
+            found = self._slowest[key] = min(gpus, key=self.matmul_rate)
         return found
 
+    def _type_rates(self, types: np.ndarray) -> np.ndarray:
+        """``matmul_rate`` per GPU type index of ``cluster_arrays`` (those in
+        ``types`` at least: a type the workload cannot run raises only once a
+        stage uses it, as ``slowest_gpu`` does)."""
+        if self._type_rate_array is not None:
+            return self._type_rate_array
+        gpus = self.cluster_arrays.gpus
+        for index in np.unique(types).tolist():
+            self.matmul_rate(gpus[index])
+        rates = np.array([self._matmul.get(g.name, np.inf) for g in gpus])
+        if all(g.name in self._matmul for g in gpus):
+            self._type_rate_array = rates
+        return rates
+
     def collective_rate(self, kind: str, group: Sequence[int], concurrent_groups: int = 1) -> float:
-        """Seconds per byte of a collective (``COLLECTIVES``) over ``group``."""
+        """Seconds per byte of a collective (``COLLECTIVES``) over ``group``:
+        computed once per group shape (``groups.ClusterArrays.shape``)."""
         key = (kind, tuple(group), concurrent_groups)
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = COLLECTIVES[kind](self.cluster, key[1], 1.0, concurrent_groups)
+            found = self._rates[key] = self._shape_rate(kind, key[1], concurrent_groups)
+        return found
+
+    def _shape_rate(self, kind: str, group: tuple[int, ...], concurrent_groups: int,
+                    shape: object = None) -> float:
+        """``collective_rate`` for every group of ``group``'s shape."""
+        if shape is None:
+            shape = self.cluster_arrays.shape(group)
+        key = ("shape", kind, shape, concurrent_groups)
+        found = self._rates.get(key)
+        if found is None:
+            found = self._rates[key] = COLLECTIVES[kind](self.cluster, group, 1.0, concurrent_groups)
         return found
 
     def collective_time(self, kind: str, group: Sequence[int], num_bytes: np.ndarray | float,
@@ -234,17 +336,56 @@ class CostKernel:
     def dp_collective_rate(self, kind: str, devices: Sequence[int], tp: int) -> float:
         """The slowest of a stage's ``tp`` data-parallel groups (TP rank t's
         devices in every replica), all running at once."""
-        dp = len(devices) // tp
-        if dp < 2:
+        if len(devices) // tp < 2:
             return 0.0
-        key = ("dp", kind, tuple(devices), tp)
+        return self._dp_rate(kind, tp, self.dp_groups(devices, tp))
+
+    def dp_groups(self, devices: Sequence[int], tp: int, grid: np.ndarray | None = None) -> _DataParallelGroups:
+        """The data-parallel groups of a stage up to symmetry (cached). When
+        every TP group lies in one node, TP rank t's group sits on the same
+        nodes for every t: all groups have one shape."""
+        key = (self.device_set(devices), tp)
+        found = self._dp_groups.get(key)
+        if found is None:
+            devices = tuple(devices)
+            arrays = self.cluster_arrays
+            if grid is None:
+                grid = self.device_array(devices).reshape(-1, tp)
+            rows = arrays.row_nodes(grid)
+            if rows is not None:
+                shape = arrays.nodes_shape(rows)
+                found = _DataParallelGroups((devices[0::tp],), ((shape,), shape))
+            else:
+                ids, shapes = arrays.column_classes(grid)
+                firsts = first_appearance(ids)[0].tolist()
+                found = _DataParallelGroups(tuple(devices[t::tp] for t in firsts), (tuple(shapes), shapes[0]))
+            self._dp_groups[key] = found
+        return found
+
+    def slowest_run_rate(self, kind: str, devices: Sequence[int], size: int) -> float:
+        """Seconds per byte of a collective over the slowest run of ``size``
+        consecutive devices (a TP group of that size), one run of each shape
+        costed (cached)."""
+        key = ("runs", kind, self.device_set(devices), size)
         found = self._rates.get(key)
         if found is None:
-            groups = [tuple(devices[r * tp + t] for r in range(dp)) for t in range(tp)]
-            latency = max(collective_latency(self.cluster, g, kind) for g in groups)
+            grid = self.device_array(devices).reshape(-1, size)
+            found = self._rates[key] = max(self.collective_rate(kind, tuple(grid[r].tolist()))
+                                           for r in self.replica_classes(grid)[2])
+        return found
+
+    def _dp_rate(self, kind: str, tp: int, groups: _DataParallelGroups) -> float:
+        """``dp_collective_rate`` for every stage whose groups have these shapes:
+        latency and bandwidth of the slowest group, the groups of the ``tp``
+        ranks sharing the nodes' NICs."""
+        key = ("dp", kind, tp, groups.key)
+        found = self._rates.get(key)
+        if found is None:
+            latency = max(collective_latency(self.cluster, g, kind) for g in groups.representatives)
             latency_per_byte = latency / self.message_bytes(kind, tp)
-            share = tp * self._nic_sharers(kind, groups[0])
-            found = self._rates[key] = max(self.collective_rate(kind, g, share) for g in groups) + latency_per_byte
+            share = tp * self._nic_sharers(kind, groups.representatives[0])
+            found = self._rates[key] = max(self._shape_rate(kind, g, share, shape) for g, shape
+                                           in zip(groups.representatives, groups.key[0])) + latency_per_byte
         return found
 
     def _nic_sharers(self, kind: str, group: Sequence[int]) -> int:
@@ -267,16 +408,22 @@ class CostKernel:
         charged per message, so a collective of G bytes costs G/message of them."""
         if kind == "allreduce":
             return float(ALLREDUCE_BUCKET_BYTES)
-        per_layer = self.params_per_device(tp)
-        typical = float(np.median(per_layer[per_layer > 0])) if np.any(per_layer > 0) else 1.0
-        return typical * (self.weight_bytes if kind == "allgather" else self.grad_bytes)
+        found = self._messages.get((kind, tp))
+        if found is None:
+            per_layer = self.params_per_device(tp)
+            typical = float(np.median(per_layer[per_layer > 0])) if np.any(per_layer > 0) else 1.0
+            found = self._messages[(kind, tp)] = typical * (self.weight_bytes if kind == "allgather"
+                                                            else self.grad_bytes)
+        return found
 
     def p2p_rate(self, sender: Sequence[int], receiver: Sequence[int]) -> float:
         """Seconds per byte of one pipeline transfer between two device groups."""
-        key = ("p2p", tuple(sender), tuple(receiver))
+        key = ("p2p", self.device_set(sender), self.device_set(receiver))
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = p2p_time(self.cluster, key[1], key[2], 1.0)
+            arrays = self.cluster_arrays
+            found = self._rates[key] = p2p_time(self.cluster, sender, receiver, 1.0) if arrays.matrix else \
+                arrays.p2p_seconds_per_byte(sender, receiver)
         return found
 
     def p2p_time(self, sender: Sequence[int], receiver: Sequence[int], last_layer: int,
@@ -287,7 +434,7 @@ class CostKernel:
     def optimizer_rate(self, devices: Sequence[int]) -> float:
         """Seconds per parameter of the (memory-bound) optimizer step on the
         stage's GPU with the least memory bandwidth."""
-        bandwidth = min(self.cluster.devices[d].gpu.memory_bandwidth_bytes_per_s for d in devices)
+        bandwidth = float(self.cluster_arrays.memory_bandwidth[self.device_array(devices)].min())
         return OPTIMIZER_STEP_BYTES_PER_PARAM / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
 
     def capacity_bytes(self, device: int) -> int:
@@ -298,10 +445,14 @@ class CostKernel:
 
     # --- stages -------------------------------------------------------------------------
     def stage(self, option: StageOption) -> StageCosts:
-        """The StageCosts of ``option`` (cached)."""
-        found = self._stages.get(option)
+        """The StageCosts of ``option`` (cached). Options whose layouts have one
+        signature (symmetric device groups) share one StageCosts."""
+        check_option(option)
+        layout = self.layout(option.devices, option.dp, option.tp, option.split)
+        key = (layout.index, option.zero, option.recompute, option.sequence_parallel)
+        found = self._stages.get(key)
         if found is None:
-            found = self._stages[option] = StageCosts(self, option)
+            found = self._stages[key] = StageCosts(self, option, key)
         return found
 
     def time_class(self, gpu: GPUSpec, share: int, tp: int, recompute: str, sequence_parallel: bool,
@@ -324,28 +475,76 @@ class CostKernel:
 
     def layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...]) -> _Layout:
         """The replica and memory classes and rates of a stage (cached)."""
-        key = (devices, dp, tp, split)
+        key = (self.device_set(devices), dp, tp, split)
+        found = self._layouts.get(key)
+        if found is None:
+            found = self._layouts[key] = self._symmetric_layout(devices, dp, tp, split)
+        return found
+
+    def _symmetric_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...]) -> _Layout:
+        """The layout of a run of consecutive GPUs is that of every run like it
+        (``groups.ClusterArrays.range_class``): the stages of a uniform plan on
+        identical nodes share one, built once."""
+        run = self.cluster_arrays.range_class(self.device_array(devices))
+        if run is None:
+            return self._build_layout(devices, dp, tp, split)
+        key = (run, dp, tp, split)
         found = self._layouts.get(key)
         if found is None:
             found = self._layouts[key] = self._build_layout(devices, dp, tp, split)
         return found
 
     def _build_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...]) -> _Layout:
+        """Replica and memory classes, numbered in order of first appearance,
+        from the stage's ``(dp, tp)`` device grid without a loop over devices."""
+        arrays = self.cluster_arrays
+        grid = self.device_array(devices).reshape(dp, tp)
+        shares = np.asarray(split, dtype=np.int64)
+        gpu, link, link_rates = self._replica_kinds(grid)
         times: dict[tuple[object, ...], tuple[GPUSpec, int, float]] = {}
-        memory: dict[tuple[int, int, int], list[int]] = {}
-        for r in range(dp):
-            group = devices[r * tp:(r + 1) * tp]
-            gpu = self.slowest_gpu(group)
-            rate = self.collective_rate("allreduce", group) if tp > 1 else 0.0
-            times.setdefault((gpu.name, split[r], rate), (gpu, split[r], rate))
-            for position in range(r * tp, (r + 1) * tp):
-                key = (split[r], self.capacity_bytes(devices[position]), self.overhead_bytes(devices[position]))
-                memory.setdefault(key, []).append(position)
-        device_class = np.empty(len(devices), dtype=np.int64)
-        for index, positions in enumerate(memory.values()):
-            device_class[positions] = index
-        return _Layout(tuple(times.values()), tuple(_MemoryClass(*key) for key in memory), device_class,
-                       lambda kind: self.dp_collective_rate(kind, devices, tp), self.optimizer_rate(devices))
+        code = (gpu * len(link_rates) + link) * (int(shares.max()) + 1) + shares
+        for r in first_appearance(code)[0].tolist():
+            g, share, rate = arrays.gpus[gpu[r]], split[r], link_rates[link[r]]
+            times.setdefault((g.name, share, rate), (g, share, rate))
+        kinds = arrays.memory_kind[grid.reshape(-1)]
+        firsts, device_class = first_appearance(np.repeat(shares, tp) * len(arrays.memory_kinds) + kinds)
+        memory = tuple(_MemoryClass(split[i // tp], *arrays.memory_kinds[kinds[i]]) for i in firsts.tolist())
+        optimizer = self.optimizer_rate(grid.reshape(-1))
+        groups = self.dp_groups(devices, tp, grid) if dp > 1 else None
+        signature = (dp, tp, tuple(times), memory, device_class.tobytes(), groups and groups.key, optimizer)
+        return _Layout(tuple(times.values()), memory, device_class,
+                       lambda kind: self._dp_rate(kind, tp, groups) if groups else 0.0, optimizer, signature,
+                       self._signatures.setdefault(signature, len(self._signatures)))
+
+    def _replica_kinds(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[float]]:
+        """Per replica (row of the grid): its slowest GPU, the index of its TP
+        all-reduce rate, and those rates (s/byte)."""
+        gpu, link, representatives = self.replica_classes(grid)
+        if grid.shape[1] == 1:
+            return gpu, link, [0.0]
+        return gpu, link, [self.collective_rate("allreduce", tuple(grid[r].tolist())) for r in representatives]
+
+    def replica_classes(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The TP groups (rows) of a stage's ``(dp, tp)`` device grid up to
+        symmetry: per row, its slowest GPU (index into ``cluster_arrays.gpus``;
+        the first of the slowest, as ``slowest_gpu``) and its link class (rows
+        of one class have one group shape, so any collective over them costs
+        the same), and a representative row of each link class."""
+        arrays = self.cluster_arrays
+        dp, tp = grid.shape
+        types = arrays.gpu[grid]
+        if len(arrays.gpus) == 1:
+            gpu = types[:, 0]
+        else:
+            gpu = types[np.arange(dp), self._type_rates(types)[types].argmin(axis=1)]
+        if tp == 1:
+            return gpu, np.zeros(dp, dtype=np.int64), [0]
+        nodes = arrays.row_nodes(grid)
+        if nodes is not None:  # every TP group in one node: that node's links are its shape
+            firsts, link = first_appearance(arrays.node_links[nodes])
+            return gpu, link, firsts.tolist()
+        link = arrays.column_classes(grid.T)[0]
+        return gpu, link, first_appearance(link)[0].tolist()
 
     def held_params(self, tp: int, a: int, b: int) -> float:
         """Parameters one device of a stage running layers [a, b) holds: a tied

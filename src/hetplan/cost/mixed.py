@@ -13,7 +13,11 @@ TP group, forward and backward). Gradient traffic is grouped by the layers'
 
 from __future__ import annotations
 
+import numpy as np
+
+from hetplan.cluster.catalog import GPUSpec
 from hetplan.cost.constants import TRANSFORM_PASSES
+from hetplan.cost.groups import first_appearance
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
 from hetplan.cost.memory import memory_parts, state_bytes_split
@@ -55,6 +59,25 @@ def held_params(kernel: CostKernel, stage: Stage, position: int) -> float:
     return params
 
 
+def replica_classes(kernel: CostKernel, stage: Stage, position: int,
+                    micro_batch_size: int) -> list[tuple[GPUSpec, float, float]]:
+    """(slowest GPU, samples, TP all-reduce s/byte) of the replicas running the
+    ``position``-th layer (as ``layer_replicas``), once per distinct kind in
+    order of first appearance: alike replicas cost alike, and on a large
+    cluster most replicas are alike (``CostKernel.replica_classes``)."""
+    dp, tp = stage.layer_degrees(position)
+    grid = kernel.device_array(stage.devices).reshape(dp, tp)
+    gpu, link, representatives = kernel.replica_classes(grid)
+    batches = np.asarray(stage.dp_split, dtype=np.float64) if tp == stage.tp else \
+        np.full(dp, micro_batch_size / dp)
+    values, batch = np.unique(batches, return_inverse=True)
+    firsts, _ = first_appearance((gpu * len(representatives) + link) * len(values) + batch.reshape(-1))
+    rates = [kernel.collective_rate("allreduce", tuple(grid[r].tolist())) if tp > 1 else 0.0
+             for r in representatives]
+    gpus = kernel.cluster_arrays.gpus
+    return [(gpus[gpu[r]], float(batches[r]), rates[link[r]]) for r in firsts.tolist()]
+
+
 def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
                      micro_batch_size: int) -> tuple[float, float, float, float]:
     """(fwd, bwd, recompute, TP comm) of the slowest replica over the segment."""
@@ -63,9 +86,7 @@ def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
     by_recompute: dict[str, list[int]] = {}
     for pos in segment:
         by_recompute.setdefault(stage.strategies[pos].recompute, []).append(stage.layers[pos])
-    for group, batch in layer_replicas(stage, segment[0], micro_batch_size):
-        gpu = kernel.slowest_gpu(group)
-        rate = kernel.collective_rate("allreduce", group) if tp > 1 else 0.0
+    for gpu, batch, rate in replica_classes(kernel, stage, segment[0], micro_batch_size):
         f = b = rc = c = 0.0
         for recompute, indices in by_recompute.items():
             t = kernel.layer_times(gpu, batch, tp, recompute, stage.sequence_parallel)
@@ -89,9 +110,7 @@ def transform_rate(kernel: CostKernel, devices: tuple[int, ...], tp_before: int,
     micro-batch divided by the smaller dp."""
     if tp_before == tp_after:
         return 0.0
-    big = max(tp_before, tp_after)
-    slowest = max(kernel.collective_rate("allgather", devices[r * big:(r + 1) * big])
-                  for r in range(len(devices) // big))
+    slowest = kernel.slowest_run_rate("allgather", devices, max(tp_before, tp_after))
     return TRANSFORM_PASSES * slowest / min(len(devices) // tp_before, len(devices) // tp_after)
 
 
@@ -153,17 +172,18 @@ def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
         if strategy.zero >= 3 and dp > 1:
             gathered = max(gathered, float(kernel.params_per_device(tp)[index]) * kernel.weight_bytes)
         per_layer.append((tp, act, work))
+    positions = {tp: pos for pos, (tp, _, _) in enumerate(per_layer)}  # one layer of each TP degree
     shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
-              for pos, (tp, _, _) in enumerate(per_layer)}  # a replica's share of a micro-batch, per TP degree
-    out = []
-    cache: dict[tuple[float, ...], dict[str, float]] = {}  # devices with the same shares and overhead
-    for i, device in enumerate(stage.devices):
-        batch = {tp: replicas[i // tp] for tp, replicas in shares.items()}
-        key = tuple(batch[tp] for tp in sorted(batch)) + (kernel.overhead_bytes(device),)
-        if key not in cache:
-            act = sum(a * batch[tp] for tp, a, _ in per_layer)
-            work = max(w * batch[tp] for tp, _, w in per_layer)
-            cache[key] = memory_parts(weights, grads, optimizer, act, in_flight, work, gathered,
-                                      kernel.overhead_bytes(device))
-        out.append(cache[key])
-    return out
+              for tp, pos in positions.items()}  # a replica's share of a micro-batch, per TP degree
+    # devices with the same shares and overhead have the same parts: one dict per class of them
+    per_device = {tp: np.repeat(np.asarray(replicas, dtype=np.float64), tp) for tp, replicas in shares.items()}
+    overhead = kernel.cluster_arrays.overhead[kernel.device_array(stage.devices)]
+    keys = np.stack([per_device[tp] for tp in sorted(per_device)] + [overhead.astype(np.float64)], axis=1)
+    firsts, classes = first_appearance(keys)
+    parts = []
+    for i in firsts.tolist():
+        batch = {tp: float(column[i]) for tp, column in per_device.items()}
+        act = sum(a * batch[tp] for tp, a, _ in per_layer)
+        work = max(w * batch[tp] for tp, _, w in per_layer)
+        parts.append(memory_parts(weights, grads, optimizer, act, in_flight, work, gathered, int(overhead[i])))
+    return [parts[c] for c in classes.tolist()]

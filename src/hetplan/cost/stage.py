@@ -58,8 +58,11 @@ class StageOption:
     def of_stage(stage: Stage) -> StageOption | None:
         """The option a Plan stage runs, or None when its layers differ."""
         first = stage.strategies[0]
-        if stage.has_layer_degrees or any(s.zero != first.zero or s.recompute != first.recompute
-                                          for s in stage.strategies):
+        if stage.strategies.count(first) == len(stage.strategies):  # one strategy throughout (fast when shared)
+            if first.tp and first.tp != stage.tp:
+                return None
+        elif stage.has_layer_degrees or any(s.zero != first.zero or s.recompute != first.recompute
+                                            for s in stage.strategies):
             return None
         return StageOption(stage.devices, stage.dp, stage.tp, stage.dp_split, first.zero, first.recompute,
                            stage.sequence_parallel)
@@ -124,15 +127,23 @@ class SegmentTables:
         return self.held * self.optimizer_per_param
 
 
-class StageCosts:
-    """Costs of one StageOption for any contiguous range of layers."""
+def check_option(option: StageOption) -> None:
+    """A stage's devices and shares must match its degrees."""
+    if len(option.devices) != option.dp * option.tp or len(option.split) != option.dp:
+        raise HetplanError(f"a stage of dp={option.dp} x tp={option.tp} needs {option.dp * option.tp} devices "
+                           f"and {option.dp} shares, got {len(option.devices)} and {len(option.split)}")
 
-    def __init__(self, kernel: CostKernel, option: StageOption) -> None:
-        if len(option.devices) != option.dp * option.tp or len(option.split) != option.dp:
-            raise HetplanError(f"a stage of dp={option.dp} x tp={option.tp} needs {option.dp * option.tp} devices "
-                               f"and {option.dp} shares, got {len(option.devices)} and {len(option.split)}")
+
+class StageCosts:
+    """Costs of one StageOption for any contiguous range of layers — and of
+    every option the kernel finds symmetric to it (same layout signature,
+    ``CostKernel.stage``): ``option`` is the first of them, ``key`` what they share."""
+
+    def __init__(self, kernel: CostKernel, option: StageOption, key: object = None) -> None:
+        check_option(option)
         self.kernel = kernel
         self.option = option
+        self.key = option if key is None else key
         self.num_layers = kernel.num_layers
         self._layout = kernel.layout(option.devices, option.dp, option.tp, option.split)
         self._layer_totals: np.ndarray | None = None
@@ -267,8 +278,8 @@ class StageCosts:
 
     def device_memory(self, a: int, b: int, in_flight: float) -> list[int]:
         """Peak bytes of each device of the stage (in its device order)."""
-        per_class = self.class_memory(a, b, in_flight)
-        return [int(per_class[c]) for c in self._device_class]
+        per_class = np.array([int(m) for m in self.class_memory(a, b, in_flight)], dtype=np.int64)
+        return per_class[self._device_class].tolist()
 
     def fits(self, a: int, b: int, in_flight: float) -> bool:
         """Every GPU of the stage holds layers [a, b) and its micro-batches
@@ -286,12 +297,12 @@ class StageCosts:
         ``window = (j, span)`` only stage ``j``'s window of a pipeline: rows
         ``a = j + x``, columns ``b = j + 1 + y`` for ``x, y < span``."""
         recent = self.kernel.recent_tables
-        times = recent.get((self.option, window))
+        times = recent.get((self.key, window))
         if times is None:  # the times do not depend on the micro-batches in flight: shared
-            times = recent.put((self.option, window), self._time_tables(window))
-        fits = recent.get((self.option, window, in_flight))
+            times = recent.put((self.key, window), self._time_tables(window))
+        fits = recent.get((self.key, window, in_flight))
         if fits is None:
-            fits = recent.put((self.option, window, in_flight), self._fits_table(in_flight, window))
+            fits = recent.put((self.key, window, in_flight), self._fits_table(in_flight, window))
         return replace(times, fits=fits)
 
     def _cells(self, window: tuple[int, int] | None) -> tuple[slice, slice]:

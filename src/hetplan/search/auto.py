@@ -204,11 +204,14 @@ class _AutoSearch:
     def _grid_layouts(self) -> Iterable[Layout]:
         """AMP's space: degrees × micro-batch × placements."""
         cluster, gbs = self.workload.cluster, self.workload.global_batch_size
+        counts: dict[int, int] = {}  # placements up to symmetry: their number depends on tp alone
         for pp, dp, tp in enumerate_degrees(self.workload):
             placements = [heuristic_placement(cluster.num_devices, pp, dp, tp)]
-            if cluster.bandwidth_matrix_gbps is None and \
-                    count_canonical_placements(cluster, pp, dp, tp) <= self.planner.max_placements:
-                placements += list(canonical_placements(cluster, pp, dp, tp))
+            if cluster.bandwidth_matrix_gbps is None:
+                if tp not in counts:
+                    counts[tp] = count_canonical_placements(cluster, pp, dp, tp)
+                if counts[tp] <= self.planner.max_placements:
+                    placements += list(canonical_placements(cluster, pp, dp, tp))
             for u in micro_batch_sizes(gbs, dp):
                 mbs = dp * u
                 for placement in placements:

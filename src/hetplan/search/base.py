@@ -45,6 +45,21 @@ def rank_key(ranked: RankedPlan) -> tuple[int, float, str]:
     return (0 if ranked.estimate.fits else 1, ranked.estimate.iteration_time_s, ranked.plan.describe())
 
 
+def sorted_by_rank(scored: list[tuple[tuple[int, float], Plan]]) -> list[tuple[tuple[int, float], Plan]]:
+    """``(fits, time)``-keyed plans in ``rank_key`` order: the plan text, which
+    takes a ``describe()`` per plan, is only read where fit and time tie."""
+    scored = sorted(scored, key=lambda item: item[0])
+    start = 0
+    while start < len(scored):
+        end = start + 1
+        while end < len(scored) and scored[end][0] == scored[start][0]:
+            end += 1
+        if end - start > 1:
+            scored[start:end] = sorted(scored[start:end], key=lambda item: item[1].describe())
+        start = end
+    return scored
+
+
 # When nothing fits, the error names the closest miss among this many of the fastest plans.
 NO_FIT_CANDIDATES = 32
 
@@ -65,9 +80,9 @@ def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
     with Progress("costing plans", total=len(plans)) as progress:
         for p in plans:
             time_s, fits = cost_model.quick(p)
-            scored.append(((0 if fits else 1, time_s, p.describe()), p))
+            scored.append(((0 if fits else 1, time_s), p))
             progress.advance()
-    scored.sort(key=lambda item: item[0])
+    scored = sorted_by_rank(scored)
     if require_fit and scored[0][0][0]:
         closest = [RankedPlan(p, cost_model.estimate(p)) for _, p in scored[:NO_FIT_CANDIDATES]]
         raise no_fit_error(cost_model.workload, closest)

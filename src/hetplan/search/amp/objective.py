@@ -28,7 +28,9 @@ from typing import Sequence
 
 import numpy as np
 
+from hetplan.cluster.catalog import GPUSpec
 from hetplan.cost.comm import flat_ring_allreduce_time
+from hetplan.cost.groups import first_appearance
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
@@ -57,6 +59,9 @@ class AmpTerms:
             (slowest of the TP ranks' pairs).
         sync_per_byte: per stage, seconds per gradient byte of eq. 3 on its
             slowest DP group (0 when dp = 1).
+        pipelines: the pipelines ``i`` that differ from every earlier one (in
+            their stages' tables or links); the others cost the same as one of
+            them. Empty: every pipeline.
     """
 
     stage_devices: tuple[tuple[int, ...], ...]
@@ -66,10 +71,15 @@ class AmpTerms:
     layer_prefix: tuple[tuple[np.ndarray, ...], ...]
     link_bandwidth: np.ndarray
     sync_per_byte: tuple[float, ...]
+    pipelines: tuple[int, ...] = ()
 
     @property
     def pp(self) -> int:
         return len(self.stage_devices)
+
+    @property
+    def distinct_pipelines(self) -> Sequence[int]:
+        return self.pipelines or range(self.dp)
 
 
 class AmpCostModel:
@@ -82,6 +92,7 @@ class AmpCostModel:
         self.model = cost_model.model
         self.cluster = cost_model.cluster
         self._layer_cache: dict[tuple[str, int, int, float], np.ndarray] = {}
+        self._flat: dict[object, float] = {}
         self._output = self.kernel.arrays.output_bytes
         self._grad_bytes = self.workload.state_bytes[1]
 
@@ -90,8 +101,11 @@ class AmpCostModel:
         backward on the group's slowest GPU plus the forward and backward TP
         all-reduces (eq. 3: flat rings on the group's slowest link). Entry
         ``l`` is the time of layers ``[0, l)``."""
+        return self._layer_prefix(self.kernel.slowest_gpu(group), group, micro_batch)
+
+    def _layer_prefix(self, gpu: GPUSpec, group: Sequence[int], micro_batch: int) -> np.ndarray:
+        """``layer_times`` of a TP group whose slowest GPU is ``gpu``."""
         tp = len(group)
-        gpu = self.kernel.slowest_gpu(group)
         ring = flat_ring_allreduce_time(self.cluster, group, 1.0) if tp > 1 else 0.0
         key = (gpu.name, tp, micro_batch, ring)
         cached = self._layer_cache.get(key)
@@ -102,20 +116,55 @@ class AmpCostModel:
         return cached
 
     def terms(self, stage_devices: Sequence[Sequence[int]], dp: int, tp: int, micro_batch: int) -> AmpTerms:
-        """Everything about a strategy that does not depend on the layer split."""
+        """Everything about a strategy that does not depend on the layer split.
+
+        Replicas (TP groups) of one stage with the same slowest GPU and group
+        shape share one prefix table (``CostKernel.replica_classes``), the
+        data-parallel groups are costed once per shape (``CostKernel.dp_groups``)
+        and the links are read off per-device arrays: no work per replica
+        beyond numpy's, which on 4,096 GPUs is most of the replicas."""
         pp = len(stage_devices)
         devices = tuple(tuple(d) for d in stage_devices)
-        prefix = tuple(tuple(self.layer_times(devices[j][i * tp:(i + 1) * tp], micro_batch) for j in range(pp))
-                       for i in range(dp))
+        grids = [np.asarray(d, dtype=np.int64).reshape(dp, tp) for d in devices]
+        classes, tables = zip(*(self._replica_prefixes(grid, micro_batch) for grid in grids))
+        prefix = tuple(zip(*(tuple(table[c] for c in stage.tolist()) for stage, table in zip(classes, tables))))
         links = np.full((dp, max(pp - 1, 0)), math.inf)
-        for i in range(dp):
-            for j in range(pp - 1):
-                src = devices[j][i * tp:(i + 1) * tp]
-                dst = devices[j + 1][i * tp:(i + 1) * tp]
-                links[i, j] = min(self.cluster.bandwidth_bytes_per_s(a, b) for a, b in zip(src, dst))
-        sync = tuple(max(flat_ring_allreduce_time(self.cluster, [stage[r * tp + t] for r in range(dp)], 1.0)
-                         for t in range(tp)) for stage in devices)
-        return AmpTerms(devices, dp, tp, micro_batch, prefix, links, sync)
+        arrays = self.kernel.cluster_arrays
+        for j in range(pp - 1):
+            links[:, j] = arrays.link_bytes_per_s(grids[j], grids[j + 1]).min(axis=1)
+        sync = tuple(self._sync_per_byte(stage, tp) for stage in devices)
+        # pipelines alike in every stage's table and every link cost alike: keep the first of each
+        rows = np.concatenate([np.stack(classes, axis=1).astype(np.float64), links], axis=1)
+        pipelines = tuple(sorted(np.unique(rows, axis=0, return_index=True)[1].tolist()))
+        return AmpTerms(devices, dp, tp, micro_batch, prefix, links, sync, pipelines)
+
+    def _replica_prefixes(self, grid: np.ndarray, micro_batch: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The class of each replica (row) of a stage's device grid, and
+        ``layer_times`` of each class (replicas of one slowest GPU and one TP
+        group shape), computed once per class."""
+        gpu, link, representatives = self.kernel.replica_classes(grid)
+        firsts, classes = first_appearance(gpu * len(representatives) + link)
+        tables = []
+        for r in firsts.tolist():
+            group = tuple(grid[representatives[link[r]]].tolist())
+            tables.append(self._layer_prefix(self.kernel.cluster_arrays.gpus[gpu[r]], group, micro_batch))
+        return classes, tables
+
+    def _sync_per_byte(self, stage: tuple[int, ...], tp: int) -> float:
+        """eq. 3 per byte on the stage's slowest DP group (one per group shape;
+        no sync without data parallelism)."""
+        if len(stage) // tp < 2:
+            return 0.0
+        groups = self.kernel.dp_groups(stage, tp)
+        return max(self._flat_ring(g, shape) for g, shape in zip(groups.representatives, groups.key[0]))
+
+    def _flat_ring(self, group: tuple[int, ...], shape: object) -> float:
+        """eq. 3 per byte over ``group``, once per group shape (it reads only
+        the group's size and slowest link)."""
+        found = self._flat.get(shape)
+        if found is None:
+            found = self._flat[shape] = flat_ring_allreduce_time(self.cluster, group, 1.0)
+        return found
 
     def partition_problem(self, terms: AmpTerms, num_micro_batches: int) -> PartitionProblem:
         """eq. 5 as a layer-assignment problem: each stage at the pace of its
@@ -125,7 +174,8 @@ class AmpCostModel:
         pp, n = terms.pp, self.model.num_layers
         segments = np.empty((pp, n + 1, n + 1))
         for j in range(pp):
-            distinct = list({id(terms.layer_prefix[i][j]): terms.layer_prefix[i][j] for i in range(terms.dp)}.values())
+            distinct = list({id(terms.layer_prefix[i][j]): terms.layer_prefix[i][j]
+                             for i in terms.distinct_pipelines}.values())
             prefix = np.asarray(distinct)
             segments[j] = np.max(prefix[:, None, :] - prefix[:, :, None], axis=0)
         boundary = None
@@ -138,7 +188,7 @@ class AmpCostModel:
         """eq. 4 for the strategy ``terms`` with the given layer assignment."""
         pp, b, gas = terms.pp, tuple(boundaries), num_micro_batches
         pipeline = 0.0
-        for i in range(terms.dp):
+        for i in terms.distinct_pipelines:
             prefix = terms.layer_prefix[i]
             stage = [float(prefix[j][b[j + 1]] - prefix[j][b[j]]) for j in range(pp)]
             sends = [float(self._output[b[j + 1] - 1]) * terms.micro_batch / terms.link_bandwidth[i, j]

@@ -10,6 +10,7 @@ order). ``uniform_plan`` builds one such plan (``hetplan estimate --tp/--pp/--dp
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Iterator
 
 from hetplan.cost.model import CostModel
@@ -36,7 +37,7 @@ def uniform_plan(
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("micro-batch", micro_batch_per_replica)):
         if value <= 0:
             raise HetplanError(f"{name} must be positive, got {value}")
-    if dp * tp * pp > cluster.num_devices:
+    if dp * tp * pp > len(cluster.devices):  # = num_devices, which sums over the nodes on every call
         raise HetplanError(
             f"dp x tp x pp = {dp * tp * pp} GPUs, but cluster {cluster.name!r} has {cluster.num_devices}"
         )
@@ -49,15 +50,21 @@ def uniform_plan(
         )
     split = layer_split or block_split(model, pp)
     stages = []
-    for j, layers in enumerate(split):
-        first = j * dp * tp
-        devices = list(range(first, first + dp * tp))
+    for layers, devices in zip(split, _stage_devices(dp * tp, len(split))):
         stages.append(uniform_stage(layers, devices, dp, tp, micro, zero, recompute, sequence_parallel))
     return Plan(
         model=model.name, cluster=cluster.name, global_batch_size=workload.global_batch_size,
         micro_batch_size=micro, num_micro_batches=workload.global_batch_size // micro,
         schedule=schedule, stages=tuple(stages), planner=planner, virtual_stages=virtual_stages,
     )
+
+
+@lru_cache(maxsize=16)
+def _stage_devices(size: int, pp: int) -> tuple[tuple[int, ...], ...]:
+    """Stage j's GPUs, ``size`` of them from ``j * size`` on. Cached: the
+    variants of one (dp, tp, pp) (micro-batch, ZeRO, recomputation) then share
+    one tuple per stage instead of building thousands of ids again."""
+    return tuple(tuple(range(j * size, (j + 1) * size)) for j in range(pp))
 
 
 def uniform_configs(workload: Workload) -> Iterator[tuple[int, int, int, int]]:

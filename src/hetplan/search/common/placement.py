@@ -17,8 +17,10 @@ node.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
+from collections import Counter
 from typing import TYPE_CHECKING, Iterator
 
 from hetplan.cluster.spec import ClusterSpec
@@ -49,11 +51,21 @@ def heuristic_placement(num_devices: int, pp: int, dp: int, tp: int) -> Placemen
     return tuple(tuple(range(j * size, (j + 1) * size)) for j in range(pp))
 
 
-def _node_class(cluster: ClusterSpec, index: int) -> tuple[object, ...]:
-    node = cluster.nodes[index]
-    device = cluster.node_devices(index)[0]
-    return (node.gpu.name, node.num_gpus, node.intra_bandwidth_gbps, cluster.node_inter_gbps(index),
-            cluster.devices[device].memory_bytes)
+def node_first_devices(cluster: ClusterSpec) -> list[int]:
+    """The first device id of every node (ids are handed out node by node),
+    without ``ClusterSpec.node_devices``, which scans every device."""
+    firsts, first = [], 0
+    for node in cluster.nodes:
+        firsts.append(first)
+        first += node.num_gpus
+    return firsts
+
+
+def _node_classes(cluster: ClusterSpec) -> list[tuple[object, ...]]:
+    """What makes two nodes interchangeable: GPU type, count, links and memory."""
+    return [(node.gpu.name, node.num_gpus, node.intra_bandwidth_gbps, cluster.node_inter_gbps(q),
+             cluster.devices[first].memory_bytes)
+            for q, (node, first) in enumerate(zip(cluster.nodes, node_first_devices(cluster)))]
 
 
 def count_canonical_placements(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> int:
@@ -65,13 +77,9 @@ def count_canonical_placements(cluster: ClusterSpec, pp: int, dp: int, tp: int) 
     _check(cluster, pp, dp, tp)
     counts = [node.num_gpus // tp for node in cluster.nodes]
     total = math.factorial(sum(counts))
-    for c in counts:
-        total //= math.factorial(c)
-    classes: dict[tuple[object, ...], int] = {}
-    for q in range(cluster.num_nodes):
-        key = _node_class(cluster, q)
-        classes[key] = classes.get(key, 0) + 1
-    for m in classes.values():
+    for c, repeat in Counter(counts).items():
+        total //= math.factorial(c) ** repeat
+    for m in Counter(_node_classes(cluster)).values():
         total //= math.factorial(m)
     return total
 
@@ -83,6 +91,11 @@ def canonical_placements(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> Ite
     node; a sequence of node labels is kept only if, within each class of
     identical nodes, nodes first appear in index order. Devices of a node are
     handed out in increasing id order.
+
+    So the used nodes of a class are always its first few: at each slot the
+    candidates are the used nodes with TP groups left (``open_nodes``) and each
+    class's first unused node, tried in index order — no scan over every node,
+    which on 512 identical nodes made one placement cost 512³ steps.
     """
     _check(cluster, pp, dp, tp)
     if cluster.bandwidth_matrix_gbps is not None:
@@ -90,42 +103,69 @@ def canonical_placements(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> Ite
                            "not a device-to-device bandwidth matrix")
     num_nodes = cluster.num_nodes
     remaining = [node.num_gpus // tp for node in cluster.nodes]
-    classes = [_node_class(cluster, q) for q in range(num_nodes)]
-    earlier_same = [[p for p in range(q) if classes[p] == classes[q]] for q in range(num_nodes)]
-    used = [False] * num_nodes
+    class_ids: dict[tuple[object, ...], int] = {}
+    class_of = [class_ids.setdefault(c, len(class_ids)) for c in _node_classes(cluster)]
+    members: list[list[int]] = [[] for _ in class_ids]
+    for q in range(num_nodes):
+        members[class_of[q]].append(q)
+    next_unused = [0] * len(members)  # how many nodes of each class are in use
+    open_nodes: list[int] = []  # in-use nodes with TP groups left, ascending
     labels: list[int] = []
     slots = pp * dp
-    node_devices = [cluster.node_devices(q) for q in range(num_nodes)]
+    firsts = node_first_devices(cluster)
 
     def build() -> Placement:
         taken = [0] * num_nodes
         groups = []
         for q in labels:
-            start = taken[q] * tp
-            groups.append(tuple(node_devices[q][start:start + tp]))
+            start = firsts[q] + taken[q] * tp
+            groups.append(tuple(range(start, start + tp)))
             taken[q] += 1
         return tuple(tuple(d for g in groups[j * dp:(j + 1) * dp] for d in g) for j in range(pp))
 
-    def extend() -> Iterator[Placement]:
+    def candidates() -> list[int]:
+        heads = [m[n] for m, n in zip(members, next_unused) if n < len(m)]
+        return sorted(open_nodes + heads)
+
+    def take(q: int) -> bool:
+        """Use one TP group of node q; True if q was not in use before."""
+        first = q not in open_nodes
+        if first:
+            next_unused[class_of[q]] += 1
+        else:
+            open_nodes.remove(q)
+        remaining[q] -= 1
+        if remaining[q]:
+            bisect.insort(open_nodes, q)
+        labels.append(q)
+        return first
+
+    def give_back(q: int, first: bool) -> None:
+        labels.pop()
+        if remaining[q]:
+            open_nodes.remove(q)
+        remaining[q] += 1
+        if first:
+            next_unused[class_of[q]] -= 1
+        else:
+            bisect.insort(open_nodes, q)
+
+    # depth first with an explicit stack: pp·dp slots can be deeper than Python's recursion limit
+    stack = [iter(candidates())]  # per open slot: the nodes still to try there
+    undo: list[tuple[int, bool]] = []  # per filled slot: its node and whether it came into use there
+    while stack:
+        q = next(stack[-1], None)
+        if q is None:  # every node tried at this slot: back to the previous one
+            stack.pop()
+            if undo:
+                give_back(*undo.pop())
+            continue
+        undo.append((q, take(q)))
         if len(labels) == slots:
             yield build()
-            return
-        for q in range(num_nodes):
-            if not remaining[q]:
-                continue
-            if not used[q] and any(not used[p] for p in earlier_same[q]):
-                continue
-            first = not used[q]
-            remaining[q] -= 1
-            used[q] = True
-            labels.append(q)
-            yield from extend()
-            labels.pop()
-            remaining[q] += 1
-            if first:
-                used[q] = False
-
-    yield from extend()
+            give_back(*undo.pop())
+        else:
+            stack.append(iter(candidates()))
 
 
 def random_placement(cluster: ClusterSpec, pp: int, dp: int, tp: int, rng: random.Random) -> Placement:

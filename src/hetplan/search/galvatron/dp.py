@@ -378,11 +378,11 @@ def _solution(costs: GalvatronCosts, indices: Sequence[int], ctx: StageContext, 
     chosen = tuple(costs.strategy_at_slot[s] for s in slots)
     stage = stage_of(costs, indices, ctx, chosen)
     timing = costs.cost_model.stage_timing(stage, ctx.micro_batch_size)
-    memory = costs.cost_model.device_memory(stage, ctx.micro_batch_size, ctx.in_flight)
-    fits = all(m <= costs.kernel.capacity_bytes(d) for d, m in zip(ctx.devices, memory))
+    memory = np.asarray(costs.cost_model.device_memory(stage, ctx.micro_batch_size, ctx.in_flight), dtype=np.int64)
+    fits = bool((memory <= costs.kernel.cluster_arrays.capacity[costs.kernel.device_array(ctx.devices)]).all())
     tail = exposed_grad_sync(timing.grad_sync_s, timing.back_s, costs.workload.overlap_grad_sync)
     cost = ctx.num_micro_batches * timing.per_micro_batch_s + tail + timing.post_step_s + timing.optimizer_s
-    return StageSolution(chosen, stage, timing, float(cost), float(max(memory)), fits)
+    return StageSolution(chosen, stage, timing, float(cost), float(memory.max()), fits)
 
 
 def stage_of(costs: GalvatronCosts, indices: Sequence[int], ctx: StageContext, chosen: Sequence[int]) -> Stage:

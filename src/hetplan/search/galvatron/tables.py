@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hetplan.cost.groups import first_appearance
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.memory import model_state_bytes
 from hetplan.cost.mixed import transform_rate
@@ -111,28 +112,24 @@ class GalvatronCosts:
         device-to-device bandwidth matrix the devices themselves."""
         sig = self._sigs.get(devices)
         if sig is None:
-            cluster = self.cluster
-            if cluster.bandwidth_matrix_gbps is not None:
+            if self.cluster.bandwidth_matrix_gbps is not None:
                 sig = ("ids",) + devices
-            else:
-                first = cluster.devices[devices[0]].node
-                parts = []
-                for d in devices:
-                    dev = cluster.devices[d]
-                    node = cluster.nodes[dev.node]
-                    parts.append((dev.gpu.name, self.workload.device_capacity_bytes(d), dev.node - first,
-                                  node.intra_bandwidth_gbps, cluster.node_inter_gbps(dev.node)))
-                sig = tuple(parts)
+            else:  # per device, as numbers: GPU type, memory, node relative to the first, the node's links
+                arrays = self.kernel.cluster_arrays
+                ids = self.kernel.device_array(devices)
+                node = arrays.node[ids]
+                sig = ("devices", np.stack([arrays.gpu[ids], arrays.capacity[ids], node - node[0],
+                                            arrays.node_links[node]]).tobytes())
             self._sigs[devices] = sig
         return sig
 
     def capacity_bytes(self, devices: tuple[int, ...]) -> float:
         """Usable memory of the stage's devices (the smallest; memory limit applied)."""
-        return float(min(self.kernel.capacity_bytes(d) for d in devices))
+        return float(self.kernel.cluster_arrays.capacity[self.kernel.device_array(devices)].min())
 
     def overhead_bytes(self, devices: tuple[int, ...]) -> float:
         """Framework memory no plan can use (the shared memory model's constant)."""
-        return float(max(self.kernel.overhead_bytes(d) for d in devices))
+        return float(self.kernel.cluster_arrays.overhead[self.kernel.device_array(devices)].max())
 
     # --- tables -------------------------------------------------------------------------
     def stacked(self, ctx: StageContext) -> dict[str, np.ndarray]:
@@ -158,8 +155,9 @@ class GalvatronCosts:
         names = ("valid", "mb", "once", "states", "act", "bwd", "gathered") + COMPONENTS
         columns: dict[str, list[np.ndarray]] = {name: [] for name in names + tuple("dup_" + c for c in names)}
         for s in self.strategies:
+            compute = self._compute(s, ctx)  # the same with or without the tied copy
             for prefix, tied_copy in (("", False), ("dup_", True)):
-                for name, value in self._strategy_columns(s, ctx, tied_copy).items():
+                for name, value in self._strategy_columns(s, ctx, tied_copy, compute).items():
                     columns[prefix + name].append(value)
         out = {name: np.stack(values, axis=1) for name, values in columns.items()}
         assert out["mb"].shape == (n_layers, n_s)
@@ -169,16 +167,26 @@ class GalvatronCosts:
             out[prefix + "cost"] = np.where(out[prefix + "valid"], m * out[prefix + "mb"] + out[prefix + "once"], INF)
         return out
 
-    def _strategy_columns(self, s: GStrategy, ctx: StageContext, tied_copy: bool) -> dict[str, np.ndarray]:
+    def _valid(self, s: GStrategy, ctx: StageContext) -> bool:
+        """The strategy's degrees use the stage's devices and split its micro-batch."""
+        return s.tp * s.dp == len(ctx.devices) and ctx.micro_batch_size % s.dp == 0
+
+    def _compute(self, s: GStrategy, ctx: StageContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Forward, backward + recompute and TP comm per layer (zeros where the strategy is invalid)."""
+        if not self._valid(s, ctx):
+            return (np.zeros(self.kernel.num_layers),) * 3
+        return self._worst_replica(s, ctx, ctx.micro_batch_size / s.dp, "full" if s.ckpt else "none")
+
+    def _strategy_columns(self, s: GStrategy, ctx: StageContext, tied_copy: bool,
+                          compute: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
         """One strategy's column for every layer (``tied_copy``: the layer's tied
-        weight is already held by an earlier layer of the stage)."""
+        weight is already held by an earlier layer of the stage; ``compute``: ``_compute``)."""
         k = self.kernel
         n = k.num_layers
         recompute = "full" if s.ckpt else "none"
-        ok = s.tp * s.dp == len(ctx.devices) and ctx.micro_batch_size % s.dp == 0
-        valid = k.supports_tp(s.tp) & ok
+        valid = k.supports_tp(s.tp) & self._valid(s, ctx)
         batch = ctx.micro_batch_size / s.dp
-        f, bp, tpc = self._worst_replica(s, ctx, batch, recompute) if ok else (np.zeros(n),) * 3
+        f, bp, tpc = compute
         params = k.params_per_device(s.tp) - (k.tied_share(s.tp) if tied_copy else 0.0)
         zero = 3 if s.sdp and s.dp > 1 else 0
         g = sc = ar = np.zeros(n)
@@ -205,10 +213,12 @@ class GalvatronCosts:
         k = self.kernel
         best: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         seen: set[tuple[object, ...]] = set()
-        for r in range(s.dp):
-            group = ctx.devices[r * s.tp:(r + 1) * s.tp]
-            gpu = k.slowest_gpu(group)
-            rate = k.collective_rate("allreduce", group) if s.tp > 1 else 0.0
+        grid = k.device_array(ctx.devices).reshape(s.dp, s.tp)
+        gpus, links, representatives = k.replica_classes(grid)  # alike replicas cost alike: one of each
+        rates = [k.collective_rate("allreduce", tuple(grid[r].tolist())) if s.tp > 1 else 0.0
+                 for r in representatives]
+        for r in first_appearance(gpus * len(representatives) + links)[0].tolist():
+            gpu, rate = k.cluster_arrays.gpus[gpus[r]], rates[links[r]]
             if (gpu.name, rate) in seen:
                 continue
             seen.add((gpu.name, rate))

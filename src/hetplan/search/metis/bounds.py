@@ -124,7 +124,7 @@ class Bounds:
         """Upper bound on the big layers a stage can hold: its busiest replica
         has at least an even share and at most the group's largest memory."""
         batch = -(-sum(intra.split) // intra.dp)
-        capacity = max(rep.capacity_bytes for rep in self.costs.replicas(group, intra.tp))
+        capacity = int(self.costs.replica_arrays(group, intra.tp).capacity.max())
         return self.max_layers(intra.tp, batch, in_flight, capacity)
 
     # --- per-layer times, sorted ascending, as prefix sums --------------------------------
@@ -137,11 +137,15 @@ class Bounds:
     def intra_prefix(self, group: DeviceGroup, intra: Intra) -> list[float]:
         """Sorted big-layer times of the stage's slowest replica class: any range
         of layers costs the stage at least their sum (``StageCosts.layer_totals``)."""
-        key = (group.devices, intra)
+        key = (self.costs.group_class(group), intra)
         prefix = self._times.get(key)
         if prefix is None:
-            totals = self.costs.stage(group, intra).layer_totals()
-            prefix = self._times[key] = self._sorted_prefix([float(totals[i]) for i in self.big])
+            costs = self.costs.stage(group, intra)
+            prefix = self._times.get(costs.key)  # symmetric groups share their stage costs
+            if prefix is None:
+                totals = costs.layer_totals()
+                prefix = self._times[costs.key] = self._sorted_prefix([float(totals[i]) for i in self.big])
+            self._times[key] = prefix
         return prefix
 
     def fastest_prefix(self, tp: int, batch: int) -> list[float]:
@@ -342,7 +346,7 @@ class Bounds:
         total_hold = 0
         result = []
         for g, in_flight in zip(groups, flights):
-            key = (g.uid, micro_batch, in_flight)
+            key = (self.costs.group_class(g), micro_batch, in_flight)  # alike groups, alike bounds
             sb = cache.get(key)
             if sb is None:
                 options = [(self.intra_prefix(g, intra), self.max_layers_held(g, intra, float(in_flight)))

@@ -35,6 +35,7 @@ from typing import Iterator, Sequence
 
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.errors import HetplanError
+from hetplan.search.common.placement import node_first_devices
 
 NodeClass = tuple[str, int, float, float]  # (GPU type, GPUs in node, intra Gbps, inter Gbps)
 
@@ -152,6 +153,7 @@ def enumerate_device_groups(cluster: ClusterSpec, sizes: Sequence[int] | None = 
                 "restrict the sizes or raise the limit"
             )
     wanted = set(sizes) if sizes is not None else None
+    firsts = node_first_devices(cluster)
     groups: list[DeviceGroup] = []
     for combo in itertools.product(*per_class):
         size = sum(sum(p) for p in combo)
@@ -160,7 +162,7 @@ def enumerate_device_groups(cluster: ClusterSpec, sizes: Sequence[int] | None = 
         devices: list[int] = []
         for (cls, nodes), picks in zip(ordered, combo):
             for node, k in zip(nodes, picks):
-                devices += cluster.node_devices(node)[:k]
+                devices += range(firsts[node], firsts[node] + k)
         groups.append(make_group(cluster, sorted(devices)))
     groups.sort(key=lambda g: (g.size, g.signature))
     return groups
@@ -291,7 +293,8 @@ class _Line:
 
     def __init__(self, cluster: ClusterSpec, sequence: Sequence[int]) -> None:
         self.cluster = cluster
-        self.devices = [d for n in sequence for d in cluster.node_devices(n)]
+        firsts = node_first_devices(cluster)  # not node_devices(n), which scans every device per node
+        self.devices = [d for n in sequence for d in range(firsts[n], firsts[n] + cluster.nodes[n].num_gpus)]
         self.node_start = set()
         pos = 0
         for n in sequence:

@@ -244,11 +244,11 @@ class _Search:
         self.heap: list[tuple[float, int, _Candidate]] = []  # max-heap on cost (negated)
         self.counter = itertools.count()
         self.weights = self._reference_weights()
-        self._init: dict[tuple[tuple[int, ...], int], Intra | None] = {}
-        self._options: dict[tuple[tuple[int, ...], int, int], list[Intra]] = {}
+        self._init: dict[tuple[int, int], Intra | None] = {}  # by group class (MetisCosts.group_class)
+        self._options: dict[tuple[int, int, int], list[Intra]] = {}
         self._opt_cache: dict[tuple[object, ...], list[StageBound] | None] = {}
         self._type_cache: dict[tuple[tuple[int, ...], int], float] = {}
-        self._tp_ok_cache: dict[tuple[tuple[int, ...], int], bool] = {}
+        self._tp_ok_cache: dict[tuple[int, int], bool] = {}
         self.best = math.inf
         self._searched: set[tuple[tuple[object, ...], int]] = set()
         self.bounds = Bounds(self.costs, self._options_for, options.max_tp)
@@ -420,7 +420,7 @@ class _Search:
         """All-DP; a group with more GPUs than the micro-batch has samples
         starts at the smallest TP that leaves each replica a sample (the
         authors' generator raises TP on such invalid strategies too)."""
-        key = (group.devices, micro_batch)
+        key = (self.costs.group_class(group), micro_batch)
         if key in self._init:
             return self._init[key]
         tp = 1
@@ -438,7 +438,7 @@ class _Search:
     def _options_for(self, group: DeviceGroup, micro_batch: int, from_tp: int) -> list[Intra]:
         """The intra-stage plans the DFS may reach from ``from_tp``: the start,
         then every TP raise."""
-        key = (group.devices, micro_batch, from_tp)
+        key = (self.costs.group_class(group), micro_batch, from_tp)
         found = self._options.get(key)
         if found is None:
             found = []
@@ -478,12 +478,11 @@ class _Search:
 
     def _tp_ok(self, group: DeviceGroup, tp: int) -> bool:
         """TP groups stay inside nodes and every layer supports ``tp``."""
-        key = (group.devices, tp)
+        key = (self.costs.group_class(group), tp)
         ok = self._tp_ok_cache.get(key)
         if ok is None:
-            nodes = [self.cluster.devices[d].node for d in group.devices]
-            ok = all(len(set(nodes[r * tp:(r + 1) * tp])) == 1 for r in range(group.size // tp)) \
-                and self.cm.kernel.all_support_tp(tp)
+            grid = self.cm.kernel.device_array(group.devices).reshape(-1, tp)
+            ok = self.cm.kernel.cluster_arrays.rows_in_one_node(grid) and self.cm.kernel.all_support_tp(tp)
             self._tp_ok_cache[key] = ok
         return ok
 

@@ -27,6 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import bisect
+
+import numpy as np
+
 from hetplan.cluster.catalog import GPUSpec
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption
 from hetplan.cost.model import CostModel
@@ -53,6 +57,15 @@ class Replica:
     overhead_bytes: int
 
 
+@dataclass(frozen=True)
+class ReplicaArrays:
+    """The replicas of a group at one TP degree, as arrays over the replicas."""
+
+    gpu: np.ndarray  # slowest GPU type (index into ``CostKernel.cluster_arrays.gpus``)
+    capacity: np.ndarray  # smallest capacity among the replica's GPUs
+    overhead: np.ndarray  # largest framework overhead among them
+
+
 class MetisCosts:
     """Cached stage-level costs for one workload (see the module docstring)."""
 
@@ -65,8 +78,11 @@ class MetisCosts:
         self.num_layers = self.model.num_layers
         self.metis_memory = self.kernel.memory_profile
         self._time: dict[tuple[str, int, int], list[float]] = {}
-        self._replicas: dict[tuple[tuple[int, ...], int], list[Replica]] = {}
-        self._handles: dict[tuple[tuple[int, ...], Intra], StageHandle] = {}
+        self._replicas: dict[tuple[int, int], list[Replica]] = {}
+        self._replica_arrays: dict[tuple[int, int], ReplicaArrays] = {}
+        self._classes: dict[object, int] = {}
+        self._class_of: dict[int, int] = {}
+        self._handles: dict[tuple[int, Intra], StageHandle] = {}
 
     def time_prefix(self, gpu: GPUSpec, tp: int, batch: int) -> list[float]:
         """Prefix sums of forward + backward time per layer on one GPU."""
@@ -77,16 +93,40 @@ class MetisCosts:
             table = self._time[key] = [0.0] + list((t.fwd_s + t.bwd_s).cumsum())
         return table
 
+    def group_class(self, group: DeviceGroup) -> int:
+        """A number shared by the groups that cost alike on their own
+        (``groups.ClusterArrays.group_class``): what the search works out for
+        one group alone — its intra-stage plans, their stage costs and layer
+        bounds — is cached under it, so the many identical groups of a large
+        homogeneous cluster are worked out once."""
+        found = self._class_of.get(group.uid)
+        if found is None:
+            key = self.kernel.cluster_arrays.group_class(group.devices)
+            found = self._class_of[group.uid] = self._classes.setdefault(key, len(self._classes))
+        return found
+
+    def replica_arrays(self, group: DeviceGroup, tp: int) -> ReplicaArrays:
+        """Per replica (TP group) of ``group``: slowest GPU type, smallest
+        capacity and largest overhead, as arrays (cached; no loop over GPUs)."""
+        key = (self.group_class(group), tp)
+        found = self._replica_arrays.get(key)
+        if found is None:
+            arrays = self.kernel.cluster_arrays
+            grid = self.kernel.device_array(group.devices).reshape(-1, tp)
+            found = self._replica_arrays[key] = ReplicaArrays(self.kernel.replica_classes(grid)[0],
+                                                              arrays.capacity[grid].min(axis=1),
+                                                              arrays.overhead[grid].max(axis=1))
+        return found
+
     def replicas(self, group: DeviceGroup, tp: int) -> list[Replica]:
-        key = (group.devices, tp)
+        key = (group.uid, tp)
         reps = self._replicas.get(key)
         if reps is None:
-            reps = []
-            for r in range(group.size // tp):
-                devs = group.devices[r * tp:(r + 1) * tp]
-                reps.append(Replica(devs, self.kernel.slowest_gpu(devs),
-                                    min(self.kernel.capacity_bytes(d) for d in devs),
-                                    max(self.kernel.overhead_bytes(d) for d in devs)))
+            found = self.replica_arrays(group, tp)
+            gpus = self.kernel.cluster_arrays.gpus
+            reps = [Replica(group.devices[r * tp:(r + 1) * tp], gpus[g], capacity, overhead)
+                    for r, (g, capacity, overhead) in enumerate(zip(found.gpu.tolist(), found.capacity.tolist(),
+                                                                   found.overhead.tolist()))]
             self._replicas[key] = reps
         return reps
 
@@ -100,7 +140,7 @@ class MetisCosts:
 
     def handle(self, group: DeviceGroup, intra: Intra) -> StageHandle:
         """The cached :class:`StageHandle` of ``group`` running ``intra``."""
-        key = (group.devices, intra)
+        key = (group.uid, intra)
         h = self._handles.get(key)
         if h is None:
             h = self._handles[key] = StageHandle(len(self._handles), self, group, intra)
@@ -119,8 +159,8 @@ class MetisCosts:
         costs = self.stage(group, Intra(dp, tp, (1,) * dp))
         found: dict[tuple[int, int], int] = {}
         out = []
-        for rep in self.replicas(group, tp):
-            key = (rep.overhead_bytes, rep.capacity_bytes)
+        reps = self.replica_arrays(group, tp)
+        for key in zip(reps.overhead.tolist(), reps.capacity.tolist()):
             if key not in found:
                 found[key] = costs.max_batch(a, b, in_flight, *key)
             out.append(found[key])
@@ -168,7 +208,7 @@ class StageHandle:
 def even_split(micro_batch: int, dp: int) -> tuple[int, ...]:
     """Equal shares (the first replicas take one more when it does not divide)."""
     base, extra = divmod(micro_batch, dp)
-    return tuple(base + (1 if r < extra else 0) for r in range(dp))
+    return (base + 1,) * extra + (base,) * (dp - extra)
 
 
 def data_balance(costs: MetisCosts, group: DeviceGroup, dp: int, tp: int, micro_batch: int,
@@ -254,13 +294,7 @@ def proportional_bounds(weights_prefix: Sequence[float], fractions: Sequence[flo
         # closest prefix to the target within [lo, hi]
         best = lo
         best_gap = abs(weights_prefix[lo] - target)
-        left, right = lo, hi
-        while left <= right:  # binary search for the first prefix >= target
-            mid = (left + right) // 2
-            if weights_prefix[mid] < target:
-                left = mid + 1
-            else:
-                right = mid - 1
+        left = bisect.bisect_left(weights_prefix, target, lo, hi + 1)  # the first prefix >= target (they ascend)
         for cand in (left - 1, left):
             if lo <= cand <= hi:
                 gap = abs(weights_prefix[cand] - target)
