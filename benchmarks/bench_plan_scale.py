@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from hetplan.cost import Workload  # noqa: E402
 from hetplan.model import load_model  # noqa: E402
 from hetplan.report.text import table  # noqa: E402
 from hetplan.search import get_planner  # noqa: E402
+from cells import run_cell  # noqa: E402  (benchmarks/cells.py, beside this script)
 
 MODEL = "gpt3-175b"
 PLANNERS = ("uniform", "megatron", "amp", "galvatron", "metis", "auto")
@@ -67,13 +67,7 @@ def run_one(planner: str, num_gpus: int) -> dict[str, object]:
 
 
 def cell(planner: str, num_gpus: int) -> dict[str, object]:
-    done = subprocess.run([sys.executable, __file__, "--one", planner, str(num_gpus)],
-                          capture_output=True, text=True, check=False)
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        return {"error": (done.stderr.strip().splitlines() or ["crashed"])[-1][:80], "cpu_s": float("nan"),
-                "wall_s": float("nan")}
+    return run_cell(__file__, [planner, str(num_gpus)], ("cpu_s", "wall_s"))
 
 
 def cells(quick: bool) -> list[tuple[str, int]]:

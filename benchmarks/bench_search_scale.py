@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from hetplan.cost import Workload  # noqa: E402
 from hetplan.report.text import table  # noqa: E402
 from hetplan.search import get_planner  # noqa: E402
 from hetplan.search.common.partition import PartitionProblem, fast_partition, reference_partition  # noqa: E402
+from cells import run_cell  # noqa: E402  (benchmarks/cells.py, beside this script)
 
 PLANNERS = ("auto", "amp", "metis", "galvatron-bmw", "uniform")
 GLOBAL_BATCH = 512
@@ -67,13 +67,7 @@ def run_one(planner: str, kind: str, num_gpus: int, blocks: int) -> dict[str, ob
 
 
 def cell(planner: str, kind: str, num_gpus: int, blocks: int) -> dict[str, object]:
-    done = subprocess.run([sys.executable, __file__, "--one", planner, kind, str(num_gpus), str(blocks)],
-                          capture_output=True, text=True, check=False)
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        return {"error": (done.stderr.strip().splitlines() or ["crashed"])[-1][:80], "cpu_s": float("nan"),
-                "rss_mb": float("nan")}
+    return run_cell(__file__, [planner, kind, str(num_gpus), str(blocks)], ("cpu_s", "rss_mb"))
 
 
 def cells(quick: bool) -> list[tuple[str, str, int, int]]:
