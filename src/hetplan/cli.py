@@ -55,6 +55,8 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
                    "FSDP fp32 reduce), adam-bf16-deepspeed (DeepSpeed BF16 optimizer: bf16 + fp32 gradients), "
                    "adam-fp32, sgd-fp32")
     p.add_argument("--profile", default=None, help="measured layer times (ProfileDB JSON)")
+    p.add_argument("--calibration", default=None,
+                   help="fitted rates from 'hetplan calibrate' (default: the cluster file's 'calibration:')")
     p.add_argument("--no-overlap", action="store_true", help="do not overlap gradient sync with backward")
     p.add_argument("--fp8", action="store_true",
                    help="linear layers' matmuls in FP8 (Transformer Engine), on GPUs with FP8 tensor cores")
@@ -136,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", default=None)
     p.set_defaults(func=cmd_planners)
 
+    p = sub.add_parser("calibrate", help="fit the cost model's rates to measured step times")
+    p.add_argument("measurements", nargs="+", metavar="FILE",
+                   help="'hetplan tune' measurements JSON, 'hetplan train --out' summary.json, or a CSV "
+                   "with columns plan,measured_step_s[,measured_peak_memory_bytes]")
+    p.add_argument("-o", "--out", required=True, help="write the calibration here (JSON; use with --calibration)")
+    p.add_argument("--profile", default=None, help="the measured layer times the plans were costed with")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the fit report as JSON here")
+    p.set_defaults(func=cmd_calibrate)
+
     runtime_cli.register(sub)
     return parser
 
@@ -148,6 +159,7 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
     from hetplan.cost import Workload
     from hetplan.model import load_model
     from hetplan.planfile import resolve_cluster, resolve_model
+    from hetplan.cost.calibration import read_calibration
     from hetplan.profile import load_profile
     from hetplan.units import parse_memory_size
 
@@ -163,12 +175,13 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
     limit = parse_memory_size(args.memory_limit) if args.memory_limit is not None \
         else saved.get("memory_limit_bytes", 0)
     profile = load_profile(args.profile) if args.profile else None
+    calibration = read_calibration(args.calibration) if args.calibration else cluster.meta.get("calibration")
     return Workload(model, cluster, gbs, optimizer=args.optimizer or saved.get("optimizer", ""),
                     memory_limit_bytes=limit,
                     overlap_grad_sync=not args.no_overlap and saved.get("overlap_grad_sync", True),
                     profile=profile, fp8=args.fp8 or saved.get("fp8", False),
                     zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"),
-                    precision=args.precision or saved.get("precision", ""))
+                    precision=args.precision or saved.get("precision", ""), calibration=calibration)
 
 
 def _write_json(path: str | None, data: Any) -> None:
@@ -215,6 +228,11 @@ def _header(workload: Any, extra: str = "") -> str:
              + (", FP8 matmuls" if workload.fp8 else "")
              + (", DeepSpeed ZeRO collectives" if workload.zero_implementation == "deepspeed" else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
+    if workload.profile is not None:
+        lines.append(f"costs    measured layer times ({len(workload.profile)} profile entries) where the profile "
+                     "has them, the analytic model elsewhere")
+    if workload.calibration is not None:
+        lines.append(f"rates    calibrated: {workload.calibration.describe()}")
     if extra:
         lines.append(extra)
     return "\n".join(lines)
@@ -502,6 +520,27 @@ def cmd_whatif(args: argparse.Namespace) -> int:
                  "days" if args.tokens else "days (--tokens)"], rows,
                 [False, False, True, True, True, True, True, True]))
     _write_json(args.json_path, {"vary": what, "variants": data})
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit a Calibration to measured plans, print the fit, write it."""
+    from hetplan.calibrate import fit, fit_report, load_observations
+    from hetplan.profile import load_profile
+
+    profile = load_profile(args.profile) if args.profile else None
+    observations = load_observations(args.measurements, profile)
+    print(f"calibrate: {len(observations)} measured plan(s)", file=sys.stderr, flush=True)
+    result = fit(observations, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print("\n".join(fit_report(result, observations)))
+    print()
+    _write_text(args.out, json.dumps(result.calibration.to_dict(), indent=1) + "\n")
+    print(f"use it with --calibration {args.out} (or 'calibration: {args.out}' in the cluster file)")
+    _write_json(args.json_path, {
+        "calibration": result.calibration.to_dict(),
+        "parameters": [{"name": p.label, "fitted": ok} for p, ok in zip(result.parameters, result.identifiable)],
+        "plans": [{"name": o.name, "measured_step_s": o.measured_step_s, "before_s": b, "after_s": a}
+                  for o, b, a in zip(observations, result.before_s, result.after_s)]})
     return 0
 
 

@@ -69,6 +69,23 @@ class PlanFile:
                 raise HetplanError(f"plan file {self.path}, plan {index}: {exc}") from None
         return plan
 
+    def workload(self, index: int = 1, profile: Any = None, calibration: Any = None) -> Any:
+        """The Workload the ``index``-th plan was made for: the embedded model,
+        cluster and settings, and the plan's own global batch."""
+        from hetplan.cost import Workload
+
+        if self.model is None or self.cluster is None:
+            raise HetplanError(f"plan file {self.path} is format 1 (names only); regenerate it with "
+                               "'hetplan plan --json' so it embeds its model and cluster")
+        plan = self.plan(index)
+        saved = self.settings
+        return Workload(self.model, self.cluster, plan.global_batch_size, optimizer=saved.get("optimizer", ""),
+                        memory_limit_bytes=saved.get("memory_limit_bytes", 0),
+                        overlap_grad_sync=saved.get("overlap_grad_sync", True), profile=profile,
+                        fp8=saved.get("fp8", False), zero_implementation=saved.get("zero_implementation", "fsdp"),
+                        precision=saved.get("precision", ""),
+                        calibration=calibration if calibration is not None else self.cluster.meta.get("calibration"))
+
 
 def workload_record(workload: Any) -> dict[str, Any]:
     """What a plan file embeds about the workload its plans were made for."""
@@ -85,7 +102,12 @@ def workload_record(workload: Any) -> dict[str, Any]:
 def read_plan_file(path: str | os.PathLike[str]) -> PlanFile:
     """Read a plan file of either format (a ranked list or a single plan)."""
     path = os.fspath(path)
-    data = read_json(path, "plan file", "fix or regenerate it")
+    return plan_file_from_data(path, read_json(path, "plan file", "fix or regenerate it"))
+
+
+def plan_file_from_data(path: str, data: Any) -> PlanFile:
+    """A plan file's parsed JSON (``path`` names it in errors): what
+    measurement files embed."""
     try:
         return _plan_file(path, data)
     except HetplanError as exc:

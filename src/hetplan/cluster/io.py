@@ -53,7 +53,8 @@ from hetplan.errors import HetplanError
 from hetplan.units import GIB
 from hetplan.userfiles import read_yaml
 
-_TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types"}
+_TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types",
+             "calibration"}
 _NODE_KEYS = {"gpu", "gpus", "intra_node_bandwidth_gbps", "count", "inter_node_bandwidth_gbps", "memory_gb", "name",
               "overrides"}
 GB_PER_S = 1e9  # memory bandwidth is quoted in decimal GB/s on datasheets
@@ -262,10 +263,23 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> ClusterSpec:
             raise HetplanError(f"{source}: bandwidth_matrix_gbps must be a list of rows")
         matrix = tuple(tuple(_number(f"{source}: bandwidth_matrix_gbps[{i}]", v, positive=False) for v in row)
                        for i, row in enumerate(matrix))
+    meta = {"calibration": _calibration(source, data["calibration"])} if data.get("calibration") is not None else {}
     cluster = ClusterSpec(_text(f"{source}: name", data.get("name", source)), tuple(nodes), inter, matrix,
-                          description=_text(f"{source}: description", data.get("description", f"from {source}")))
+                          description=_text(f"{source}: description", data.get("description", f"from {source}")),
+                          meta=meta)
     _check_name_is_not_a_preset(cluster, source)
     return cluster
+
+
+def _calibration(source: str, value: Any) -> Any:
+    """A cluster's ``calibration:``: the path of a ``hetplan calibrate`` file
+    (relative to the cluster file) or the calibration itself, inline."""
+    from hetplan.cost.calibration import calibration_from_dict, read_calibration
+
+    if isinstance(value, str):
+        base = os.path.dirname(source) if os.path.exists(source) else ""
+        return read_calibration(os.path.join(base, value))
+    return calibration_from_dict(value, f"{source}: calibration")
 
 
 def _check_cluster_size(source: str, nodes_data: list[Any]) -> None:
@@ -374,6 +388,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
         data["inter_node_bandwidth_gbps"] = cluster.inter_bandwidth_gbps
     if cluster.bandwidth_matrix_gbps is not None:
         data["bandwidth_matrix_gbps"] = [list(r) for r in cluster.bandwidth_matrix_gbps]
+    if cluster.meta.get("calibration") is not None:  # inline, so a plan file carries it
+        data["calibration"] = cluster.meta["calibration"].to_dict()
     return data
 
 

@@ -32,6 +32,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
+from hetplan.cost.calibration import calibrated_cluster
 from hetplan.cost.comm import allgather_time, allreduce_time, collective_latency, p2p_time, reduce_scatter_time
 from hetplan.cost.compute import LayerTimes, Work, layer_times, matmul_rate, per_sample_work
 from hetplan.cost.constants import (
@@ -143,7 +144,8 @@ class CostKernel:
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.model = workload.model
-        self.cluster = workload.cluster
+        self.calibration = workload.calibration
+        self.cluster = calibrated_cluster(workload.cluster, workload.calibration)  # links at calibrated rates
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes
@@ -184,9 +186,12 @@ class CostKernel:
         key = (gpu.name, float(batch), tp, recompute, sequence_parallel)
         found = self._times.get(key)
         if found is None:
-            found = self._times[key] = layer_times(self.arrays, gpu, float(batch), tp, recompute, self.dtype_bytes,
-                                                    sequence_parallel, self.workload.profile,
-                                                    self.unit_work(gpu, tp, sequence_parallel))
+            found = layer_times(self.arrays, gpu, float(batch), tp, recompute, self.dtype_bytes,
+                                sequence_parallel, self.workload.profile, self.unit_work(gpu, tp, sequence_parallel))
+            scale = self.calibration.compute(gpu.name) if self.calibration is not None else 1.0
+            if scale != 1.0:
+                found = LayerTimes(found.fwd_s * scale, found.bwd_s * scale, found.recompute_s * scale)
+            self._times[key] = found
         return found
 
     def unit_work(self, gpu: GPUSpec, tp: int, sequence_parallel: bool) -> Work:
@@ -382,6 +387,8 @@ class CostKernel:
         found = self._rates.get(key)
         if found is None:
             latency = max(collective_latency(self.cluster, g, kind) for g in groups.representatives)
+            if self.calibration is not None:
+                latency *= self.calibration.latency_scale
             latency_per_byte = latency / self.message_bytes(kind, tp)
             share = tp * self._nic_sharers(kind, groups.representatives[0])
             found = self._rates[key] = max(self._shape_rate(kind, g, share, shape) for g, shape
@@ -434,8 +441,13 @@ class CostKernel:
     def optimizer_rate(self, devices: Sequence[int]) -> float:
         """Seconds per parameter of the (memory-bound) optimizer step on the
         stage's GPU with the least memory bandwidth."""
-        bandwidth = float(self.cluster_arrays.memory_bandwidth[self.device_array(devices)].min())
-        return OPTIMIZER_STEP_BYTES_PER_PARAM / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+        array = self.device_array(devices)
+        bandwidth = float(self.cluster_arrays.memory_bandwidth[array].min())
+        rate = OPTIMIZER_STEP_BYTES_PER_PARAM / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+        if self.calibration is not None:  # the factor of the stage's slowest calibrated GPU type
+            gpus = self.cluster_arrays.gpus
+            rate *= max(self.calibration.compute(gpus[i].name) for i in np.unique(self.cluster_arrays.gpu[array]))
+        return rate
 
     def capacity_bytes(self, device: int) -> int:
         return self._capacity[device]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetplan.cluster.spec import ClusterSpec
+from hetplan.cost.calibration import Calibration
 from hetplan.cost.constants import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
@@ -33,6 +34,8 @@ class Workload:
             moves its shards: "fsdp" (PyTorch FSDP/FSDP2, Megatron's
             distributed optimizer, hetplan's runtime) or "deepspeed"
             (DeepSpeed ZeRO); see ``ZERO_IMPLEMENTATIONS``.
+        calibration: the user's measured rates (``hetplan calibrate``), applied
+            by the cost kernel to compute, link bandwidth and latency.
     """
 
     model: ModelSpec
@@ -45,6 +48,7 @@ class Workload:
     fp8: bool = False
     zero_implementation: str = "fsdp"
     precision: str = ""
+    calibration: Calibration | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self._check_precision()

@@ -1,0 +1,146 @@
+"""A calibration: the cost model's free physical rates, fitted to the user's
+own measured steps (``hetplan calibrate``) and applied with ``--calibration``.
+
+The analytic model takes its rates from datasheets and published runs
+(``cost/constants.py``). On a user's cluster the GPUs may be power capped,
+the driver or kernel library older, the network shared: the same formulas
+hold, at other rates. A calibration scales those rates, never a run's result:
+
+* ``compute_scale[gpu]``: measured ÷ modelled time of the work on GPUs of that
+  type (layer forward, backward and recomputation, and the optimizer step);
+* ``bandwidth_scale["intra"]`` / ``["inter"]``: achieved ÷ modelled bandwidth
+  of the links inside a node and between nodes (every collective and every
+  pipeline transfer that crosses them);
+* ``latency_scale``: measured ÷ modelled fixed time per collective (the
+  NCCL latency model of ``comm.collective_latency``; gloo's is far larger).
+
+A calibration is fitted on step times of whole plans (AMP §3.3's real trials
+give them); which parameters the plans can tell apart is reported by the fit
+(``hetplan.calibrate``). File format (JSON)::
+
+    {"format": "hetplan-calibration", "version": 1,
+     "compute_scale": {"A100-80GB": 1.12}, "bandwidth_scale": {"intra": 0.9, "inter": 0.7},
+     "latency_scale": 2.0, "source": "hetplan calibrate trials.json (5 plans)"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from hetplan.cluster.spec import ClusterSpec
+from hetplan.errors import HetplanError
+from hetplan.fields import mapping, number, text, whole
+from hetplan.userfiles import read_json
+
+CALIBRATION_FORMAT = "hetplan-calibration"
+CALIBRATION_VERSION = 1
+LINK_CLASSES = ("intra", "inter")
+# A scale outside this range is a broken measurement, not a slow GPU: the
+# slowest real rate hetplan models (a power-capped GPU, gloo over loopback)
+# is within 100x of the datasheet's.
+SCALE_RANGE = (1e-3, 1e3)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Factors on the cost model's rates (see the module docstring); 1 = as modelled."""
+
+    compute_scale: Mapping[str, float] = field(default_factory=dict)
+    bandwidth_scale: Mapping[str, float] = field(default_factory=dict)
+    latency_scale: float = 1.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for gpu, value in self.compute_scale.items():
+            _check_scale(f"calibration compute_scale[{gpu!r}]", value)
+        for link, value in self.bandwidth_scale.items():
+            if link not in LINK_CLASSES:
+                raise HetplanError(f"calibration bandwidth_scale: unknown link class {link!r}; "
+                                   f"use {', '.join(LINK_CLASSES)}")
+            _check_scale(f"calibration bandwidth_scale[{link!r}]", value)
+        _check_scale("calibration latency_scale", self.latency_scale)
+
+    @property
+    def is_identity(self) -> bool:
+        return (all(v == 1.0 for v in self.compute_scale.values())
+                and all(v == 1.0 for v in self.bandwidth_scale.values()) and self.latency_scale == 1.0)
+
+    def compute(self, gpu: str) -> float:
+        """Factor on the time of work on a GPU of type ``gpu``."""
+        return float(self.compute_scale.get(gpu, 1.0))
+
+    def bandwidth(self, link: str) -> float:
+        return float(self.bandwidth_scale.get(link, 1.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
+                "compute_scale": dict(sorted(self.compute_scale.items())),
+                "bandwidth_scale": dict(sorted(self.bandwidth_scale.items())),
+                "latency_scale": self.latency_scale, "source": self.source}
+
+    def describe(self) -> str:
+        """One line for report headers."""
+        parts = [f"compute {gpu} x{v:.3g}" for gpu, v in sorted(self.compute_scale.items())]
+        parts += [f"{link} bandwidth x{v:.3g}" for link, v in sorted(self.bandwidth_scale.items())]
+        if self.latency_scale != 1.0:
+            parts.append(f"latency x{self.latency_scale:.3g}")
+        return ", ".join(parts) or "identity"
+
+
+def _check_scale(where: str, value: Any) -> float:
+    value = number(where, value)
+    low, high = SCALE_RANGE
+    if not low <= value <= high:
+        raise HetplanError(f"{where} = {value:g} is outside [{low:g}, {high:g}]: a measurement is broken")
+    return value
+
+
+def calibration_from_dict(data: Any, where: str = "calibration") -> Calibration:
+    """A Calibration from its JSON form, every field checked."""
+    fields = mapping(where, data, ("format", "version", "compute_scale", "bandwidth_scale", "latency_scale",
+                                   "source"), required=("format",))
+    if text(f"{where} format", fields["format"]) != CALIBRATION_FORMAT:
+        raise HetplanError(f"{where}: format must be {CALIBRATION_FORMAT!r}, got {fields['format']!r}")
+    version = whole(f"{where} version", fields.get("version", CALIBRATION_VERSION))
+    if version != CALIBRATION_VERSION:
+        raise HetplanError(f"{where}: version {version} is not supported (this hetplan reads {CALIBRATION_VERSION})")
+    compute = {text(f"{where} compute_scale key", k, None): _check_scale(f"{where} compute_scale[{k!r}]", v)
+               for k, v in _object(f"{where} compute_scale", fields.get("compute_scale", {})).items()}
+    bandwidth = {text(f"{where} bandwidth_scale key", k, LINK_CLASSES): _check_scale(
+        f"{where} bandwidth_scale[{k!r}]", v)
+        for k, v in _object(f"{where} bandwidth_scale", fields.get("bandwidth_scale", {})).items()}
+    latency = _check_scale(f"{where} latency_scale", fields.get("latency_scale", 1.0))
+    return Calibration(compute, bandwidth, latency, text(f"{where} source", fields.get("source", "")))
+
+
+def _object(where: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise HetplanError(f"{where} must be a mapping, got {value!r}")
+    return value
+
+
+def read_calibration(path: str | os.PathLike[str]) -> Calibration:
+    """The calibration in a file written by ``hetplan calibrate``."""
+    return calibration_from_dict(read_json(path, "calibration"), f"calibration {os.fspath(path)}")
+
+
+def calibrated_cluster(cluster: ClusterSpec, calibration: Calibration | None) -> ClusterSpec:
+    """``cluster`` with its link bandwidths scaled (the kernel costs comm on
+    this copy; the workload keeps the cluster as the user described it)."""
+    if calibration is None:
+        return cluster
+    intra, inter = calibration.bandwidth("intra"), calibration.bandwidth("inter")
+    if intra == 1.0 and inter == 1.0:
+        return cluster
+    nodes = tuple(dataclasses.replace(n, intra_bandwidth_gbps=n.intra_bandwidth_gbps * intra,
+                                      inter_bandwidth_gbps=n.inter_bandwidth_gbps * inter) for n in cluster.nodes)
+    matrix = cluster.bandwidth_matrix_gbps
+    if matrix is not None:
+        node_of = [d.node for d in cluster.devices]
+        matrix = tuple(tuple(b * (intra if node_of[i] == node_of[j] else inter) for j, b in enumerate(row))
+                       for i, row in enumerate(matrix))
+    return dataclasses.replace(cluster, nodes=nodes, inter_bandwidth_gbps=cluster.inter_bandwidth_gbps * inter,
+                               bandwidth_matrix_gbps=matrix)
