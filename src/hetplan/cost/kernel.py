@@ -88,7 +88,7 @@ class _Layout:
     ``StageCosts`` (``CostKernel.stage``); ``index`` numbers the kernel's
     distinct signatures."""
 
-    time_classes: tuple[tuple[GPUSpec, int, float], ...]  # (slowest GPU, share, TP all-reduce s/byte)
+    time_classes: tuple[tuple[GPUSpec, int, tuple[float, float]], ...]  # (slowest GPU, share, TP link)
     memory_classes: tuple[_MemoryClass, ...]
     device_class: np.ndarray  # memory class of each device of the stage, in device order
     dp_rate: Callable[[str], float]  # per collective: s/byte on the slowest data-parallel group
@@ -233,6 +233,37 @@ class CostKernel:
     def tp_comm_bytes(self, recompute: str) -> np.ndarray:
         """TP all-reduce bytes per sample and layer over a whole step's passes."""
         return self._cached(("tpc", recompute), lambda: self.arrays.tp_comm_bytes * TP_COMM_PASSES[recompute])
+
+    def tp_collective_counts(self, recompute: str) -> np.ndarray:
+        """TP all-reduces per layer and micro-batch over a step's passes: each
+        of Megatron's f/g all-reduces moves one activation of the layer's output
+        size (Shoeybi et al. 2019, Fig. 4: two per block and pass), so a layer
+        runs ``tp_comm_bytes / output_bytes`` of them per pass."""
+        def counts() -> np.ndarray:
+            a = self.arrays
+            per_pass = np.where(a.tp_comm_bytes > 0,
+                                np.maximum(1.0, np.round(a.tp_comm_bytes / np.maximum(a.output_bytes, 1.0))), 0.0)
+            return per_pass * TP_COMM_PASSES[recompute]
+        return self._cached(("tpn", recompute), counts)
+
+    def tp_link(self, group: Sequence[int]) -> tuple[float, float]:
+        """(seconds per byte, seconds per collective) of TP all-reduces over
+        ``group``: its bandwidth and the latency of one all-reduce
+        (``comm.collective_latency``, calibrated)."""
+        if len(group) < 2:
+            return 0.0, 0.0
+        latency = collective_latency(self.cluster, group, "allreduce")
+        if self.calibration is not None:
+            latency *= self.calibration.latency_scale
+        return self.collective_rate("allreduce", tuple(group)), latency
+
+    def tp_comm_time(self, recompute: str, batch: float, link: tuple[float, float]) -> np.ndarray:
+        """Per layer: a replica's TP all-reduces of ``batch`` samples over one
+        micro-batch's passes, bandwidth and latency."""
+        rate, latency = link
+        if batch <= 0 or (rate == 0.0 and latency == 0.0):
+            return np.zeros(self.num_layers)
+        return self.tp_comm_bytes(recompute) * batch * rate + self.tp_collective_counts(recompute) * latency
 
     def supports_tp(self, tp: int) -> np.ndarray:
         """Per layer: ``LayerSpec.supports_tp`` (the one rule)."""
@@ -468,14 +499,14 @@ class CostKernel:
         return found
 
     def time_class(self, gpu: GPUSpec, share: int, tp: int, recompute: str, sequence_parallel: bool,
-                   tp_rate: float) -> _TimeClass:
+                   tp_link: tuple[float, float]) -> _TimeClass:
         """Prefix sums of forward, backward, recompute and TP-comm time of a
         replica (its slowest GPU, its share of a micro-batch, its TP link), cached."""
-        key = (gpu.name, share, tp, recompute, sequence_parallel, tp_rate)
+        key = (gpu.name, share, tp, recompute, sequence_parallel, tp_link)
         found = self._time_classes.get(key)
         if found is None:
             t = self.layer_times(gpu, share, tp, recompute, sequence_parallel)
-            tpc = self.tp_comm_bytes(recompute) * share * tp_rate if share > 0 else np.zeros(self.num_layers)
+            tpc = self.tp_comm_time(recompute, share, tp_link)
             parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s, tpc)]
             total = parts[0] + parts[1] + parts[2] + parts[3]
             found = self._time_classes[key] = _TimeClass(*parts, total=total, total_list=total.tolist())
@@ -513,7 +544,7 @@ class CostKernel:
         grid = self.device_array(devices).reshape(dp, tp)
         shares = np.asarray(split, dtype=np.int64)
         gpu, link, link_rates = self._replica_kinds(grid)
-        times: dict[tuple[object, ...], tuple[GPUSpec, int, float]] = {}
+        times: dict[tuple[object, ...], tuple[GPUSpec, int, tuple[float, float]]] = {}
         code = (gpu * len(link_rates) + link) * (int(shares.max()) + 1) + shares
         for r in first_appearance(code)[0].tolist():
             g, share, rate = arrays.gpus[gpu[r]], split[r], link_rates[link[r]]
@@ -528,13 +559,13 @@ class CostKernel:
                        lambda kind: self._dp_rate(kind, tp, groups) if groups else 0.0, optimizer, signature,
                        self._signatures.setdefault(signature, len(self._signatures)))
 
-    def _replica_kinds(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    def _replica_kinds(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[float, float]]]:
         """Per replica (row of the grid): its slowest GPU, the index of its TP
-        all-reduce rate, and those rates (s/byte)."""
+        link, and those links (``tp_link``)."""
         gpu, link, representatives = self.replica_classes(grid)
         if grid.shape[1] == 1:
-            return gpu, link, [0.0]
-        return gpu, link, [self.collective_rate("allreduce", tuple(grid[r].tolist())) for r in representatives]
+            return gpu, link, [(0.0, 0.0)]
+        return gpu, link, [self.tp_link(tuple(grid[r].tolist())) for r in representatives]
 
     def replica_classes(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The TP groups (rows) of a stage's ``(dp, tp)`` device grid up to

@@ -60,8 +60,8 @@ def held_params(kernel: CostKernel, stage: Stage, position: int) -> float:
 
 
 def replica_classes(kernel: CostKernel, stage: Stage, position: int,
-                    micro_batch_size: int) -> list[tuple[GPUSpec, float, float]]:
-    """(slowest GPU, samples, TP all-reduce s/byte) of the replicas running the
+                    micro_batch_size: int) -> list[tuple[GPUSpec, float, tuple[float, float]]]:
+    """(slowest GPU, samples, TP link) of the replicas running the
     ``position``-th layer (as ``layer_replicas``), once per distinct kind in
     order of first appearance: alike replicas cost alike, and on a large
     cluster most replicas are alike (``CostKernel.replica_classes``)."""
@@ -72,10 +72,9 @@ def replica_classes(kernel: CostKernel, stage: Stage, position: int,
         np.full(dp, micro_batch_size / dp)
     values, batch = np.unique(batches, return_inverse=True)
     firsts, _ = first_appearance((gpu * len(representatives) + link) * len(values) + batch.reshape(-1))
-    rates = [kernel.collective_rate("allreduce", tuple(grid[r].tolist())) if tp > 1 else 0.0
-             for r in representatives]
+    links = [kernel.tp_link(tuple(grid[r].tolist())) if tp > 1 else (0.0, 0.0) for r in representatives]
     gpus = kernel.cluster_arrays.gpus
-    return [(gpus[gpu[r]], float(batches[r]), rates[link[r]]) for r in firsts.tolist()]
+    return [(gpus[gpu[r]], float(batches[r]), links[link[r]]) for r in firsts.tolist()]
 
 
 def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
@@ -86,15 +85,14 @@ def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
     by_recompute: dict[str, list[int]] = {}
     for pos in segment:
         by_recompute.setdefault(stage.strategies[pos].recompute, []).append(stage.layers[pos])
-    for gpu, batch, rate in replica_classes(kernel, stage, segment[0], micro_batch_size):
+    for gpu, batch, tp_link in replica_classes(kernel, stage, segment[0], micro_batch_size):
         f = b = rc = c = 0.0
         for recompute, indices in by_recompute.items():
             t = kernel.layer_times(gpu, batch, tp, recompute, stage.sequence_parallel)
             f += float(t.fwd_s[indices].sum())
             b += float(t.bwd_s[indices].sum())
             rc += float(t.recompute_s[indices].sum())
-            if batch > 0:
-                c += float(kernel.tp_comm_bytes(recompute)[indices].sum()) * batch * rate
+            c += float(kernel.tp_comm_time(recompute, batch, tp_link)[indices].sum())
         total = f + b + rc + c
         if worst is None or total > worst[0]:
             worst = (total, f, b, rc, c)

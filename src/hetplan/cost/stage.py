@@ -156,8 +156,8 @@ class StageCosts:
     def _build_time_classes(self) -> None:
         """One prefix-sum table per distinct (slowest GPU, share, TP link) of the replicas."""
         o = self.option
-        self._classes = [self.kernel.time_class(gpu, share, o.tp, o.recompute, o.sequence_parallel, rate)
-                         for gpu, share, rate in self._layout.time_classes]
+        self._classes = [self.kernel.time_class(gpu, share, o.tp, o.recompute, o.sequence_parallel, tp_link)
+                         for gpu, share, tp_link in self._layout.time_classes]
 
     def _build_comm(self) -> None:
         """Per-parameter rates of the data-parallel collectives and the optimizer."""

@@ -215,15 +215,14 @@ class GalvatronCosts:
         seen: set[tuple[object, ...]] = set()
         grid = k.device_array(ctx.devices).reshape(s.dp, s.tp)
         gpus, links, representatives = k.replica_classes(grid)  # alike replicas cost alike: one of each
-        rates = [k.collective_rate("allreduce", tuple(grid[r].tolist())) if s.tp > 1 else 0.0
-                 for r in representatives]
+        tp_links = [k.tp_link(tuple(grid[r].tolist())) if s.tp > 1 else (0.0, 0.0) for r in representatives]
         for r in first_appearance(gpus * len(representatives) + links)[0].tolist():
-            gpu, rate = k.cluster_arrays.gpus[gpus[r]], rates[links[r]]
-            if (gpu.name, rate) in seen:
+            gpu, tp_link = k.cluster_arrays.gpus[gpus[r]], tp_links[links[r]]
+            if (gpu.name, tp_link) in seen:
                 continue
-            seen.add((gpu.name, rate))
+            seen.add((gpu.name, tp_link))
             t = k.layer_times(gpu, batch, s.tp, recompute)
-            tpc = k.tp_comm_bytes(recompute) * batch * rate
+            tpc = k.tp_comm_time(recompute, batch, tp_link)
             total = t.fwd_s + t.back_s + tpc
             if best is None:
                 best = (total, t.fwd_s, t.back_s, tpc)
