@@ -26,3 +26,6 @@ def pytest_configure(config: pytest.Config) -> None:
     seed is given: ``pytest -m fuzz --hypothesis-seed=N`` explores others."""
     if config.getoption("hypothesis_seed", default=None) is not None:
         os.environ["HETPLAN_FUZZ_SEEDED"] = "1"
+    # tests/distributed/conftest.py registers it too; here for multi-process
+    # tests outside that folder (tests/test_profile_measure.py) run on their own
+    config.addinivalue_line("markers", "distributed: starts several processes (torch.distributed, gloo)")

@@ -80,12 +80,28 @@ def test_compute_factor_scales_a_one_gpu_step_exactly() -> None:
 
 
 def test_bandwidth_factor_slows_only_communication() -> None:
-    base = _workload(1024, 8)
+    """Half the in-node bandwidth: TP all-reduces take twice as long (their
+    latency made negligible here), compute not at all."""
+    base = _workload(1024, 8, calibration=Calibration({}, {}, 1e-3))
     plan = uniform_plan(base, 2, 8, 1, 4, 0, "none")
-    slow = dataclasses.replace(base, calibration=Calibration({}, {"intra": 0.5}))
+    slow = dataclasses.replace(base, calibration=Calibration({}, {"intra": 0.5}, 1e-3))
     a, b = CostModel(base).estimate(plan), CostModel(slow).estimate(plan)
     assert b.compute_s == pytest.approx(a.compute_s)
-    assert b.tp_comm_s > 1.9 * a.tp_comm_s
+    assert b.tp_comm_s == pytest.approx(2 * a.tp_comm_s, rel=0.01)
+
+
+def test_latency_factor_scales_tp_latency() -> None:
+    """TP all-reduces pay one latency each: the step grows by the count of
+    them times the added latency."""
+    base = _workload(1024, 8)
+    plan = uniform_plan(base, 2, 8, 1, 4, 0, "none")
+    slower = dataclasses.replace(base, calibration=Calibration({}, {}, 2.0))
+    kernel = CostModel(base).kernel
+    latency = kernel.tp_link(tuple(range(8)))[1]
+    count = float(kernel.tp_collective_counts("none").sum())
+    assert count == 2 * (2 * 8 + 1)  # two passes: 2 per block over 8 blocks, 1 in the vocabulary-parallel embedding
+    a, b = CostModel(base).estimate(plan), CostModel(slower).estimate(plan)
+    assert b.tp_comm_s - a.tp_comm_s == pytest.approx(plan.num_micro_batches * count * latency, rel=1e-6)
 
 
 @pytest.mark.parametrize("bad, message", [

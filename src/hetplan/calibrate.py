@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hetplan.cost.calibration import Calibration, LINK_CLASSES
+from hetplan.cost.calibration import LINK_CLASSES, SCALE_RANGE, Calibration
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
@@ -46,6 +46,9 @@ JACOBIAN_STEP = 1e-4
 # time per unit change of log factor, summed over plans) has no effect.
 IDENTIFIABLE_MIN = 1e-3
 MAX_ITERATIONS = 60
+# Log factors the fit may reach: just inside ``SCALE_RANGE`` (a factor outside
+# it is a broken measurement: that limit, not the fit, then says so).
+LOG_BOUNDS = (math.log(SCALE_RANGE[0]) + 1e-9, math.log(SCALE_RANGE[1]) - 1e-9)
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ def fit(observations: Sequence[Observation], progress: Callable[[str], None] | N
         step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -gradient)
         trial = x.copy()
         trial[free] += step
+        trial = np.clip(trial, *LOG_BOUNDS)  # a factor stays within what a calibration file may hold
         trial_residuals = _residuals(observations, parameters, trial)
         trial_cost = cost(trial_residuals, trial)
         if trial_cost < current:

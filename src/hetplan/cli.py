@@ -8,6 +8,9 @@
     hetplan models    list model presets
     hetplan clusters  list cluster presets and GPU types
     hetplan train/run train with a plan (runtime; needs torch)
+    hetplan profile   measure layer times and collectives on your hardware (needs torch)
+    hetplan tune      train the top plans for a few steps, re-rank them by measurement (needs torch)
+    hetplan calibrate fit the cost model's rates to measured step times
 
 A user mistake prints one line ``hetplan: error: ...`` and exits with status 2.
 """
@@ -25,7 +28,9 @@ from hetplan.argtypes import EXIT_USAGE, OneLineParser, at_most, gpu_prices, pos
 from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
+from hetplan.profile import cli as profile_cli
 from hetplan.runtime import cli as runtime_cli
+from hetplan import tune as tune_cli
 
 DEFAULT_MODEL = "gpt2-amp"
 DEFAULT_CLUSTER = "amp-heterogeneous"
@@ -148,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     runtime_cli.register(sub)
+    tune_cli.register(sub)
+    profile_cli.register(sub)
     return parser
 
 

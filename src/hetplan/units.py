@@ -54,6 +54,15 @@ def parse_memory_size(text: str | int | float) -> int:
     return size
 
 
+def parse_byte_size(text: str) -> int:
+    """A byte count such as '64MiB', '1 GiB', '4096' (no unit: bytes) or '0',
+    for sizes that are not memory limits (message sizes): any size >= 0."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise HetplanError(f"cannot read size {text!r}: write e.g. '64MiB' or '1GiB'")
+    return int(float(match.group(1)) * _FACTORS[(match.group(2) or "").lower()])
+
+
 def format_bytes(num_bytes: float) -> str:
     """Human-readable binary size, e.g. '12.3 GiB'."""
     for unit, factor in (("TiB", 2**40), ("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):

@@ -8,25 +8,56 @@ per-replica batch size. A batch size that was not profiled is estimated from
 profiled ones: linearly between the nearest two, or as a sum of profiled sizes
 (Metis: mbs 7 = 1 + 2 + 4) when it lies outside them.
 
-File format (JSON)::
+File format (JSON; every field and unit in docs/profiling.md)::
 
-    {"entries": [{"layer": "decoder:...", "gpu": "T4", "tp": 1, "batch": 4,
-                  "fwd_s": 0.0123, "bwd_s": 0.0247, "memory_bytes": 123456}]}
+    {"format": "hetplan-profile", "version": 2,
+     "entries": [{"layer": "decoder:...", "gpu": "T4", "tp": 1, "batch": 4,
+                  "fwd_s": 0.0123, "bwd_s": 0.0247, "memory_bytes": 123456,
+                  "fwd_spread_s": 0.0002, "bwd_spread_s": 0.0003,
+                  "tp_comm_fwd_s": 0.0, "tp_comm_bwd_s": 0.0}],
+     "collectives": [{"op": "all_reduce", "ranks": 2, "link": "intra", "bytes": 1024,
+                      "time_s": 3.1e-05, "busbw_gbps": 0.26}],
+     "fits": [{"op": "all_reduce", "ranks": 2, "link": "intra", "alpha_s": 2.9e-05,
+               "bandwidth_gbps": 9.1, "busbw_gbps": 9.1}],
+     "unsupported": [{"op": "...", "ranks": 2, "link": "intra", "reason": "..."}],
+     "machine": {"hostname": "...", "torch": "2.13.0", ...},
+     "settings": {"model": "tiny-gpt", ...}}
+
+Only ``entries`` is required: files that hold nothing else (hetplan before
+``hetplan profile``) load as before. Optional entry fields default to 0 and
+are written only when set, so an entry of such a file is written back as it was.
+
+``fwd_s``/``bwd_s`` are what the layer took as the runtime runs it, TP
+collectives included; ``tp_comm_*_s`` is the part of that which the layer's TP
+collectives take when run alone. :meth:`ProfileDB.lookup` returns the compute
+part (the difference), because the cost model adds its own TP communication.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
-from typing import Iterable
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterable, Mapping
 
+from hetplan import fields as typed
 from hetplan.errors import HetplanError
 from hetplan.userfiles import read_json
+
+FORMAT = "hetplan-profile"
+VERSION = 2
 
 
 @dataclass(frozen=True)
 class ProfileEntry:
+    """One layer kind on one GPU type, TP degree and micro-batch size.
+
+    Times are seconds of one pass on ``batch`` samples on one GPU of the TP
+    group; spreads are the interquartile range of the repeats (0: not
+    recorded); ``memory_bytes`` is what the layer holds for one micro-batch
+    (parameters, gradients, activations saved for backward).
+    """
+
     layer: str
     gpu: str
     tp: int
@@ -34,6 +65,73 @@ class ProfileEntry:
     fwd_s: float
     bwd_s: float
     memory_bytes: int = 0
+    fwd_spread_s: float = 0.0
+    bwd_spread_s: float = 0.0
+    tp_comm_fwd_s: float = 0.0
+    tp_comm_bwd_s: float = 0.0
+
+    def compute_times(self) -> tuple[float, float]:
+        """(fwd, bwd) without the TP collectives measured inside them: what the
+        cost model wants, as it adds its own TP communication."""
+        return max(0.0, self.fwd_s - self.tp_comm_fwd_s), max(0.0, self.bwd_s - self.tp_comm_bwd_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as JSON, optional fields only when set (old readers and
+        old files see the format they know)."""
+        data = asdict(self)
+        for name in OPTIONAL_ENTRY_FIELDS:
+            if not data[name]:
+                del data[name]
+        return data
+
+
+_ENTRY_FIELDS = [f.name for f in fields(ProfileEntry)]
+_REQUIRED_ENTRY_FIELDS = ("layer", "gpu", "tp", "batch", "fwd_s", "bwd_s")
+OPTIONAL_ENTRY_FIELDS = tuple(n for n in _ENTRY_FIELDS if n not in _REQUIRED_ENTRY_FIELDS)
+
+
+@dataclass(frozen=True)
+class CollectivePoint:
+    """Median time of one collective on ``bytes`` (the NCCL-tests "size": the
+    whole buffer; all-gather's output, reduce-scatter's input) over groups of
+    ``ranks`` processes; ``busbw_gbps`` in gigabits per second."""
+
+    op: str
+    ranks: int
+    link: str
+    bytes: int
+    time_s: float
+    busbw_gbps: float
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """time = alpha_s + bytes / bandwidth, fitted over the measured sizes;
+    ``bandwidth_gbps`` is that bandwidth (algorithm bandwidth) and
+    ``busbw_gbps`` the bus bandwidth it means, both in gigabits per second."""
+
+    op: str
+    ranks: int
+    link: str
+    alpha_s: float
+    bandwidth_gbps: float
+    busbw_gbps: float
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A collective the backend could not run (nothing measured for it)."""
+
+    op: str
+    ranks: int
+    link: str
+    reason: str
+
+
+MACHINE_KEYS = ("hostname", "torch", "python", "platform", "device", "backend", "threads", "processes")
+SETTINGS_KEYS = ("model", "seq_len", "cluster", "precision", "tp", "batches", "warmup", "repeats",
+                 "comm_max_bytes", "timer", "statistic")
+_TOP_KEYS = ("format", "version", "entries", "collectives", "fits", "unsupported", "machine", "settings")
 
 
 def read_profile_json(path: str) -> object:
@@ -42,12 +140,20 @@ def read_profile_json(path: str) -> object:
 
 
 class ProfileDB:
-    """Measured layer times; ``lookup`` returns (fwd_s, bwd_s) or None."""
+    """Measured layer times (``lookup`` returns (fwd_s, bwd_s) or None), and
+    what else ``hetplan profile`` measured: collectives, fits, the machine."""
 
-    def __init__(self, entries: Iterable[ProfileEntry] = ()) -> None:
+    def __init__(self, entries: Iterable[ProfileEntry] = (), *, collectives: Iterable[CollectivePoint] = (),
+                 fits: Iterable[CollectiveFit] = (), unsupported: Iterable[Unsupported] = (),
+                 machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
         self._by_key: dict[tuple[str, str, int], dict[int, ProfileEntry]] = {}
         for entry in entries:
             self.add(entry)
+        self.collectives = sorted(collectives, key=lambda c: (c.op, c.link, c.ranks, c.bytes))
+        self.fits = sorted(fits, key=lambda f: (f.op, f.link, f.ranks))
+        self.unsupported = sorted(unsupported, key=lambda u: (u.op, u.link, u.ranks))
+        self.machine = dict(machine or {})
+        self.settings = dict(settings or {})
 
     def add(self, entry: ProfileEntry) -> None:
         if entry.batch <= 0 or entry.tp <= 0 or entry.fwd_s < 0 or entry.bwd_s < 0:
@@ -64,44 +170,122 @@ class ProfileDB:
         return (layer, gpu, tp) in self._by_key
 
     def lookup(self, layer: str, gpu: str, tp: int, batch: float) -> tuple[float, float] | None:
-        """Time of one forward and backward pass of ``layer`` on ``batch`` samples."""
+        """Compute time of one forward and backward pass of ``layer`` on ``batch`` samples."""
         table = self._by_key.get((layer, gpu, tp))
         if not table or batch <= 0:
             return None
         if batch in table:
-            e = table[int(batch)]
-            return e.fwd_s, e.bwd_s
+            return table[int(batch)].compute_times()
         sizes = sorted(table)
         below = [b for b in sizes if b < batch]
         above = [b for b in sizes if b > batch]
         if below and above:
             lo, hi = table[below[-1]], table[above[0]]
+            (lo_f, lo_b), (hi_f, hi_b) = lo.compute_times(), hi.compute_times()
             w = (batch - lo.batch) / (hi.batch - lo.batch)
-            return lo.fwd_s + w * (hi.fwd_s - lo.fwd_s), lo.bwd_s + w * (hi.bwd_s - lo.bwd_s)
+            return lo_f + w * (hi_f - lo_f), lo_b + w * (hi_b - lo_b)
         # outside the profiled range: compose from profiled sizes, largest first
         remaining, fwd, bwd = float(batch), 0.0, 0.0
         for b in reversed(sizes):
             while remaining >= b:
-                fwd += table[b].fwd_s
-                bwd += table[b].bwd_s
+                f, g = table[b].compute_times()
+                fwd += f
+                bwd += g
                 remaining -= b
         if remaining > 0:  # a fraction of the smallest profiled size, linearly
-            smallest = table[sizes[0]]
-            fwd += smallest.fwd_s * remaining / smallest.batch
-            bwd += smallest.bwd_s * remaining / smallest.batch
+            f, g = table[sizes[0]].compute_times()
+            fwd += f * remaining / sizes[0]
+            bwd += g * remaining / sizes[0]
         return fwd, bwd
 
     # --- files -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the file; parts with nothing in them are left out."""
+        data: dict[str, Any] = {"format": FORMAT, "version": VERSION,
+                                "entries": [e.to_dict() for e in self.entries()]}
+        parts = {"collectives": [asdict(c) for c in self.collectives], "fits": [asdict(f) for f in self.fits],
+                 "unsupported": [asdict(u) for u in self.unsupported], "machine": self.machine,
+                 "settings": self.settings}
+        data.update({k: v for k, v in parts.items() if v})
+        return data
+
     def to_json(self) -> str:
-        return json.dumps({"entries": [asdict(e) for e in self.entries()]}, indent=1)
+        return json.dumps(self.to_dict(), indent=1)
+
+    @staticmethod
+    def from_dict(data: Any, source: str = "profile") -> ProfileDB:
+        """A ProfileDB from its JSON object, every key and value checked (one
+        HetplanError naming the file, the place and the key). A file of
+        another format (Metis's) gives its ``entries`` only."""
+        if not isinstance(data, dict):
+            raise HetplanError(f"{source} is malformed: it must be a JSON object with an 'entries' list")
+        if data.get("format", FORMAT) != FORMAT:
+            return ProfileDB(parse_entries(data.get("entries"), source))
+        typed.mapping(f"{source}", data, _TOP_KEYS, ("entries",))
+        return ProfileDB(
+            parse_entries(data["entries"], source),
+            collectives=_records(data.get("collectives", []), CollectivePoint, f"{source}: collectives"),
+            fits=_records(data.get("fits", []), CollectiveFit, f"{source}: fits"),
+            unsupported=_records(data.get("unsupported", []), Unsupported, f"{source}: unsupported"),
+            machine=_flat_object(data.get("machine", {}), MACHINE_KEYS, f"{source}: machine"),
+            settings=_flat_object(data.get("settings", {}), SETTINGS_KEYS, f"{source}: settings"),
+        )
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> ProfileDB:
-        """The measured times of a profile file (any format's ``entries``; see
+        """The profile file at ``path`` (any format's ``entries``; see
         ``hetplan.profile.load_profile`` for the format-aware loader)."""
         path = os.fspath(path)
-        data = read_profile_json(path)
-        try:
-            return ProfileDB(ProfileEntry(**e) for e in data["entries"])  # type: ignore[index]
-        except (KeyError, TypeError) as exc:
-            raise HetplanError(f"profile {path} is malformed: {exc}") from None
+        return ProfileDB.from_dict(read_profile_json(path), f"profile {path}")
+
+
+# --- checking what a file holds ---------------------------------------------------------
+_ENTRY_KINDS = {"layer": "text", "gpu": "text", "tp": "whole", "batch": "whole", "memory_bytes": "count"}
+_RECORD_KINDS = {"op": "text", "link": "text", "reason": "text", "ranks": "whole", "bytes": "whole"}
+
+
+def _value(where: str, kind: str, value: Any) -> Any:
+    if kind == "text":
+        return typed.text(where, value)
+    if kind == "whole":
+        return typed.whole(where, value, minimum=1)
+    if kind == "count":
+        return typed.whole(where, value, minimum=0)
+    return typed.number(where, value, minimum=0.0, strict=False)
+
+
+def parse_entry(raw: Any, where: str) -> ProfileEntry:
+    """One entry object: known keys only, the required ones present, typed values."""
+    typed.mapping(where, raw, _ENTRY_FIELDS, _REQUIRED_ENTRY_FIELDS)
+    return ProfileEntry(**{k: _value(f"{where}: {k}", _ENTRY_KINDS.get(k, "number"), v) for k, v in raw.items()})
+
+
+def parse_entries(raw: Any, source: str) -> list[ProfileEntry]:
+    """The ``entries`` list of a profile file (any format), each entry checked."""
+    if raw is None:
+        raise HetplanError(f"{source} is malformed: it has no 'entries' list")
+    items = typed.listing(f"{source} is malformed: entries", raw)
+    return [parse_entry(e, f"{source} is malformed: entries[{i}]") for i, e in enumerate(items)]
+
+
+def _records(raw: Any, cls: type, where: str) -> list[Any]:
+    names = [f.name for f in fields(cls)]
+    out = []
+    for i, item in enumerate(typed.listing(where, raw)):
+        at = f"{where}[{i}]"
+        typed.mapping(at, item, names, names)
+        out.append(cls(**{k: _value(f"{at}: {k}", _RECORD_KINDS.get(k, "number"), v) for k, v in item.items()}))
+    return out
+
+
+def _flat_object(raw: Any, allowed: Iterable[str], where: str) -> dict[str, Any]:
+    """An object of known keys whose values are text, numbers or lists of numbers."""
+    typed.mapping(where, raw, allowed)
+    for key, value in raw.items():
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+                raise HetplanError(f"{where}: {key} must be text, a number or a list of numbers, got {value!r}")
+            if isinstance(item, float):
+                typed.number(f"{where}: {key}", item, minimum=None)
+    return dict(raw)

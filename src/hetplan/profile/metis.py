@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
-from hetplan.profile.db import ProfileDB, ProfileEntry, read_profile_json
+from hetplan.profile.db import ProfileDB, ProfileEntry, parse_entries, read_profile_json
 
 FORMAT = "hetplan-metis-profile"
 PROFILED_TP = (1, 2, 4, 8)  # Metis §4.3: "tp = 1, 2, 4, 8"
@@ -174,12 +174,12 @@ class MetisProfileDB(ProfileDB):
         if not table or batch <= 0:
             return None
         if float(batch).is_integer() and int(batch) in table:
-            e = table[int(batch)]
-            return e.fwd_s, e.bwd_s
+            return table[int(batch)].compute_times()
         fwd = bwd = 0.0
         for size, count in compose_batch(batch, sorted(table)):
-            fwd += table[size].fwd_s * count
-            bwd += table[size].bwd_s * count
+            f, b = table[size].compute_times()
+            fwd += f * count
+            bwd += b * count
         return fwd, bwd
 
     def stage_memory(self, a: int, b: int, tp: int, batch: float, in_flight: float) -> float | None:
@@ -202,8 +202,7 @@ class MetisProfileDB(ProfileDB):
             "gpus": sorted({e.gpu for e in entries}),
             "tp": sorted({e.tp for e in entries}),
             "mbs": sorted({e.batch for e in entries}),
-            "entries": [{k: v for k, v in asdict(e).items() if k != "memory_bytes" or v}
-                        for e in entries],
+            "entries": [e.to_dict() for e in entries],
         }
         if self.memory_profile is not None:
             mp = self.memory_profile
@@ -222,7 +221,7 @@ class MetisProfileDB(ProfileDB):
         if not isinstance(data, dict) or "entries" not in data:
             raise HetplanError(f"{source} is not a profile: it has no 'entries' list")
         try:
-            entries = [ProfileEntry(**e) for e in data["entries"]]  # type: ignore[union-attr]
+            entries = parse_entries(data["entries"], source)
             memory = None
             raw = data.get("memory")
             if raw:

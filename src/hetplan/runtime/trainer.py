@@ -3,7 +3,9 @@
 Run by torchrun (``python -m hetplan.runtime.trainer --plan p.json ...``), or
 in-process for a one-device plan, or by the tests through ``run_local``. Rank 0
 prints one line per step (loss, step time) and writes a JSON summary (and,
-for ``--verify``, the full state dict) to ``--out``.
+for ``--verify``, the full state dict) to ``--out``. The summary holds the
+losses, rank 0's ``step_times_s``, ``peak_memory_bytes`` (the largest over the
+ranks; on CPU the peak RSS, see ``peak_memory_bytes``) and the ``device`` type.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             os.kill(os.getpid(), signal.SIGKILL)
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
-              "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model)}
+              "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model),
+              "peak_memory_bytes": peak_memory_bytes(ctx.device), "device": ctx.device.type}
     if ctx.rank == 0 and cfg.out:
         os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
@@ -99,6 +102,32 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     result["state"] = state
     ctx.close()
     return result
+
+
+def peak_memory_bytes(device: Any) -> int:
+    """The run's peak memory of one process, the largest over the ranks (a
+    MAX all-reduce when a process group is up; every rank must call it).
+
+    On CUDA: ``torch.cuda.max_memory_allocated`` (tensor bytes from the
+    caching allocator, what the cost model predicts). On CPU: the process's
+    peak resident set size (``getrusage`` ``ru_maxrss``), which also counts the
+    interpreter, torch's libraries and freed-but-kept heap, so it is well above
+    the tensors' bytes. ``hetplan tune`` records it per trial."""
+    import torch
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        local = int(torch.cuda.max_memory_allocated(device))
+    else:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        local = int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+    if dist.is_available() and dist.is_initialized():
+        peak = torch.tensor([local], dtype=torch.int64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        local = int(peak.item())
+    return local
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

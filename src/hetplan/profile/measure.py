@@ -1,0 +1,467 @@
+"""Measuring layer times and memory on this machine: what each process of
+``hetplan profile`` runs.
+
+Every process of the run (one per device of the cluster) measures the same
+layer at the same moment, so caches, cores, memory bandwidth and links are as
+contended as in training; the recorded time is the median across processes
+of each process's median over the repeats.
+
+What is measured is the runtime's own module (``hetplan.runtime.models``),
+built and sharded as ``hetplan train`` builds it: each distinct layer
+(layers sharing a ``profile_key`` once: the embedding, one transformer block,
+the head), for each TP degree and micro-batch size. With tp > 1 the layer is
+sharded by the runtime's TP plans over a real process group of tp processes,
+so its time includes the TP collectives as training runs them. Those
+collectives are found by watching the layer run once (a dispatch mode sees
+every ``_c10d_functional`` call) and then timed alone, with the same sizes on
+the same group: the entry keeps both, and the cost model takes the
+difference as compute time, as it adds TP communication itself.
+
+Memory per micro-batch: on CPU, the bytes of the layer's (local) parameters,
+as many again for their gradients, and the activations autograd saves for
+backward (counted by ``saved_tensors_hooks``, each storage once, parameters
+excluded); on CUDA, the parameters plus the allocator's peak above what was
+allocated before the step (gradients, saved activations and temporaries).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hetplan.errors import HetplanError
+from hetplan.model.spec import LayerSpec, ModelSpec
+from hetplan.profile import collectives as coll
+from hetplan.profile.db import ProfileDB, ProfileEntry
+from hetplan.profile.job import ProfileJob, collective_group_sizes, distinct_layers, link_class, measurements
+from hetplan.profile.timing import Stopwatch, iqr, median
+
+# _c10d_functional ops (what DTensor's redistributions call) -> collectives.OPS
+_FUNCTIONAL_OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                   "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+# --- building a layer as the runtime does ------------------------------------------------------------
+def build_layer(spec: ModelSpec, name: str, tp_mesh: Any, device: torch.device, seed: int) -> nn.Module:
+    """The runtime's module ``name`` alone (at its path in the model), TP-sharded
+    over ``tp_mesh`` when given, on ``device`` with the runtime's initial values."""
+    from hetplan.runtime.models import GPT, config_from_spec
+    from hetplan.runtime.parallelize import InitialValues, PipelinePart, apply_tp, materialize
+
+    with torch.device("meta"):
+        full = GPT(config_from_spec(spec))
+    part = PipelinePart(full, [name])
+    if tp_mesh is not None:
+        apply_tp(part, [name], tp_mesh, False, [])
+    materialize(part, device, InitialValues(full, seed, GPT.init_parameter))
+    return part
+
+
+def layer_inputs(spec: ModelSpec, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each layer's input for ``batch`` samples, from one
+    forward of the whole model on the meta device (no memory, no time)."""
+    from hetplan.runtime.models import GPT, config_from_spec
+
+    with torch.device("meta"):
+        full = GPT(config_from_spec(spec))
+    found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    hooks = []
+    for layer in spec.layers:
+        def record(module: nn.Module, args: tuple[Any, ...], name: str = layer.name) -> None:
+            found[name] = (tuple(args[0].shape), args[0].dtype)
+        hooks.append(full.get_submodule(layer.name).register_forward_pre_hook(record))
+    with torch.no_grad():
+        full(torch.zeros((batch, spec.seq_len), dtype=torch.long, device="meta"))
+    for hook in hooks:
+        hook.remove()
+    return found
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters this process holds (its TP shards)."""
+    return sum(_local(p).nbytes for p in module.parameters())
+
+
+# --- watching one step ------------------------------------------------------------------------------
+class SavedBytes:
+    """Bytes of the tensors autograd saves for backward while active, each
+    storage once, the layer's parameters not counted (they are counted as such)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.exclude = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # looking at a DTensor's shard must not grow the graph
+            local = _local(t)
+        if local.device.type != "meta":
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in self.exclude:
+                self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class CollectiveLog(TorchDispatchMode):
+    """The collectives a step calls: (op, input shape, dtype) in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        namespace, _, rest = str(func).partition(".")
+        op = _FUNCTIONAL_OPS.get(rest.split(".")[0]) if namespace == "_c10d_functional" else None
+        if op is not None and isinstance(args[0], torch.Tensor):
+            self.calls.append((op, tuple(args[0].shape), args[0].dtype))
+        return func(*args, **(kwargs or {}))
+
+    def take(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+# --- timing one layer ------------------------------------------------------------------------------
+@dataclass
+class LayerRecord:
+    """One process's measurement of one (layer, tp, batch)."""
+
+    layer: str
+    gpu: str
+    tp: int
+    batch: int
+    fwd: list[float]
+    bwd: list[float]
+    memory_bytes: int
+    comm_fwd_s: float
+    comm_bwd_s: float
+
+
+class LayerBench:
+    """Times one built layer on inputs of one shape (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, vocab: int,
+                 device: torch.device, precision: str) -> None:
+        self.module, self.shape, self.dtype, self.vocab = module, shape, dtype, vocab
+        self.device, self.precision = device, precision
+        self.grad: torch.Tensor | None = None
+
+    def new_input(self) -> torch.Tensor:
+        if self.dtype.is_floating_point:
+            return torch.randn(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
+        return torch.randint(0, max(1, self.vocab), self.shape, device=self.device, dtype=self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from hetplan.runtime.precision import autocast
+
+        with autocast(self.device, self.precision):
+            out = self.module(x)
+        if self.grad is None:
+            self.grad = torch.randn_like(out)
+        return out
+
+    def watch(self) -> tuple[int, list[Any], list[Any]]:
+        """One step watched: (memory bytes, forward collectives, backward collectives)."""
+        for p in self.module.parameters():
+            p.grad = None
+        params = parameter_bytes(self.module)
+        x = self.new_input()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        with SavedBytes(self.module) as saved, CollectiveLog() as log:
+            out = self.forward(x)
+            fwd_calls = log.take()
+            out.backward(self.grad)
+            bwd_calls = log.take()
+        if cuda:
+            torch.cuda.synchronize()
+            return params + torch.cuda.max_memory_allocated() - base, fwd_calls, bwd_calls
+        return 2 * params + saved.bytes, fwd_calls, bwd_calls
+
+    def time(self, warmup: int, repeats: int, stopwatch: Stopwatch) -> tuple[list[float], list[float]]:
+        """Forward and backward seconds of each repeat, all processes starting together."""
+        for _ in range(warmup):
+            self.forward(self.new_input()).backward(self.grad)
+        fwd, bwd = [], []
+        for _ in range(repeats):
+            x = self.new_input()
+            dist.barrier()
+            stopwatch.start()
+            out = self.forward(x)
+            stopwatch.mark()
+            out.backward(self.grad)
+            stopwatch.mark()
+            f, b = stopwatch.laps()
+            fwd.append(f)
+            bwd.append(b)
+        return fwd, bwd
+
+
+def time_tp_calls(calls: Sequence[tuple[str, tuple[int, ...], torch.dtype]], group: Any, tp: int,
+                  device: torch.device, warmup: int, repeats: int, stopwatch: Stopwatch) -> float:
+    """Median seconds of a layer pass's TP collectives run alone on its group."""
+    if not calls:
+        return 0.0
+    runs = [coll.collective_call(op, torch.ones(shape, dtype=dtype, device=device), group, tp)
+            for op, shape, dtype in calls]
+
+    def run_all() -> None:
+        for run in runs:
+            run()
+    return median(coll.time_call(run_all, warmup, repeats, stopwatch))
+
+
+# --- progress -------------------------------------------------------------------------------------------
+class ProgressLines:
+    """One line per measurement on stderr (rank 0): what, how many left, and
+    about how long, from the time the finished ones took."""
+
+    def __init__(self, enabled: bool, layer_weights: Sequence[float], comm_curves: int, comm_guess_s: float) -> None:
+        self.enabled = enabled
+        self.layer_left = float(sum(layer_weights))
+        self.layer_done = 0.0
+        self.comm_left, self.comm_done = comm_curves, 0
+        self.comm_guess_s = comm_guess_s
+        self.total = len(layer_weights) + comm_curves
+        self.count = 0
+        self.start = time.perf_counter()
+        self.comm_start: float | None = None
+
+    def _eta(self, now: float) -> float:
+        if self.comm_start is None:
+            rate = (now - self.start) / self.layer_done if self.layer_done else 0.0
+            return rate * self.layer_left + (self.comm_guess_s if self.comm_left else 0.0)
+        return (now - self.comm_start) / max(1, self.comm_done) * self.comm_left
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"hetplan profile: {text}", file=sys.stderr, flush=True)
+
+    def layer(self, text: str, weight: float) -> None:
+        self.layer_done += weight
+        self.layer_left -= weight
+        self._step(text)
+
+    def comm_begin(self) -> None:
+        self.comm_start = time.perf_counter()
+
+    def comm(self, text: str, _weight: float = 1.0) -> None:
+        self.comm_done += 1
+        self.comm_left -= 1
+        self._step(f"collective {text}")
+
+    def _step(self, text: str) -> None:
+        self.count += 1
+        left = self.total - self.count
+        eta = f", ~{rough_duration(self._eta(time.perf_counter()))} to go" if left else ""
+        self.say(f"[{self.count}/{self.total}] {text}; {left} left{eta}")
+
+
+def rough_duration(seconds: float) -> str:
+    """'2 min 5 s', '14 s', '0.8 s': an estimate's precision, no more."""
+    seconds = max(0.0, seconds)
+    if seconds >= 60:
+        return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+# --- the run on every process -------------------------------------------------------------------------
+def pick_device(job: ProfileJob, rank: int) -> torch.device:
+    """CPU for a CPU cluster; else this process's GPU, checked against the cluster's type."""
+    gpu = job.cluster.devices[rank].gpu
+    if gpu.name.upper() == "CPU":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise HetplanError(f"cluster {job.cluster.name!r} has {gpu.name} GPUs but this process sees no CUDA "
+                           "device; run the commands 'hetplan profile' prints on the cluster's nodes")
+    from hetplan.runtime.context import gpu_matches
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise HetplanError(f"process {rank} should use GPU {local} of its node, but it has "
+                           f"{torch.cuda.device_count()}; the node differs from cluster {job.cluster.name!r}")
+    found = torch.cuda.get_device_name(local)
+    if gpu.catalog_name and not os.environ.get("HETPLAN_SKIP_GPU_CHECK") and not gpu_matches(gpu.catalog_name, found):
+        raise HetplanError(f"process {rank} should run on a {gpu.catalog_name} but sees a {found}; profile on the "
+                           f"cluster's GPUs, or set HETPLAN_SKIP_GPU_CHECK=1")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _check_world(job: ProfileJob) -> None:
+    """One process per device of the cluster (ranks follow its devices, node by node)."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != job.cluster.num_devices:
+        raise HetplanError(f"cluster {job.cluster.name!r} has {job.cluster.num_devices} devices but {world} "
+                           f"processes were started; start one per device")
+
+
+def _start_group(job: ProfileJob, device: torch.device) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=job.timeout_s))
+
+
+def _tp_mesh(device: torch.device, tp: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+
+
+def measure_layers(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[LayerRecord]:
+    """This process's records of every (layer, tp, batch) of the job."""
+    from hetplan.runtime.precision import precision_of
+
+    rank = dist.get_rank()
+    gpu = job.cluster.devices[rank].gpu.name
+    precision = precision_of({}, job.spec.dtype_bytes)
+    stopwatch = Stopwatch(device)
+    inputs = {b: layer_inputs(job.spec, b) for b in job.batches}
+    records = []
+    for tp in job.tps:
+        mesh = _tp_mesh(device, tp) if tp > 1 else None
+        group = mesh.get_group() if mesh is not None else None
+        for layer in distinct_layers(job.spec):
+            if not layer.supports_tp(tp):
+                continue
+            module = build_layer(job.spec, layer.name, mesh, device, job.seed)
+            for batch in job.batches:
+                shape, dtype = inputs[batch][layer.name]
+                bench = LayerBench(module, shape, dtype, job.spec.vocab_size, device, precision)
+                memory, fwd_calls, bwd_calls = bench.watch()
+                fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
+                comm_f = time_tp_calls(fwd_calls, group, tp, device, job.warmup, job.repeats, stopwatch) if mesh else 0.0
+                comm_b = time_tp_calls(bwd_calls, group, tp, device, job.warmup, job.repeats, stopwatch) if mesh else 0.0
+                records.append(LayerRecord(layer.profile_key, gpu, tp, batch, fwd, bwd, memory, comm_f, comm_b))
+                progress.layer(f"{layer.name} ({layer.kind}) tp={tp} batch={batch}: fwd {median(fwd) * 1e3:.3g} ms, "
+                               f"bwd {median(bwd) * 1e3:.3g} ms", layer_weight(layer, tp, batch))
+            del module
+    return records
+
+
+def layer_weight(layer: LayerSpec, tp: int, batch: int) -> float:
+    """A guess of a measurement's relative duration, for the time-left estimate:
+    its FLOPs plus a fixed cost per run (a few kernel launches)."""
+    return layer.fwd_flops * batch / tp + 5e6
+
+
+def combine(per_rank: Sequence[Sequence[LayerRecord]]) -> list[ProfileEntry]:
+    """One entry per (layer, GPU type, tp, batch): the median across processes
+    of each one's median, the interquartile range of all their repeats, the
+    most memory any held."""
+    grouped: dict[tuple[str, str, int, int], list[LayerRecord]] = {}
+    for records in per_rank:
+        for r in records:
+            grouped.setdefault((r.layer, r.gpu, r.tp, r.batch), []).append(r)
+    entries = []
+    for (layer, gpu, tp, batch), recs in sorted(grouped.items()):
+        entries.append(ProfileEntry(
+            layer, gpu, tp, batch,
+            fwd_s=median([median(r.fwd) for r in recs]), bwd_s=median([median(r.bwd) for r in recs]),
+            memory_bytes=max(r.memory_bytes for r in recs),
+            fwd_spread_s=iqr([t for r in recs for t in r.fwd]), bwd_spread_s=iqr([t for r in recs for t in r.bwd]),
+            tp_comm_fwd_s=median([r.comm_fwd_s for r in recs]), tp_comm_bwd_s=median([r.comm_bwd_s for r in recs]),
+        ))
+    return entries
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """Where the profile was measured (recorded in the file, never used to plan)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_name()
+    return {"hostname": socket.gethostname(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "device": name, "backend": dist.get_backend(),
+            "threads": torch.get_num_threads(), "processes": dist.get_world_size()}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def settings_info(job: ProfileJob, stopwatch: Stopwatch) -> dict[str, Any]:
+    from hetplan.runtime.precision import precision_of
+
+    return {"model": job.spec.name, "seq_len": job.spec.seq_len, "cluster": job.cluster.name,
+            "precision": precision_of({}, job.spec.dtype_bytes), "tp": list(job.tps), "batches": list(job.batches),
+            "warmup": job.warmup, "repeats": job.repeats, "comm_max_bytes": job.comm_max_bytes,
+            "timer": stopwatch.name,
+            "statistic": "median of repeats per process, median across processes; spread: IQR of all repeats"}
+
+
+def run_profile(job: ProfileJob, progress_enabled: bool = True) -> dict[str, Any] | None:
+    """Measure everything the job asks on this process, together with the
+    others; rank 0 returns the ProfileDB as a JSON object, the others None."""
+    _check_world(job)
+    device = pick_device(job, int(os.environ.get("RANK", "0")))
+    _start_group(job, device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = measurements(job)
+    sizes = collective_group_sizes(job) if job.comm_max_bytes else []
+    curves = len(coll.curve_list(sizes, world, coll.OPS)) if job.comm_max_bytes else 0
+    guess = coll.predicted_seconds(sizes, world, job.comm_max_bytes, job.warmup, job.repeats,
+                                   job.cluster.nodes[0].intra_bandwidth_gbps) if curves else 0.0
+    progress = ProgressLines(progress_enabled and rank == 0, [layer_weight(*m) for m in plan], curves, guess)
+    progress.say(f"{job.spec.name} on {job.cluster.name} ({world} process{'es' if world > 1 else ''}, "
+                 f"{device.type}): {len(distinct_layers(job.spec))} layer kinds x tp {','.join(map(str, job.tps))} "
+                 f"x batch {','.join(map(str, job.batches))} = {len(plan)} measurements"
+                 + (f", then {curves} collective curves up to {job.comm_max_bytes:,} bytes" if curves else ""))
+    records = measure_layers(job, device, progress)
+    points, fits, refused = [], [], []
+    if curves:
+        progress.comm_begin()
+        points, fits, refused = coll.measure_curves(sizes, job.comm_max_bytes, job.warmup, job.repeats, device,
+                                                    lambda n: link_class(job.cluster, n), progress.comm)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, records)
+    if rank != 0:
+        return None
+    db = ProfileDB(combine(gathered), collectives=points, fits=fits, unsupported=refused,
+                   machine=machine_info(device), settings=settings_info(job, Stopwatch(device)))
+    return db.to_dict()
+
+
+def local_worker(job: ProfileJob) -> dict[str, Any] | None:
+    """``run_profile`` for ``hetplan.runtime.launch.run_local`` (a module-level function)."""
+    return run_profile(job)
+
