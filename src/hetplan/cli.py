@@ -121,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model the plan was made for (default: the one in the plan file)")
     p.add_argument("--cluster", default=None, help="cluster the plan was made for (default: the one in the plan file)")
     p.add_argument("--index", type=positive_int, default=1, help="which plan of a ranked file (1 = best)")
-    p.add_argument("--out", default=None, help="write here instead of printing")
+    p.add_argument("--torchtitan-version", choices=("0.3", "0.2"), default="0.3",
+                   help="torchtitan release to write for: 0.3 (current: a Python config) or 0.2 (a TOML job file)")
+    p.add_argument("--out", default=None, help="write here instead of printing (DeepSpeed pipeline code: "
+                                               "beside it, as NAME.pipeline.py)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("whatif", help="the best plan as the cluster or batch changes: one row per variant")
@@ -166,7 +169,7 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
     from hetplan.cost import Workload
     from hetplan.model import load_model
     from hetplan.planfile import resolve_cluster, resolve_model
-    from hetplan.cost.calibration import read_calibration
+    from hetplan.cost.calibration import effective_calibration, read_calibration
     from hetplan.profile import load_profile
     from hetplan.units import parse_memory_size
 
@@ -182,7 +185,8 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
     limit = parse_memory_size(args.memory_limit) if args.memory_limit is not None \
         else saved.get("memory_limit_bytes", 0)
     profile = load_profile(args.profile) if args.profile else None
-    calibration = read_calibration(args.calibration) if args.calibration else cluster.meta.get("calibration")
+    calibration = effective_calibration(profile, cluster, read_calibration(args.calibration) if args.calibration
+                                        else cluster.meta.get("calibration"))
     return Workload(model, cluster, gbs, optimizer=args.optimizer or saved.get("optimizer", ""),
                     memory_limit_bytes=limit,
                     overlap_grad_sync=not args.no_overlap and saved.get("overlap_grad_sync", True),
@@ -439,34 +443,35 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hetplan.export import export_plan, to_toml
+    import os
+
+    from hetplan.export import render
     from hetplan.planfile import read_plan_file, resolve_cluster, resolve_model
     from hetplan.validate import validate_plan
 
     plan_file = read_plan_file(args.plan_file)
     plan = plan_file.plan(args.index)
     model = resolve_model(plan_file, args.model)
-    validate_plan(plan, model, resolve_cluster(plan_file, args.cluster))  # never export a plan that cannot run
-    result = export_plan(plan, model, args.format)
-    if args.format == "torchtitan":
-        text = to_toml(result)
-    elif args.format == "megatron":
-        text = " ".join(result)
-    else:
-        text = json.dumps(result, indent=2)
-    if args.format == "deepspeed" and plan.pp > 1:
-        from hetplan.export import deepspeed_pipeline_note
-
-        print(f"note: {deepspeed_pipeline_note(plan)}", file=sys.stderr)
-    if args.out:
+    cluster = resolve_cluster(plan_file, args.cluster)
+    validate_plan(plan, model, cluster)  # never export a plan that cannot run
+    result = render(plan, model, args.format, cluster, args.torchtitan_version)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    outputs = {args.out: result.text} if args.out else {}
+    for suffix, text in result.files.items():
+        if args.out:
+            outputs[os.path.splitext(args.out)[0] + suffix] = text
+        else:
+            print(f"note: {suffix} file (give --out to write it):\n{text}", file=sys.stderr)
+    for path, text in outputs.items():
         try:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text if text.endswith("\n") else text + "\n")
         except OSError as exc:
-            raise HetplanError(f"cannot write {args.out}: {exc.strerror}") from None
-        print(f"wrote {args.out}")
-    else:
-        print(text)
+            raise HetplanError(f"cannot write {path}: {exc.strerror}") from None
+        print(f"wrote {path}")
+    if not args.out:
+        print(result.text)
     return 0
 
 

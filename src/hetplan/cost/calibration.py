@@ -144,3 +144,69 @@ def calibrated_cluster(cluster: ClusterSpec, calibration: Calibration | None) ->
                        for i, row in enumerate(matrix))
     return dataclasses.replace(cluster, nodes=nodes, inter_bandwidth_gbps=cluster.inter_bandwidth_gbps * inter,
                                bandwidth_matrix_gbps=matrix)
+
+
+def link_calibration_from_profile(profile: Any, cluster: ClusterSpec) -> Calibration | None:
+    """The bandwidth and latency factors under which the cost model's
+    all-reduce over the profiled group matches the one ``hetplan profile``
+    measured (its alpha-beta fit), for each link class it measured. None when
+    the profile measured no all-reduce (an old or Metis profile)."""
+    from hetplan.cost.comm import collective_latency
+    from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY
+
+    bandwidth: dict[str, float] = {}
+    latency: list[float] = []
+    for fit in getattr(profile, "fits", ()):
+        if fit.op != "all_reduce" or fit.link not in LINK_CLASSES or fit.ranks < 2:
+            continue
+        group = _profiled_group(cluster, fit.link, fit.ranks)
+        if group is None:
+            continue
+        modelled_gbps = (cluster.nodes[0].intra_bandwidth_gbps if fit.link == "intra"
+                         else cluster.node_inter_gbps(0)) * COLLECTIVE_BANDWIDTH_EFFICIENCY
+        if fit.busbw_gbps > 0 and modelled_gbps > 0:
+            bandwidth[fit.link] = _clamp(fit.busbw_gbps / modelled_gbps)
+        modelled_latency = collective_latency(cluster, group, "allreduce")
+        if fit.alpha_s > 0 and modelled_latency > 0:
+            latency.append(fit.alpha_s / modelled_latency)
+    if not bandwidth and not latency:
+        return None
+    return Calibration({}, bandwidth, _clamp(max(latency)) if latency else 1.0,
+                       "links from the profile's measured all-reduce")
+
+
+def _profiled_group(cluster: ClusterSpec, link: str, ranks: int) -> tuple[int, ...] | None:
+    """Devices like the ones the profile measured: ``ranks`` GPUs of the first
+    node (intra), or the first GPU of ``ranks`` nodes (inter)."""
+    if link == "intra":
+        return tuple(range(ranks)) if cluster.nodes[0].num_gpus >= ranks else None
+    if len(cluster.nodes) < ranks:
+        return None
+    firsts, start = [], 0
+    for node in cluster.nodes[:ranks]:
+        firsts.append(start)
+        start += node.num_gpus
+    return tuple(firsts)
+
+
+def _clamp(value: float) -> float:
+    return min(max(value, SCALE_RANGE[0]), SCALE_RANGE[1])
+
+
+def merged(base: Calibration | None, override: Calibration | None) -> Calibration | None:
+    """``override``'s factors where it has them (a fitted calibration), ``base``'s
+    elsewhere (the profile's measured links)."""
+    if base is None or override is None:
+        return override or base
+    return Calibration({**base.compute_scale, **override.compute_scale},
+                       {**base.bandwidth_scale, **override.bandwidth_scale},
+                       override.latency_scale if override.latency_scale != 1.0 else base.latency_scale,
+                       "; ".join(s for s in (base.source, override.source) if s))
+
+
+def effective_calibration(profile: Any, cluster: ClusterSpec, given: Calibration | None) -> Calibration | None:
+    """What the kernel applies: the given calibration (``--calibration`` or
+    the cluster file's), over the links a profile measured."""
+    if profile is None:
+        return given
+    return merged(link_calibration_from_profile(profile, cluster), given)
