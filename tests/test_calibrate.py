@@ -174,3 +174,28 @@ def test_bad_measurement_inputs(tmp_path) -> None:  # type: ignore[no-untyped-de
     run = subprocess.run([sys.executable, "-m", "hetplan", "calibrate", str(tmp_path / "x.json"), "-o",
                           str(tmp_path / "c.json")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.startswith("hetplan: error:") and run.stderr.count("\n") == 1
+
+
+def test_profiled_all_reduce_sets_link_factors() -> None:
+    """A profile's measured all-reduce (alpha-beta fit) is what the kernel
+    charges for that group: the factors reproduce the measured fit."""
+    from hetplan.cluster import load_cluster
+    from hetplan.cost.calibration import effective_calibration, link_calibration_from_profile
+    from hetplan.cost.comm import collective_latency
+    from hetplan.profile import CollectiveFit, ProfileDB
+
+    cluster = load_cluster("local-cpu-2")
+    profile = ProfileDB(fits=[CollectiveFit("all_reduce", 2, "intra", 8e-4, 8.0, 8.0)])
+    cal = link_calibration_from_profile(profile, cluster)
+    assert cal is not None
+    assert cal.latency_scale * collective_latency(cluster, (0, 1), "allreduce") == pytest.approx(8e-4)
+    model = gpt_decoder("g", 2, 256, 4, 128, vocab=1024, dtype_bytes=4)
+    kernel = CostModel(Workload(model, cluster, 8, calibration=cal)).kernel
+    rate, latency = kernel.tp_link((0, 1))
+    assert latency == pytest.approx(8e-4)
+    # ring all-reduce of M bytes over 2 ranks moves M per rank: M / busbw
+    assert rate == pytest.approx(1 / (8.0e9 / 8), rel=1e-6)
+    given = Calibration({}, {}, 2.0)
+    assert effective_calibration(profile, cluster, given).latency_scale == 2.0  # a fitted calibration wins
+    assert effective_calibration(None, cluster, given) is given
+    assert link_calibration_from_profile(ProfileDB(), cluster) is None
