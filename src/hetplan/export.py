@@ -2,25 +2,62 @@
 
 * ``modules``: module-name lists per pipeline stage — the split format of
   ``torch.distributed.pipelining`` and torchtitan's ``module_fqns_per_model_part``.
-* ``torchtitan``: the ``[parallelism]``/``[activation_checkpoint]`` settings of a
-  torchtitan job config (as a dict; the CLI prints TOML).
-* ``megatron``: Megatron-LM command-line arguments.
-* ``deepspeed``: a DeepSpeed config dict.
+* ``torchtitan``: torchtitan's settings for the plan, for the version the user
+  runs (``TORCHTITAN_VERSIONS``): ``0.3`` (the current release) takes a Python
+  config (``config_registry`` functions building ``Trainer.Config``), ``0.2``
+  the TOML job file of ``JobConfig``.
+* ``megatron``: one ``torchrun ... pretrain_gpt.py`` command per node, with the
+  model's shape and the plan's parallelism (Megatron-LM ``core_v0.16.1``).
+* ``deepspeed``: a DeepSpeed config dict (DeepSpeed 0.19.8), plus the
+  ``PipelineModule`` code a pipeline plan needs (DeepSpeed sets pipeline
+  stages in code, not in its config).
+
+Which tool version each export was checked against, and how, is in
+docs/exports.md; tests/test_export_tools.py loads every export with the tools'
+own loaders.
 
 Each tool expresses less than a hetplan Plan: one (dp, tp) for all stages,
-even data splits, one ZeRO stage. When a plan uses something a tool cannot
-express, export raises a HetplanError naming it instead of silently dropping it.
+even data splits, one ZeRO stage, one recompute setting for its transformer
+blocks. When a plan uses something a tool cannot express, export raises a
+one-line HetplanError naming it and why instead of silently dropping it; where
+the tool runs something close but not the same, the export says so in a note
+(``Export.notes``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
 from hetplan.plan import Plan
 
 FORMATS = ("modules", "torchtitan", "megatron", "deepspeed")
+# torchtitan's config format changed between its releases: 0.2.x reads a TOML
+# job file (JobConfig), 0.3 builds a Python Trainer.Config (config_registry).
+TORCHTITAN_VERSIONS = ("0.3", "0.2")
+DEFAULT_TORCHTITAN_VERSION = "0.3"
+# The releases each export was checked against (docs/exports.md).
+VALIDATED = {"torchtitan": {"0.3": "0.3.0", "0.2": "0.2.2"}, "megatron": "Megatron-LM core_v0.16.1",
+             "deepspeed": "0.19.8"}
+
+_EDGE_KINDS = ("embedding", "head")
+
+
+@dataclass(frozen=True)
+class Export:
+    """One export: ``text`` is what the CLI prints or writes; ``data`` the same
+    as Python values; ``notes`` what the tool will run differently from the
+    plan or what the user must add; ``files`` more files the export needs,
+    by suffix (``".pipeline.py"``: DeepSpeed's PipelineModule code)."""
+
+    text: str
+    data: Any
+    notes: tuple[str, ...] = ()
+    files: dict[str, str] = field(default_factory=dict)
 
 
 def stage_module_names(plan: Plan, model: ModelSpec) -> list[list[str]]:
@@ -28,9 +65,29 @@ def stage_module_names(plan: Plan, model: ModelSpec) -> list[list[str]]:
     return [[model.layers[i].name for i in stage.layers] for stage in plan.stages]
 
 
-def _uniform(plan: Plan, tool: str) -> tuple[int, int, int, str]:
-    """(dp, tp, zero, recompute) shared by every stage and layer, or an error
-    naming what the tool cannot express."""
+# --------------------------------------------------------------------------- what every tool needs
+
+
+@dataclass(frozen=True)
+class _Uniform:
+    dp: int
+    tp: int
+    per_replica: int
+    zero: int
+    recompute: str  # of the transformer blocks
+    sequence_parallel: bool
+    notes: tuple[str, ...]
+
+
+def _is_block(model: ModelSpec, index: int) -> bool:
+    return model.layers[index].kind not in _EDGE_KINDS
+
+
+def _uniform(plan: Plan, model: ModelSpec, tool: str) -> _Uniform:
+    """What every stage and layer shares, or an error naming what ``tool``
+    cannot express. Tools checkpoint transformer blocks only: the blocks must
+    agree on recompute; an embedding or head recomputed in the plan is kept
+    by the tool, which a note says."""
     first = plan.stages[0]
     for j, stage in enumerate(plan.stages):
         if (stage.dp, stage.tp) != (first.dp, first.tp):
@@ -41,112 +98,234 @@ def _uniform(plan: Plan, tool: str) -> tuple[int, int, int, str]:
                                "use the hetplan runtime for uneven data splits")
         if stage.has_layer_degrees:
             raise HetplanError(f"{tool} cannot give single layers their own tp (stage {j}); use the hetplan runtime")
+        if stage.sequence_parallel != first.sequence_parallel and first.tp > 1:
+            raise HetplanError(f"{tool} uses sequence parallelism on every stage or none; stage {j} differs from "
+                               "stage 0 — use the hetplan runtime for this plan")
     zeros = {s.zero for st in plan.stages for s in st.strategies}
-    recomputes = {s.recompute for st in plan.stages for s in st.strategies}
     if len(zeros) > 1:
-        raise HetplanError(f"{tool} uses one ZeRO stage for the whole model; this plan mixes {sorted(zeros)}")
-    if len(recomputes) > 1:
-        raise HetplanError(f"{tool} exports one recompute setting here; this plan mixes {sorted(recomputes)}")
-    return first.dp, first.tp, zeros.pop(), recomputes.pop()
+        raise HetplanError(f"{tool} uses one ZeRO stage for the whole model; this plan mixes {sorted(zeros)} "
+                           "— use the hetplan runtime for this plan")
+    layers = [(i, st.recompute) for stage in plan.stages for i, st in zip(stage.layers, stage.strategies)]
+    blocks = {r for i, r in layers if _is_block(model, i)}
+    if len(blocks) > 1:
+        raise HetplanError(f"{tool} applies one activation-checkpointing setting to every transformer block; this "
+                           f"plan mixes {sorted(blocks)} — use the hetplan runtime for this plan")
+    recompute = blocks.pop() if blocks else "none"
+    notes = []
+    # selective recompute drops the attention core: nothing on a layer without one
+    edges = sorted({model.layers[i].name for i, r in layers if not _is_block(model, i) and
+                    (r == "full" or r == "selective" and model.layers[i].act_attention_core_bytes > 0)})
+    if edges:
+        notes.append(f"{tool} checkpoints transformer blocks only: {', '.join(edges)} keep their activations, "
+                     "which the plan recomputes (more memory than hetplan estimated for those stages)")
+    if first.dp_split[0] < 1:
+        raise HetplanError(f"{tool} needs at least one sample per replica and micro-batch; the plan gives "
+                           f"{first.dp_split[0]}")
+    return _Uniform(first.dp, first.tp, first.dp_split[0], zeros.pop(), recompute,
+                    first.tp > 1 and first.sequence_parallel, tuple(notes))
 
 
-def to_torchtitan(plan: Plan, model: ModelSpec) -> dict[str, Any]:
-    dp, tp, zero, recompute = _uniform(plan, "torchtitan")
-    if zero in (1, 2):
-        raise HetplanError("torchtitan shards with FSDP2 (ZeRO-3) or replicates (ZeRO-0); ZeRO-1/2 have no setting")
-    schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved-1f1b": "Interleaved1F1B"}[plan.schedule]
+def _chunks(plan: Plan) -> list[tuple[int, ...]]:
+    """Layer indices of each pipeline model chunk, in the order the tools list
+    them (chunk ``c`` on pipeline rank ``c % pp``): the stages themselves, or
+    with interleaved 1F1B the ``pp * v`` chunks the hetplan runtime cuts
+    (hetplan.runtime.layout: stage ``j``'s layers in ``v`` near-equal chunks)."""
+    v = plan.virtual_stages if plan.schedule == "interleaved-1f1b" and plan.pp > 1 else 1
+    if v == 1:
+        return [tuple(s.layers) for s in plan.stages]
+    counts = []
+    for j, stage in enumerate(plan.stages):
+        n = stage.num_layers
+        if n < v:
+            raise HetplanError(f"stage {j} has {n} layers, fewer than virtual_stages={v}: every chunk needs a layer")
+        base, extra = divmod(n, v)
+        counts.append([base + (1 if k < extra else 0) for k in range(v)])
+    chunks, start = [], 0
+    for c in range(plan.pp * v):
+        k, j = divmod(c, plan.pp)
+        chunks.append(tuple(range(start, start + counts[j][k])))
+        start += counts[j][k]
+    return chunks
+
+
+def _virtual(plan: Plan) -> int:
+    return plan.virtual_stages if plan.schedule == "interleaved-1f1b" and plan.pp > 1 else 1
+
+
+# --------------------------------------------------------------------------- model architecture
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The facts a tool needs to build the model (``ModelSpec.meta["architecture"]``,
+    written by hetplan's GPT and Llama builders and HF importer)."""
+
+    num_layers: int
+    kv_heads: int
+    ffn: int
+    gated_mlp: bool  # SwiGLU
+    norm: str  # "layernorm" | "rmsnorm"
+    positions: str  # "learned" | "rope"
+    max_positions: int
+    bias: bool
+    tied_embeddings: bool
+    dropout: bool
+    kv_channels: int = 0  # head dim when it is not hidden / heads
+    rope_theta: float = 0.0
+    qkv_bias: bool = False
+
+
+_ARCH_TYPES: dict[str, Any] = {
+    "kv_heads": int, "ffn": int, "gated_mlp": bool, "norm": ("layernorm", "rmsnorm"),
+    "positions": ("learned", "rope"), "max_positions": int, "bias": bool, "tied_embeddings": bool,
+    "dropout": bool, "kv_channels": int, "rope_theta": float, "qkv_bias": bool,
+}
+_ARCH_OPTIONAL = ("kv_channels", "rope_theta", "qkv_bias")
+
+
+def architecture(model: ModelSpec, tool: str) -> Architecture:
+    """The model's architecture facts, checked; a HetplanError naming what is
+    missing for ``tool`` otherwise."""
+    if model.family not in ("gpt", "llama"):
+        raise HetplanError(f"{tool} export covers GPT and Llama decoders (pretrain_gpt.py); model {model.name!r} is "
+                           f"family {model.family!r}")
+    kinds = [layer.kind for layer in model.layers]
+    blocks = [k for k in kinds if k not in _EDGE_KINDS]
+    if kinds[0] != "embedding" or kinds[-1] != "head" or set(blocks) != {"decoder"} or \
+            "embedding" in kinds[1:] or "head" in kinds[:-1]:
+        raise HetplanError(f"{tool} builds an embedding, decoder blocks and a head; model {model.name!r} has layers "
+                           f"of kinds {sorted(set(kinds))} in another order")
+    facts = model.meta.get("architecture") if isinstance(model.meta, dict) else None
+    if not isinstance(facts, dict):
+        raise HetplanError(f"model {model.name!r} gives no architecture (meta.architecture: kv_heads, ffn, norm, ...), "
+                           f"which {tool} needs to build it; use a hetplan preset or HF config, or add it to the file")
+    values: dict[str, Any] = {}
+    for key, kind in _ARCH_TYPES.items():
+        if key not in facts:
+            if key in _ARCH_OPTIONAL:
+                continue
+            raise HetplanError(f"model {model.name!r}: meta.architecture has no {key!r}, which {tool} needs")
+        value = facts[key]
+        ok = (value in kind if isinstance(kind, tuple) else
+              isinstance(value, bool) if kind is bool else
+              isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and
+              (kind is float or float(value).is_integer()))
+        if not ok or (kind is int and not 0 <= value <= 10**9):
+            raise HetplanError(f"model {model.name!r}: meta.architecture.{key} = {value!r} is not "
+                               f"{'one of ' + repr(kind) if isinstance(kind, tuple) else kind.__name__}")
+        values[key] = int(value) if kind is int else value
+    if not values["kv_heads"] or not values["ffn"] or not model.num_heads or not model.hidden_size or \
+            model.num_heads % values["kv_heads"] or not model.vocab_size:
+        raise HetplanError(f"model {model.name!r}: meta.architecture needs kv_heads dividing the {model.num_heads} "
+                           f"heads, an ffn width, and the model a hidden size and vocabulary")
+    return Architecture(num_layers=len(blocks), **values)
+
+
+# --------------------------------------------------------------------------- torchtitan
+
+# hetplan's layer -> torchtitan's module names, for the model families torchtitan has.
+_TORCHTITAN_FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B")}
+
+
+def torchtitan_module_names(plan: Plan, model: ModelSpec,
+                            version: str = DEFAULT_TORCHTITAN_VERSION) -> list[list[str]]:
+    """torchtitan's ``module_fqns_per_model_part``: its own module names for
+    each model chunk, in order. Llama: ``tok_embeddings``, ``layers.N``,
+    ``norm`` and the output projection, ``output`` in 0.2.x and ``lm_head``
+    in 0.3 (its ``Decoder``)."""
+    kinds = [layer.kind for layer in model.layers]
+    if model.family != "llama" or kinds[0] != "embedding" or kinds[-1] != "head" or \
+            set(kinds[1:-1]) != {"decoder"}:
+        raise HetplanError(f"torchtitan splits its own models into pipeline stages (Llama: tok_embeddings, layers.N, "
+                           f"norm, output); it has no model for {model.name!r} (family {model.family!r}) — "
+                           "use --format modules with torch.distributed.pipelining, or the hetplan runtime")
+    output = "output" if version == "0.2" else "lm_head"
+    names: dict[int, list[str]] = {0: ["tok_embeddings"], len(kinds) - 1: ["norm", output]}
+    for i in range(1, len(kinds) - 1):
+        names[i] = [f"layers.{i - 1}"]
+    return [[n for i in chunk for n in names[i]] for chunk in _chunks(plan)]
+
+
+def to_torchtitan(plan: Plan, model: ModelSpec, version: str = DEFAULT_TORCHTITAN_VERSION) -> dict[str, Any]:
+    """torchtitan's settings for the plan as {section: {field: value}}: the
+    sections of a 0.2.x TOML job file, or the fields of 0.3's config objects
+    (``parallelism``: ParallelismConfig, ``training``: TrainingConfig,
+    ``activation_checkpoint``: the AC config class and its fields). Notes on
+    what differs: ``torchtitan_notes``."""
+    return _torchtitan(plan, model, version)[0]
+
+
+def _torchtitan(plan: Plan, model: ModelSpec, version: str) -> tuple[dict[str, Any], list[str]]:
+    if version not in TORCHTITAN_VERSIONS:
+        raise HetplanError(f"unknown torchtitan version {version!r}; choose one of {', '.join(TORCHTITAN_VERSIONS)}")
+    u = _uniform(plan, model, "torchtitan")
+    notes = list(u.notes)
+    if u.zero in (1, 2):
+        raise HetplanError(f"torchtitan shards with FSDP2 (ZeRO-3) or replicates (ZeRO-0); ZeRO-{u.zero} has no "
+                           "setting — make the plan with --zero 0 or 3, or use the hetplan runtime")
+    if u.zero == 0 and u.dp > 1 and (u.tp > 1 or plan.pp > 1) and version == "0.2":
+        raise HetplanError("torchtitan 0.2.x replicates (ZeRO-0) with DDP, which it runs only without TP/PP "
+                           "(\"DDP has not supported > 1D parallelism\"); export for torchtitan 0.3 (HSDP with "
+                           "shard degree 1), or make the plan with ZeRO-3")
+    if u.tp > 1 and model.seq_len % u.tp:
+        raise HetplanError(f"torchtitan's tensor parallelism needs the sequence length ({model.seq_len}) divisible by "
+                           f"tp={u.tp}")
+    if model.dtype_bytes == 2 and model.meta.get("precision") == "fp16":
+        raise HetplanError("torchtitan trains in bf16 or fp32; this model is fp16")
+    v = _virtual(plan)
+    if plan.virtual_stages > 1 and v == 1 and plan.pp > 1:
+        notes.append(f"virtual_stages={plan.virtual_stages} ignored: only interleaved-1f1b uses model chunks "
+                     "(as in the hetplan runtime)")
+    schedule = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved-1f1b": "Interleaved1F1B" if v > 1 else "1F1B"}
     parallelism: dict[str, Any] = {
-        "data_parallel_shard_degree": dp if zero == 3 else 1,
-        "data_parallel_replicate_degree": 1 if zero == 3 else dp,
-        "tensor_parallel_degree": tp,
-        "enable_sequence_parallel": any(s.sequence_parallel for s in plan.stages),
+        "data_parallel_replicate_degree": 1 if u.zero == 3 else u.dp,
+        "data_parallel_shard_degree": u.dp if u.zero == 3 else 1,
+        "tensor_parallel_degree": u.tp,
         "pipeline_parallel_degree": plan.pp,
-        "pipeline_parallel_schedule": schedule,
-        "pipeline_parallel_microbatch_size": plan.micro_batch_size // dp,
-        "module_fqns_per_model_part": stage_module_names(plan, model),
     }
-    return {
-        "parallelism": parallelism,
-        "training": {"global_batch_size": plan.global_batch_size, "local_batch_size": plan.global_batch_size // dp},
-        "activation_checkpoint": {"mode": recompute if recompute != "none" else "none"},
-    }
-
-
-def to_megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
-    dp, tp, zero, recompute = _uniform(plan, "Megatron-LM")
-    if zero >= 2:
-        raise HetplanError("Megatron-LM's distributed optimizer shards optimizer states (ZeRO-1) only; "
-                           f"this plan uses ZeRO-{zero}")
-    args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(plan.pp),
-            "--micro-batch-size", str(plan.micro_batch_size // dp),
-            "--global-batch-size", str(plan.global_batch_size)]
-    if zero == 1:
-        args.append("--use-distributed-optimizer")
-    if any(s.sequence_parallel for s in plan.stages):
-        args.append("--sequence-parallel")
-    if recompute == "selective":
-        args += ["--recompute-granularity", "selective"]
-    elif recompute == "full":
-        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    if plan.virtual_stages > 1:
-        args += ["--num-virtual-stages-per-pipeline-rank", str(plan.virtual_stages)]
+    if version == "0.3":
+        parallelism["enable_sequence_parallel"] = u.sequence_parallel
+    elif u.tp > 1 and not u.sequence_parallel:
+        notes.append("torchtitan 0.2.x always shards norms and dropout along the sequence with TP (sequence "
+                     "parallelism), which the plan does not: activation memory will be lower than hetplan estimated")
     if plan.pp > 1:
-        # Megatron splits the blocks evenly, except that the first and last
-        # stages may hold their own counts.
-        blocks = [sum(1 for i in s.layers if model.layers[i].kind not in ("embedding", "head")) for s in plan.stages]
-        middle = blocks[1:-1]
-        if len(set(middle)) > 1:
-            raise HetplanError(f"Megatron-LM cannot express blocks per stage {blocks}; use the hetplan runtime")
-        if len(set(blocks)) > 1:
-            args += ["--decoder-first-pipeline-num-layers", str(blocks[0]),
-                     "--decoder-last-pipeline-num-layers", str(blocks[-1])]
-    return args
+        parallelism.update({
+            "pipeline_parallel_schedule": schedule[plan.schedule],
+            "pipeline_parallel_microbatch_size": u.per_replica,
+            "module_fqns_per_model_part": torchtitan_module_names(plan, model, version),
+        })
+    # local_batch_size: per data-parallel rank and step; with PP it is split into
+    # micro-batches of pipeline_parallel_microbatch_size, else the rest of the
+    # global batch is gradient accumulation.
+    local = u.per_replica * (plan.num_micro_batches if plan.pp > 1 else 1)
+    training: dict[str, Any] = {"local_batch_size": local, "global_batch_size": plan.global_batch_size,
+                                "seq_len": model.seq_len,
+                                "mixed_precision_param": "bfloat16" if model.dtype_bytes == 2 else "float32"}
+    if version == "0.2":
+        ac: dict[str, Any] = {"mode": u.recompute}
+        if u.recompute == "selective":
+            ac["selective_ac_option"] = "op"  # per-op SAC: save matmuls, recompute the cheap ops
+    else:
+        ac = {"config": {"none": None, "selective": "SelectiveAC", "full": "FullAC"}[u.recompute]}
+    data: dict[str, Any] = {}
+    family = _TORCHTITAN_FLAVORS.get(model.name)
+    if family is not None and version == "0.2":
+        data["model"] = {"name": family[0], "flavor": family[1]}
+    elif family is None:
+        notes.append(f"torchtitan has no preset for {model.name!r}: pick a torchtitan model of its shape "
+                     f"({'[model] name/flavor' if version == '0.2' else 'the config_registry function apply_plan gets'})")
+    data.update({"parallelism": parallelism, "training": training, "activation_checkpoint": ac})
+    if u.recompute == "selective":
+        notes.append("torchtitan's selective AC is per-op (saves matmul and attention outputs, recomputes the rest), "
+                     "close to but not the same as hetplan's attention-core recompute")
+    return data, notes
 
 
-def to_deepspeed_config(plan: Plan, model: ModelSpec) -> dict[str, Any]:
-    dp, tp, zero, recompute = _uniform(plan, "DeepSpeed")
-    if plan.pp > 1 and zero >= 2:
-        raise HetplanError("DeepSpeed pipeline parallelism supports ZeRO-0/1 only; this plan uses ZeRO-%d" % zero)
-    config: dict[str, Any] = {
-        "train_batch_size": plan.global_batch_size,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size // dp,
-        "gradient_accumulation_steps": plan.num_micro_batches,
-        "zero_optimization": {"stage": zero},
-        "bf16": {"enabled": model.dtype_bytes == 2},
-    }
-    if recompute != "none":
-        config["activation_checkpointing"] = {"partition_activations": tp > 1, "contiguous_memory_optimization": False}
-    if tp > 1:
-        config["tensor_parallel"] = {"autotp_size": tp}
-    return config
-
-
-def deepspeed_pipeline_note(plan: Plan) -> str:
-    """DeepSpeed sets pipeline stages in code, not in its JSON config."""
-    bounds = [0]
-    for stage in plan.stages:
-        bounds.append(bounds[-1] + stage.num_layers)
-    return (f"pipeline: build deepspeed.pipe.PipelineModule(layers, num_stages={plan.pp}) and partition the "
-            f"layer list at {bounds} (hetplan's stage boundaries)")
-
-
-def export_plan(plan: Plan, model: ModelSpec, fmt: str) -> Any:
-    if fmt == "modules":
-        return stage_module_names(plan, model)
-    if fmt == "torchtitan":
-        return to_torchtitan(plan, model)
-    if fmt == "megatron":
-        return to_megatron_args(plan, model)
-    if fmt == "deepspeed":
-        return to_deepspeed_config(plan, model)
-    raise HetplanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-
-
-def to_toml(data: dict[str, Any]) -> str:
+def to_toml(data: dict[str, Any], comments: Sequence[str] = ()) -> str:
     """Minimal TOML writer for the torchtitan settings (tables of scalars/lists)."""
-    import json
-
-    lines: list[str] = []
+    lines = [f"# {c}" for c in comments]
+    if lines:
+        lines.append("")
     for section, values in data.items():
         lines.append(f"[{section}]")
         for key, value in values.items():
@@ -157,3 +336,334 @@ def to_toml(data: dict[str, Any]) -> str:
             lines.append(f"{key} = {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def torchtitan_python(plan: Plan, model: ModelSpec, data: dict[str, Any], notes: Sequence[str]) -> str:
+    """torchtitan 0.3's Python config: ``apply_plan(config)`` sets the plan on
+    a ``Trainer.Config``; with a torchtitan preset of the model, a
+    ``config_registry`` function that starts from it."""
+    ac = data["activation_checkpoint"]["config"]
+    lines = [
+        f'"""torchtitan {VALIDATED["torchtitan"]["0.3"]} config for the hetplan plan {plan.describe()!r}',
+        f"of model {model.name!r} (hetplan export --format torchtitan --torchtitan-version 0.3).",
+        "",
+        "Put this file on PYTHONPATH and call apply_plan(config) on your Trainer.Config, or run",
+        "torchtitan with --module <this module> --config <a function below>.",
+    ]
+    lines += ["", "Notes:", *(f"- {n}" for n in notes)] if notes else []
+    lines += ['"""', "", "from torchtitan.config import ParallelismConfig"]
+    if ac:
+        lines.append(f"from torchtitan.distributed.activation_checkpoint import {ac}")
+    lines += ["", f"PARALLELISM = {_py(data['parallelism'])}", f"TRAINING = {_py(data['training'])}", "", "",
+              "def apply_plan(config):",
+              '    """The plan\'s parallelism, batch sizes and activation checkpointing on a Trainer.Config."""',
+              "    config.parallelism = ParallelismConfig(**PARALLELISM)",
+              "    for name, value in TRAINING.items():",
+              "        setattr(config.training, name, value)  # a slots dataclass: an unknown name raises",
+              f"    config.activation_checkpoint = {f'{ac}.Config()' if ac else 'None'}",
+              "    return config"]
+    preset = _TORCHTITAN_FLAVORS.get(model.name)
+    if preset is not None:
+        fn = f"{preset[0]}_{preset[1].lower()}"
+        lines += ["", "", f"def hetplan_{fn}():",
+                  f'    """torchtitan\'s {fn} with the plan: --config hetplan_{fn}"""',
+                  f"    from torchtitan.models.{preset[0]}.config_registry import {fn}", "",
+                  f"    return apply_plan({fn}())"]
+    return "\n".join(lines) + "\n"
+
+
+def _py(value: Any) -> str:
+    """A Python literal of JSON-like data."""
+    import pprint
+
+    return pprint.pformat(value, width=110, sort_dicts=False)
+
+
+# --------------------------------------------------------------------------- Megatron-LM
+
+
+def to_megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
+    """Megatron-LM ``pretrain_gpt.py`` arguments for the plan: the model's shape,
+    precision, batch sizes and parallelism."""
+    return _megatron(plan, model)[0]
+
+
+def _megatron(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
+    u = _uniform(plan, model, "Megatron-LM")
+    notes = list(u.notes)
+    if u.zero >= 2:
+        raise HetplanError("Megatron-LM's distributed optimizer shards optimizer states (ZeRO-1) only; "
+                           f"this plan uses ZeRO-{u.zero} — make it with --zero 0 or 1, or use the hetplan runtime")
+    arch = architecture(model, "Megatron-LM")
+    args = ["--num-layers", str(arch.num_layers), "--hidden-size", str(model.hidden_size),
+            "--num-attention-heads", str(model.num_heads), "--ffn-hidden-size", str(arch.ffn),
+            "--seq-length", str(model.seq_len), "--max-position-embeddings", str(max(arch.max_positions,
+                                                                                      model.seq_len))]
+    if arch.kv_heads != model.num_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(arch.kv_heads)]
+    if arch.kv_channels:
+        args += ["--kv-channels", str(arch.kv_channels)]
+    if arch.gated_mlp:
+        args.append("--swiglu")
+    if arch.norm == "rmsnorm":
+        args += ["--normalization", "RMSNorm"]
+    if arch.positions == "rope":
+        args += ["--position-embedding-type", "rope"]
+        if arch.rope_theta:
+            args += ["--rotary-base", f"{arch.rope_theta:g}"]
+    if not arch.bias:
+        args.append("--disable-bias-linear")
+        if arch.qkv_bias:
+            args.append("--add-qkv-bias")
+    if not arch.tied_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if not arch.dropout:
+        args += ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    # NullTokenizer's vocabulary is vocab_size + 1 (the end-of-document token).
+    args += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model.vocab_size - 1)]
+    notes.append("the command trains on --mock-data with NullTokenizer (the model's vocabulary size); give your "
+                 "data (--data-path) and tokenizer (--tokenizer-type/--tokenizer-model) and --train-iters")
+    if model.dtype_bytes == 2:
+        args.append("--fp16" if model.meta.get("precision") == "fp16" else "--bf16")
+    args += ["--micro-batch-size", str(u.per_replica), "--global-batch-size", str(plan.global_batch_size),
+             "--tensor-model-parallel-size", str(u.tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    if u.zero == 1:
+        args.append("--use-distributed-optimizer")
+    if u.sequence_parallel:
+        args.append("--sequence-parallel")
+    if u.recompute == "selective":
+        args += ["--recompute-granularity", "selective"]
+    elif u.recompute == "full":
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if plan.pp > 1:
+        if plan.schedule == "gpipe":
+            raise HetplanError("Megatron-LM runs 1F1B (or interleaved 1F1B) pipelines, not GPipe; make the plan "
+                               "with --schedule 1f1b, or use the hetplan runtime")
+        args += _megatron_split(plan, model)
+    elif plan.virtual_stages > 1:
+        notes.append(f"virtual_stages={plan.virtual_stages} ignored: one pipeline stage")
+    args.append("--mock-data")
+    return args, notes
+
+
+def _megatron_split(plan: Plan, model: ModelSpec) -> list[str]:
+    """The pipeline split: Megatron's default (blocks evenly over the stages or
+    chunks, embedding on the first, output on the last) when it is the plan's,
+    else ``--pipeline-model-parallel-layout`` (E: embedding, t: block, L: loss)."""
+    chunks = _chunks(plan)
+    v = _virtual(plan)
+    last = model.num_layers - 1
+    blocks = [sum(1 for i in c if _is_block(model, i)) for c in chunks]
+    if len(set(blocks)) == 1:
+        return ["--num-virtual-stages-per-pipeline-rank", str(v)] if v > 1 else []
+    layout = ["".join(("E" if i == 0 else "L" if i == last else "t") for i in c) for c in chunks]
+    return ["--pipeline-model-parallel-layout", "|".join(layout)]
+
+
+def megatron_commands(plan: Plan, model: ModelSpec, cluster: Any, master_addr: str = "NODE0_ADDRESS",
+                      master_port: int = 29500) -> tuple[list[tuple[int, str]], list[str]]:
+    """One ``torchrun ... pretrain_gpt.py`` command per node as (cluster node,
+    command), and notes. Megatron numbers ranks TP fastest, then DP, then PP
+    (order tp-cp-ep-dp-pp), and torchrun gives a node's processes consecutive
+    ranks: each node must hold one run of the plan's devices in that order.
+    ``CUDA_VISIBLE_DEVICES`` puts each rank on the plan's GPU."""
+    args, notes = _megatron(plan, model)
+    order = [d for stage in plan.stages for d in stage.devices]  # rank order: pp, then dp replica, then tp
+    runs: list[tuple[int, list[int]]] = []
+    for rank, device in enumerate(order):
+        if device >= cluster.num_devices:
+            raise HetplanError(f"the plan uses GPU {device}, but cluster {cluster.name!r} has {cluster.num_devices}")
+        node = cluster.devices[device].node
+        if runs and runs[-1][0] == node:
+            runs[-1][1].append(device)
+        elif any(n == node for n, _ in runs):
+            raise HetplanError(f"Megatron-LM gives each node consecutive ranks (TP fastest, then DP, then PP), but "
+                               f"this plan puts GPUs of node {node} at ranks apart (GPU {device} is rank {rank}); "
+                               "use the hetplan runtime for this plan")
+        else:
+            runs.append((node, [device]))
+    commands = []
+    for k, (node, devices) in enumerate(runs):
+        local = ",".join(str(cluster.devices[d].local_rank) for d in devices)
+        parts = [f"CUDA_VISIBLE_DEVICES={local}", "torchrun", f"--nnodes={len(runs)}", f"--node-rank={k}",
+                 f"--nproc-per-node={len(devices)}", f"--master-addr={master_addr}", f"--master-port={master_port}",
+                 "pretrain_gpt.py", *(shlex.quote(a) for a in args)]
+        commands.append((node, " ".join(parts)))
+    if len({len(d) for _, d in runs}) > 1:
+        notes.append("nodes run different numbers of processes (--nproc-per-node per node); torchrun numbers "
+                     "ranks node by node")
+    return commands, notes
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+
+def to_deepspeed_config(plan: Plan, model: ModelSpec) -> dict[str, Any]:
+    """A DeepSpeed config (``deepspeed.initialize(config=...)``)."""
+    return _deepspeed(plan, model)[0]
+
+
+def _deepspeed(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], list[str]]:
+    u = _uniform(plan, model, "DeepSpeed")
+    notes = list(u.notes)
+    if plan.pp > 1 and u.zero >= 2:
+        raise HetplanError(f"DeepSpeed pipeline parallelism supports ZeRO-0/1 only; this plan uses ZeRO-{u.zero}")
+    if plan.pp > 1 and u.tp > 1:
+        raise HetplanError("DeepSpeed's AutoTP (tensor_parallel.autotp_size) shards a model given whole to "
+                           "deepspeed.initialize, not a PipelineModule, whose TP must come from Megatron-style layers; "
+                           "this plan uses tp and pp — use Megatron-LM or the hetplan runtime")
+    if u.sequence_parallel:
+        raise HetplanError("DeepSpeed has no Megatron-style sequence parallelism with TP (its sequence_parallel_size "
+                           "is Ulysses, another scheme); make the plan without --sequence-parallel")
+    if _virtual(plan) > 1:
+        raise HetplanError("DeepSpeed's pipeline engine runs one model chunk per stage (1F1B), not interleaved "
+                           "1F1B; make the plan with --schedule 1f1b")
+    config: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": u.per_replica,
+        "gradient_accumulation_steps": plan.num_micro_batches,
+        "zero_optimization": {"stage": u.zero},
+    }
+    if model.dtype_bytes == 2:
+        config["fp16" if model.meta.get("precision") == "fp16" else "bf16"] = {"enabled": True}
+    if u.recompute != "none":
+        config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
+                                              "cpu_checkpointing": False}
+        if u.recompute == "full":
+            where = ("PipelineModule(..., activation_checkpoint_interval=1)" if plan.pp > 1 else
+                     "deepspeed.checkpointing.checkpoint(block, hidden_states) around each transformer block")
+            notes.append(f"DeepSpeed's activation_checkpointing block turns nothing on: full recompute needs {where}, "
+                         "after deepspeed.checkpointing.configure(None, deepspeed_config=CONFIG)")
+        else:
+            notes.append("DeepSpeed's activation_checkpointing block turns nothing on and DeepSpeed has no selective "
+                         "recompute: the model code must call deepspeed.checkpointing.checkpoint(core_attention, q, k, "
+                         "v) around the attention core (softmax(QK^T)V) of each block, after "
+                         "deepspeed.checkpointing.configure(None, deepspeed_config=CONFIG)")
+    if u.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": u.tp}
+    return config, notes
+
+
+def deepspeed_partition(plan: Plan) -> list[int]:
+    """The plan's stage boundaries over the model's layers: stage ``j`` runs
+    layers ``[parts[j], parts[j+1])`` (DeepSpeed's ``PipelineModule.parts``)."""
+    bounds = [0]
+    for stage in plan.stages:
+        bounds.append(bounds[-1] + stage.num_layers)
+    return bounds
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's ``deepspeed.runtime.utils.partition_uniform`` (0.19.8):
+    what ``PipelineModule(partition_method="uniform")`` splits."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    parts = [p * chunk for p in range(num_parts + 1)]
+    for i in range(residual):
+        parts[i + 1:] = [x + 1 for x in parts[i + 1:]]
+    return parts
+
+
+def deepspeed_pipeline_code(plan: Plan, model: ModelSpec) -> str:
+    """Python for the plan's PipelineModule: its layers are the model's layers
+    in order (hetplan's layer i is the PipelineModule's layer i). A split that
+    ``partition_method="uniform"`` gives is written as that; any other split
+    as a PipelineModule subclass that sets the plan's boundaries (DeepSpeed
+    takes no explicit boundaries: ``_partition_layers`` of DeepSpeed 0.19.8)."""
+    parts = deepspeed_partition(plan)
+    names = [layer.name for layer in model.layers]
+    interval = 1 if any(s.recompute == "full" for st in plan.stages for s in st.strategies) else 0
+    head = [f'"""DeepSpeed {VALIDATED["deepspeed"]} pipeline for the hetplan plan {plan.describe()!r}',
+            f"of model {model.name!r} (hetplan export --format deepspeed).",
+            "",
+            "LAYERS must list the model's layers in this order (LayerSpec or modules), one per hetplan layer:",
+            *_layer_runs(model),
+            "Stage j runs layers PARTS[j] to PARTS[j+1] - 1.", '"""', "",
+            "from deepspeed.pipe import PipelineModule", "", f"PARTS = {parts}", ""]
+    if parts == partition_uniform(len(names), plan.pp):
+        body = ["", "def build(layers, loss_fn=None, **kwargs):",
+                f'    """partition_method="uniform" gives the plan\'s split {parts}."""',
+                f"    return PipelineModule(layers=layers, num_stages={plan.pp}, partition_method=\"uniform\", "
+                f"loss_fn=loss_fn, activation_checkpoint_interval={interval}, **kwargs)"]
+    else:
+        body = ["", "class PlanPipelineModule(PipelineModule):",
+                '    """A PipelineModule split at the plan\'s boundaries, which no partition_method gives."""', "",
+                "    def _partition_layers(self, method=\"uniform\"):",
+                "        if len(self._layer_specs) != PARTS[-1] or self.num_stages != len(PARTS) - 1:",
+                "            raise ValueError(f\"the plan splits {PARTS[-1]} layers into {len(PARTS) - 1} stages; \"",
+                "                             f\"got {len(self._layer_specs)} layers and {self.num_stages} stages\")",
+                "        self.parts = list(PARTS)",
+                "        stage_id = self._topo.get_coord(self.global_rank).pipe",
+                "        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])", "", "",
+                "def build(layers, loss_fn=None, **kwargs):",
+                f"    return PlanPipelineModule(layers=layers, num_stages={plan.pp}, loss_fn=loss_fn, "
+                f"activation_checkpoint_interval={interval}, **kwargs)"]
+    return "\n".join(head + body) + "\n"
+
+
+def _layer_runs(model: ModelSpec) -> list[str]:
+    """'  0: embed', '  1-32: layers.0 ... layers.31', '  33: head': runs of one kind."""
+    lines, start = [], 0
+    layers = model.layers
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i].kind != layers[start].kind:
+            first, last = layers[start].name, layers[i - 1].name
+            lines.append(f"  {start}: {first}" if i - 1 == start else f"  {start}-{i - 1}: {first} ... {last}")
+            start = i
+    return lines
+
+
+def deepspeed_pipeline_note(plan: Plan) -> str:
+    """DeepSpeed sets pipeline stages in code, not in its JSON config."""
+    return (f"pipeline: build deepspeed.pipe.PipelineModule(layers, num_stages={plan.pp}) split at "
+            f"{deepspeed_partition(plan)} (hetplan's stage boundaries): the .pipeline.py code does")
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def export_plan(plan: Plan, model: ModelSpec, fmt: str, torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> Any:
+    """The export as Python values (see ``render``)."""
+    if fmt == "modules":
+        return stage_module_names(plan, model)
+    if fmt == "torchtitan":
+        return to_torchtitan(plan, model, torchtitan_version)
+    if fmt == "megatron":
+        return to_megatron_args(plan, model)
+    if fmt == "deepspeed":
+        return to_deepspeed_config(plan, model)
+    raise HetplanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def render(plan: Plan, model: ModelSpec, fmt: str, cluster: Any = None,
+           torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> Export:
+    """The export as the text the tool reads, with notes and extra files."""
+    if fmt == "modules":
+        names = stage_module_names(plan, model)
+        return Export(json.dumps(names, indent=2), names)
+    if fmt == "torchtitan":
+        data, notes = _torchtitan(plan, model, torchtitan_version)
+        if torchtitan_version == "0.2":
+            header = [f"torchtitan {VALIDATED['torchtitan']['0.2']} job config for the hetplan plan "
+                      f"{plan.describe()!r} of model {model.name!r}", *(f"note: {n}" for n in notes)]
+            return Export(to_toml(data, header), data, tuple(notes))
+        return Export(torchtitan_python(plan, model, data, notes), data, tuple(notes))
+    if fmt == "megatron":
+        if cluster is None:
+            from hetplan.cluster import load_cluster
+
+            cluster = load_cluster(plan.cluster)
+        commands, notes = megatron_commands(plan, model, cluster)
+        lines = []
+        for node, command in commands:
+            lines += [f"# node {node}", command]
+        return Export("\n".join(lines), commands, tuple(notes))
+    if fmt == "deepspeed":
+        config, notes = _deepspeed(plan, model)
+        files = {}
+        if plan.pp > 1:
+            files[".pipeline.py"] = deepspeed_pipeline_code(plan, model)
+            notes.append(deepspeed_pipeline_note(plan))
+        return Export(json.dumps(config, indent=2), config, tuple(notes), files)
+    raise HetplanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")

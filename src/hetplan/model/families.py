@@ -467,6 +467,7 @@ def llama_decoder(
     seq: int,
     dtype_bytes: int = 2,
     meta: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
 ) -> ModelSpec:
     """Llama-style decoder: token embedding (no learned positions: RoPE),
     RMSNorm, grouped-query attention with ``kv_heads`` K/V heads, SwiGLU MLP
@@ -479,8 +480,13 @@ def llama_decoder(
     layers = [embedding_layer("embed", vocab, hidden, seq, p, dropout=False)]
     layers += [transformer_block(f"layers.{i}", "decoder", shape, p) for i in range(num_layers)]
     layers.append(lm_head_layer("head", vocab, hidden, seq, p, norm=True, rms_norm=True))
+    # what a tool needs to build the same model (hetplan.export.architecture)
+    info: dict[str, Any] = {"architecture": {
+        "kv_heads": kv_heads, "ffn": ffn, "gated_mlp": True, "norm": "rmsnorm", "positions": "rope",
+        "max_positions": seq, "bias": False, "tied_embeddings": False, "dropout": False, "rope_theta": rope_theta}}
+    info.update(meta or {})
     return ModelSpec(name=name, family="llama", layers=tuple(layers), seq_len=seq, dtype_bytes=p,
-                     hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=dict(meta or {}))
+                     hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=info)
 
 
 # --------------------------------------------------------------------------- TransGAN

@@ -831,6 +831,9 @@ def model_from_hf_config(
         meta["decoder_seq_len"] = dec_seq
     if family == "moe":
         meta["moe"] = _moe_meta(facts, sum(layer.params - layer.tied_params for layer in layers))
+    architecture = _architecture(config, family, facts)
+    if architecture:
+        meta["architecture"] = architecture
     return ModelSpec(
         name=spec_name,
         family=family,
@@ -842,6 +845,27 @@ def model_from_hf_config(
         vocab_size=facts["vocab"],
         meta=meta,
     )
+
+
+def _architecture(config: Any, family: str, f: dict[str, Any]) -> dict[str, Any]:
+    """What a tool needs to build the same decoder (hetplan.export.architecture);
+    empty where its exports cannot say it (other families, Llama-style
+    attention with biases: Megatron has qkv biases or biases everywhere)."""
+    if family == "gpt":
+        return {"kv_heads": f["heads"], "ffn": f["ffn"], "gated_mlp": False, "norm": "layernorm",
+                "positions": "learned", "max_positions": f["max_seq"], "bias": True,
+                "tied_embeddings": bool(getattr(config, "tie_word_embeddings", True)), "dropout": f["dropout"]}
+    if family != "llama" or f["bias"]:
+        return {}
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(config, "rope_theta", None)
+    facts = {"kv_heads": f["kv_heads"], "ffn": f["ffn"], "gated_mlp": True, "norm": "rmsnorm", "positions": "rope",
+             "max_positions": f["max_seq"], "bias": False,
+             "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)), "dropout": f["dropout"],
+             "kv_channels": f["kv_channels"]}
+    if isinstance(theta, (int, float)) and theta > 0:
+        facts["rope_theta"] = float(theta)
+    return facts
 
 
 def _runtime_pipeline(model: Any, names: list[str], vocab: int, config: Any) -> str:

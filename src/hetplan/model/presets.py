@@ -79,9 +79,14 @@ def gpt_decoder(
     layers.append(
         lm_head_layer("head", vocab, hidden, seq, dtype_bytes, tied_group=tie, own_weight=not tied_embeddings)
     )
+    # what a tool needs to build the same model (hetplan.export.architecture)
+    info: dict[str, Any] = {"architecture": {
+        "kv_heads": heads, "ffn": ffn or 4 * hidden, "gated_mlp": False, "norm": "layernorm", "positions": "learned",
+        "max_positions": seq, "bias": True, "tied_embeddings": tied_embeddings, "dropout": shape.dropout}}
+    info.update(meta or {})
     return ModelSpec(
         name=name, family=family, layers=tuple(layers), seq_len=seq, dtype_bytes=dtype_bytes,
-        hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=dict(meta or {}),
+        hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=info,
     )
 
 
@@ -239,7 +244,8 @@ for _name, _layers, _hidden, _heads, _kv, _ffn, _vocab, _seq, _src in (
     def _make_llama(name: str = _name, layers: int = _layers, hidden: int = _hidden, heads: int = _heads,
                     kv: int = _kv, ffn: int = _ffn, vocab: int = _vocab, seq: int = _seq,
                     src: str = _src) -> ModelSpec:
-        return llama_decoder(name, layers, hidden, heads, kv, ffn, vocab, seq, meta={"source": src})
+        return llama_decoder(name, layers, hidden, heads, kv, ffn, vocab, seq, meta={"source": src},
+                             rope_theta=500000.0 if name.startswith("llama3") else 10000.0)
 
     preset(_name, f"Llama {_layers} layers, hidden {_hidden}, {_heads} heads / {_kv} KV heads, SwiGLU "
            f"{_ffn}, vocab {_vocab}, seq {_seq}, bf16")(_make_llama)

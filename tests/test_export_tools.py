@@ -1,0 +1,607 @@
+"""hetplan's exports, loaded by the tools' own code at the versions they were
+checked against (docs/exports.md; installed by `make`: pyproject's `tools`).
+
+* torchtitan 0.3.0: the exported Python module runs against torchtitan's
+  config dataclasses (ParallelismConfig, TrainingConfig, the AC configs:
+  slots dataclasses that refuse unknown fields) and ParallelDims checks the
+  degrees against the world size; the pipeline module names are compared
+  with torchtitan's own name generator.
+* torchtitan 0.2.2: its ConfigManager parses the TOML job file (it refuses
+  unknown fields: "Invalid field names"), in a subprocess with 0.2.2 on the
+  path (.venv/tools/torchtitan-0.2.2).
+* Megatron-LM core_v0.16.1: its training code is not on PyPI, so its parser
+  is rebuilt from the option list dumped from its own parser
+  (tests/data/megatron_lm_args.json, tests/data/make_megatron_args.py) and
+  the parsed values build megatron-core 0.16.1's TransformerConfig, which
+  checks the shape, TP/PP, recompute and pipeline layout. With Megatron-LM on
+  the path, its real parse_args + validate_args run too.
+* DeepSpeed 0.19.8: DeepSpeedConfig(config) with the plan's data-parallel
+  size; every top-level key must be one DeepSpeedConfig reads (it ignores
+  unknown ones); the PipelineModule code runs against the real class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetplan.cluster import load_cluster
+from hetplan.errors import HetplanError
+from hetplan.export import partition_uniform, render
+from hetplan.model import get_model
+from hetplan.plan import LayerStrategy, Plan, uniform_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHTITAN_OLD = ROOT / ".venv" / "tools" / "torchtitan-0.2.2"
+MEGATRON_ARGS = Path(__file__).parent / "data" / "megatron_lm_args.json"
+
+
+def make_plan(model: str, split: list[int], dp: int, tp: int, mbs: int = 1, nmb: int = 4, zero: int = 0,
+              recompute: str = "none", sp: bool = False, schedule: str = "1f1b", virtual: int = 1,
+              cluster: str = "galvatron-16x-a100") -> Plan:
+    """A plan of ``len(split)`` stages holding ``split[j]`` layers each, on
+    consecutive GPUs, every stage (dp, tp), ``mbs`` samples per replica."""
+    spec = get_model(model)
+    assert sum(split) == spec.num_layers
+    stages, start, device = [], 0, 0
+    for n in split:
+        stages.append(uniform_stage(range(start, start + n), range(device, device + dp * tp), dp, tp, mbs * dp, zero,
+                                    recompute, sp))
+        start, device = start + n, device + dp * tp
+    return Plan(spec.name, cluster, mbs * dp * nmb, mbs * dp, nmb, schedule, tuple(stages), virtual_stages=virtual)
+
+
+# (name, plan): plans every tool must express. llama3-8b: 34 layers (embed, 32 blocks, head), GQA + SwiGLU + RMSNorm.
+PLANS = {
+    "dp8": lambda **kw: make_plan("llama3-8b", [34], 8, 1, **kw),
+    "dp2-tp2-pp2": lambda **kw: make_plan("llama3-8b", [17, 17], 2, 2, **kw),
+    "tp4-pp2-sp": lambda **kw: make_plan("llama3-8b", [17, 17], 1, 4, sp=True, **kw),
+    "pp4-uneven": lambda **kw: make_plan("llama3-8b", [6, 10, 10, 8], 2, 1, **kw),
+    "pp2-interleaved": lambda **kw: make_plan("llama3-8b", [17, 17], 2, 1, schedule="interleaved-1f1b", virtual=2,
+                                              nmb=4, **kw),
+    "gpt2-dp4-pp2": lambda **kw: make_plan("gpt2-amp", [13, 13], 4, 1, **kw),
+}
+
+
+def export(name: str, fmt: str, version: str = "0.3", **kw: Any):
+    plan = PLANS[name](**kw)
+    return plan, render(plan, get_model(plan.model), fmt, load_cluster(plan.cluster), version)
+
+
+def one_line_refusal(plan: Plan, fmt: str, version: str = "0.3", *fragments: str) -> str:
+    with pytest.raises(HetplanError) as info:
+        render(plan, get_model(plan.model), fmt, load_cluster(plan.cluster), version)
+    message = str(info.value)
+    assert "\n" not in message and all(f in message for f in fragments), message
+    return message
+
+
+# --------------------------------------------------------------------------- torchtitan 0.3 (Python config)
+
+tt_config = pytest.importorskip("torchtitan.config", reason="make installs torchtitan (pyproject's tools extra)")
+
+
+def run_torchtitan_python(text: str) -> types.SimpleNamespace:
+    """Run the exported module and its apply_plan on torchtitan's own config objects."""
+    from torchtitan.config import TrainingConfig
+
+    module = types.ModuleType("hetplan_torchtitan_export")
+    exec(compile(text, "export.py", "exec"), module.__dict__)
+    config = types.SimpleNamespace(parallelism=None, training=TrainingConfig(), activation_checkpoint="unset")
+    return module.apply_plan(config)
+
+
+def check_torchtitan_degrees(par: Any, world: int) -> None:
+    """torchtitan's ParallelDims checks the degrees multiply to the world size."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree, cp=1,
+                 tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree, ep=1, world_size=world)
+
+
+@pytest.mark.parametrize("name", [n for n in PLANS if not n.startswith("gpt2")])
+@pytest.mark.parametrize("zero, recompute", [(3, "none"), (0, "full"), (3, "selective")])
+def test_torchtitan_03_python_config_loads(name: str, zero: int, recompute: str) -> None:
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    plan, result = export(name, "torchtitan", "0.3", zero=zero, recompute=recompute)
+    config = run_torchtitan_python(result.text)
+    par, training = config.parallelism, config.training
+    check_torchtitan_degrees(par, plan.num_devices)
+    first = plan.stages[0]
+    assert (par.data_parallel_shard_degree, par.data_parallel_replicate_degree) == \
+        ((first.dp, 1) if zero == 3 else (1, first.dp))  # ZeRO-0: HSDP of shard degree 1, which runs with TP/PP
+    assert par.tensor_parallel_degree == first.tp and par.enable_sequence_parallel == first.sequence_parallel
+    assert training.global_batch_size == plan.global_batch_size and training.seq_len == 8192
+    dp = first.dp
+    if plan.pp > 1:
+        assert training.local_batch_size // par.pipeline_parallel_microbatch_size == plan.num_micro_batches
+        parts = par.module_fqns_per_model_part
+        v = plan.virtual_stages if plan.schedule == "interleaved-1f1b" else 1
+        assert len(parts) == plan.pp * v
+        assert [n for part in parts for n in part] == _generate_llm_fqn_per_model_part(1, 32)[0]
+        assert par.pipeline_parallel_schedule == ("Interleaved1F1B" if v > 1 else "1F1B")
+        if v == 1:
+            assert [len(p) for p in parts] == [s.num_layers + (1 if j == plan.pp - 1 else 0)  # norm + lm_head
+                                              for j, s in enumerate(plan.stages)]
+    else:
+        assert training.global_batch_size // (training.local_batch_size * dp) == plan.num_micro_batches
+    expected = {"none": type(None), "full": FullAC.Config, "selective": SelectiveAC.Config}[recompute]
+    assert isinstance(config.activation_checkpoint, expected)
+
+
+def test_torchtitan_03_refuses_unknown_fields() -> None:
+    """The check can fail: a field ParallelismConfig does not have raises."""
+    _, result = export("dp8", "torchtitan", "0.3", zero=3)
+    run_torchtitan_python(result.text)
+    def renamed(old: str, new: str) -> str:
+        text = re.sub(f"([\"']){old}\\1", f"'{new}'", result.text)
+        assert text != result.text
+        return text
+
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        run_torchtitan_python(renamed("tensor_parallel_degree", "tensor_parallel_size"))
+    with pytest.raises(AttributeError):  # TrainingConfig is a slots dataclass
+        run_torchtitan_python(renamed("local_batch_size", "micro_batch_size"))
+
+
+def test_torchtitan_03_preset_registry_function() -> None:
+    _, result = export("dp8", "torchtitan", "0.3", zero=3)
+    tree = ast.parse(result.text)
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert functions == {"apply_plan", "hetplan_llama3_8b"}
+    assert "from torchtitan.models.llama3.config_registry import llama3_8b" in result.text
+    source = Path(sys.modules["torchtitan.config"].__file__).parents[1] / "models/llama3/config_registry.py"
+    assert "def llama3_8b() -> Trainer.Config:" in source.read_text()
+
+
+# --------------------------------------------------------------------------- torchtitan 0.2.x (TOML)
+
+TORCHTITAN_02_CHECK = r'''
+import ast, json, math, os, sys, types, importlib.util
+# torchtitan 0.2.2's package __init__ imports its MoE kernels (triton, GPU only); load the package
+# without it: torchtitan.config and everything it imports are 0.2.2's own code.
+root = os.path.dirname(importlib.util.find_spec("torchtitan").origin)
+assert root.startswith(sys.argv[1]), root
+pkg = types.ModuleType("torchtitan"); pkg.__path__ = [root]; sys.modules["torchtitan"] = pkg
+from torchtitan.config import ConfigManager
+from torchtitan.distributed.parallel_dims import ParallelDims
+# torchtitan's own pipeline-name generator (its module imports triton: run just the function)
+source = open(os.path.join(root, "distributed", "pipeline_parallel.py")).read()
+fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "generate_llm_fqn_per_model_part")
+space = {"math": math}; exec(compile(ast.Module([fn], []), "pipeline_parallel.py", "exec"), space)
+results = {}
+for path, world, layers in json.loads(sys.argv[2]):
+    try:
+        c = ConfigManager().parse_args(["--job.config_file", path])
+        p = c.parallelism
+        ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree, cp=1,
+                     tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, ep=1, etp=1, world_size=world)
+        results[path] = {"parallelism": vars(p), "training": {k: v for k, v in vars(c.training).items() if k != "dataloader"},
+                         "ac": vars(c.activation_checkpoint), "model": [c.model.name, c.model.flavor],
+                         "names": space["generate_llm_fqn_per_model_part"](1, layers)[0]}
+    except Exception as exc:
+        results[path] = {"error": f"{type(exc).__name__}: {exc}"}
+print(json.dumps(results))
+'''
+
+
+def parse_with_torchtitan_02(files: list[tuple[Path, int, int]]) -> dict[str, Any]:
+    """torchtitan 0.2.2's ConfigManager on each (TOML file, world size, blocks), in one subprocess."""
+    if not (TORCHTITAN_OLD / "torchtitan").is_dir():
+        pytest.skip(f"torchtitan 0.2.2 is not in {TORCHTITAN_OLD} (make installs it)")
+    env = {**os.environ, "PYTHONPATH": str(TORCHTITAN_OLD)}
+    done = subprocess.run([sys.executable, "-c", TORCHTITAN_02_CHECK, str(TORCHTITAN_OLD),
+                           json.dumps([[str(p), w, n] for p, w, n in files])],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+CASES_02 = [(name, zero, rc) for name in PLANS if not name.startswith("gpt2")
+            for zero, rc in [(3, "none"), (3, "full"), (3, "selective"), (0, "none")]
+            if not (zero == 0 and name not in ("dp8",))]  # ZeRO-0 with TP/PP: refused for 0.2 (below)
+
+
+def test_torchtitan_02_toml_loads(tmp_path: Path) -> None:
+    files, expected = [], {}
+    for name, zero, rc in CASES_02:
+        plan, result = export(name, "torchtitan", "0.2", zero=zero, recompute=rc)
+        path = tmp_path / f"{name}-z{zero}-{rc}.toml"
+        path.write_text(result.text)
+        files.append((path, plan.num_devices, 32))
+        expected[str(path)] = (plan, result.data)
+    bad = tmp_path / "bad.toml"  # the field 0.2.x refused: the check can fail
+    bad.write_text(files[0][0].read_text().replace("[parallelism]", "[parallelism]\nenable_sequence_parallel = true"))
+    files.append((bad, 8, 32))
+    results = parse_with_torchtitan_02(files)
+    assert "Invalid field names" in results.pop(str(bad))["error"]
+    for path, got in results.items():
+        plan, data = expected[path]
+        assert "error" not in got, (path, got)
+        assert {k: got["parallelism"][k] for k in data["parallelism"]} == data["parallelism"], path
+        assert {k: got["training"][k] for k in data["training"]} == data["training"], path
+        assert got["ac"]["mode"] == data["activation_checkpoint"]["mode"]
+        assert got["model"] == ["llama3", "8B"]
+        parts = data["parallelism"].get("module_fqns_per_model_part")
+        if parts:
+            assert [n for part in parts for n in part] == got["names"]  # tok_embeddings ... norm, output
+
+
+def test_torchtitan_02_never_writes_sequence_parallel_field() -> None:
+    _, result = export("tp4-pp2-sp", "torchtitan", "0.2", zero=3)
+    assert "enable_sequence_parallel" not in result.text
+    _, result = export("dp2-tp2-pp2", "torchtitan", "0.2", zero=3)
+    assert any("always shards" in n for n in result.notes) and "# note: torchtitan 0.2.x always" in result.text
+
+
+# --------------------------------------------------------------------------- Megatron-LM
+
+
+class ArgumentError(Exception):
+    pass
+
+
+class StrictParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ArgumentError(message)
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron-LM core_v0.16.1's parser, rebuilt from its dumped options."""
+    data = json.loads(MEGATRON_ARGS.read_text())
+    assert data["tag"] == "core_v0.16.1"
+    parser = StrictParser(allow_abbrev=False, add_help=False)
+    types_ = {"int": int, "float": float, "str": str, None: None}
+    for o in data["options"]:
+        kw: dict[str, Any] = {"dest": o["dest"]}
+        if not isinstance(o["default"], dict):  # defaults that are objects ({"repr": ...}) stay None here
+            kw["default"] = o["default"]
+        if o["action"] in ("store_true", "store_false"):
+            kw["action"] = o["action"]
+        elif o["action"] == "boolean_optional":
+            kw["action"] = argparse.BooleanOptionalAction
+            o["flags"] = [f for f in o["flags"] if not f.startswith("--no-")]
+        elif o["action"] in ("store_const", "count", "append_const"):
+            kw["action"] = "store_true"
+        else:
+            kw["action"] = "append" if o["action"] == "append" else "store"
+            if o["nargs"] is not None:
+                kw["nargs"] = o["nargs"]
+            if o["type"]:
+                kw["type"] = types_[o["type"]]
+            if o["choices"]:
+                kw["choices"] = o["choices"]
+        parser.add_argument(*o["flags"], **kw)
+    return parser
+
+
+def megatron_args(command: str) -> list[str]:
+    import shlex
+
+    words = shlex.split(command)
+    return words[words.index("pretrain_gpt.py") + 1:]
+
+
+def check_megatron(args: list[str], world: int) -> argparse.Namespace:
+    """Parse with Megatron's options, apply validate_args' rules on sizes, and
+    build megatron-core's TransformerConfig (which checks shape, TP, recompute
+    and the pipeline layout) as core_transformer_config_from_args does."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    a = megatron_parser().parse_args(args)
+    # validate_args (megatron/training/arguments.py, core_v0.16.1): the sizes
+    model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+    assert world % model_parallel == 0
+    dp = world // model_parallel
+    assert a.global_batch_size % (a.micro_batch_size * dp) == 0
+    if a.pipeline_model_parallel_layout is None and a.num_virtual_stages_per_pipeline_rank is None:
+        assert a.num_layers % a.pipeline_model_parallel_size == 0
+    assert not (a.fp16 and a.bf16)
+    vpp = a.num_virtual_stages_per_pipeline_rank
+    if a.pipeline_model_parallel_layout:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(a.pipeline_model_parallel_layout)
+        assert stages % a.pipeline_model_parallel_size == 0
+        vpp = stages // a.pipeline_model_parallel_size
+    config = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups if a.group_query_attention else None,
+        ffn_hidden_size=a.ffn_hidden_size, kv_channels=a.kv_channels,
+        gated_linear_unit=a.swiglu, activation_func=F.silu if a.swiglu else F.gelu,
+        normalization=a.normalization, add_bias_linear=a.add_bias_linear, add_qkv_bias=a.add_qkv_bias,
+        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        sequence_parallel=a.sequence_parallel and a.tensor_model_parallel_size > 1,
+        recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
+        recompute_num_layers=a.recompute_num_layers,
+        pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
+        bf16=a.bf16, fp16=a.fp16,
+        pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32,
+    )
+    a.transformer_config = config
+    return a
+
+
+MEGATRON_CASES = [(name, zero, rc) for name in PLANS for zero, rc in [(0, "none"), (1, "full"), (1, "selective")]]
+
+
+@pytest.mark.parametrize("name, zero, recompute", MEGATRON_CASES)
+def test_megatron_command_parses(name: str, zero: int, recompute: str) -> None:
+    pytest.importorskip("megatron.core", reason="make installs megatron-core (pyproject's tools extra)")
+    plan, result = export(name, "megatron", zero=zero, recompute=recompute)
+    commands = result.data
+    assert sum(int(re.search(r"--nproc-per-node=(\d+)", c).group(1)) for _, c in commands) == plan.num_devices
+    assert {re.search(r"--nnodes=(\d+)", c).group(1) for _, c in commands} == {str(len(commands))}
+    args = megatron_args(commands[0][1])
+    assert all(megatron_args(c) == args for _, c in commands)
+    a = check_megatron(args, plan.num_devices)
+    spec = get_model(plan.model)
+    first = plan.stages[0]
+    assert a.micro_batch_size == first.dp_split[0] and a.global_batch_size == plan.global_batch_size
+    assert a.use_distributed_optimizer == (zero == 1)
+    assert (a.recompute_granularity or "none") == recompute
+    assert a.seq_length == spec.seq_len and a.hidden_size == spec.hidden_size
+    if spec.family == "llama":
+        assert a.group_query_attention and a.num_query_groups == 8 and a.swiglu and a.normalization == "RMSNorm"
+        assert a.ffn_hidden_size == 14336 and a.bf16 and a.untie_embeddings_and_output_weights
+    else:
+        assert not a.group_query_attention and not a.swiglu and a.normalization == "LayerNorm"
+    if name == "pp4-uneven":  # embed + 5 blocks | 10 | 10 | 7 blocks + head
+        assert a.pipeline_model_parallel_layout == "Ettttt|tttttttttt|tttttttttt|tttttttL"
+    if name == "pp2-interleaved":
+        assert a.transformer_config.virtual_pipeline_model_parallel_size == 2
+
+
+def test_megatron_parser_can_fail() -> None:
+    """A flag Megatron does not have, or a value outside its choices, fails the check."""
+    _, result = export("pp4-uneven", "megatron")
+    args = megatron_args(result.data[0][1])
+    with pytest.raises(ArgumentError, match="unrecognized"):
+        megatron_parser().parse_args(args + ["--sequence-parallelism"])
+    with pytest.raises(ArgumentError, match="invalid choice"):
+        megatron_parser().parse_args([a if a != "RMSNorm" else "rmsnorm" for a in args])
+    broken = [a.replace("Ettttt|", "Etttt|") for a in args]  # 31 blocks in the layout, 32 in the model
+    with pytest.raises((AssertionError, ValueError)):
+        check_megatron(broken, 8)
+
+
+def test_megatron_real_parse_args_when_megatron_lm_is_on_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-LM's own parse_args + validate_args (skipped unless its training code imports)."""
+    arguments = pytest.importorskip("megatron.training.arguments", reason="Megatron-LM is not on PyPI")
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)  # no GPU here: say Hopper
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for name, zero, rc in MEGATRON_CASES:
+        plan, result = export(name, "megatron", zero=zero, recompute=rc)
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *megatron_args(result.data[0][1])])
+        monkeypatch.setenv("WORLD_SIZE", str(plan.num_devices))
+        monkeypatch.setenv("RANK", "0")
+        args = arguments.parse_args(ignore_unknown_args=False)
+        arguments.validate_args(args, {})
+        assert args.data_parallel_size == plan.stages[0].dp, name
+
+
+def test_megatron_nodes_and_ranks() -> None:
+    """Megatron numbers ranks TP fastest, then DP, then PP; torchrun node by node."""
+    plan, result = export("dp2-tp2-pp2", "megatron")  # 8 GPUs of node 0
+    assert [n for n, _ in result.data] == [0] and "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 torchrun" in result.text
+    stages = tuple(replace(s, devices=tuple(d + 4 for d in s.devices)) for s in plan.stages)  # GPUs 4..11
+    moved = plan.with_changes(stages=stages)
+    commands = render(moved, get_model(moved.model), "megatron", load_cluster(moved.cluster)).data
+    assert [n for n, _ in commands] == [0, 1]
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7 torchrun --nnodes=2 --node-rank=0" in commands[0][1]
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nnodes=2 --node-rank=1" in commands[1][1]
+    # stage 0 on node 1 and stage 1 on node 0: ranks 0-3 on node 1
+    swapped = plan.with_changes(stages=(replace(plan.stages[0], devices=tuple(range(8, 12))), plan.stages[1]))
+    commands = render(swapped, get_model(swapped.model), "megatron", load_cluster(swapped.cluster)).data
+    assert [n for n, _ in commands] == [1, 0]
+    split = plan.with_changes(stages=(replace(plan.stages[0], devices=(0, 1, 8, 9)),
+                                      replace(plan.stages[1], devices=(2, 3, 10, 11))))
+    one_line_refusal(split, "megatron", "0.3", "consecutive ranks", "node 0")
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+DS_CASES = [("dp8", zero, rc) for zero in (0, 1, 2, 3) for rc in ("none", "selective", "full")] + \
+           [("dp2-tp4", zero, "full") for zero in (1, 3)] + \
+           [(name, zero, rc) for name in ("pp4-uneven", "gpt2-dp4-pp2") for zero in (0, 1) for rc in ("none", "full")]
+PLANS["dp2-tp4"] = lambda **kw: make_plan("llama3-8b", [34], 2, 4, **kw)
+
+
+def deepspeed_config(config: dict[str, Any], dp: int, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """DeepSpeedConfig on ``dp`` data-parallel ranks (its batch-size checks use them)."""
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+
+    class MPU:  # what DeepSpeedConfig asks of a model-parallel unit
+        def get_data_parallel_world_size(self) -> int:
+            return dp
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+
+    class Reads(dict):  # records the top-level keys DeepSpeed reads
+        read: set[str]
+
+        def get(self, key: Any, default: Any = None) -> Any:
+            self.read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key: Any) -> Any:
+            self.read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key: Any) -> bool:
+            self.read.add(key)
+            return super().__contains__(key)
+
+    wrapped = Reads(config)
+    wrapped.read = set()
+    parsed = ds_config.DeepSpeedConfig(wrapped, mpu=MPU())
+    unread = set(config) - wrapped.read
+    assert not unread, f"DeepSpeed ignores {unread}"
+    return parsed
+
+
+@pytest.mark.parametrize("name, zero, recompute", DS_CASES)
+def test_deepspeed_config_loads(name: str, zero: int, recompute: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan, result = export(name, "deepspeed", zero=zero, recompute=recompute)
+    first = plan.stages[0]
+    parsed = deepspeed_config(result.data, first.dp, monkeypatch)
+    assert parsed.train_batch_size == plan.global_batch_size
+    assert parsed.train_micro_batch_size_per_gpu == first.dp_split[0]
+    assert parsed.gradient_accumulation_steps == plan.num_micro_batches
+    assert parsed.zero_optimization_stage == zero
+    assert parsed.tensor_parallel_config.autotp_size == (first.tp if first.tp > 1 else 0)
+    assert parsed.bfloat16_config.enabled == (get_model(plan.model).dtype_bytes == 2)
+    if recompute == "none":
+        assert "activation_checkpointing" not in result.data
+    else:  # the block turns nothing on: a note says what code must
+        assert any("deepspeed.checkpointing.checkpoint" in n or "activation_checkpoint_interval=1" in n
+                   for n in result.notes)
+        assert any(("attention core" in n) == (recompute == "selective") for n in result.notes
+                   if "turns nothing on" in n)
+
+
+def test_deepspeed_rejects_what_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks can fail: an unknown key in a section, and a top-level key DeepSpeed ignores."""
+    _, result = export("dp8", "deepspeed", zero=1)
+    with pytest.raises(Exception, match="(?i)extra"):
+        deepspeed_config({**result.data, "zero_optimization": {"stage": 1, "stages": 1}}, 8, monkeypatch)
+    with pytest.raises(AssertionError, match="ignores"):
+        deepspeed_config({**result.data, "zero_optimisation": {"stage": 1}}, 8, monkeypatch)
+    with pytest.raises(AssertionError):  # batch sizes that do not add up
+        deepspeed_config({**result.data, "train_batch_size": 7}, 8, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["pp4-uneven", "gpt2-dp4-pp2"])
+def test_deepspeed_pipeline_code(name: str) -> None:
+    """The PipelineModule code splits the layers at the plan's boundaries,
+    run against DeepSpeed's own PipelineModule."""
+    pipe = pytest.importorskip("deepspeed.pipe")
+    from deepspeed.runtime.utils import partition_uniform as ds_uniform
+
+    plan, result = export(name, "deepspeed", zero=1, recompute="full")
+    code = result.files[".pipeline.py"]
+    module = types.ModuleType("hetplan_ds_pipeline")
+    exec(compile(code, "pipeline.py", "exec"), module.__dict__)
+    parts = module.PARTS
+    assert parts == [0] + [sum(s.num_layers for s in plan.stages[:j + 1]) for j in range(plan.pp)]
+    assert "activation_checkpoint_interval=1" in code
+    if parts == ds_uniform(parts[-1], plan.pp):
+        assert 'partition_method="uniform"' in code and not hasattr(module, "PlanPipelineModule")
+        return
+    cls = module.PlanPipelineModule
+    assert issubclass(cls, pipe.PipelineModule)
+    for stage in range(plan.pp):  # DeepSpeed's own _set_bounds on each pipeline rank
+        obj = object.__new__(cls)
+        obj._layer_specs, obj.num_stages, obj.global_rank = [None] * parts[-1], plan.pp, 0
+        obj._topo = types.SimpleNamespace(get_coord=lambda rank, s=stage: types.SimpleNamespace(pipe=s))
+        obj._partition_layers(method="parameters")
+        assert (obj._local_start, obj._local_stop) == (parts[stage], parts[stage + 1])
+    obj._layer_specs = [None] * (parts[-1] + 1)
+    with pytest.raises(ValueError, match="splits"):
+        obj._partition_layers()
+
+
+def test_partition_uniform_is_deepspeeds() -> None:
+    utils = pytest.importorskip("deepspeed.runtime.utils")
+    for items in range(1, 40):
+        for parts in range(1, 9):
+            assert partition_uniform(items, parts) == utils.partition_uniform(items, parts), (items, parts)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def mixed(plan: Plan, **change: Any) -> Plan:
+    """``plan`` with the first layer of its last stage's strategy changed."""
+    last = plan.stages[-1]
+    strategies = (replace(last.strategies[1], **change),) + last.strategies[1:]
+    stage = replace(last, strategies=strategies)
+    return plan.with_changes(stages=plan.stages[:-1] + (stage,))
+
+
+REFUSALS = [
+    (lambda: mixed(make_plan("llama3-8b", [17, 17], 2, 1, zero=1), zero=3), ("torchtitan", "megatron", "deepspeed"),
+     "one ZeRO stage"),
+    (lambda: mixed(make_plan("llama3-8b", [17, 17], 2, 1, recompute="full"), recompute="selective"),
+     ("torchtitan", "megatron", "deepspeed"), "mixes ['full', 'selective']"),
+    (lambda: make_plan("llama3-8b", [17, 17], 2, 1).with_changes(stages=(
+        make_plan("llama3-8b", [17, 17], 2, 1).stages[0],
+        replace(make_plan("llama3-8b", [17, 17], 2, 1).stages[1], dp_split=(2, 0)))),
+     ("torchtitan", "megatron", "deepspeed"), "splits batches evenly"),
+    (lambda: make_plan("llama3-8b", [17, 17], 2, 1).with_changes(stages=(
+        make_plan("llama3-8b", [17, 17], 2, 1).stages[0],
+        uniform_stage(range(17, 34), range(4, 8), 1, 4, 2))),
+     ("torchtitan", "megatron", "deepspeed"), "one (dp, tp) on every stage"),
+    (lambda: make_plan("llama3-8b", [34], 4, 2).with_changes(stages=(replace(
+        make_plan("llama3-8b", [34], 4, 2).stages[0],
+        strategies=(LayerStrategy(tp=1),) + make_plan("llama3-8b", [34], 4, 2).stages[0].strategies[1:]),)),
+     ("torchtitan", "megatron", "deepspeed"), "their own tp"),
+    (lambda: make_plan("llama3-8b", [34], 8, 1, zero=1), ("torchtitan",), "ZeRO-1 has no setting"),
+    (lambda: make_plan("llama3-8b", [34], 8, 1, zero=2), ("megatron",), "ZeRO-2"),
+    (lambda: make_plan("llama3-8b", [17, 17], 2, 2, zero=2), ("deepspeed",), "ZeRO-0/1 only"),
+    (lambda: make_plan("llama3-8b", [17, 17], 2, 2), ("deepspeed",), "AutoTP"),
+    (lambda: make_plan("llama3-8b", [17, 17], 2, 1, schedule="gpipe"), ("megatron",), "not GPipe"),
+    (lambda: make_plan("gpt2-amp", [13, 13], 4, 1, zero=3), ("torchtitan",), "no model for 'gpt2-amp'"),
+    (lambda: make_plan("bert-huge-32", [get_model("bert-huge-32").num_layers], 8, 1), ("megatron",),
+     "family 'bert'"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(REFUSALS)))
+def test_plans_a_tool_cannot_express_are_refused_in_one_line(index: int) -> None:
+    build, formats, fragment = REFUSALS[index]
+    plan = build()
+    for fmt in formats:
+        one_line_refusal(plan, fmt, "0.3", fragment)
+
+
+def test_torchtitan_02_refuses_zero0_with_tp_or_pp_and_03_maps_it_to_hsdp() -> None:
+    plan = make_plan("llama3-8b", [17, 17], 2, 2)
+    one_line_refusal(plan, "torchtitan", "0.2", "DDP has not supported > 1D parallelism")
+    data = render(plan, get_model(plan.model), "torchtitan", None, "0.3").data
+    assert data["parallelism"]["data_parallel_replicate_degree"] == 2
+    assert data["parallelism"]["data_parallel_shard_degree"] == 1
+
+
+def test_model_without_architecture_is_refused_for_megatron() -> None:
+    spec = get_model("llama3-8b")
+    bare = replace(spec, meta={})
+    plan = make_plan("llama3-8b", [34], 8, 1)
+    with pytest.raises(HetplanError, match="gives no architecture") as info:
+        render(plan, bare, "megatron", load_cluster(plan.cluster))
+    assert "\n" not in str(info.value)
+    bad = replace(spec, meta={"architecture": {**spec.meta["architecture"], "kv_heads": "eight"}})
+    with pytest.raises(HetplanError, match="kv_heads"):
+        render(plan, bad, "megatron", load_cluster(plan.cluster))
+
+
+# --------------------------------------------------------------------------- the install
+
+
+def test_makefile_installs_the_tools_extra() -> None:
+    """pyproject's `tools` extra and the Makefile's TOOLS list are the same pins."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tools"]
+    makefile = (ROOT / "Makefile").read_text()
+    block = re.search(r"^TOOLS := (.*?)(?<!\\)\n", makefile, re.S | re.M).group(1)
+    assert sorted(block.replace("\\\n", " ").split()) == sorted(extra)
+    assert all("==" in pin for pin in extra)
