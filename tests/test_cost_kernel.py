@@ -153,3 +153,19 @@ def test_exact_partition_tables_are_the_estimate(seed: int) -> None:
         assert estimate.lower_bound_s <= estimate.iteration_time_s
         solved += 1
     assert solved > 0
+
+
+def test_cpu_processes_do_not_overlap_communication() -> None:
+    """gloo runs collectives on the cores that compute: an 'overlapped'
+    collective is exposed whole on CPU, 1.3x-slowed on GPUs (Galvatron-BMW §V)."""
+    from hetplan.cluster import load_cluster
+    from hetplan.cost.constants import OVERLAP_SLOWDOWN
+    from hetplan.cost.pipeline import overlapped_exposure
+
+    model = gpt_decoder("cpu-gpt", 2, 256, 4, 128, vocab=1024, dtype_bytes=4)
+    cpu = CostModel(Workload(model, load_cluster("local-cpu-2"), 8)).kernel
+    gpu = CostModel(Workload(model, load_cluster("8xA100-80GB"), 8)).kernel
+    assert cpu.overlap_slowdown == 2.0 and gpu.overlap_slowdown == OVERLAP_SLOWDOWN
+    for comm, compute in ((1.0, 3.0), (3.0, 1.0)):
+        assert overlapped_exposure(comm, compute, cpu.overlap_slowdown) == pytest.approx(comm)
+    assert overlapped_exposure(1.0, 3.0, gpu.overlap_slowdown) == pytest.approx(0.3)

@@ -108,7 +108,7 @@ def _enumerate(costs, layers, ctx):  # type: ignore[no-untyped-def]
         objective = sum(arr.cost_s[l, s] for l, s in enumerate(combo)) + transform
         sums = {name: np.array(arr.parts[name][rows, combo].sum()) for name in COMPONENTS}
         exact = float(stage_objective(sums, np.array(transform / ctx.num_micro_batches), ctx.num_micro_batches,
-                                      costs.workload.overlap_grad_sync)[0])
+                                      costs.workload.overlap_grad_sync, costs.kernel.overlap_slowdown)[0])
         out.append((combo, objective, exact, mem))
     return out
 

@@ -116,6 +116,12 @@ TRANSFORM_PASSES = 2.0
 # Galvatron-BMW §V: overlapping computation with communication slows each down
 # by about 1.3x (measured on their RTX TITAN and A100 clusters).
 OVERLAP_SLOWDOWN = 1.3
+# CPU processes (gloo) run their collectives on the cores that compute, one
+# process per core in hetplan's local runs: nothing overlaps, a collective
+# and the computation it would hide behind take their sum. Measured here
+# (benchmarks/bench_prediction_cpu.py): FSDP2 ZeRO-3 on local-cpu-2 is slower
+# than plain data parallelism by its gathers and reduce-scatters whole.
+CPU_OVERLAP_SLOWDOWN = 2.0
 
 # Fraction of link bandwidth NCCL collectives achieve ("bus bandwidth" in
 # nccl-tests: ~230 of 300 GB/s NVLink on A100, ~80% of InfiniBand line rate;

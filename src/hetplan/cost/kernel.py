@@ -43,6 +43,7 @@ from hetplan.cost.constants import (
 )
 from hetplan.cost.groups import ClusterArrays, first_appearance
 from hetplan.cost.layers import LayerArrays, layer_arrays
+from hetplan.cost.pipeline import overlap_slowdown
 from hetplan.cost.memory import activation_bytes, framework_overhead_bytes, recompute_working_bytes
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
 from hetplan.cost.workload import Workload
@@ -146,6 +147,7 @@ class CostKernel:
         self.model = workload.model
         self.calibration = workload.calibration
         self.cluster = calibrated_cluster(workload.cluster, workload.calibration)  # links at calibrated rates
+        self.overlap_slowdown = overlap_slowdown(g.name for g in self.cluster.gpu_specs)
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes

@@ -144,7 +144,7 @@ def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) 
             post += params * kernel.weight_bytes * rate("allgather", stage.devices, tp)
         else:
             sync += params * kernel.grad_bytes * rate("allreduce", stage.devices, tp)
-    zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, gather, scatter)) - fwd - bwd - rec
+    zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, gather, scatter, kernel.overlap_slowdown)) - fwd - bwd - rec
     return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer)
 
 

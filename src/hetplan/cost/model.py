@@ -99,7 +99,8 @@ class CostModel:
         p2p = self.p2p_times(plan)
         tails = [StageTail(t.back_s, t.grad_sync_s, t.post_step_s, t.optimizer_s) for t in timings]
         step = iteration_time([t.per_micro_batch_s for t in timings], p2p, tails, plan.num_micro_batches,
-                              self.workload.overlap_grad_sync, max(1, plan.virtual_stages))
+                              self.workload.overlap_grad_sync, max(1, plan.virtual_stages),
+                              self.kernel.overlap_slowdown)
         return timings, p2p, step
 
     def quick(self, plan: Plan) -> tuple[float, bool]:

@@ -26,44 +26,54 @@ updated parameters (ZeRO §5) — the slowest stage's step ends the iteration::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from hetplan.cost.constants import OVERLAP_SLOWDOWN, P2P_PASSES
+from hetplan.cost.constants import CPU_OVERLAP_SLOWDOWN, OVERLAP_SLOWDOWN, P2P_PASSES
 
 
-def overlapped_exposure(comm_s: np.ndarray | float, compute_s: np.ndarray | float) -> np.ndarray | float:
+def overlapped_exposure(comm_s: np.ndarray | float, compute_s: np.ndarray | float,
+                        slowdown: float = OVERLAP_SLOWDOWN) -> np.ndarray | float:
     """Extra time when ``comm_s`` runs under ``compute_s`` (elementwise on arrays).
 
     Galvatron-BMW §V (and its code's ``bct_dp_overlap``): the overlapped part
-    runs OVERLAP_SLOWDOWN times slower, so the pair takes
-    ``max(c, p) + (slowdown − 1)·min(c, p)`` instead of ``p``.
+    runs ``slowdown`` times slower (OVERLAP_SLOWDOWN on GPUs), so the pair takes
+    ``max(c, p) + (slowdown − 1)·min(c, p)`` instead of ``p``; a slowdown of 2
+    is no overlap at all (``c + p``).
     """
     scalar = isinstance(comm_s, (float, int)) and isinstance(compute_s, (float, int))  # np.float64 is a float
     if not scalar and not np.any(comm_s):  # no communication (e.g. no ZeRO-3 gathers): nothing exposed
         return np.zeros(np.broadcast(comm_s, compute_s).shape)
     larger, smaller = (max, min) if scalar else (np.maximum, np.minimum)
-    exposed = larger(comm_s, compute_s) + (OVERLAP_SLOWDOWN - 1.0) * smaller(comm_s, compute_s) - compute_s
+    exposed = larger(comm_s, compute_s) + (slowdown - 1.0) * smaller(comm_s, compute_s) - compute_s
     if scalar:
         return float(exposed) if comm_s > 0 else 0.0
     return np.where(np.asarray(comm_s) > 0, exposed, 0.0)
 
 
 def stage_micro_batch_time(fwd_s: np.ndarray | float, back_s: np.ndarray | float, tp_comm_s: np.ndarray | float,
-                           gather_s: np.ndarray | float, scatter_s: np.ndarray | float) -> np.ndarray | float:
+                           gather_s: np.ndarray | float, scatter_s: np.ndarray | float,
+                           slowdown: float = OVERLAP_SLOWDOWN) -> np.ndarray | float:
     """One micro-batch through a stage: forward, backward (+ recompute), TP
     communication, and ZeRO-3's parameter all-gathers overlapped with the
     forward and the gathers + gradient reduce-scatters with the backward."""
-    return (fwd_s + back_s + tp_comm_s + overlapped_exposure(gather_s, fwd_s)
-            + overlapped_exposure(gather_s + scatter_s, back_s))
+    return (fwd_s + back_s + tp_comm_s + overlapped_exposure(gather_s, fwd_s, slowdown)
+            + overlapped_exposure(gather_s + scatter_s, back_s, slowdown))
 
 
 def exposed_grad_sync(sync_s: np.ndarray | float, back_s: np.ndarray | float,
-                      overlap: bool) -> np.ndarray | float:
+                      overlap: bool, slowdown: float = OVERLAP_SLOWDOWN) -> np.ndarray | float:
     """The part of a stage's end-of-step gradient sync not hidden behind its
     last backward pass (all of it without overlap)."""
-    return overlapped_exposure(sync_s, back_s) if overlap else sync_s
+    return overlapped_exposure(sync_s, back_s, slowdown) if overlap else sync_s
+
+
+def overlap_slowdown(gpu_names: Iterable[str]) -> float:
+    """How much overlapped communication and computation slow each other on
+    these devices: OVERLAP_SLOWDOWN on GPUs (copy engines and NICs move data
+    while the SMs compute), CPU_OVERLAP_SLOWDOWN on CPU processes."""
+    return CPU_OVERLAP_SLOWDOWN if all(name == "CPU" for name in gpu_names) else OVERLAP_SLOWDOWN
 
 
 def pipeline_time(stage_times: Sequence[float], p2p_times: Sequence[float], num_micro_batches: int,
@@ -110,7 +120,8 @@ class IterationTime:
 
 
 def iteration_time(stage_times: Sequence[float], p2p_times: Sequence[float], tails: Sequence[StageTail],
-                   num_micro_batches: int, overlap_grad_sync: bool, virtual_stages: int = 1) -> IterationTime:
+                   num_micro_batches: int, overlap_grad_sync: bool, virtual_stages: int = 1,
+                   slowdown: float = OVERLAP_SLOWDOWN) -> IterationTime:
     """The whole step (module docstring): pipeline, sync tail, optimizer."""
     t_pipe = pipeline_time(stage_times, p2p_times, num_micro_batches, virtual_stages)
     finish = t_pipe
@@ -118,7 +129,7 @@ def iteration_time(stage_times: Sequence[float], p2p_times: Sequence[float], tai
     for j, tail in enumerate(tails):
         if j > 0:
             ahead += tails[j - 1].back_s + p2p_times[j - 1]
-        finish = max(finish, t_pipe - ahead + exposed_grad_sync(tail.sync_s, tail.back_s, overlap_grad_sync))
+        finish = max(finish, t_pipe - ahead + exposed_grad_sync(tail.sync_s, tail.back_s, overlap_grad_sync, slowdown))
     last = max(tails, key=step_after_sync)
     return IterationTime(t_pipe, finish, last.optimizer_s, last.post_step_s)
 

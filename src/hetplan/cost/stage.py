@@ -202,7 +202,8 @@ class StageCosts:
         held = self.kernel.held_params(self.option.tp, a, b)
         zero3 = 0.0
         if self._gather:  # ZeRO-3: its gathers and scatters, as far as compute does not hide them
-            zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, held * self._gather, held * self._scatter)
+            zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, held * self._gather, held * self._scatter,
+                                                 self.kernel.overlap_slowdown)
                           - fwd - bwd - rec)
         return SegmentTiming(fwd, bwd, rec, tpc, zero3, held * self._sync, held * self._post,
                              held * self._optimizer)
@@ -322,7 +323,8 @@ class StageCosts:
         valid = self._valid(rows, cols)
         fwd, back, tpc = self._worst_replica_matrices(rows, cols)
         held = self.kernel.held_params_matrix(self.option.tp)[rows, cols]
-        per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather, held * self._scatter) \
+        per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather, held * self._scatter,
+                                        self.kernel.overlap_slowdown) \
             if self._gather else fwd + back + tpc  # no ZeRO-3 traffic: nothing to expose
         return SegmentTables(np.where(valid, per_mb, np.inf), back, held, self._sync, self._post, self._optimizer,
                              valid)

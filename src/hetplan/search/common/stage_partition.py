@@ -140,6 +140,7 @@ class PipelinePartitioner:
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
         self.overlap = kernel.workload.overlap_grad_sync
+        self.slowdown = kernel.overlap_slowdown
 
     # --- tables --------------------------------------------------------------------------
     def tables(self, options: Sequence[Sequence[StageOption]]) -> _Tables:
@@ -208,7 +209,7 @@ class PipelinePartitioner:
             for o, family in enumerate(tables.members[i]):
                 value = np.full(tables.per_mb.shape[2:], INF)
                 for m in family:
-                    exposed = exposed_grad_sync(m.grad_sync_s, m.back_s, self.overlap)
+                    exposed = exposed_grad_sync(m.grad_sync_s, m.back_s, self.overlap, self.slowdown)
                     cost = m.per_micro_batch_s + weights[i] * exposed - after[i] * m.back_s
                     value = np.minimum(value, np.where(m.fits, cost, INF))
                 time = tables.per_mb[i, o]
@@ -223,7 +224,8 @@ class PipelinePartitioner:
         for j, cell in enumerate(cells):
             if j > 0:
                 ahead += float(tables.back[cells[j - 1]]) + float(tables.p2p[j - 1, bounds[j]])
-            end = float(exposed_grad_sync(float(tables.sync[cell]), float(tables.back[cell]), self.overlap)) - ahead
+            end = float(exposed_grad_sync(float(tables.sync[cell]), float(tables.back[cell]), self.overlap,
+                                          self.slowdown)) - ahead
             if end > latest:
                 last, latest = j, end
         return last
@@ -237,7 +239,8 @@ class PipelinePartitioner:
         tails = [StageTail(float(tables.back[c]), float(tables.sync[c]), float(tables.post[c]),
                            float(tables.optimizer[c])) for c in cells]
         p2p = [float(tables.p2p[j, bounds[j + 1]]) for j in range(k - 1)]
-        return iteration_time(times, p2p, tails, self.num_micro_batches, self.overlap).total_s
+        return iteration_time(times, p2p, tails, self.num_micro_batches, self.overlap,
+                              slowdown=self.slowdown).total_s
 
     # --- solving --------------------------------------------------------------------------------
     def solve(self, options: Sequence[Sequence[StageOption]], incumbent: float = INF,

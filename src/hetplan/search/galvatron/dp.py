@@ -69,11 +69,12 @@ class StageSolution:
 
 
 def stage_objective(sums: dict[str, np.ndarray], transform_mb: np.ndarray, m: np.ndarray | float,
-                    overlap_grad_sync: bool) -> tuple[np.ndarray, np.ndarray]:
+                    overlap_grad_sync: bool, slowdown: float) -> tuple[np.ndarray, np.ndarray]:
     """(stage cost, per-micro-batch time) from per-stage sums of the COMPONENTS,
     with the kernel's combining formulas."""
-    per_mb = stage_micro_batch_time(sums["f"], sums["bp"], sums["tpc"] + transform_mb, sums["g"], sums["sc"])
-    sync = exposed_grad_sync(sums["ar"], sums["bp"], overlap_grad_sync)
+    per_mb = stage_micro_batch_time(sums["f"], sums["bp"], sums["tpc"] + transform_mb, sums["g"], sums["sc"],
+                                    slowdown)
+    sync = exposed_grad_sync(sums["ar"], sums["bp"], overlap_grad_sync, slowdown)
     return m * per_mb + sync + sums["opt"], per_mb
 
 
@@ -300,7 +301,7 @@ def _backtrack(costs: GalvatronCosts, p: _Packed, fw: _Forward, rows: np.ndarray
     fits = (e_all <= p.caps[rows][:, None]) & np.isfinite(fw.final[rows[:, None], cand])
     sums = {name: gather(p.parts[name]).sum(axis=0) for name in COMPONENTS}
     screen, _ = stage_objective(sums, _transform_sums(costs, p, rows, choices), p.ms[rows][:, None],
-                                costs.workload.overlap_grad_sync)
+                                costs.workload.overlap_grad_sync, costs.kernel.overlap_slowdown)
     result: list[list[int] | None] = []
     for i in range(len(rows)):
         ok = np.nonzero(fits[i])[0]
@@ -364,7 +365,8 @@ def _coarse_picks(costs: GalvatronCosts, p: _Packed) -> list[list[int] | None]:
                                p.overheads[:, None])
     ok &= memory <= p.caps[:, None]
     sums = {name: p.parts[name].sum(axis=1) for name in COMPONENTS}
-    screen, _ = stage_objective(sums, np.zeros(ok.shape), p.ms[:, None], costs.workload.overlap_grad_sync)
+    screen, _ = stage_objective(sums, np.zeros(ok.shape), p.ms[:, None], costs.workload.overlap_grad_sync,
+                                costs.kernel.overlap_slowdown)
     screen = np.where(ok, screen, INF)
     picks: list[list[int] | None] = []
     for row in range(len(p.usable)):
@@ -380,7 +382,8 @@ def _solution(costs: GalvatronCosts, indices: Sequence[int], ctx: StageContext, 
     timing = costs.cost_model.stage_timing(stage, ctx.micro_batch_size)
     memory = np.asarray(costs.cost_model.device_memory(stage, ctx.micro_batch_size, ctx.in_flight), dtype=np.int64)
     fits = bool((memory <= costs.kernel.cluster_arrays.capacity[costs.kernel.device_array(ctx.devices)]).all())
-    tail = exposed_grad_sync(timing.grad_sync_s, timing.back_s, costs.workload.overlap_grad_sync)
+    tail = exposed_grad_sync(timing.grad_sync_s, timing.back_s, costs.workload.overlap_grad_sync,
+                             costs.kernel.overlap_slowdown)
     cost = ctx.num_micro_batches * timing.per_micro_batch_s + tail + timing.post_step_s + timing.optimizer_s
     return StageSolution(chosen, stage, timing, float(cost), float(memory.max()), fits)
 

@@ -320,7 +320,8 @@ class _Search:
                                        batch // m) for j in range(pp - 1)]
         tails = [StageTail(s.timing.back_s, s.timing.grad_sync_s, s.timing.post_step_s, s.timing.optimizer_s)
                  for s in sols]
-        return iteration_time([s.mb_time_s for s in sols], p2p, tails, m, self.workload.overlap_grad_sync).total_s
+        return iteration_time([s.mb_time_s for s in sols], p2p, tails, m, self.workload.overlap_grad_sync,
+                              slowdown=self.cm.kernel.overlap_slowdown).total_s
 
     # --- partitions (Galvatron-BMW) ---------------------------------------------------------
     def _layer_model(self, pp: int, batch: int, m: int, strategy_of: Sequence[int]) \

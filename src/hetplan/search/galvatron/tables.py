@@ -195,9 +195,9 @@ class GalvatronCosts:
             sc = params * k.grad_bytes * k.dp_collective_rate("reduce_scatter", ctx.devices, s.tp)
         elif s.dp > 1:
             ar = params * k.grad_bytes * k.dp_collective_rate("allreduce", ctx.devices, s.tp)
-        mb = f + bp + tpc + overlapped_exposure(g, f) + overlapped_exposure(g + sc, bp)
+        mb = f + bp + tpc + overlapped_exposure(g, f, k.overlap_slowdown) + overlapped_exposure(g + sc, bp, k.overlap_slowdown)
         opt = params * k.optimizer_rate(ctx.devices) / (s.dp if zero else 1)
-        once = exposed_grad_sync(ar, bp, self.workload.overlap_grad_sync) + opt
+        once = exposed_grad_sync(ar, bp, self.workload.overlap_grad_sync, k.overlap_slowdown) + opt
         return {
             "valid": valid, "mb": np.where(valid, mb, INF), "once": np.where(valid, once, INF),
             "states": model_state_bytes(params, zero, s.dp, self.workload.state_bytes),

@@ -46,7 +46,7 @@ def metis_cost(handles: Sequence[StageHandle], bounds: Sequence[int], micro_batc
            for j in range(len(handles) - 1)]
     tails = [StageTail(t.back_s, t.grad_sync_s, t.post_step_s, t.optimizer_s) for t in timings]
     return iteration_time([t.per_micro_batch_s for t in timings], p2p, tails, num_micro_batches,
-                          overlap_grad_sync).total_s
+                          overlap_grad_sync, slowdown=costs.kernel.overlap_slowdown).total_s
 
 
 class Evaluation:
