@@ -199,3 +199,30 @@ def test_profiled_all_reduce_sets_link_factors() -> None:
     assert effective_calibration(profile, cluster, given).latency_scale == 2.0  # a fitted calibration wins
     assert effective_calibration(None, cluster, given) is given
     assert link_calibration_from_profile(ProfileDB(), cluster) is None
+
+
+def test_profiled_all_gather_slower_than_all_reduce() -> None:
+    """gloo's all-gather runs at half the all-reduce's bus bandwidth in this
+    profile: the kernel's all-gather rate doubles against its all-reduce's."""
+    from hetplan.cluster import load_cluster
+    from hetplan.cost.calibration import link_calibration_from_profile
+    from hetplan.profile import CollectiveFit, ProfileDB
+
+    cluster = load_cluster("local-cpu-2")
+    fits = [CollectiveFit("all_reduce", 2, "intra", 8e-4, 8.0, 8.0),
+            CollectiveFit("all_gather", 2, "intra", 4e-4, 8.0, 4.0)]
+    cal = link_calibration_from_profile(ProfileDB(fits=fits), cluster)
+    assert cal is not None and cal.op_bandwidth("allgather") == 0.5 and cal.op_latency("allgather") == 0.5
+    model = gpt_decoder("g", 2, 256, 4, 128, vocab=1024, dtype_bytes=4)
+    plain = CostModel(Workload(model, cluster, 8)).kernel
+    kernel = CostModel(Workload(model, cluster, 8, calibration=cal)).kernel
+    ratio = kernel.collective_rate("allgather", (0, 1)) / kernel.collective_rate("allreduce", (0, 1))
+    assert ratio == pytest.approx(2 * plain.collective_rate("allgather", (0, 1))
+                                  / plain.collective_rate("allreduce", (0, 1)))
+    assert read_back(cal) == cal
+
+
+def read_back(cal: Calibration) -> Calibration:
+    from hetplan.cost.calibration import calibration_from_dict
+
+    return calibration_from_dict(json.loads(json.dumps(cal.to_dict())))

@@ -12,7 +12,13 @@ hold, at other rates. A calibration scales those rates, never a run's result:
   of the links inside a node and between nodes (every collective and every
   pipeline transfer that crosses them);
 * ``latency_scale``: measured ÷ modelled fixed time per collective (the
-  NCCL latency model of ``comm.collective_latency``; gloo's is far larger).
+  NCCL latency model of ``comm.collective_latency``; gloo's is far larger);
+* ``op_bandwidth_scale`` / ``op_latency_scale`` (``"allgather"``,
+  ``"reduce_scatter"``): that collective's bandwidth and latency relative to
+  the all-reduce's. NCCL's rings run all three at one bus bandwidth, the
+  model's assumption; gloo's all-gather and reduce-scatter are slower
+  algorithms (a profile measured 4.7 and 3.0 Gb/s against 7.8). Set from a
+  profile's measured curves, never fitted.
 
 A calibration is fitted on step times of whole plans (AMP §3.3's real trials
 give them); which parameters the plans can tell apart is reported by the fit
@@ -38,6 +44,8 @@ from hetplan.userfiles import read_json
 CALIBRATION_FORMAT = "hetplan-calibration"
 CALIBRATION_VERSION = 1
 LINK_CLASSES = ("intra", "inter")
+SHARDING_OPS = ("allgather", "reduce_scatter")  # the kernel's names (cost/kernel.COLLECTIVES)
+_PROFILE_OPS = {"all_gather": "allgather", "reduce_scatter": "reduce_scatter"}  # hetplan profile's names
 # A scale outside this range is a broken measurement, not a slow GPU: the
 # slowest real rate hetplan models (a power-capped GPU, gloo over loopback)
 # is within 100x of the datasheet's.
@@ -52,8 +60,16 @@ class Calibration:
     bandwidth_scale: Mapping[str, float] = field(default_factory=dict)
     latency_scale: float = 1.0
     source: str = ""
+    op_bandwidth_scale: Mapping[str, float] = field(default_factory=dict)
+    op_latency_scale: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, table in (("op_bandwidth_scale", self.op_bandwidth_scale),
+                            ("op_latency_scale", self.op_latency_scale)):
+            for op, value in table.items():
+                if op not in SHARDING_OPS:
+                    raise HetplanError(f"calibration {name}: unknown collective {op!r}; use {', '.join(SHARDING_OPS)}")
+                _check_scale(f"calibration {name}[{op!r}]", value)
         for gpu, value in self.compute_scale.items():
             _check_scale(f"calibration compute_scale[{gpu!r}]", value)
         for link, value in self.bandwidth_scale.items():
@@ -63,10 +79,12 @@ class Calibration:
             _check_scale(f"calibration bandwidth_scale[{link!r}]", value)
         _check_scale("calibration latency_scale", self.latency_scale)
 
-    @property
-    def is_identity(self) -> bool:
-        return (all(v == 1.0 for v in self.compute_scale.values())
-                and all(v == 1.0 for v in self.bandwidth_scale.values()) and self.latency_scale == 1.0)
+    def op_bandwidth(self, kind: str) -> float:
+        """Bandwidth of collective ``kind`` relative to the all-reduce's (1 for the all-reduce)."""
+        return float(self.op_bandwidth_scale.get(kind, 1.0))
+
+    def op_latency(self, kind: str) -> float:
+        return float(self.op_latency_scale.get(kind, 1.0))
 
     def compute(self, gpu: str) -> float:
         """Factor on the time of work on a GPU of type ``gpu``."""
@@ -79,7 +97,10 @@ class Calibration:
         return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
                 "compute_scale": dict(sorted(self.compute_scale.items())),
                 "bandwidth_scale": dict(sorted(self.bandwidth_scale.items())),
-                "latency_scale": self.latency_scale, "source": self.source}
+                "latency_scale": self.latency_scale, "source": self.source,
+                **({"op_bandwidth_scale": dict(sorted(self.op_bandwidth_scale.items()))}
+                   if self.op_bandwidth_scale else {}),
+                **({"op_latency_scale": dict(sorted(self.op_latency_scale.items()))} if self.op_latency_scale else {})}
 
     def describe(self) -> str:
         """One line for report headers."""
@@ -87,6 +108,7 @@ class Calibration:
         parts += [f"{link} bandwidth x{v:.3g}" for link, v in sorted(self.bandwidth_scale.items())]
         if self.latency_scale != 1.0:
             parts.append(f"latency x{self.latency_scale:.3g}")
+        parts += [f"{op} bandwidth x{v:.3g} of all-reduce's" for op, v in sorted(self.op_bandwidth_scale.items())]
         return ", ".join(parts) or "identity"
 
 
@@ -101,7 +123,7 @@ def _check_scale(where: str, value: Any) -> float:
 def calibration_from_dict(data: Any, where: str = "calibration") -> Calibration:
     """A Calibration from its JSON form, every field checked."""
     fields = mapping(where, data, ("format", "version", "compute_scale", "bandwidth_scale", "latency_scale",
-                                   "source"), required=("format",))
+                                   "source", "op_bandwidth_scale", "op_latency_scale"), required=("format",))
     if text(f"{where} format", fields["format"]) != CALIBRATION_FORMAT:
         raise HetplanError(f"{where}: format must be {CALIBRATION_FORMAT!r}, got {fields['format']!r}")
     version = whole(f"{where} version", fields.get("version", CALIBRATION_VERSION))
@@ -113,7 +135,11 @@ def calibration_from_dict(data: Any, where: str = "calibration") -> Calibration:
         f"{where} bandwidth_scale[{k!r}]", v)
         for k, v in _object(f"{where} bandwidth_scale", fields.get("bandwidth_scale", {})).items()}
     latency = _check_scale(f"{where} latency_scale", fields.get("latency_scale", 1.0))
-    return Calibration(compute, bandwidth, latency, text(f"{where} source", fields.get("source", "")))
+    ops = {name: {text(f"{where} {name} key", k, SHARDING_OPS): _check_scale(f"{where} {name}[{k!r}]", v)
+                  for k, v in _object(f"{where} {name}", fields.get(name, {})).items()}
+           for name in ("op_bandwidth_scale", "op_latency_scale")}
+    return Calibration(compute, bandwidth, latency, text(f"{where} source", fields.get("source", "")),
+                       ops["op_bandwidth_scale"], ops["op_latency_scale"])
 
 
 def _object(where: str, value: Any) -> Mapping[str, Any]:
@@ -156,7 +182,8 @@ def link_calibration_from_profile(profile: Any, cluster: ClusterSpec) -> Calibra
 
     bandwidth: dict[str, float] = {}
     latency: list[float] = []
-    for fit in getattr(profile, "fits", ()):
+    fits = list(getattr(profile, "fits", ()))
+    for fit in fits:
         if fit.op != "all_reduce" or fit.link not in LINK_CLASSES or fit.ranks < 2:
             continue
         group = _profiled_group(cluster, fit.link, fit.ranks)
@@ -171,8 +198,26 @@ def link_calibration_from_profile(profile: Any, cluster: ClusterSpec) -> Calibra
             latency.append(fit.alpha_s / modelled_latency)
     if not bandwidth and not latency:
         return None
+    op_bandwidth, op_latency = _sharding_ops(fits)
     return Calibration({}, bandwidth, _clamp(max(latency)) if latency else 1.0,
-                       "links from the profile's measured all-reduce")
+                       "links from the profile's measured collectives", op_bandwidth, op_latency)
+
+
+def _sharding_ops(fits: list[Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """All-gather and reduce-scatter against the all-reduce on the same group
+    (``Calibration.op_bandwidth_scale``): bus bandwidth and latency ratios."""
+    reference = {(f.link, f.ranks): f for f in fits if f.op == "all_reduce"}
+    bandwidth: dict[str, float] = {}
+    latency: dict[str, float] = {}
+    for fit in fits:
+        kind, ref = _PROFILE_OPS.get(fit.op), reference.get((fit.link, fit.ranks))
+        if kind is None or ref is None or fit.link != "intra":
+            continue
+        if fit.busbw_gbps > 0 and ref.busbw_gbps > 0:
+            bandwidth[kind] = _clamp(fit.busbw_gbps / ref.busbw_gbps)
+        if fit.alpha_s > 0 and ref.alpha_s > 0:
+            latency[kind] = _clamp(fit.alpha_s / ref.alpha_s)
+    return bandwidth, latency
 
 
 def _profiled_group(cluster: ClusterSpec, link: str, ranks: int) -> tuple[int, ...] | None:
@@ -201,7 +246,9 @@ def merged(base: Calibration | None, override: Calibration | None) -> Calibratio
     return Calibration({**base.compute_scale, **override.compute_scale},
                        {**base.bandwidth_scale, **override.bandwidth_scale},
                        override.latency_scale if override.latency_scale != 1.0 else base.latency_scale,
-                       "; ".join(s for s in (base.source, override.source) if s))
+                       "; ".join(s for s in (base.source, override.source) if s),
+                       {**base.op_bandwidth_scale, **override.op_bandwidth_scale},
+                       {**base.op_latency_scale, **override.op_latency_scale})
 
 
 def effective_calibration(profile: Any, cluster: ClusterSpec, given: Calibration | None) -> Calibration | None:

@@ -363,7 +363,10 @@ class CostKernel:
         key = ("shape", kind, shape, concurrent_groups)
         found = self._rates.get(key)
         if found is None:
-            found = self._rates[key] = COLLECTIVES[kind](self.cluster, group, 1.0, concurrent_groups)
+            found = COLLECTIVES[kind](self.cluster, group, 1.0, concurrent_groups)
+            if self.calibration is not None:
+                found /= self.calibration.op_bandwidth(kind)
+            self._rates[key] = found
         return found
 
     def collective_time(self, kind: str, group: Sequence[int], num_bytes: np.ndarray | float,
@@ -421,7 +424,7 @@ class CostKernel:
         if found is None:
             latency = max(collective_latency(self.cluster, g, kind) for g in groups.representatives)
             if self.calibration is not None:
-                latency *= self.calibration.latency_scale
+                latency *= self.calibration.latency_scale * self.calibration.op_latency(kind)
             latency_per_byte = latency / self.message_bytes(kind, tp)
             share = tp * self._nic_sharers(kind, groups.representatives[0])
             found = self._rates[key] = max(self._shape_rate(kind, g, share, shape) for g, shape
