@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[torch,test]"
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-deps --no-build-isolation $(TOOLS)
 	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/tools/$(subst ==,-,$(TORCHTITAN_OLD)) $(TORCHTITAN_OLD)
+	# headless Chromium for tests/test_report_html.py (skipped without it); installed only as root
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -q chromium >/dev/null; } || true
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -11,6 +11,7 @@
     hetplan profile   measure layer times and collectives on your hardware (needs torch)
     hetplan tune      train the top plans for a few steps, re-rank them by measurement (needs torch)
     hetplan calibrate fit the cost model's rates to measured step times
+    hetplan report    one self-contained HTML page for a plan file
 
 A user mistake prints one line ``hetplan: error: ...`` and exits with status 2.
 """
@@ -27,8 +28,10 @@ from hetplan import __version__
 from hetplan.argtypes import EXIT_USAGE, OneLineParser, at_most, gpu_prices, positive_int, token_count
 from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
+from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TARGETS, TORCHTITAN_VERSIONS
 from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
 from hetplan.profile import cli as profile_cli
+from hetplan.report import cli as report_cli
 from hetplan.runtime import cli as runtime_cli
 from hetplan import tune as tune_cli
 
@@ -77,6 +80,14 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
                    help="price per GPU-hour: one number, or GPU=PRICE,... per type (e.g. H100=4.9,A100-80GB=1.8)")
 
 
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", choices=TARGETS, default=None,
+                   help="keep only plans this tool can run ('hetplan export' succeeds), and say how much slower "
+                   "the best of them is than the best plan overall (docs/exports.md)")
+    p.add_argument("--torchtitan-version", choices=TORCHTITAN_VERSIONS, default=DEFAULT_TORCHTITAN_VERSION,
+                   help="with --target torchtitan: the release to run (0.2 runs ZeRO-0 only without TP/PP)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="hetplan", description="Plan and run parallel training on heterogeneous GPU clusters.")
     parser.add_argument("--version", action="version", version=f"hetplan {__version__}")
@@ -89,11 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="only the table")
     p.add_argument("--timeline", default=None, help="write the best plan's pipeline timeline here (.svg)")
     p.add_argument("--memory-chart", default=None, help="write the best plan's memory per GPU here (.svg)")
+    _add_target_args(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("compare", help="run several planners on the same inputs")
     _add_workload_args(p)
     p.add_argument("--planners", default=None, help="comma-separated planner names (default: all)")
+    _add_target_args(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("estimate", help="cost a plan file or one uniform dp/tp/pp setting")
@@ -156,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     runtime_cli.register(sub)
+    report_cli.register(sub)
     tune_cli.register(sub)
     profile_cli.register(sub)
     return parser
@@ -281,7 +295,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload = load_workload(args, global_batch=1 if auto else None)
     planner = get_planner(args.planner)
     start = time.perf_counter()
-    ranked = _run_planner(planner, workload, args.top, auto)
+    target = None
+    if args.target:  # the planner's best candidates, less those the tool cannot run (hetplan.target)
+        from hetplan.target import candidate_count, plans_for_target
+
+        ranked = _run_planner(planner, workload, candidate_count(args.top), auto)
+        target = plans_for_target(ranked, workload, args.target, args.top, planner.name, "merge",
+                                  args.torchtitan_version)
+        ranked = list(target.plans)
+    else:
+        ranked = _run_planner(planner, workload, args.top, auto)
     elapsed = time.perf_counter() - start
     best = ranked[0]
     if auto:
@@ -290,6 +313,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(_header(workload, f"planner  {planner.name}: searched in {elapsed:.2f} s"))
     print()
     print(ranked_table(ranked))
+    if target is not None:
+        print()
+        print(target.summary())
+        for note in target.notes:
+            print(f"note: {note}")
     if not args.quiet:
         print()
         print(f"best plan: {best.plan.describe()}")
@@ -302,9 +330,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for note in [*best.plan.notes, runtime_pipeline_note(best.plan, workload.model)]:
             if note:
                 print(f"- note: {note}")
+    extra = {}
+    if target is not None and args.json_path:
+        from hetplan.target import target_json
+
+        extra = target_json(target, _ranked_json(target.best_overall, cost_model, args))
     _write_json(args.json_path, {"planner": planner.name, "search_time_s": elapsed,
                                  "plans": [_ranked_json(r, cost_model, args) for r in ranked],
-                                 **workload_record(workload)})
+                                 **extra, **workload_record(workload)})
     _write_pictures(args, workload, best)
     return 0
 
@@ -331,7 +364,7 @@ def _write_pictures(args: argparse.Namespace, workload: Any, ranked: Any) -> Non
         for s in plan.stages:
             gpus = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
             labels.append(f"{gpus} dp{s.dp} tp{s.tp}")
-        _write_text(args.timeline, timeline_svg(events, labels, plan.describe()))
+        _write_text(args.timeline, timeline_svg(events, labels, plan.describe(), estimate.iteration_time_s))
     if getattr(args, "memory_chart", None):
         _write_text(args.memory_chart, memory_svg(plan, estimate, workload, f"peak memory per GPU: {plan.describe()}"))
 
@@ -347,12 +380,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not all(names):
         raise HetplanError(f"--planners {args.planners!r} names an empty planner; give names separated by commas "
                            "(see 'hetplan planners'), or leave --planners out for all")
-    rows_json, results = [], []
+    rows_json, results, targets = [], [], {}
+    if args.target:
+        from hetplan.target import candidate_count, plans_for_target, tool_name
     for name in names:
         planner = get_planner(name)
         start = time.perf_counter()
         try:
-            best = _run_planner(planner, workload, 1, auto and getattr(planner, "searches_batch_size", False))[0]
+            batch = auto and getattr(planner, "searches_batch_size", False)
+            if args.target:  # its best plan the tool can run, of its candidate_count(1) best (hetplan.target)
+                ranked = _run_planner(planner, workload, candidate_count(1), batch)
+                targets[name] = plans_for_target(ranked, workload, args.target, 1, name, "fallback",
+                                                 args.torchtitan_version)
+                best = targets[name].best
+            else:
+                best = _run_planner(planner, workload, 1, batch)[0]
             error = ""
         except HetplanError as exc:
             best, error = None, str(exc)
@@ -373,11 +415,29 @@ def cmd_compare(args: argparse.Namespace) -> int:
                           "speedup": speedup, "fits": e.fits, "search_time_s": elapsed,
                           "global_batch_size": best.plan.global_batch_size,
                           "plan": best.plan.to_dict(), "estimate": e.to_dict()})
-    print(_header(workload))
+        if name in targets:  # what the tool costs this planner: its best plan overall, and why the tool refuses it
+            t = targets[name]
+            if t.source != name:
+                rows[-1][1] += f" [{t.source} fallback]"
+            rows[-1].insert(-1, f"+{100 * t.slowdown:.1f}%")
+            rows_json[-1].update({"target": args.target, "source": t.source, "slowdown": t.slowdown,
+                                  "best_overall": {**t.best_overall.to_dict(), "refusal": t.best_overall_refusal}})
+    for row in rows if args.target else ():
+        if len(row) == 7:  # a planner without a plan
+            row.insert(-1, "-")
+    extra = ""
+    if args.target:
+        extra = (f"target   {tool_name(args.target)}: each planner's best plan it can run, of its {candidate_count(1)} "
+                 "best (the uniform planner's where it can run none); 'vs own best': slower than the planner's best")
+    print(_header(workload, extra))
     print()
     base_name = base[0] if base else "-"
-    print(table(["planner", "best plan", "iter time", "samples/s", f"vs {base_name}", "fits", "search"], rows,
-                [False, False, True, True, True, False, True]))
+    head = ["planner", "best plan", "iter time", "samples/s", f"vs {base_name}", "fits", "search"]
+    right = [False, False, True, True, True, False, True]
+    if args.target:
+        head.insert(-1, "vs own best")
+        right.insert(-1, True)
+    print(table(head, rows, right))
     _write_json(args.json_path, rows_json)
     return 0
 
@@ -475,63 +535,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-WHATIF_KNOBS = ("gpus", "gpu", "global-batch")
-
-
-def _whatif_variants(args: argparse.Namespace) -> tuple[str, list[str]]:
-    what, sep, values = args.vary.partition("=")
-    items = [v.strip() for v in values.split(",") if v.strip()]
-    if not sep or what not in WHATIF_KNOBS or not items:
-        raise HetplanError(f"--vary takes WHAT=V1,V2,... with WHAT one of {', '.join(WHATIF_KNOBS)}; got {args.vary!r}")
-    if what != "gpu":
-        for v in items:
-            if not v.isdigit() or int(v) <= 0:
-                raise HetplanError(f"--vary {what}: {v!r} is not a positive whole number")
-    return what, items
-
-
 def cmd_whatif(args: argparse.Namespace) -> int:
-    """Plan the same model under each variant of the cluster or batch."""
+    """Plan the same model under each variant of the cluster or batch (``report/whatif.py``)."""
     from hetplan.cost import CostModel
-    from hetplan.report.text import table
-    from hetplan.report.training import training_numbers
+    from hetplan.report.whatif import check_varies, parse_vary, run_whatif, whatif_table
     from hetplan.search import get_planner
-    from hetplan.units import format_bytes, format_time
 
-    what, items = _whatif_variants(args)
+    what, items = parse_vary(args.vary)
     base = load_workload(args)
-    if what in ("gpus", "gpu") and not base.cluster.is_homogeneous:
-        raise HetplanError(f"--vary {what} changes a homogeneous cluster; {base.cluster.name!r} mixes GPU types "
-                           "or node sizes: write one cluster file per variant and run 'hetplan compare' or plan each")
-    gpu, count = base.cluster.devices[0].gpu.name, base.cluster.num_devices
+    check_varies(base, what)
     planner = get_planner(args.planner)
-    rows, data = [], []
     print(_header(base, f"whatif   {what} = {', '.join(items)}, planner {planner.name}"))
-    for value in items:
-        cluster_name = f"{value}x{gpu}" if what == "gpus" else f"{count}x{value}" if what == "gpu" else None
-        args.cluster = cluster_name or args.cluster
-        gbs = int(value) if what == "global-batch" else None
-        workload = load_workload(args, global_batch=gbs) if cluster_name or gbs else base
-        try:
-            best = _run_planner(planner, workload, 1, False)[0]
-        except HetplanError as exc:
-            rows.append([f"{what}={value}", f"no plan: {str(exc)[:60]}", *["-"] * 6])
-            data.append({"variant": {what: value}, "error": str(exc)})
-            continue
-        e, n = best.estimate, training_numbers(best.plan, best.estimate, workload.cluster,
-                                               workload.model.seq_len, args.tokens, args.prices)
-        money = f"${n['usd_per_billion_tokens']:,.0f}" if "usd_per_billion_tokens" in n else "-"
-        days = f"{n['days']:,.1f}" if "days" in n else "-"
-        rows.append([f"{what}={value}", best.plan.describe(), format_time(e.iteration_time_s),
-                     f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", format_bytes(e.max_memory_bytes), money, days])
-        if args.json_path:  # the JSON adds the memory breakdown, which needs this variant's cost model
-            data.append({"variant": {what: value}, "cluster": workload.cluster.name,
-                         **_ranked_json(best, CostModel(workload), args)})
+    results = run_whatif(base, what, items, planner, args.tokens, args.prices,
+                         best_of=lambda p, w: _run_planner(p, w, 1, False)[0])
     print()
-    print(table(["variant", "best plan", "iter time", "tokens/s", "MFU", "max mem/GPU", "$/1B tokens",
-                 "days" if args.tokens else "days (--tokens)"], rows,
-                [False, False, True, True, True, True, True, True]))
-    _write_json(args.json_path, {"vary": what, "variants": data})
+    print(whatif_table(results, args.tokens))
+    if args.json_path:  # the JSON adds the memory breakdown, which needs each variant's cost model
+        data = [{"variant": {what: r.value}, "error": r.error} if r.best is None else
+                {"variant": {what: r.value}, "cluster": r.workload.cluster.name,
+                 **_ranked_json(r.best, CostModel(r.workload), args)} for r in results]
+        _write_json(args.json_path, {"vary": what, "variants": data})
     return 0
 
 

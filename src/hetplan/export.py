@@ -36,6 +36,9 @@ from hetplan.model.spec import ModelSpec
 from hetplan.plan import Plan
 
 FORMATS = ("modules", "torchtitan", "megatron", "deepspeed")
+# The tools a plan can be made for (``hetplan plan --target``), with the names they go by.
+TARGETS = ("torchtitan", "megatron", "deepspeed")
+TOOL_NAMES = {"torchtitan": "torchtitan", "megatron": "Megatron-LM", "deepspeed": "DeepSpeed", "modules": "modules"}
 # torchtitan's config format changed between its releases: 0.2.x reads a TOML
 # job file (JobConfig), 0.3 builds a Python Trainer.Config (config_registry).
 TORCHTITAN_VERSIONS = ("0.3", "0.2")
@@ -667,3 +670,25 @@ def render(plan: Plan, model: ModelSpec, fmt: str, cluster: Any = None,
             notes.append(deepspeed_pipeline_note(plan))
         return Export(json.dumps(config, indent=2), config, tuple(notes), files)
     raise HetplanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def try_render(plan: Plan, model: ModelSpec, tool: str, cluster: Any = None,
+               torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> tuple[Export | None, str]:
+    """(the export, "") if ``tool`` can run the plan, else (None, why not: the
+    one-line refusal ``hetplan export`` prints)."""
+    if tool not in FORMATS:
+        raise HetplanError(f"unknown export format {tool!r}; choose one of {', '.join(FORMATS)}")
+    try:
+        return render(plan, model, tool, cluster, torchtitan_version), ""
+    except HetplanError as exc:
+        return None, str(exc)
+
+
+def exportable(plan: Plan, model: ModelSpec, tool: str, cluster: Any = None,
+               torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> str:
+    """``""`` if ``tool`` can run the plan, else why not (the one-line refusal
+    ``hetplan export`` prints). It runs the export itself (``render``, which
+    writes nothing), so what a tool accepts is decided in one place.
+    ``cluster``: the plan's (Megatron-LM's ranks per node); loaded by name if
+    not given."""
+    return try_render(plan, model, tool, cluster, torchtitan_version)[1]

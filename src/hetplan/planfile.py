@@ -140,8 +140,10 @@ def _plan_file(path: str, data: Any) -> PlanFile:
     return PlanFile(path, plans, model, cluster, _settings(top.get("settings") or {}), version)
 
 
-# "planner" and "search_time_s": what 'hetplan plan --json' adds about the search
-_FILE_KEYS = ("format_version", "plans", "model_spec", "cluster_spec", "settings", "planner", "search_time_s")
+# "planner" and "search_time_s": what 'hetplan plan --json' adds about the search; "target" to
+# "torchtitan_version": what it adds with --target (hetplan.target.target_json)
+_FILE_KEYS = ("format_version", "plans", "model_spec", "cluster_spec", "settings", "planner", "search_time_s",
+              "target", "slowdown", "best_overall", "target_notes", "torchtitan_version")
 _ENTRY_KEYS = ("plan", "estimate", "planner_cost_s", "training")
 
 

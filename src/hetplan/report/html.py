@@ -1,0 +1,192 @@
+"""One self-contained HTML page about a plan file (``hetplan report``).
+
+The page holds, for the chosen plan (``--index``, 1 = the file's best): the
+workload (model, cluster, batch, precision), the plan and why it is fast, every
+plan of the file re-estimated with the file's workload, where the step time
+goes (table and stacked bar), the simulated pipeline timeline, memory per GPU
+by category against capacity, time and cost to train, and optionally a
+what-if table (``report/whatif.py``).
+
+Self-contained: inline CSS and inline SVG (``report/svg.py``), no JavaScript,
+no network, no external fonts; the page renders the same offline, in a mail
+attachment or a CI artifact. The output is deterministic (no timestamps).
+
+Tables are the command line's own text tables (``report/text.py``) inside
+``<pre>``, not re-built HTML tables: the page then says exactly what
+``hetplan plan`` / ``estimate`` print, number for number, with one piece of
+formatting code to maintain, and a reader can paste a table into an issue as
+is. The pictures carry what a table cannot show at a glance.
+
+Charts are our own SVG rather than matplotlib: no extra dependency,
+deterministic output, and a picture that is part of the page's text.
+
+Every string that comes from a file (model, cluster, GPU and layer names, plan
+notes, the file's path) is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any, Sequence
+
+from hetplan.report.whatif import WhatIfResult
+
+CSS = """
+body { font-family: sans-serif; margin: 24px auto; max-width: 1240px; padding: 0 16px; color: #222;
+       background: #fff; line-height: 1.4; }
+h1 { font-size: 22px; margin: 0 0 4px 0; }
+h2 { font-size: 17px; margin: 28px 0 8px 0; border-bottom: 1px solid #ddd; padding-bottom: 3px; }
+p.sub { color: #555; margin: 0 0 12px 0; }
+nav a { margin-right: 12px; font-size: 13px; color: #2a5d9f; }
+pre { font-family: monospace; font-size: 12px; background: #f7f7f7; border: 1px solid #e3e3e3;
+      padding: 8px; overflow-x: auto; }
+pre strong { background: #fff3c4; font-weight: bold; }
+.chart { overflow-x: auto; margin: 8px 0; }
+.chart svg { display: block; }
+ul { margin: 6px 0; padding-left: 22px; }
+li { margin: 2px 0; }
+.note { color: #555; font-size: 13px; }
+.error { color: #b00020; }
+footer { margin-top: 32px; color: #777; font-size: 12px; }
+"""
+
+SECTIONS = (("workload", "Workload"), ("plan", "Chosen plan"), ("alternatives", "Plans in the file"),
+            ("time", "Step time"), ("timeline", "Pipeline timeline"), ("memory", "Memory per GPU"),
+            ("training", "Time and cost to train"), ("whatif", "What if"))
+
+
+def _pre(text: str, strong_line: int | None = None) -> str:
+    lines = [escape(line) for line in text.splitlines()]
+    if strong_line is not None and 0 <= strong_line < len(lines):
+        lines[strong_line] = f"<strong>{lines[strong_line]}</strong>"
+    return "<pre>" + "\n".join(lines) + "</pre>"
+
+
+def _items(lines: Sequence[str], css: str = "") -> str:
+    cls = f' class="{css}"' if css else ""
+    return "<ul>" + "".join(f"<li{cls}>{escape(line)}</li>" for line in lines) + "</ul>"
+
+
+def stage_labels(plan: Any, workload: Any) -> list[str]:
+    """The timeline's row labels: the stage, its GPU types and its dp and tp degrees."""
+    labels = []
+    for j, s in enumerate(plan.stages):
+        gpus = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
+        labels.append(f"stage {j}: {gpus} dp{s.dp} tp{s.tp}")
+    return labels
+
+
+def report_html(plan_file: Any, index: int = 1, tokens: float | None = None,
+                prices: dict[str, float] | None = None, whatif: Sequence[WhatIfResult] | None = None,
+                whatif_planner: str = "") -> str:
+    """The page for plan ``index`` of ``plan_file`` (a ``planfile.PlanFile``).
+    ``tokens`` / ``prices``: as ``hetplan plan --tokens / --price-per-gpu-hour``;
+    ``whatif``: ``report.whatif.run_whatif``'s results, made by ``whatif_planner``."""
+    from hetplan import __version__
+    from hetplan.cli import _header
+    from hetplan.cost import CostModel
+    from hetplan.errors import HetplanError
+    from hetplan.plan import RankedPlan
+    from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
+    from hetplan.report.text import breakdown, explain, memory_table, ranked_table, runtime_pipeline_note
+    from hetplan.report.training import training_lines, training_numbers
+    from hetplan.report.whatif import whatif_table
+    from hetplan.simulate import makespan, simulate_plan
+    from hetplan.units import format_time
+
+    plan = plan_file.plan(index)
+    workload = plan_file.workload(index)
+    cost_model = CostModel(workload)
+    estimate = cost_model.estimate(plan)
+    parts = cost_model.memory_breakdown(plan)
+    model, cluster = workload.model, workload.cluster
+
+    # every plan of the file, re-estimated with the workload it was made for
+    ranked, problems = [], []
+    models = {workload.global_batch_size: cost_model}
+    for k in range(1, len(plan_file.plans) + 1):
+        try:
+            p, w = plan_file.plan(k), plan_file.workload(k)
+            cm = models.setdefault(w.global_batch_size, CostModel(w))
+            ranked.append((k, RankedPlan(p, cm.estimate(p))))
+        except HetplanError as exc:
+            problems.append(f"plan {k}: {exc}")
+    chosen_row = next((i for i, (k, _) in enumerate(ranked) if k == index), None)
+
+    events = simulate_plan(cost_model, plan, estimate)
+    simulated = makespan(events)
+    pipeline = estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
+    numbers = training_numbers(plan, estimate, cluster, model.seq_len, tokens, prices)
+
+    title = f"hetplan report: {model.name} on {cluster.name}"
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+           '<meta name="viewport" content="width=device-width, initial-scale=1">',
+           f"<title>{escape(title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>",
+           f"<h1>{escape(title)}</h1>",
+           f'<p class="sub">plan {index} of {len(plan_file.plans)} in {escape(plan_file.path)}: '
+           f"{escape(format_time(estimate.iteration_time_s))} per step, "
+           f"{estimate.tokens_per_s:,.0f} tokens/s, {'fits' if estimate.fits else 'OUT OF MEMORY'}</p>",
+           "<nav>" + "".join(f'<a href="#{sid}">{name}</a>' for sid, name in SECTIONS
+                             if sid != "whatif" or whatif is not None) + "</nav>"]
+
+    out += ['<section id="workload">', "<h2>Workload</h2>", _pre(_header(workload)), "</section>"]
+
+    why = [*explain(plan, estimate, workload)]
+    notes = [*plan.notes, runtime_pipeline_note(plan, model)]
+    out += ['<section id="plan">', "<h2>Chosen plan</h2>", _pre(plan.describe()),
+            "<p>Why this plan:</p>", _items(why)]
+    if any(notes):
+        out += ['<p class="note">Notes:</p>', _items([n for n in notes if n], "note")]
+    out.append("</section>")
+
+    out += ['<section id="alternatives">', "<h2>Plans in the file</h2>",
+            f"<p>Every plan of the file, re-estimated with the model, cluster and settings it embeds "
+            f"(# = its place in the file; the highlighted row is plan {index}, which this page describes).</p>"]
+    if ranked:
+        table = ranked_table([r for _, r in ranked])
+        if [k for k, _ in ranked] != list(range(1, len(ranked) + 1)):  # a skipped plan shifts the numbering
+            table += "\n(file positions: " + ", ".join(str(k) for k, _ in ranked) + ")"
+        out.append(_pre(table, None if chosen_row is None else 2 + chosen_row))
+    if problems:
+        out.append(_items(problems, "error"))
+    out.append("</section>")
+
+    out += ['<section id="time">', "<h2>Where the step time goes</h2>",
+            '<div class="chart">' + breakdown_svg(estimate, "step time by part (they add up to the total)")
+            + "</div>", _pre(breakdown(estimate)), "</section>"]
+
+    out += ['<section id="timeline">', "<h2>Pipeline timeline</h2>",
+            f'<p class="note">The schedule replayed event by event with the cost model\'s stage times '
+            f"(blue forward, orange backward, numbers are micro-batches). Simulated pipeline "
+            f"{escape(format_time(simulated))}, closed form {escape(format_time(pipeline))}; the step time in "
+            f"the tables ({escape(format_time(estimate.iteration_time_s))}, dashed line) is the closed form plus "
+            f"the exposed data-parallel sync and the optimizer step.</p>",
+            '<div class="chart">' + timeline_svg(events, stage_labels(plan, workload), plan.describe(),
+                                                 estimate.iteration_time_s) + "</div>", "</section>"]
+
+    out += ['<section id="memory">', "<h2>Memory per GPU</h2>",
+            '<p class="note">Peak memory of each GPU by category, inside the outline of its capacity; '
+            "stages left to right, the GPU type under each.</p>",
+            '<div class="chart">' + memory_svg(plan, estimate, workload, "peak memory per GPU", parts) + "</div>",
+            _pre(memory_table(plan, estimate, workload, parts)), "</section>"]
+
+    hint = [] if tokens and prices is not None else [
+        "add --tokens N (e.g. 300B) for days and GPU-hours, --price-per-gpu-hour for the cost"]
+    out += ['<section id="training">', "<h2>Time and cost to train</h2>", _items(training_lines(numbers))]
+    if hint:
+        out.append(_items(hint, "note"))
+    out.append("</section>")
+
+    if whatif is not None:
+        what = whatif[0].label.split("=")[0] if whatif else ""
+        out += ['<section id="whatif">', "<h2>What if</h2>",
+                f"<p>The best plan ({escape(whatif_planner or 'planner')}) of the same model as {escape(what)} "
+                "changes; everything else as in the file.</p>", _pre(whatif_table(whatif, tokens))]
+        errors = [f"{r.label}: {r.error}" for r in whatif if r.error]
+        if errors:
+            out.append(_items(errors, "error"))
+        out.append("</section>")
+
+    out += [f"<footer>hetplan {escape(__version__)} report of {escape(plan_file.path)}</footer>",
+            "</body>", "</html>", ""]
+    return "\n".join(out)

@@ -1,0 +1,197 @@
+"""Plans a given tool can run: ``hetplan plan/compare --target TOOL``.
+
+A planner's search runs as usual; its ranking then keeps only the plans the
+tool (torchtitan, Megatron-LM, DeepSpeed) can run, decided by the export
+itself (``hetplan.export.exportable``: the plans ``hetplan export`` refuses
+are the ones dropped). A heterogeneity-aware planner's best plans often mix
+per-layer strategies or uneven splits no tool expresses, so the planner is
+asked for more candidates (``candidate_count``), and the uniform planner's
+plans (every uniform 3D setting, which the tools run) filtered the same way
+join them (``uniform="merge"``) or stand in when none of the planner's can run
+(``uniform="fallback"``). The result says how much slower the best plan the
+tool can run is than the best plan found overall.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from hetplan.cost.workload import Workload
+from hetplan.errors import HetplanError
+from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TARGETS, TOOL_NAMES, exportable, try_render
+from hetplan.plan import RankedPlan
+
+# How many of a planner's best plans to look at, per plan asked for, and at most.
+CANDIDATES_PER_PLAN = 20
+MAX_CANDIDATES = 200
+UNIFORM_MODES = ("merge", "fallback")
+
+
+def candidate_count(top_k: int) -> int:
+    """How many plans to ask a planner for when ``top_k`` the tool can run are wanted."""
+    return max(top_k, min(top_k * CANDIDATES_PER_PLAN, MAX_CANDIDATES))
+
+
+def tool_name(tool: str) -> str:
+    return TOOL_NAMES.get(tool, tool)
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    """The plans ``tool`` can run, best first, and the best plan found overall."""
+
+    tool: str
+    plans: tuple[RankedPlan, ...]
+    best_overall: RankedPlan
+    best_overall_refusal: str  # why the tool cannot run best_overall; "" if it can
+    slowdown: float  # predicted time per sample of plans[0] / best_overall's, minus 1
+    notes: tuple[str, ...]
+    source: str  # the planner of plans[0]: the one searched, or "uniform" (merged or fallen back to)
+    torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION
+
+    @property
+    def best(self) -> RankedPlan:
+        return self.plans[0]
+
+    def summary(self) -> str:
+        """One line: the best plan the tool can run, and what the restriction costs."""
+        from hetplan.units import format_time
+
+        name = tool_name(self.tool)
+        here = f"best plan {name} can run: {format_time(self.best.estimate.iteration_time_s)}/step"
+        if not self.best_overall_refusal:
+            return f"{here}, the best plan overall (0.0% slower)"
+        overall = self.best_overall.estimate.iteration_time_s
+        return (f"{here}, {100 * self.slowdown:.1f}% slower than the best plan overall ({format_time(overall)}, "
+                f"not exportable: {self.best_overall_refusal})")
+
+
+def _time_per_sample(r: RankedPlan) -> float:
+    return r.estimate.iteration_time_s / r.plan.global_batch_size
+
+
+def _key(r: RankedPlan) -> tuple[int, float, str]:
+    """Fitting plans first, then fastest per sample (per step: every plan of a
+    search has the same batch, unless the planner chose it), then by text."""
+    return (0 if r.estimate.fits else 1, _time_per_sample(r), r.plan.describe())
+
+
+def slowdown(best: RankedPlan, overall: RankedPlan) -> float:
+    """How much slower ``best`` is than ``overall``: the ratio of their predicted
+    step times minus 1 (of times per sample when their batches differ)."""
+    if best.plan.global_batch_size == overall.plan.global_batch_size:
+        return best.estimate.iteration_time_s / overall.estimate.iteration_time_s - 1
+    return _time_per_sample(best) / _time_per_sample(overall) - 1
+
+
+def _tool_settings(r: RankedPlan, workload: Workload, tool: str, torchtitan_version: str) -> tuple[object, ...]:
+    """What the tool is given for the plan: plans with the same export are one
+    plan to the tool (e.g. a layer's tp written out or left to its stage's)."""
+    export = try_render(r.plan, workload.model, tool, workload.cluster, torchtitan_version)[0]
+    assert export is not None, "only plans the tool can run are compared"
+    return (export.text, tuple(sorted(export.files.items())))
+
+
+def uniform_plans_for(workload: Workload, tool: str, top_k: int,
+                      torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> tuple[list[RankedPlan], int, int]:
+    """The uniform planner's candidates (every uniform 3D setting) that ``tool``
+    can run, ranked by the cost model: (best ``top_k``, how many it can run, how
+    many there are). A one-line HetplanError when it can run none, or none fits."""
+    from hetplan.search.base import cost_model_for, rank_plans
+    from hetplan.search.baselines.uniform import UniformPlanner
+
+    planner = UniformPlanner()
+    candidates = list(planner.candidates(workload))
+    if not candidates:
+        planner.plan(workload, top_k)  # raises its own reason (no data-parallel degree divides the batch)
+    refusals = Counter()
+    kept = []
+    for plan in candidates:
+        why = exportable(plan, workload.model, tool, workload.cluster, torchtitan_version)
+        if why:
+            refusals[why] += 1
+        else:
+            kept.append(plan)
+    name = tool_name(tool)
+    if not kept:
+        reason, count = refusals.most_common(1)[0]
+        raise HetplanError(f"{name} can run none of the {len(candidates)} uniform 3D plans ({count} refused with: "
+                           f"{reason})")
+    try:
+        ranked = rank_plans(cost_model_for(workload, None), kept, top_k)
+    except HetplanError as exc:
+        raise HetplanError(f"none of the {len(kept)} uniform 3D plans {name} can run fits: {exc}") from None
+    return ranked, len(kept), len(candidates)
+
+
+def plans_for_target(ranked: Sequence[RankedPlan], workload: Workload, tool: str, top_k: int, planner: str,
+                     uniform: str = "merge",
+                     torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> TargetResult:
+    """Keep the plans of ``ranked`` (a planner's best, best first) that ``tool``
+    can run; with ``uniform="merge"`` rank them with the uniform 3D plans it can
+    run, with ``"fallback"`` use those only when none of ``ranked`` can run.
+    The best plan overall is the best of ``ranked`` and those uniform plans.
+    A one-line HetplanError when the tool can run no plan."""
+    if tool not in TARGETS:
+        raise HetplanError(f"unknown target {tool!r}; choose one of {', '.join(TARGETS)}")
+    if uniform not in UNIFORM_MODES:
+        raise ValueError(f"uniform must be one of {UNIFORM_MODES}, not {uniform!r}")
+    if not ranked:
+        raise HetplanError(f"planner {planner!r} returned no plan")
+    name = tool_name(tool)
+    model, cluster = workload.model, workload.cluster
+    refusals = [exportable(r.plan, model, tool, cluster, torchtitan_version) for r in ranked]
+    own = [r for r, why in zip(ranked, refusals) if not why]
+    first_refusal = next((why for why in refusals if why), "")
+    examined = f"{planner}'s {len(ranked)} best plan{'s' if len(ranked) > 1 else ''}"
+    notes = []
+    uniform_ranked: list[RankedPlan] = []
+    uniform_error = ""
+    if uniform == "merge" or not own:
+        best_batch = min(ranked, key=_key).plan.global_batch_size  # a batch-searching planner's choice
+        w = workload if best_batch == workload.global_batch_size else replace(workload, global_batch_size=best_batch)
+        try:
+            uniform_ranked, can, total = uniform_plans_for(w, tool, top_k, torchtitan_version)
+            uniform_note = f"{can} of the {total} uniform 3D plans"
+        except HetplanError as exc:
+            uniform_error = str(exc)
+    if not own and not uniform_ranked:
+        raise HetplanError(f"no plan {name} can run: none of {examined} (the best refused with: {first_refusal}); "
+                           f"{uniform_error}")
+    seen: set[tuple[object, ...]] = set()
+    merged = []
+    for r in sorted(own + uniform_ranked, key=_key):  # stable: the planner's own plan first on a tie
+        settings = _tool_settings(r, workload, tool, torchtitan_version)
+        if settings not in seen:
+            seen.add(settings)
+            merged.append(r)
+    kept = tuple(merged[:top_k])
+    overall = min([*ranked, *uniform_ranked], key=_key)
+    refusal = next((why for r, why in zip(ranked, refusals) if r is overall), "")
+    from_uniform = not any(r is kept[0] for r in own)
+    if not own:
+        notes.append(f"{name} can run none of {examined} (the best refused with: {first_refusal}); these are the "
+                     f"uniform planner's plans it can run ({uniform_note}), ranked the same way")
+    else:
+        line = f"{name} can run {len(own)} of {examined}"
+        if uniform == "merge":
+            line += f", ranked with the {uniform_note} it can run" if uniform_ranked else \
+                f" (and no uniform 3D plan: {uniform_error})"
+            if from_uniform and planner != "uniform":
+                line += f"; the best is the uniform planner's, faster than any of {planner}'s it can run"
+        notes.append(line)
+    return TargetResult(tool, kept, overall, refusal, slowdown(kept[0], overall), tuple(notes),
+                        "uniform" if from_uniform else planner, torchtitan_version)
+
+
+def target_json(result: TargetResult, overall: dict[str, Any]) -> dict[str, Any]:
+    """What ``--json`` adds with ``--target``: the tool, the slowdown, the best
+    plan overall (``overall``: its ranked JSON) and why the tool cannot run it."""
+    data: dict[str, Any] = {"target": result.tool, "slowdown": result.slowdown,
+                            "best_overall": {**overall, "refusal": result.best_overall_refusal},
+                            "target_notes": list(result.notes)}
+    if result.tool == "torchtitan":
+        data["torchtitan_version"] = result.torchtitan_version
+    return data
