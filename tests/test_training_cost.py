@@ -9,6 +9,7 @@ import pytest
 
 from hetplan.argtypes import gpu_prices, token_count
 from hetplan.cli import main
+from hetplan.errors import HetplanError
 
 
 def test_token_counts_and_prices_parse():
@@ -44,7 +45,7 @@ def test_days_gpu_hours_and_cost_follow_from_the_step_time(tmp_path, capsys):
     assert n["gpu_hours"] == pytest.approx(16 * n["steps"] * t / 3600)
     assert n["usd_per_hour"] == pytest.approx(8 * 0.5 + 8 * 2.0)  # 8 T4 + 8 V100
     assert n["usd"] == pytest.approx(n["usd_per_hour"] * n["steps"] * t / 3600)
-    assert "GPU-hours per billion tokens" in out and "1e+10 tokens:" in out and "per billion tokens." in out
+    assert "GPU-hours per billion tokens" in out and "1e+10 tokens:" in out and "per billion tokens (prices from --price-per-gpu-hour)." in out
 
 
 def test_a_gpu_without_a_price_is_an_error(tmp_path, capsys):
@@ -82,3 +83,42 @@ def test_whatif_bad_vary_is_one_line(vary, needle, capsys):
 def test_whatif_refuses_to_resize_a_mixed_cluster(capsys):
     assert main(["whatif", "--model", "gpt3-1.3b", "--cluster", "metis-t4-v100-16", "--vary", "gpus=8"]) == 2
     assert "mixes GPU types" in capsys.readouterr().err
+
+
+def _numbers(cluster, prices=None):  # type: ignore[no-untyped-def]
+    from hetplan.cost import CostModel, Workload
+    from hetplan.model import get_model
+    from hetplan.report.training import training_numbers
+    from hetplan.search.baselines.uniform import uniform_plan
+
+    workload = Workload(get_model("gpt3-1.3b"), cluster, 64)
+    plan = uniform_plan(workload, cluster.num_devices, 1, 1, 1)
+    return training_numbers(plan, CostModel(workload).estimate(plan), cluster, 1024, None, prices)
+
+
+def test_default_prices_are_named_and_used_only_for_their_gpus() -> None:
+    from hetplan.cluster import load_cluster
+    from hetplan.report.training import DEFAULT_PRICES_PER_GPU_HOUR, DEFAULT_PRICE_SOURCE, training_lines
+
+    n = _numbers(load_cluster("8xH100"))
+    assert n["usd_per_hour"] == pytest.approx(8 * DEFAULT_PRICES_PER_GPU_HOUR["H100"])
+    assert n["price_source"] == DEFAULT_PRICE_SOURCE and "Mercatus" in training_lines(n)[1]
+    t4 = _numbers(load_cluster("8xT4"))
+    assert "usd_per_hour" not in t4 and t4["unpriced_gpus"] == "T4"
+    assert "no cost: no price for T4" in training_lines(t4)[1]
+    assert _numbers(load_cluster("8xT4"), {"*": 0.5})["usd_per_hour"] == pytest.approx(4.0)
+
+
+def test_cluster_file_prices_its_nodes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hetplan.cluster import cluster_from_dict, cluster_to_dict, load_cluster_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes:\n  - {gpu: T4, gpus: 4, intra_node_bandwidth_gbps: 50, price_per_gpu_hour: 0.35}\n"
+                    "  - {gpu: H100, gpus: 4, intra_node_bandwidth_gbps: 7200}\ninter_node_bandwidth_gbps: 100\n")
+    cluster = load_cluster_yaml(path)
+    assert cluster_from_dict(cluster_to_dict(cluster), "copy") == cluster  # a plan file keeps the prices
+    n = _numbers(cluster)
+    assert n["usd_per_hour"] == pytest.approx(4 * 0.35 + 4 * 3.00)  # the file's T4 price, H100 by default
+    assert "the cluster file" in n["price_source"] and "default prices" in n["price_source"]
+    with pytest.raises(HetplanError, match="no price for GPU type H100"):
+        _numbers(cluster, {"V100-16GB": 1.0})  # given prices must cover what the file does not

@@ -21,6 +21,7 @@ Format (every key is checked; an unknown key is an error, never ignored)::
         inter_node_bandwidth_gbps: 10   # optional: this node's own network speed
         memory_gb: 16                   # optional: usable memory per GPU
         overrides: {memory_bandwidth_gbps: 800}   # optional: any GPU number, this node only
+        price_per_gpu_hour: 2.1         # optional: what one GPU of this node costs per hour
       - gpu: T4
         gpus: 4
         intra_node_bandwidth_gbps: 50
@@ -56,7 +57,7 @@ from hetplan.userfiles import read_yaml
 _TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types",
              "calibration"}
 _NODE_KEYS = {"gpu", "gpus", "intra_node_bandwidth_gbps", "count", "inter_node_bandwidth_gbps", "memory_gb", "name",
-              "overrides"}
+              "overrides", "price_per_gpu_hour"}
 GB_PER_S = 1e9  # memory bandwidth is quoted in decimal GB/s on datasheets
 
 # A GPU's numbers as a file writes them: key -> (GPUSpec attribute, SI units per file unit).
@@ -315,13 +316,14 @@ def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int)
     inter = _number(f"{where}.inter_node_bandwidth_gbps", nd["inter_node_bandwidth_gbps"]) \
         if "inter_node_bandwidth_gbps" in nd else 0.0
     memory = int(_number(f"{where}.memory_gb", nd["memory_gb"]) * GIB) if "memory_gb" in nd else 0
+    price = _number(f"{where}.price_per_gpu_hour", nd["price_per_gpu_hour"]) if "price_per_gpu_hour" in nd else 0.0
     gpu = _node_gpu(where, nd, custom)
     nodes = []
     for k in range(int(count)):
         label = _text(f"{where}.name", nd.get("name", f"node{first_index + k}"))
         if count > 1:
             label = f"{label}-{k}"
-        nodes.append(NodeSpec(gpu, int(gpus), intra, inter, memory, label))
+        nodes.append(NodeSpec(gpu, int(gpus), intra, inter, memory, label, price_per_gpu_hour=price))
     return nodes
 
 
@@ -379,6 +381,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
             entry["inter_node_bandwidth_gbps"] = node.inter_bandwidth_gbps
         if node.memory_bytes:
             entry["memory_gb"] = node.memory_bytes / GIB
+        if node.price_per_gpu_hour:
+            entry["price_per_gpu_hour"] = node.price_per_gpu_hour
         nodes.append(entry)
     data: dict[str, Any] = {"name": cluster.name, "description": cluster.description}
     if custom:

@@ -34,6 +34,7 @@ class NodeSpec:
             0 means the cluster-wide default.
         memory_bytes: per-GPU memory override (0 = the GPU type's value).
         name: label used in reports.
+        price_per_gpu_hour: what one of its GPUs costs per hour (0 = not given).
         gpu_spec: the resolved GPU type (set from ``gpu_type`` when not given);
             compared with the rest, so two nodes of differently capped or tuned
             GPUs never compare equal.
@@ -46,6 +47,7 @@ class NodeSpec:
     memory_bytes: int = 0
     name: str = ""
     gpu_spec: GPUSpec | None = None
+    price_per_gpu_hour: float = 0.0
 
     def __post_init__(self) -> None:
         spec = self._resolve_gpu()
@@ -62,6 +64,8 @@ class NodeSpec:
             raise HetplanError(f"node {label!r}: inter-node bandwidth must be positive")
         if self.memory_bytes < 0:
             raise HetplanError(f"node {label!r}: memory must be positive")
+        if not (self.price_per_gpu_hour >= 0 and math.isfinite(self.price_per_gpu_hour)):
+            raise HetplanError(f"node {label!r}: price_per_gpu_hour must be a number >= 0")
 
     def _resolve_gpu(self) -> GPUSpec:
         """The GPUSpec this node runs: given directly, given as ``gpu_spec``
