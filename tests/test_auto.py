@@ -121,3 +121,17 @@ def test_a_tiny_work_budget_is_reported() -> None:
     assert planner.stats.budget_hit and planner.stats.solves == 1
     assert best.estimate.fits
     assert any("work budget of 1 exact layout solves" in n for n in best.plan.notes)
+
+
+def test_a_plan_is_listed_once_whether_its_layers_write_out_their_tp_or_not() -> None:
+    """Galvatron-BMW's seeds write each layer's tp (1 on a tp1 stage), Metis's leave it
+    at 0 (the stage's): the same plan, one row (it was listed twice, e.g. on local-cpu-2)."""
+    ranked = AutoPlanner().plan(Workload(get_model("tiny-gpt"), load_cluster("local-cpu-2"), 8), top_k=5)
+
+    def canonical(plan):  # noqa: ANN001, ANN202
+        return (plan.micro_batch_size, plan.num_micro_batches, plan.schedule, plan.virtual_stages,
+                tuple((st.layers, st.devices, st.dp, st.tp, st.dp_split, st.sequence_parallel,
+                       tuple((ls.zero, ls.recompute, ls.tp or st.tp) for ls in st.strategies)) for st in plan.stages))
+
+    keys = [canonical(r.plan) for r in ranked]
+    assert len(keys) == len(set(keys)), [r.plan.describe() for r in ranked]

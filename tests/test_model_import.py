@@ -110,6 +110,17 @@ def test_directory_with_config_json(tmp_path: Path) -> None:
     assert spec.layer_index("model.layers.3") == 4
 
 
+def test_config_json_named_by_its_directory_however_the_path_is_spelled(tmp_path: Path, monkeypatch) -> None:
+    """`--model config.json` run inside the model's directory names the model like
+    `--model /abs/my-llama/config.json` does (was "config"), so a plan made one way
+    is the same model for the runtime's name check when given the other way."""
+    (tmp_path / "my-llama").mkdir()
+    (tmp_path / "my-llama" / "config.json").write_text((CONFIGS / "llama-tiny.json").read_text())
+    monkeypatch.chdir(tmp_path / "my-llama")
+    assert model_from_hf_config("config.json").name == "my-llama"
+    assert model_from_hf_config(str(tmp_path / "my-llama" / "config.json")).name == "my-llama"
+
+
 # --------------------------------------------------------------------------- HF configs: structure
 
 

@@ -112,8 +112,9 @@ def test_stage_layout_is_the_per_replica_one(name: str) -> None:
         for r in range(dp):
             group = devices[r * tp:(r + 1) * tp]
             gpu = kernel.slowest_gpu(group)
-            rate = allreduce_time(cluster, group, 1.0) if tp > 1 else 0.0
-            times.setdefault((gpu.name, split[r], rate), (gpu, split[r], rate))
+            link = (allreduce_time(cluster, group, 1.0), collective_latency(cluster, group, "allreduce")) \
+                if tp > 1 else (0.0, 0.0)
+            times.setdefault((gpu.name, split[r], link), (gpu, split[r], link))
             for position in range(r * tp, (r + 1) * tp):
                 key = (split[r], kernel.capacity_bytes(devices[position]), kernel.overhead_bytes(devices[position]))
                 memory.setdefault(key, []).append(position)

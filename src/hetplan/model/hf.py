@@ -741,6 +741,20 @@ def _analytic_layers(
 # --------------------------------------------------------------------------- public API
 
 
+def _json_config(config: Any) -> dict[str, Any] | None:
+    """The config's non-default values as JSON (``AutoConfig.for_model(**values)``
+    rebuilds it), or None when a value is not JSON (then the plan cannot be
+    trained by 'hetplan train' and says so)."""
+    import json
+
+    values = config.to_diff_dict()
+    values["model_type"] = config.model_type
+    try:
+        return json.loads(json.dumps(values, allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+
+
 def model_from_hf_config(
     source: Any,
     seq_len: int | None = None,
@@ -834,6 +848,9 @@ def model_from_hf_config(
     architecture = _architecture(config, family, facts)
     if architecture:
         meta["architecture"] = architecture
+    config_values = _json_config(config)
+    if config_values is not None:  # what 'hetplan train' builds the model from, the file deleted or not
+        meta["hf_config"] = config_values
     return ModelSpec(
         name=spec_name,
         family=family,
@@ -966,7 +983,7 @@ def _default_name(config: Any, from_file: bool, where: str) -> str:
     if name_or_path:
         return str(name_or_path).rstrip("/").split("/")[-1]
     if from_file:
-        path = Path(where)
+        path = Path(os.path.abspath(where))  # "config.json" in the current directory: that directory's name
         return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     return config.model_type
 

@@ -1,7 +1,8 @@
 """``hetplan train`` and ``hetplan run``: the runtime's commands.
 
     hetplan train --model tiny-gpt --plan p.json --steps 3 [--verify]
-        train a built-in model on synthetic data with the plan, on this machine
+        train the plan's model (a built-in preset, or the HF class of a config.json
+        plan) on synthetic data with the plan, on this machine
         (torchrun, one process per device of the plan); print loss and step
         time. --verify also trains the single-process reference on the same
         data and seed and exits 1 if a loss or parameter differs by more than
@@ -49,7 +50,7 @@ def _timeout_env(args: argparse.Namespace) -> dict[str, str]:
 
 def register(subparsers: Any) -> None:
     """Add ``train`` and ``run`` to the hetplan CLI's subparsers."""
-    p = subparsers.add_parser("train", help="train a built-in model with a plan on this machine (needs torch)")
+    p = subparsers.add_parser("train", help="train the plan's model (preset or HF config) with a plan on this machine (needs torch)")
     p.add_argument("--model", default=None, help="model preset (default: the plan's model)")
     p.add_argument("--plan", required=True, help="plan JSON from 'hetplan plan/estimate --json'")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
@@ -149,14 +150,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from hetplan.runtime import launch
     from hetplan.runtime.context import check_plan_precision, preflight
-    from hetplan.runtime.models import build_preset_model
+    from hetplan.runtime.models import model_build
 
     plan, spec, cluster, layout, precision = check_plan_precision(args.plan, args.model)
     if args.precision and args.precision != precision:
         raise HetplanError(f"the plan trains in {precision}, not {args.precision}; make a plan with "
                            f"--precision {args.precision} (the cost model and the runtime use the plan's)")
     with torch.device("meta"):
-        meta = build_preset_model(spec)
+        meta = model_build(spec).build()
     preflight(layout, spec, meta)
     nodes = launch.plan_nodes(plan, cluster)
     n = layout.world_size
@@ -211,7 +212,7 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
 
     import torch
 
-    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.models import model_build
     from hetplan.runtime.reference import (
         build_reference,
         compare,
@@ -226,11 +227,16 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
     start = int(summary.get("start_step", 0))
     if start:
         raise HetplanError("--verify compares a run from step 0; drop --resume/--load")
-    ref = build_reference(lambda: build_preset_model(spec), args.seed)
+    how = model_build(spec)
+    if how.meta_init:
+        ref = build_reference(how.build, args.seed)
+    else:  # built for real under the seed, as every rank built it
+        torch.manual_seed(args.seed)
+        ref = how.build()
     opt = make_optimizer(ref.parameters(), args.optimizer, args.lr)
     batches = [synthetic_batch(spec.vocab_size, spec.seq_len, plan.global_batch_size, s, args.seed)
                for s in range(args.steps)]
-    ref_losses = train_reference(ref, batches, cross_entropy_loss, opt, clip=args.clip or None, precision=precision)
+    ref_losses = train_reference(ref, batches, how.loss, opt, clip=args.clip or None, precision=precision)
     result = compare(summary["losses"], ref_losses, state, ref.state_dict())
     print(f"verify: single-process reference on the same data, seed, initial values and precision ({precision})")
     print(f"{'step':>4}  {'loss (plan)':>14}  {'loss (reference)':>16}  {'rel. diff':>9}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -297,3 +298,44 @@ def _check_params(spec, cfg: GPTConfig) -> None:  # noqa: ANN001
 def build_preset_model(spec) -> GPT:  # noqa: ANN001
     """The built-in runtime model for a decoder preset (on the current default device)."""
     return GPT(config_from_spec(spec))
+
+
+# --- what 'hetplan train' builds -------------------------------------------------------
+@dataclass(frozen=True)
+class ModelBuild:
+    """How ``hetplan train`` builds a plan's model: ``build()`` returns the full
+    model; ``loss(output, targets)`` its training loss; ``meta_init``: built on
+    the meta device and initialised by hetplan (the built-in model), or built
+    for real under ``torch.manual_seed(seed)`` (HF models: their rotary and
+    other buffers are computed at construction)."""
+
+    build: Callable[[], nn.Module]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    meta_init: bool
+
+
+def model_build(spec) -> ModelBuild:  # noqa: ANN001
+    """The built-in model for hetplan's presets; for a model imported from a HF
+    config, that HF class built from the config values the plan file embeds."""
+    if spec.meta.get("hf_class"):
+        return _hf_build(spec)
+    return ModelBuild(lambda: build_preset_model(spec), cross_entropy_loss, True)
+
+
+def _hf_build(spec) -> ModelBuild:  # noqa: ANN001
+    values, name = spec.meta.get("hf_config"), spec.meta["hf_class"]
+    if not isinstance(values, dict):
+        raise HetplanError(f"model {spec.name!r} came from a HF config, but its plan file does not hold the config "
+                           "values; make the plan again with this hetplan ('hetplan plan --model config.json')")
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise HetplanError(f"transformers {transformers.__version__} has no class {name}; install the version "
+                           "the plan was made with")
+    config = transformers.AutoConfig.for_model(**values)
+
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss(getattr(output, "logits", output), targets)
+
+    return ModelBuild(lambda: cls(config), loss, False)

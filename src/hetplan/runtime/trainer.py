@@ -47,12 +47,13 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
 
     from hetplan.runtime import checkpoint as ck
     from hetplan.runtime.context import init
-    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.models import model_build
     from hetplan.runtime.reference import make_optimizer, synthetic_batch
 
     ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None))
     plan, spec = ctx.plan, ctx.spec
-    model = ctx.parallelize(lambda: build_preset_model(spec), seed=cfg.seed, compile=cfg.compile)
+    how = model_build(spec)
+    model = ctx.parallelize(how.build, seed=cfg.seed, compile=cfg.compile, meta_init=how.meta_init)
     opt = make_optimizer(model.parameters(), cfg.optimizer, cfg.lr)
     for note in ctx.notes:
         if not cfg.quiet:
@@ -74,7 +75,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     for step in range(start, cfg.steps):
         x, y = synthetic_batch(spec.vocab_size, spec.seq_len, plan.global_batch_size, step, cfg.seed)
         t0 = time.perf_counter()
-        loss = ctx.train_step(model, (x, y), cross_entropy_loss, return_outputs=False)
+        loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False)
         if cfg.clip:
             ctx.clip_grad_norm_(model, cfg.clip)
         opt.step()

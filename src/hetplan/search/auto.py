@@ -326,7 +326,11 @@ class _AutoSearch:
                     planner="auto", notes=(note,))
 
     def add(self, plan: Plan) -> None:
-        key = (plan.micro_batch_size, plan.num_micro_batches, plan.schedule, plan.virtual_stages, plan.stages)
+        # a layer's tp written out equal to its stage's (Galvatron's per-layer plans) is the
+        # same plan as one that leaves it at 0: listed once
+        stages = tuple(replace(st, strategies=tuple(replace(ls, tp=0) if ls.tp == st.tp else ls
+                                                    for ls in st.strategies)) for st in plan.stages)
+        key = (plan.micro_batch_size, plan.num_micro_batches, plan.schedule, plan.virtual_stages, stages)
         if key in self.pool:
             return
         time_s, fits = self.cost.quick(plan)
