@@ -226,3 +226,28 @@ def read_back(cal: Calibration) -> Calibration:
     from hetplan.cost.calibration import calibration_from_dict
 
     return calibration_from_dict(json.loads(json.dumps(cal.to_dict())))
+
+
+def test_profiled_tp_layers_keep_their_measured_collectives() -> None:
+    """A layer profiled at tp 2 with its TP collectives inside (hetplan profile)
+    is costed at its measured time whole, with no TP estimate added; an entry
+    without them (an old profile) gets the kernel's TP communication on top."""
+    from hetplan.cluster import load_cluster
+    from hetplan.profile import ProfileDB, ProfileEntry
+
+    model = gpt_decoder("g", 2, 256, 4, 128, vocab=1024, dtype_bytes=4)
+    cluster = load_cluster("local-cpu-2")
+    keys = sorted({layer.profile_key for layer in model.layers})
+
+    def estimate(comm_inside: float):  # type: ignore[no-untyped-def]
+        entries = [ProfileEntry(k, "CPU", 2, 4, 0.010, 0.020, tp_comm_fwd_s=comm_inside, tp_comm_bwd_s=comm_inside)
+                   for k in keys]
+        workload = Workload(model, cluster, 8, profile=ProfileDB(entries))
+        plan = uniform_plan(workload, 1, 2, 1, 4)
+        return CostModel(workload).estimate(plan), plan
+
+    inside, plan = estimate(0.004)
+    assert inside.tp_comm_s == 0.0
+    assert inside.compute_s == pytest.approx(plan.num_micro_batches * len(model.layers) * 0.030)
+    old, _ = estimate(0.0)
+    assert old.tp_comm_s > 0 and old.compute_s == pytest.approx(inside.compute_s)

@@ -195,13 +195,17 @@ def test_profile_command_writes_a_file_estimate_uses(tmp_path) -> None:  # type:
     est = _hetplan("estimate", "--profile", str(out), "--model", MODEL, "--cluster", "local-cpu-2",
                    "--tp", "2", "--pp", "1", "--dp", "1", "--micro-batch", "2", "--global-batch", "4")
     assert est.returncode == 0, est.stderr
-    # the cost model takes the measured compute times for every layer
+    # the cost model takes the measured times for every layer, with the TP
+    # collectives they held where the profile timed them inside the layer
     db = load_profile(out)
     spec = get_model(MODEL)
     gpu = load_cluster("local-cpu-2").devices[0].gpu
     times = layer_times(layer_arrays(spec), gpu, 2, 2, "none", spec.dtype_bytes, profile=db)
     for i, layer in enumerate(spec.layers):
-        assert (times.fwd_s[i], times.bwd_s[i]) == pytest.approx(db.lookup(layer.profile_key, "CPU", 2, 2))
+        inside = db.includes_tp_comm(layer.profile_key, "CPU", 2)
+        assert bool(times.tp_comm_inside[i]) == inside
+        assert (times.fwd_s[i], times.bwd_s[i]) == pytest.approx(
+            db.lookup(layer.profile_key, "CPU", 2, 2, with_tp_comm=inside))
 
 
 def test_gpu_cluster_prints_a_torchrun_command_per_node(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

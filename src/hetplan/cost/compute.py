@@ -50,6 +50,7 @@ class LayerTimes:
     fwd_s: np.ndarray
     bwd_s: np.ndarray
     recompute_s: np.ndarray  # extra forward work done during backward
+    tp_comm_inside: np.ndarray | None = None  # per layer: its measured times hold its TP collectives
 
     @property
     def back_s(self) -> np.ndarray:
@@ -237,23 +238,30 @@ def layer_times(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, recomp
         zero = np.zeros(arrays.num_layers)
         return LayerTimes(zero, zero, zero)
     fwd, bwd = roofline_passes(arrays, gpu, batch, tp, dtype_bytes, sequence_parallel, unit)
-    measured = None
+    measured = comm_measured = None
     if profile is not None:
-        fwd, bwd, measured = _apply_profile(arrays, profile, gpu, batch, tp, fwd, bwd)
-    return LayerTimes(fwd, bwd, recompute_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured, unit))
+        fwd, bwd, measured, comm_measured = _apply_profile(arrays, profile, gpu, batch, tp, fwd, bwd)
+    return LayerTimes(fwd, bwd, recompute_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured, unit),
+                      comm_measured)
 
 
 def _apply_profile(arrays: LayerArrays, profile: ProfileDB, gpu: GPUSpec, batch: float, tp: int,
-                   fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Replace the roofline by measured times for every layer the profile has."""
+                   fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Replace the roofline by measured times for every layer the profile has.
+    Where the profile timed a layer with its TP collectives inside (``hetplan
+    profile`` at tp > 1), the layer keeps them (fourth array: True there) and
+    the kernel adds no TP communication of its own: the collectives as they
+    ran in the layer, not an alpha-beta estimate of them."""
     fwd, bwd = fwd.copy(), bwd.copy()
     measured = np.zeros(arrays.num_layers, dtype=bool)
-    found: dict[str, tuple[float, float] | None] = {}
+    with_comm = np.zeros(arrays.num_layers, dtype=bool)
+    found: dict[str, tuple[tuple[float, float] | None, bool]] = {}
     for index, key in enumerate(arrays.profile_keys):
         if key not in found:
-            found[key] = profile.lookup(key, gpu.name, tp, batch)
-        value = found[key]
+            inside = profile.includes_tp_comm(key, gpu.name, tp)
+            found[key] = (profile.lookup(key, gpu.name, tp, batch, with_tp_comm=inside), inside)
+        value, inside = found[key]
         if value is not None:
             fwd[index], bwd[index] = value
-            measured[index] = True
-    return fwd, bwd, measured
+            measured[index], with_comm[index] = True, inside
+    return fwd, bwd, measured, with_comm

@@ -192,7 +192,8 @@ class CostKernel:
                                 sequence_parallel, self.workload.profile, self.unit_work(gpu, tp, sequence_parallel))
             scale = self.calibration.compute(gpu.name) if self.calibration is not None else 1.0
             if scale != 1.0:
-                found = LayerTimes(found.fwd_s * scale, found.bwd_s * scale, found.recompute_s * scale)
+                found = LayerTimes(found.fwd_s * scale, found.bwd_s * scale, found.recompute_s * scale,
+                                   found.tp_comm_inside)
             self._times[key] = found
         return found
 
@@ -259,13 +260,18 @@ class CostKernel:
             latency *= self.calibration.latency_scale
         return self.collective_rate("allreduce", tuple(group)), latency
 
-    def tp_comm_time(self, recompute: str, batch: float, link: tuple[float, float]) -> np.ndarray:
+    def tp_comm_time(self, recompute: str, batch: float, link: tuple[float, float],
+                     times: LayerTimes | None = None) -> np.ndarray:
         """Per layer: a replica's TP all-reduces of ``batch`` samples over one
-        micro-batch's passes, bandwidth and latency."""
+        micro-batch's passes, bandwidth and latency; none for layers whose
+        measured ``times`` already hold them (``compute._apply_profile``)."""
         rate, latency = link
         if batch <= 0 or (rate == 0.0 and latency == 0.0):
             return np.zeros(self.num_layers)
-        return self.tp_comm_bytes(recompute) * batch * rate + self.tp_collective_counts(recompute) * latency
+        comm = self.tp_comm_bytes(recompute) * batch * rate + self.tp_collective_counts(recompute) * latency
+        if times is not None and times.tp_comm_inside is not None:
+            comm = np.where(times.tp_comm_inside, 0.0, comm)
+        return comm
 
     def supports_tp(self, tp: int) -> np.ndarray:
         """Per layer: ``LayerSpec.supports_tp`` (the one rule)."""
@@ -511,7 +517,7 @@ class CostKernel:
         found = self._time_classes.get(key)
         if found is None:
             t = self.layer_times(gpu, share, tp, recompute, sequence_parallel)
-            tpc = self.tp_comm_time(recompute, share, tp_link)
+            tpc = self.tp_comm_time(recompute, share, tp_link, t)
             parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s, tpc)]
             total = parts[0] + parts[1] + parts[2] + parts[3]
             found = self._time_classes[key] = _TimeClass(*parts, total=total, total_list=total.tolist())

@@ -92,7 +92,7 @@ def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
             f += float(t.fwd_s[indices].sum())
             b += float(t.bwd_s[indices].sum())
             rc += float(t.recompute_s[indices].sum())
-            c += float(kernel.tp_comm_time(recompute, batch, tp_link)[indices].sum())
+            c += float(kernel.tp_comm_time(recompute, batch, tp_link, t)[indices].sum())
         total = f + b + rc + c
         if worst is None or total > worst[0]:
             worst = (total, f, b, rc, c)

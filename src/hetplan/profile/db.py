@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from hetplan import fields as typed
 from hetplan.errors import HetplanError
@@ -134,6 +134,35 @@ SETTINGS_KEYS = ("model", "seq_len", "cluster", "precision", "tp", "batches", "w
 _TOP_KEYS = ("format", "version", "entries", "collectives", "fits", "unsupported", "machine", "settings")
 
 
+def _compose(table: Mapping[int, ProfileEntry], batch: float,
+             times: Callable[[ProfileEntry], tuple[float, float]]) -> tuple[float, float]:
+    """(fwd, bwd) ``times`` at ``batch``: measured, linear between the nearest
+    two measured sizes, or (outside them) composed from measured sizes,
+    largest first (Metis: 7 = 4 + 2 + 1), a fraction of the smallest last."""
+    if batch in table:
+        return times(table[int(batch)])
+    sizes = sorted(table)
+    below = [b for b in sizes if b < batch]
+    above = [b for b in sizes if b > batch]
+    if below and above:
+        lo, hi = table[below[-1]], table[above[0]]
+        (lo_f, lo_b), (hi_f, hi_b) = times(lo), times(hi)
+        w = (batch - lo.batch) / (hi.batch - lo.batch)
+        return lo_f + w * (hi_f - lo_f), lo_b + w * (hi_b - lo_b)
+    remaining, fwd, bwd = float(batch), 0.0, 0.0
+    for b in reversed(sizes):
+        while remaining >= b:
+            f, g = times(table[b])
+            fwd += f
+            bwd += g
+            remaining -= b
+    if remaining > 0:
+        f, g = times(table[sizes[0]])
+        fwd += f * remaining / sizes[0]
+        bwd += g * remaining / sizes[0]
+    return fwd, bwd
+
+
 def read_profile_json(path: str) -> object:
     """Parsed JSON of a profile file; unreadable or malformed files are one clear error."""
     return read_json(path, "profile")
@@ -169,34 +198,22 @@ class ProfileDB:
     def has(self, layer: str, gpu: str, tp: int) -> bool:
         return (layer, gpu, tp) in self._by_key
 
-    def lookup(self, layer: str, gpu: str, tp: int, batch: float) -> tuple[float, float] | None:
-        """Compute time of one forward and backward pass of ``layer`` on ``batch`` samples."""
+    def includes_tp_comm(self, layer: str, gpu: str, tp: int) -> bool:
+        """Whether the measured times of ``layer`` at ``tp`` hold its TP
+        collectives (``hetplan profile`` timed them inside the layer, and apart)."""
+        table = self._by_key.get((layer, gpu, tp), {})
+        return tp > 1 and any(e.tp_comm_fwd_s > 0 or e.tp_comm_bwd_s > 0 for e in table.values())
+
+    def lookup(self, layer: str, gpu: str, tp: int, batch: float,
+               with_tp_comm: bool = False) -> tuple[float, float] | None:
+        """Time of one forward and backward pass of ``layer`` on ``batch``
+        samples: compute only, or as measured, TP collectives included."""
         table = self._by_key.get((layer, gpu, tp))
         if not table or batch <= 0:
             return None
-        if batch in table:
-            return table[int(batch)].compute_times()
-        sizes = sorted(table)
-        below = [b for b in sizes if b < batch]
-        above = [b for b in sizes if b > batch]
-        if below and above:
-            lo, hi = table[below[-1]], table[above[0]]
-            (lo_f, lo_b), (hi_f, hi_b) = lo.compute_times(), hi.compute_times()
-            w = (batch - lo.batch) / (hi.batch - lo.batch)
-            return lo_f + w * (hi_f - lo_f), lo_b + w * (hi_b - lo_b)
-        # outside the profiled range: compose from profiled sizes, largest first
-        remaining, fwd, bwd = float(batch), 0.0, 0.0
-        for b in reversed(sizes):
-            while remaining >= b:
-                f, g = table[b].compute_times()
-                fwd += f
-                bwd += g
-                remaining -= b
-        if remaining > 0:  # a fraction of the smallest profiled size, linearly
-            f, g = table[sizes[0]].compute_times()
-            fwd += f * remaining / sizes[0]
-            bwd += g * remaining / sizes[0]
-        return fwd, bwd
+        if with_tp_comm:
+            return _compose(table, batch, lambda e: (e.fwd_s, e.bwd_s))
+        return _compose(table, batch, ProfileEntry.compute_times)
 
     # --- files -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -169,7 +169,10 @@ class MetisProfileDB(ProfileDB):
     def has_memory(self) -> bool:
         return self.memory_profile is not None
 
-    def lookup(self, layer: str, gpu: str, tp: int, batch: float) -> tuple[float, float] | None:
+    def lookup(self, layer: str, gpu: str, tp: int, batch: float,
+               with_tp_comm: bool = False) -> tuple[float, float] | None:
+        """Metis's composition (``compose_batch``); its files record no TP
+        collectives apart, so ``with_tp_comm`` changes nothing."""
         table = self._by_key.get((layer, gpu, tp))
         if not table or batch <= 0:
             return None

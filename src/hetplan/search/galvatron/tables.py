@@ -222,7 +222,7 @@ class GalvatronCosts:
                 continue
             seen.add((gpu.name, tp_link))
             t = k.layer_times(gpu, batch, s.tp, recompute)
-            tpc = k.tp_comm_time(recompute, batch, tp_link)
+            tpc = k.tp_comm_time(recompute, batch, tp_link, t)
             total = t.fwd_s + t.back_s + tpc
             if best is None:
                 best = (total, t.fwd_s, t.back_s, tpc)
