@@ -50,6 +50,18 @@ def at_most(maximum: int) -> Callable[[str], int]:
     return parse
 
 
+def zero_or_at_most(maximum: int) -> Callable[[str], int]:
+    """A whole number in [0, ``maximum``] (warm-up steps, repeats), for argparse ``type=``."""
+    def parse(text: str) -> int:
+        if text.strip() in ("0", "+0", "-0"):
+            return 0
+        if text.strip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text.strip()}")
+        return positive_int(text, maximum)
+    parse.__name__ = "non-negative whole number"
+    return parse
+
+
 def _finite_float(text: str) -> float:
     try:
         value = float(text)

@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TextIO
 
 from hetplan import fields
-from hetplan.argtypes import at_most, finite_positive_float
+from hetplan.argtypes import at_most, finite_positive_float, zero_or_at_most
 from hetplan.errors import HetplanError
+from hetplan.userfiles import check_writable_file
 from hetplan.plan import Plan
 
 MEASUREMENTS_FORMAT = "hetplan-measurements"
@@ -476,17 +477,6 @@ def _check_plan_file(where: str, data: Any) -> None:
 
 
 # --- the command ---------------------------------------------------------------------------------
-def _nonneg_int(maximum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        if text.strip() in ("0", "+0", "-0"):
-            return 0
-        if text.strip().startswith("-"):
-            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text.strip()}")
-        return at_most(maximum)(text)
-    parse.__name__ = "non-negative whole number"
-    return parse
-
-
 def register(subparsers: Any) -> None:
     """Add ``tune`` to the hetplan CLI (its workload options are ``hetplan plan``'s)."""
     from hetplan.cli import DEFAULT_PLANNER, _add_workload_args
@@ -499,7 +489,7 @@ def register(subparsers: Any) -> None:
                    f"at most {MAX_TOP_K})")
     p.add_argument("--steps", type=at_most(MAX_STEPS), default=DEFAULT_STEPS,
                    help=f"measured steps per plan (default {DEFAULT_STEPS}; the median counts)")
-    p.add_argument("--warmup", type=_nonneg_int(MAX_WARMUP), default=DEFAULT_WARMUP,
+    p.add_argument("--warmup", type=zero_or_at_most(MAX_WARMUP), default=DEFAULT_WARMUP,
                    help=f"steps before them, not measured (default {DEFAULT_WARMUP})")
     p.add_argument("--trial-timeout", type=finite_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
                    help=f"seconds before a trial is killed and marked failed (default {DEFAULT_TRIAL_TIMEOUT_S:g})")
@@ -514,17 +504,6 @@ def measurements_path(out: str, given: str | None) -> str:
     return given or os.path.splitext(out)[0] + ".measurements.json"
 
 
-def _check_output(flag: str, path: str) -> None:
-    """Fail before hours of trials, not after them."""
-    if os.path.isdir(path):
-        raise HetplanError(f"{flag} {path} is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise HetplanError(f"{flag} {path}: no directory {parent}; create it or give another path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise HetplanError(f"{flag} {path}: not writable; give another path")
-
-
 def cmd_tune(args: argparse.Namespace, runner: TrialRunner | None = None) -> int:
     """Plan, try the top plans, print and write the measured ranking."""
     from hetplan.cli import _header, _ranked_json, _run_planner, _write_json, load_workload
@@ -534,8 +513,8 @@ def cmd_tune(args: argparse.Namespace, runner: TrialRunner | None = None) -> int
     measurements = measurements_path(args.out, args.measurements)
     if os.path.abspath(measurements) == os.path.abspath(args.out):
         raise HetplanError("--measurements and -o/--out name the same file; give two")
-    _check_output("-o/--out", args.out)
-    _check_output("--measurements", measurements)
+    check_writable_file("-o/--out", args.out)
+    check_writable_file("--measurements", measurements)
     workload = load_workload(args)
     device = trial_device(workload.cluster)
     if runner is None:

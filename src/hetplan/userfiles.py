@@ -157,3 +157,15 @@ def _yaml_reason(exc: yaml.YAMLError) -> str:
     problem = getattr(exc, "problem", None) or str(exc)
     where = f" (line {mark.line + 1})" if mark is not None else ""
     return " ".join(f"{problem}{where}".split())
+
+
+def check_writable_file(flag: str, path: str) -> None:
+    """An output file ``path`` can be written: checked before minutes of
+    measuring, not after them."""
+    if os.path.isdir(path):
+        raise HetplanError(f"{flag} {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise HetplanError(f"{flag} {path}: no directory {parent} (it does not exist); create it or give another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise HetplanError(f"{flag} {path}: not writable; give another path")

@@ -21,8 +21,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from hetplan.argtypes import at_most, finite_positive_float, positive_int
+from hetplan.argtypes import at_most, finite_positive_float, positive_int, zero_or_at_most
 from hetplan.errors import HetplanError
+from hetplan.userfiles import check_writable_file
 from hetplan.limits import MAX_GLOBAL_BATCH
 
 DEFAULT_MAX_MICRO_BATCH = 4
@@ -41,13 +42,6 @@ def _tp_list(text: str) -> tuple[int, ...]:
     if not items:
         raise argparse.ArgumentTypeError(f"expected TP degrees such as 1,2,4, got {text!r}")
     return tuple(sorted({positive_int(t) for t in items}))
-
-
-def _nonneg_int(text: str) -> int:
-    """A whole number in [0, MAX_REPEATS]."""
-    if text.strip() == "0":
-        return 0
-    return at_most(MAX_REPEATS)(text)
 
 
 def _byte_size(text: str) -> int:
@@ -81,7 +75,7 @@ def register(subparsers: Any) -> None:
                    "(default 64MiB on CPU, 1GiB on GPUs)")
     p.add_argument("--repeats", type=at_most(MAX_REPEATS), default=DEFAULT_REPEATS,
                    help=f"timed runs per measurement (default {DEFAULT_REPEATS}; the median is kept)")
-    p.add_argument("--warmup", type=_nonneg_int, default=DEFAULT_WARMUP,
+    p.add_argument("--warmup", type=zero_or_at_most(MAX_REPEATS), default=DEFAULT_WARMUP,
                    help=f"untimed runs first (default {DEFAULT_WARMUP})")
     p.add_argument("-o", "--out", required=True, help="write the profile JSON here")
     p.add_argument("--timeout", type=finite_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
@@ -200,25 +194,14 @@ def build_job(args: argparse.Namespace) -> tuple[Any, bool]:
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.worker:
         if os.environ.get("RANK", "0") == "0":  # only rank 0 writes
-            _check_output(args.out)
+            check_writable_file("-o", args.out)
         return _run_worker(args)
-    _check_output(args.out)
+    check_writable_file("-o", args.out)
     job, local = build_job(args)
     if not local:
         _print_commands(args, job)
         return 0
     return _run_here(job)
-
-
-def _check_output(path: str) -> None:
-    """The output file can be written (checked before minutes of measuring)."""
-    if os.path.isdir(path):
-        raise HetplanError(f"-o {path} is a directory; give a file name such as {os.path.join(path, 'profile.json')}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise HetplanError(f"-o {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise HetplanError(f"-o {path}: directory {parent} is not writable")
 
 
 def _run_here(job: Any) -> int:

@@ -232,7 +232,7 @@ def _one_curve(op: str, ranks: int, group: Any, sizes: Sequence[int], warmup: in
         inp = input_for(op, nbytes, ranks, device)
         call = collective_call(op, inp, group, ranks) if active else (lambda: None)
         if not curve:
-            try:
+            try:  # a backend without this collective (gloo lacks some) is recorded as unsupported
                 call()
             except (RuntimeError, NotImplementedError, ValueError) as exc:
                 return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
