@@ -8,9 +8,13 @@ recomputation choice. Different stages may use different (dp, tp) — Metis's
 plans do — and a stage's dp replicas may get unequal shares of a micro-batch
 when their GPUs differ.
 
-Device-group layout inside a stage: ``devices`` has ``dp * tp`` ids, replica
-``r`` owns ``devices[r*tp:(r+1)*tp]`` (TP innermost, as torchtitan and Megatron
-lay out meshes).
+Device-group layout inside a stage: ``devices`` has ``dp * cp * tp`` ids,
+TP innermost, then CP, then DP (torchtitan's and Megatron's mesh order):
+replica ``r`` owns ``devices[r*cp*tp:(r+1)*cp*tp]``, and inside it context-
+parallel rank ``c`` owns the TP group ``devices[(r*cp + c)*tp:(r*cp + c + 1)*tp]``.
+Expert parallelism adds no devices: a MoE layer's experts are split over ``ep``
+of the ``dp * cp`` devices that share a TP rank (torchtitan and Megatron-Core
+borrow EP from the data/context-parallel ranks), and ``ep`` divides ``dp * cp``.
 
 An :class:`Estimate` is the cost model's prediction for one Plan.
 """
@@ -59,8 +63,13 @@ class Stage:
     Attributes:
         layers: indices of the model's layers run by this stage (contiguous,
             ascending).
-        devices: physical GPU ids, ``dp * tp`` of them, TP innermost.
+        devices: physical GPU ids, ``dp * cp * tp`` of them, TP innermost.
         dp, tp: data- and tensor-parallel degree inside the stage.
+        cp: context-parallel degree: each sample's sequence is split over ``cp``
+            ranks (attention exchanges keys/values; Llama 3 §3.3.2).
+        ep: expert-parallel degree of the stage's MoE layers (1 for dense
+            layers): experts split over ``ep`` ranks, tokens routed by
+            all-to-all; divides ``dp * cp``.
         dp_split: samples of one micro-batch given to each dp replica; sums to
             the plan's ``micro_batch_size``. Equal on equal GPUs.
         strategies: one LayerStrategy per layer in ``layers`` (same order).
@@ -76,14 +85,18 @@ class Stage:
     dp_split: tuple[int, ...]
     strategies: tuple[LayerStrategy, ...]
     sequence_parallel: bool = False
+    cp: int = 1
+    ep: int = 1
 
     def replica_devices(self, replica: int) -> tuple[int, ...]:
-        return self.devices[replica * self.tp:(replica + 1) * self.tp]
+        """The ``cp * tp`` devices of data-parallel replica ``replica``."""
+        size = self.cp * self.tp
+        return self.devices[replica * size:(replica + 1) * size]
 
     def layer_degrees(self, position: int) -> tuple[int, int]:
         """(dp, tp) of the ``position``-th layer of this stage."""
         tp = self.strategies[position].tp or self.tp
-        return len(self.devices) // tp, tp
+        return len(self.devices) // (tp * self.cp), tp
 
     @property
     def has_layer_degrees(self) -> bool:
@@ -91,11 +104,20 @@ class Stage:
         return any(st.tp and st.tp != self.tp for st in self.strategies)
 
     def tp_groups(self) -> list[tuple[int, ...]]:
-        return [self.replica_devices(r) for r in range(self.dp)]
+        """Runs of ``tp`` consecutive devices, one per (replica, cp rank)."""
+        return [self.devices[g * self.tp:(g + 1) * self.tp] for g in range(len(self.devices) // self.tp)]
+
+    def cp_groups(self) -> list[tuple[int, ...]]:
+        """For each (replica, TP rank), the ``cp`` devices sharing one sample's sequence."""
+        size = self.cp * self.tp
+        return [tuple(self.devices[r * size + c * self.tp + t] for c in range(self.cp))
+                for r in range(self.dp) for t in range(self.tp)]
 
     def dp_groups(self) -> list[tuple[int, ...]]:
-        """For each TP rank, the devices holding the same shard in every replica."""
-        return [tuple(self.devices[r * self.tp + t] for r in range(self.dp)) for t in range(self.tp)]
+        """For each TP rank, the devices holding the same shard of a dense layer
+        in every replica and CP rank (gradients of dense layers sync over
+        ``dp * cp`` devices; with cp = 1 these are the dp replicas)."""
+        return [tuple(self.devices[t::self.tp]) for t in range(self.tp)]
 
     @property
     def num_layers(self) -> int:
@@ -175,6 +197,10 @@ class Plan:
                 text += " sp"
             return text
 
+        def degrees(s: Stage) -> str:
+            text = f"dp{s.dp}" + (f" cp{s.cp}" if s.cp > 1 else "") + f" tp{s.tp}"
+            return text + (f" ep{s.ep}" if s.ep > 1 else "")
+
         def uneven(s: Stage) -> str:
             return " split " + ":".join(map(str, s.dp_split)) if len(set(s.dp_split)) > 1 else ""
 
@@ -185,13 +211,13 @@ class Plan:
         if self.virtual_stages > 1:
             tail += f" v{self.virtual_stages}"
         first = self.stages[0]
-        same = all((s.dp, s.tp, extras(s), uneven(s)) == (first.dp, first.tp, extras(first), uneven(first))
+        same = all((degrees(s), extras(s), uneven(s)) == (degrees(first), extras(first), uneven(first))
                    for s in self.stages)
         if same:
             counts = "/".join(_runs([s.num_layers for s in self.stages]))
             layers = f" layers {counts}" if self.pp > 1 else ""
-            return f"dp{first.dp} tp{first.tp} pp{self.pp}{layers}{extras(first)}{uneven(first)} {tail}"
-        parts = [f"dp{s.dp} tp{s.tp} {s.num_layers}L{extras(s)}{uneven(s)}" for s in self.stages]
+            return f"{degrees(first)} pp{self.pp}{layers}{extras(first)}{uneven(first)} {tail}"
+        parts = [f"{degrees(s)} {s.num_layers}L{extras(s)}{uneven(s)}" for s in self.stages]
         grouped = [part + (f" ×{count}" if count > 1 else "") for part, count in _group_runs(parts)]
         return f"pp{self.pp} [{' | '.join(grouped)}] {tail}"
 
@@ -238,7 +264,7 @@ class Plan:
 _PLAN_KEYS = ("model", "cluster", "global_batch_size", "micro_batch_size", "micro_batch_total", "num_micro_batches",
               "schedule", "stages", "planner", "virtual_stages", "notes")
 _PLAN_REQUIRED = ("model", "cluster", "global_batch_size", "num_micro_batches", "schedule", "stages")
-_STAGE_KEYS = ("layers", "devices", "dp", "tp", "dp_split", "strategies", "sequence_parallel")
+_STAGE_KEYS = ("layers", "devices", "dp", "tp", "dp_split", "strategies", "sequence_parallel", "cp", "ep")
 _STRATEGY_KEYS = ("zero", "recompute", "tp")
 
 
@@ -273,7 +299,7 @@ def _whole_list(where: str, value: Any, minimum: int) -> tuple[int, ...]:
 
 
 def _stage_from_dict(where: str, data: Any) -> Stage:
-    stage = fields.mapping(where, data, _STAGE_KEYS, _STAGE_KEYS[:-1])
+    stage = fields.mapping(where, data, _STAGE_KEYS, _STAGE_KEYS[:6])
     strategies = fields.listing(f"{where}.strategies", stage["strategies"], MAX_GPUS)
     return Stage(
         layers=_whole_list(f"{where}.layers", stage["layers"], 0),
@@ -283,6 +309,8 @@ def _stage_from_dict(where: str, data: Any) -> Stage:
         dp_split=_whole_list(f"{where}.dp_split", stage["dp_split"], 0),
         strategies=tuple(_strategy_from_dict(f"{where}.strategies[{k}]", st) for k, st in enumerate(strategies)),
         sequence_parallel=fields.flag(f"{where}.sequence_parallel", stage.get("sequence_parallel", False)),
+        cp=fields.whole(f"{where}.cp", stage.get("cp", 1), 1, MAX_GPUS),
+        ep=fields.whole(f"{where}.ep", stage.get("ep", 1), 1, MAX_GPUS),
     )
 
 

@@ -96,13 +96,17 @@ def _check_layers(where: str, stage: Stage, model: ModelSpec, expected: int) -> 
 
 
 def _check_devices(where: str, stage: Stage, cluster: ClusterSpec, used: set[int]) -> None:
-    """dp x tp real GPUs, none used twice."""
-    if stage.dp <= 0 or stage.tp <= 0:
-        raise InvalidPlanError(f"{where}: dp and tp must be positive")
-    if len(stage.devices) != stage.dp * stage.tp:
+    """dp x cp x tp real GPUs, none used twice; ep borrowed from dp x cp."""
+    if stage.dp <= 0 or stage.tp <= 0 or stage.cp <= 0 or stage.ep <= 0:
+        raise InvalidPlanError(f"{where}: dp, cp, tp and ep must be positive")
+    if len(stage.devices) != stage.dp * stage.cp * stage.tp:
         raise InvalidPlanError(
-            f"{where} has {len(stage.devices)} devices but dp x tp = {stage.dp} x {stage.tp} = {stage.dp * stage.tp}"
+            f"{where} has {len(stage.devices)} devices but dp x cp x tp = {stage.dp} x {stage.cp} x {stage.tp} "
+            f"= {stage.dp * stage.cp * stage.tp}"
         )
+    if (stage.dp * stage.cp) % stage.ep:
+        raise InvalidPlanError(f"{where}: ep={stage.ep} must divide dp x cp = {stage.dp * stage.cp} "
+                               "(expert parallelism uses the data- and context-parallel ranks)")
     for d in stage.devices:
         if d < 0 or d >= cluster.num_devices:
             raise InvalidPlanError(f"{where} uses GPU {d}, but cluster {cluster.name!r} has {cluster.num_devices}")
