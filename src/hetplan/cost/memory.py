@@ -65,10 +65,15 @@ def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_para
 
 def recompute_working_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
     """Per sample: a checkpointed layer rebuilds its full activations during its
-    backward pass; the stage pays the largest such layer once."""
+    backward pass; the stage pays the largest such layer once. The layer's
+    input is not rebuilt: the recomputed forward reads (and its first op saves)
+    the checkpoint tensor itself, already counted among the micro-batches in
+    flight (torch.utils.checkpoint keeps the input; Korthikanti et al. 2022
+    Table 2 counts it inside the layer's 34·sbh), so only the rest is extra."""
     if recompute != "full":
         return np.zeros(arrays.num_layers)
-    return activation_bytes(arrays, tp, "none", sequence_parallel)
+    full = activation_bytes(arrays, tp, "none", sequence_parallel)
+    return np.maximum(full - activation_bytes(arrays, tp, "full", sequence_parallel), 0.0)
 
 
 def in_flight_micro_batches(schedule: str, stage_index: int, pp: int, num_micro_batches: int,
