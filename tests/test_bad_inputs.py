@@ -69,6 +69,16 @@ CLUSTER_CASES: dict[str, tuple[str | bytes, list[str]]] = {
                   "  - {gpu: T4, gpus: 8, intra_node_bandwidth_gbps: 50, count: 10000000}\n",
                   ["count", "limit of 131,072"]),
     "too many GPUs in a node": (GOOD_CLUSTER.replace("gpus: 2", "gpus: 100000"), ["gpus", "limit of 4,096"]),
+    "negative host memory": (GOOD_CLUSTER.replace("count: 2", "count: 2, host_memory_gb: -64"),
+                             ["nodes[0].host_memory_gb", "positive"]),
+    "zero host memory": (GOOD_CLUSTER.replace("count: 2", "count: 2, host_memory_gb: 0"),
+                         ["nodes[0].host_memory_gb", "positive"]),
+    "nan host memory": (GOOD_CLUSTER.replace("count: 2", "count: 2, host_memory_gb: .nan"),
+                        ["host_memory_gb", "finite"]),
+    "text host memory": (GOOD_CLUSTER.replace("count: 2", "count: 2, host_memory_gb: 2TB"),
+                         ["host_memory_gb", "must be a number"]),
+    "huge host memory": (GOOD_CLUSTER.replace("count: 2", "count: 2, host_memory_gb: 1.0e+300"),
+                         ["host_memory_gb", "limit of 1,048,576"]),
 }
 
 

@@ -141,3 +141,61 @@ def test_version_module_entry_and_planners_json(tmp_path) -> None:  # type: igno
     data = json.loads((tmp_path / "p.json").read_text())
     assert {"name": "uniform"}.items() <= next(p for p in data["planners"] if p["name"] == "uniform").items()
     assert all(p["description"] for p in data["planners"])
+
+
+def _offload_inputs(tmp_path) -> list[str]:  # type: ignore[no-untyped-def]
+    """A long-sequence model on one slow-compute H100 (its PCIe 5 host link)
+    with 8.5 GiB usable: only offloading or recomputation fits, and offloading
+    ranks first (tests/test_offload_search.py)."""
+    model = tmp_path / "long.json"
+    model.write_text(json.dumps(gpt_decoder("long-seq", 8, 2048, 16, 2048, vocab=8000).to_dict()))
+    cluster = tmp_path / "slow.yaml"
+    cluster.write_text("name: slow\ngpu_types:\n  H100-slow: {base: H100, peak_tflops: 10}\n"
+                       "nodes:\n  - {gpu: H100-slow, gpus: 1, intra_node_bandwidth_gbps: 600}\n")
+    return ["--model", str(model), "--cluster", str(cluster), "--global-batch", "8", "--memory-limit", "8.5GB"]
+
+
+def _strategies(path) -> set[tuple[str, bool]]:  # type: ignore[no-untyped-def]
+    plan = json.loads(path.read_text())["plans"][0]["plan"]
+    return {(s.get("recompute", "none"), s.get("offload", False)) for st in plan["stages"] for s in st["strategies"]}
+
+
+def test_plan_offload_auto_and_never(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`hetplan plan` offloads where memory is short by default, and
+    `--offload never` keeps activations on the GPU (recomputing instead), slower."""
+    inputs = _offload_inputs(tmp_path)
+    times = {}
+    for how in ("auto", "never"):
+        out = tmp_path / f"{how}.json"
+        result = run("plan", *inputs, "--offload", how, "--quiet", "--json", str(out))
+        assert result.returncode == 0, result.stderr
+        offloads = any(off for _, off in _strategies(out))
+        assert offloads == (how == "auto"), _strategies(out)
+        times[how] = json.loads(out.read_text())["plans"][0]["estimate"]["iteration_time_s"]
+    assert "offload" in run("plan", *inputs, "--quiet").stdout  # the default is auto
+    assert times["auto"] < times["never"]
+    # the planned file costs the same again, offload included
+    again = run("estimate", str(tmp_path / "auto.json"), "--json", str(tmp_path / "e.json"))
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "e.json").read_text())["plans"][0]["estimate"]["iteration_time_s"] == \
+        pytest.approx(times["auto"])
+
+
+def test_estimate_offload_and_bad_offload_combinations(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`hetplan estimate --offload` offloads every layer of the uniform plan
+    (it fits where the plain plan does not); bad combinations are one line."""
+    inputs = _offload_inputs(tmp_path)
+    degrees = ["--tp", "1", "--pp", "1", "--dp", "1", "--micro-batch", "1"]
+    fits = {}
+    for flags in ([], ["--offload"]):
+        out = tmp_path / f"e{len(flags)}.json"
+        result = run("estimate", *inputs, *degrees, *flags, "--json", str(out))
+        assert result.returncode == 0, result.stderr
+        assert _strategies(out) == {("none", bool(flags))}
+        fits[bool(flags)] = json.loads(out.read_text())["plans"][0]["estimate"]["fits"]
+    assert fits == {False: False, True: True}
+    assert "drop --offload or the plan file" in _bad(tmp_path, "estimate", str(tmp_path / "e1.json"), "--offload")
+    assert "invalid choice" in _bad(tmp_path, "plan", *inputs, "--offload", "always")
+    assert "takes no value" in _bad(tmp_path, "estimate", *inputs, *degrees, "--offload", "never")
+    # nothing fits without offloading or recomputing, and the batch-1 plan does not fit even so at 7 GB
+    assert "no plan fits in memory" in _bad(tmp_path, "plan", *inputs[:-1], "7GB", "--offload", "never")

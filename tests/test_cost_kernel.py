@@ -169,3 +169,87 @@ def test_cpu_processes_do_not_overlap_communication() -> None:
     for comm, compute in ((1.0, 3.0), (3.0, 1.0)):
         assert overlapped_exposure(comm, compute, cpu.overlap_slowdown) == pytest.approx(comm)
     assert overlapped_exposure(1.0, 3.0, gpu.overlap_slowdown) == pytest.approx(0.3)
+
+
+def test_uniform_planners_own_cost_of_cp_ep_plans_is_the_estimate() -> None:
+    """Context and expert parallelism go through the same kernel: the uniform
+    and auto planners' own numbers for MoE plans with ep > 1 (and the exact
+    solver's tables behind auto's) are their estimates."""
+    from hetplan.model.presets import get_model
+
+    model = get_model("moe-1.3b")
+    nodes = tuple(NodeSpec("H100", 8, 3600.0, 400.0, name=f"n{i}") for i in range(2))
+    workload = Workload(model, ClusterSpec("c", nodes, 400.0), 32)
+    cost = CostModel(workload)
+    seen = 0
+    for name in ("uniform", "auto"):
+        for r in get_planner(name).plan(workload, 5, cost):
+            estimate = cost.estimate(r.plan)
+            assert estimate.iteration_time_s == pytest.approx(r.estimate.iteration_time_s, rel=1e-12)
+            if r.planner_cost_s is not None:
+                assert r.planner_cost_s == pytest.approx(estimate.iteration_time_s, rel=1e-9)
+            seen += any(s.ep > 1 for s in r.plan.stages)
+    assert seen > 0
+
+
+def _memory_short_workload(gpus: int, limit_gib: float) -> Workload:
+    """Long sequences on a slow-compute H100 (fast host link) with little
+    memory: the planners' best plans offload activations."""
+    from dataclasses import replace
+
+    from hetplan.cluster.catalog import GPU_CATALOG
+
+    slow = replace(GPU_CATALOG["H100"], name="H100-slow", peak_flops=10e12, derived_from="H100")
+    model = gpt_decoder("long-seq", 8, 2048, 16, 2048, vocab=8000)
+    cluster = ClusterSpec(f"{gpus}x", (NodeSpec(slow, gpus, 600.0, 0.0, name="n0"),), 100.0)
+    return Workload(model, cluster, 8, memory_limit_bytes=int(limit_gib * (1 << 30)))
+
+
+@pytest.mark.parametrize("gpus, limit_gib", [(1, 8.5), (2, 8), (4, 6)])
+def test_planners_own_cost_of_offload_plans_is_the_estimate(gpus: int, limit_gib: float) -> None:
+    """Offloading goes through the same kernel: what the uniform, auto and
+    exact-partition planners charge for plans that offload activations is
+    their estimate, and offloading plans are among those checked."""
+    workload = _memory_short_workload(gpus, limit_gib)
+    cost = CostModel(workload)
+    offloading = 0
+    for name in ("uniform", "auto", "megatron", "metis"):
+        try:
+            ranked = get_planner(name).plan(workload, 5, cost)
+        except HetplanError:
+            continue
+        for r in ranked:
+            estimate = cost.estimate(r.plan)
+            assert estimate.iteration_time_s == pytest.approx(r.estimate.iteration_time_s, rel=1e-12)
+            if r.planner_cost_s is not None:
+                assert r.planner_cost_s == pytest.approx(estimate.iteration_time_s, rel=1e-9), name
+            offloading += any(s.offload for st in r.plan.stages for s in st.strategies)
+    assert offloading > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_partition_tables_with_offload_are_the_estimate(seed: int) -> None:
+    """The partition solver's own value of a plan whose stages choose among
+    recomputation x offloading is that plan's estimate."""
+    rng = random.Random(300 + seed)
+    workload = _memory_short_workload(4, rng.choice((5, 6, 8)))
+    cost = CostModel(workload)
+    solved = offloaded = 0
+    for _ in range(6):
+        base = _random_plan(workload, rng, mixed=False)
+        if base is None:
+            continue
+        options = [[StageOption(s.devices, s.dp, s.tp, s.dp_split, zero, recompute, s.sequence_parallel, offload)
+                    for zero in ((0, 2, 3) if s.dp > 1 else (0,)) for offload in (False, True)
+                    for recompute in ("none", "selective", "full")] for s in base.stages]
+        solution = PipelinePartitioner(cost.kernel, base.micro_batch_size, base.num_micro_batches,
+                                       base.schedule).solve(options)
+        if solution is None:
+            continue
+        plan = base.with_changes(stages=solution.stages)
+        estimate = cost.estimate(plan)
+        assert estimate.fits
+        assert math.isclose(estimate.iteration_time_s, solution.iteration_s, rel_tol=1e-9)
+        solved += 1
+        offloaded += any(s.offload for st in plan.stages for s in st.strategies)
+    assert solved > 0 and offloaded > 0

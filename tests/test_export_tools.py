@@ -106,8 +106,9 @@ def check_torchtitan_degrees(par: Any, world: int) -> None:
     """torchtitan's ParallelDims checks the degrees multiply to the world size."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree, cp=1,
-                 tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree, ep=1, world_size=world)
+    ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
+                 cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                 ep=par.expert_parallel_degree, world_size=world)
 
 
 @pytest.mark.parametrize("name", [n for n in PLANS if not n.startswith("gpt2")])
@@ -187,8 +188,9 @@ for path, world, layers in json.loads(sys.argv[2]):
     try:
         c = ConfigManager().parse_args(["--job.config_file", path])
         p = c.parallelism
-        ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree, cp=1,
-                     tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, ep=1, etp=1, world_size=world)
+        ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                     cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                     ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world)
         results[path] = {"parallelism": vars(p), "training": {k: v for k, v in vars(c.training).items() if k != "dataloader"},
                          "ac": vars(c.activation_checkpoint), "model": [c.model.name, c.model.flavor],
                          "names": space["generate_llm_fqn_per_model_part"](1, layers)[0]}
@@ -305,9 +307,12 @@ def check_megatron(args: list[str], world: int) -> argparse.Namespace:
 
     a = megatron_parser().parse_args(args)
     # validate_args (megatron/training/arguments.py, core_v0.16.1): the sizes
-    model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+    model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size * a.context_parallel_size
     assert world % model_parallel == 0
     dp = world // model_parallel
+    if a.num_experts:  # the expert region: etp x ep x expert-dp x pp covers the same ranks
+        etp = a.expert_tensor_parallel_size or a.tensor_model_parallel_size
+        assert world % (etp * a.expert_model_parallel_size * a.pipeline_model_parallel_size) == 0
     assert a.global_batch_size % (a.micro_batch_size * dp) == 0
     if a.pipeline_model_parallel_layout is None and a.num_virtual_stages_per_pipeline_rank is None:
         assert a.num_layers % a.pipeline_model_parallel_size == 0
@@ -335,9 +340,22 @@ def check_megatron(args: list[str], world: int) -> argparse.Namespace:
         pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
         bf16=a.bf16, fp16=a.fp16,
         pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32,
+        context_parallel_size=a.context_parallel_size, expert_model_parallel_size=a.expert_model_parallel_size,
+        **(_megatron_moe_config(a) if a.num_experts else {}),
     )
     a.transformer_config = config
     return a
+
+
+def _megatron_moe_config(a: argparse.Namespace) -> dict[str, Any]:
+    """TransformerConfig's MoE fields as core_transformer_config_from_args fills them."""
+    freq = a.moe_layer_freq
+    return {"num_moe_experts": a.num_experts, "moe_router_topk": a.moe_router_topk,
+            "moe_ffn_hidden_size": a.moe_ffn_hidden_size, "moe_token_dispatcher_type": a.moe_token_dispatcher_type,
+            "expert_tensor_parallel_size": a.expert_tensor_parallel_size,
+            "moe_shared_expert_intermediate_size": a.moe_shared_expert_intermediate_size,
+            "moe_expert_capacity_factor": a.moe_expert_capacity_factor,
+            "moe_layer_freq": ast.literal_eval(freq) if isinstance(freq, str) else freq}
 
 
 MEGATRON_CASES = [(name, zero, rc) for name in PLANS for zero, rc in [(0, "none"), (1, "full"), (1, "selective")]]
@@ -605,3 +623,178 @@ def test_makefile_installs_the_tools_extra() -> None:
     block = re.search(r"^TOOLS := (.*?)(?<!\\)\n", makefile, re.S | re.M).group(1)
     assert sorted(block.replace("\\\n", " ").split()) == sorted(extra)
     assert all("==" in pin for pin in extra)
+
+
+# --------------------------------------------------------------------------- context and expert parallelism
+
+
+def with_cp_ep(plan: Plan, cp: int = 1, ep: int = 1) -> Plan:
+    """``plan`` with every stage given context-parallel degree ``cp`` (more
+    devices: dp x cp x tp, consecutive) and expert-parallel degree ``ep``."""
+    stages, device = [], 0
+    for stage in plan.stages:
+        n = stage.dp * cp * stage.tp
+        stages.append(replace(stage, cp=cp, ep=ep, devices=tuple(range(device, device + n))))
+        device += n
+    return plan.with_changes(stages=tuple(stages))
+
+
+CP_EP_PLANS = {  # (plan, world size)
+    "llama-dp2-cp2-tp2-pp2": lambda **kw: with_cp_ep(make_plan("llama3-8b", [17, 17], 2, 2, **kw), cp=2),
+    "llama-dp4-cp4": lambda **kw: with_cp_ep(make_plan("llama3-8b", [34], 4, 1, **kw), cp=4),
+    "mixtral-dp8-ep8": lambda **kw: with_cp_ep(make_plan("mixtral-8x7b", [34], 8, 1, **kw), ep=8),
+    "mixtral-dp4-cp2-ep4-tp2": lambda **kw: with_cp_ep(make_plan("mixtral-8x7b", [34], 4, 2, **kw), cp=2, ep=4),
+}
+
+
+@pytest.mark.parametrize("name", CP_EP_PLANS)
+def test_cp_ep_megatron_command_parses(name: str) -> None:
+    """--context-parallel-size, --expert-model-parallel-size and the MoE shape
+    go through Megatron's parser and megatron-core's TransformerConfig."""
+    pytest.importorskip("megatron.core", reason="make installs megatron-core (pyproject's tools extra)")
+    plan = CP_EP_PLANS[name](zero=1)
+    spec = get_model(plan.model)
+    result = render(plan, spec, "megatron", load_cluster(plan.cluster))
+    a = check_megatron(megatron_args(result.data[0][1]), plan.num_devices)
+    first = plan.stages[0]
+    assert a.context_parallel_size == first.cp == a.transformer_config.context_parallel_size
+    assert a.tensor_model_parallel_size == first.tp
+    if spec.family == "moe":
+        config = a.transformer_config
+        assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 14336)
+        assert config.expert_model_parallel_size == first.ep and config.expert_tensor_parallel_size == first.tp
+        assert a.moe_token_dispatcher_type == "alltoall" and a.rotary_base == 1e6
+    else:
+        assert a.num_experts is None
+
+
+def test_cp_ep_megatron_checks_can_fail() -> None:
+    """megatron-core refuses EP without experts and more EP ranks than experts divide."""
+    pytest.importorskip("megatron.core", reason="make installs megatron-core (pyproject's tools extra)")
+    plan = CP_EP_PLANS["mixtral-dp8-ep8"](zero=1)
+    args = megatron_args(render(plan, get_model(plan.model), "megatron", load_cluster(plan.cluster)).data[0][1])
+    without = args[:args.index("--num-experts")] + args[args.index("--num-experts") + 2:]
+    with pytest.raises(ValueError, match="num_moe_experts"):
+        check_megatron(without, plan.num_devices)
+
+
+@pytest.mark.parametrize("name", CP_EP_PLANS)
+def test_cp_ep_torchtitan_03(name: str) -> None:
+    plan = CP_EP_PLANS[name](zero=3)
+    first = plan.stages[0]
+    if first.ep > 1 and first.tp > 1:  # 0.3 runs experts without TP: refused with the reason
+        one_line_refusal(plan, "torchtitan", "0.3", "torchtitan 0.3", "tp")
+        return
+    result = render(plan, get_model(plan.model), "torchtitan", load_cluster(plan.cluster), "0.3")
+    par = run_torchtitan_python(result.text).parallelism
+    check_torchtitan_degrees(par, plan.num_devices)  # ParallelDims: dp x cp x tp x pp = world
+    assert (par.context_parallel_degree, par.expert_parallel_degree) == (first.cp, first.ep)
+
+
+def test_cp_ep_torchtitan_02(tmp_path: Path) -> None:
+    files, expected = [], {}
+    for name, make in CP_EP_PLANS.items():
+        plan = make(zero=3)
+        result = render(plan, get_model(plan.model), "torchtitan", load_cluster(plan.cluster), "0.2")
+        path = tmp_path / f"{name}.toml"
+        path.write_text(result.text)
+        files.append((path, plan.num_devices, 32))
+        expected[str(path)] = plan
+    bad = tmp_path / "bad.toml"  # ETP other than 1 or tp: torchtitan's ParallelDims refuses it
+    bad.write_text(files[-1][0].read_text().replace("expert_tensor_parallel_degree = 2",
+                                                    "expert_tensor_parallel_degree = 4"))
+    files.append((bad, 16, 32))
+    results = parse_with_torchtitan_02(files)
+    assert "ETP" in results.pop(str(bad))["error"]
+    for path, got in results.items():
+        assert "error" not in got, (path, got)
+        first = expected[path].stages[0]
+        par = got["parallelism"]
+        assert (par["context_parallel_degree"], par["expert_parallel_degree"]) == (first.cp, first.ep)
+        assert par["expert_tensor_parallel_degree"] == (first.tp if first.ep > 1 else 1)
+
+
+def test_cp_ep_refusals() -> None:
+    """What a tool cannot run is refused in one line naming it."""
+    one_line_refusal(CP_EP_PLANS["llama-dp4-cp4"](zero=3), "deepspeed", "0.3", "DeepSpeed", "cp=4")
+    one_line_refusal(CP_EP_PLANS["mixtral-dp8-ep8"](zero=1), "deepspeed", "0.3", "DeepSpeed", "ep=8")
+    dense_ep = with_cp_ep(make_plan("llama3-8b", [34], 8, 1), ep=2)
+    one_line_refusal(dense_ep, "megatron", "0.3", "no MoE layer")
+    # ZeRO-0 replicates: torchtitan takes EP from dp_shard x cp = 1 x 1
+    one_line_refusal(CP_EP_PLANS["mixtral-dp8-ep8"](zero=0), "torchtitan", "0.3", "dp_shard x cp", "ep=8")
+    odd = with_cp_ep(make_plan("mixtral-8x7b", [34], 6, 1, cluster="galvatron-16x-a100"), ep=3)
+    one_line_refusal(odd, "megatron", "0.3", "ep=3", "8 experts")
+    uneven = with_cp_ep(make_plan("llama3-8b", [17, 17], 2, 1), cp=2)
+    uneven = uneven.with_changes(stages=(uneven.stages[0], replace(uneven.stages[1], cp=1, devices=(8, 9))))
+    one_line_refusal(uneven, "torchtitan", "0.3", "stage 1", "cp=1")
+
+
+def test_hf_mixtral_config_exports_for_megatron(tmp_path: Path) -> None:
+    """A Mixtral config.json (the public shape) exports with its experts, GQA and rope base."""
+    pytest.importorskip("megatron.core", reason="make installs megatron-core (pyproject's tools extra)")
+    pytest.importorskip("transformers")
+    from hetplan.model import load_model
+
+    config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 4096,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+              "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = load_model(str(path), seq_len=4096)
+    stage = uniform_stage(range(spec.num_layers), range(16), 8, 2, 8, zero=1)
+    plan = Plan(spec.name, "galvatron-16x-a100", 64, 8, 8, "1f1b", (replace(stage, ep=4),))
+    result = render(plan, spec, "megatron", load_cluster(plan.cluster))
+    a = check_megatron(megatron_args(result.data[0][1]), 16)
+    assert (a.num_experts, a.moe_router_topk, a.expert_model_parallel_size, a.num_query_groups) == (8, 2, 4, 8)
+    assert a.rotary_base == 1_000_000 and a.transformer_config.expert_tensor_parallel_size == 2
+
+
+# --------------------------------------------------------------------------- activation offloading
+
+
+def with_offload(plan: Plan, blocks_only: bool = False, first_only: bool = False) -> Plan:
+    """``plan`` with its layers' activations offloaded (every layer; or the
+    transformer blocks only; or the first layer only)."""
+    model = get_model(plan.model)
+    stages = []
+    for stage in plan.stages:
+        strategies = tuple(replace(s, offload=(not blocks_only or model.layers[i].kind not in ("embedding", "head"))
+                                   and (not first_only or i == 0))
+                           for i, s in zip(stage.layers, stage.strategies))
+        stages.append(replace(stage, strategies=strategies))
+    return plan.with_changes(stages=tuple(stages))
+
+
+def test_offload_refused_by_torchtitan_and_megatron_in_one_line() -> None:
+    """Neither tool offloads hetplan's per-layer saved tensors: refused, never dropped."""
+    for recompute in ("none", "full"):
+        plan = with_offload(make_plan("llama3-8b", [34], 8, 1, recompute=recompute))
+        one_line_refusal(plan, "torchtitan", "0.3", "no activation offloading", "34 layers", "--offload never")
+        one_line_refusal(plan, "torchtitan", "0.2", "no activation offloading")
+        one_line_refusal(plan, "megatron", "0.3", "--cpu-offloading-num-layers", "--offload never")
+
+
+def test_offload_deepspeed_cpu_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed keeps checkpointed block inputs on the host (cpu_checkpointing),
+    which is hetplan's full recompute + offload on every block: mapped, and the
+    config loads; any other offloading is refused in one line."""
+    plan = with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full"))
+    result = render(plan, get_model(plan.model), "deepspeed", load_cluster(plan.cluster))
+    assert result.data["activation_checkpointing"]["cpu_checkpointing"] is True
+    parsed = deepspeed_config(result.data, 8, monkeypatch)
+    assert parsed.activation_checkpointing_config.cpu_checkpointing is True
+    assert any("cpu_checkpointing keeps" in n for n in result.notes)
+    assert any("keep their activations on the GPU" in n for n in result.notes)  # embedding and head offloaded
+    blocks = with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full"), blocks_only=True)
+    notes = render(blocks, get_model(blocks.model), "deepspeed", load_cluster(blocks.cluster)).notes
+    assert not any("keep their activations on the GPU" in n for n in notes)
+    plain = make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full")
+    data = render(plain, get_model(plain.model), "deepspeed", load_cluster(plain.cluster)).data
+    assert data["activation_checkpointing"]["cpu_checkpointing"] is False
+    for bad in (with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1)),  # no recompute: whole activations
+                with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="selective")),
+                with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full"),
+                             first_only=True)):  # nothing but the embedding: the blocks keep theirs
+        one_line_refusal(bad, "deepspeed", "0.3", "cpu_checkpointing", "--offload never")

@@ -130,18 +130,36 @@ def test_default_valued_keyword_arguments_are_kept():
 @pytest.mark.parametrize("model, names, kwargs, needle", [
     (LongSkip, NAMES, {}, "the input of layer 'head' is not exactly the output of layer 'blocks.1'"),
     (Reuse, NAMES, {}, "layer 'blocks.0' is called 2 times"),
-    (Masked, NAMES, {"mask": torch.ones(2, 8)}, "keyword input(s) mask"),
     (BetweenLayers, NAMES, {}, "the input of layer 'blocks.1' is not exactly the output of layer 'blocks.0'"),
     (InPlaceBetween, NAMES, {}, "the output of layer 'blocks.0' is modified in place before layer 'blocks.1'"),
     (AfterLast, NAMES, {}, "the model's output is not exactly the output of layer 'head'"),
     (Swapped, ["embed", "blocks.1", "blocks.0", "head"], {}, "calls layer 'blocks.0' where the plan has 'blocks.1'"),
-], ids=["long-skip", "reuse", "mask", "op-between", "in-place", "after-last", "order"])
+], ids=["long-skip", "reuse", "op-between", "in-place", "after-last", "order"])
 def test_non_chains_are_refused_with_one_line(model, names, kwargs, needle):
     with pytest.raises(HetplanError) as e:
         check_chain(meta(model), names, (X,), kwargs)
     msg = str(e.value)
     assert needle in msg and "\n" not in msg
     assert "one pipeline stage" in msg
+
+
+def test_keyword_inputs_of_the_model_passed_on_unchanged_are_routed_to_their_layers():
+    """A mask given to the model and handed to each block as is: every pipeline
+    stage gets the model's keyword inputs, so the chain holds; the routes say
+    which layer takes which."""
+    routes = check_chain(meta(Masked), NAMES, (X,), {"mask": torch.ones(2, 8)})
+    assert routes == {"blocks.0": {"mask": "mask"}, "blocks.1": {"mask": "mask"}}
+    assert check_chain(meta(Chain), NAMES, (X,)) == {}
+
+
+def test_a_keyword_input_used_between_layers_is_refused():
+    class MaskBetween(Masked):
+        def forward(self, x, mask=None):
+            h = self.blocks[0](self.embed(x))
+            return self.head(self.blocks[1](h * mask[..., None]))
+
+    with pytest.raises(HetplanError, match="the input of layer 'blocks.1' is not exactly the output of layer"):
+        check_chain(meta(MaskBetween), NAMES, (X,), {"mask": torch.ones(2, 8)})
 
 
 def test_keyword_input_of_a_layer_is_refused():
@@ -172,13 +190,20 @@ LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermedi
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
 
 
-def test_hf_import_records_why_the_runtime_cannot_pipeline_it():
+def test_hf_import_records_whether_the_runtime_can_pipeline_it():
+    """HF Llama and T5 pipeline through their staged forwards (hetplan.runtime.hf_stages);
+    a bare ViTModel (a ViT config naming no task class) has none."""
     pytest.importorskip("transformers")
     from hetplan.model.hf import model_from_hf_config
 
-    spec = model_from_hf_config(dict(LLAMA), seq_len=16)
-    why = spec.meta["runtime_pipeline"]
-    assert "layer 'model.layers.0' is called with keyword input(s)" in why and "position_embeddings" in why
+    assert model_from_hf_config(dict(LLAMA), seq_len=16).meta["runtime_pipeline"] == ""
+    t5 = {"model_type": "t5", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+          "num_heads": 4}
+    assert model_from_hf_config(t5, seq_len=16).meta["runtime_pipeline"] == ""
+    vit = {"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 128, "image_size": 32, "patch_size": 8}
+    why = model_from_hf_config(vit).meta["runtime_pipeline"]
+    assert why.startswith("hetplan has no staged forward for ViTModel")
 
 
 def test_estimate_of_a_pipelined_hf_plan_says_the_runtime_would_refuse_it(tmp_path, capsys):
@@ -188,12 +213,17 @@ def test_estimate_of_a_pipelined_hf_plan_says_the_runtime_would_refuse_it(tmp_pa
     from hetplan.cli import main
 
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(LLAMA))
-    base = ["estimate", "--model", str(cfg), "--cluster", "4xA100-80GB", "--tp", "1", "--dp", "2",
+    cfg.write_text(json.dumps({"model_type": "t5", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128,
+                               "num_layers": 2, "num_heads": 4}))
+    base = ["estimate", "--model", str(cfg), "--cluster", "4xA100-80GB", "--tp", "1", "--dp", "1",
             "--micro-batch", "1", "--global-batch", "8", "--seq-len", "16"]
-    assert main([*base, "--pp", "2"]) == 0
+    assert main([*base, "--pp", "4"]) == 0  # T5's shared embedding on 3 of the 4 stages
     out = capsys.readouterr().out
-    assert "note: hetplan.runtime would refuse this plan's 2 pipeline stages" in out
+    assert "note: hetplan.runtime would refuse this plan's 4 pipeline stages for this model: layers " \
+           "encoder.embed_tokens, decoder.embed_tokens, lm_head share one weight" in out
+    assert main([*base[:-8], "--dp", "2", "--micro-batch", "1", "--global-batch", "8", "--seq-len", "16",
+                 "--pp", "2"]) == 0  # T5 at pp2 now trains
+    assert "hetplan.runtime would refuse" not in capsys.readouterr().out
     assert main([*base[:-8], "--dp", "4", "--micro-batch", "1", "--global-batch", "8", "--seq-len", "16",
                  "--pp", "1"]) == 0
     assert "hetplan.runtime would refuse" not in capsys.readouterr().out

@@ -108,18 +108,19 @@ def test_stage_layout_is_the_per_replica_one(name: str) -> None:
         devices, dp, tp, split = _random_stage(cluster.num_devices, rng)
         layout = kernel.layout(devices, dp, tp, split)
         times: dict[tuple[object, ...], tuple[object, ...]] = {}
-        memory: dict[tuple[int, int, int], list[int]] = {}
+        memory: dict[tuple[int, int, int, float], list[int]] = {}
         for r in range(dp):
             group = devices[r * tp:(r + 1) * tp]
             gpu = kernel.slowest_gpu(group)
             link = (allreduce_time(cluster, group, 1.0), collective_latency(cluster, group, "allreduce")) \
                 if tp > 1 else (0.0, 0.0)
-            times.setdefault((gpu.name, split[r], link), (gpu, split[r], link))
+            times.setdefault((gpu.name, split[r], link), (gpu, split[r], link, (1.0, 1.0)))  # no EP: own tokens
             for position in range(r * tp, (r + 1) * tp):
-                key = (split[r], kernel.capacity_bytes(devices[position]), kernel.overhead_bytes(devices[position]))
+                key = (split[r], kernel.capacity_bytes(devices[position]), kernel.overhead_bytes(devices[position]),
+                       kernel.host_capacity_bytes(devices[position]))
                 memory.setdefault(key, []).append(position)
         assert layout.time_classes == tuple(times.values())
-        assert [(c.batch, c.capacity, c.overhead) for c in layout.memory_classes] == list(memory)
+        assert [(c.batch, c.capacity, c.overhead, c.host_capacity) for c in layout.memory_classes] == list(memory)
         for index, positions in enumerate(memory.values()):
             assert all(layout.device_class[p] == index for p in positions)
         bandwidth = min(cluster.devices[d].gpu.memory_bandwidth_bytes_per_s for d in devices)

@@ -25,7 +25,7 @@ import time
 from typing import Any, Sequence
 
 from hetplan import __version__
-from hetplan.argtypes import EXIT_USAGE, OneLineParser, at_most, gpu_prices, positive_int, token_count
+from hetplan.argtypes import EXIT_USAGE, OneLineParser, at_most, finite_nonneg_float, gpu_prices, positive_int, token_count
 from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TARGETS, TORCHTITAN_VERSIONS
@@ -39,6 +39,7 @@ DEFAULT_MODEL = "gpt2-amp"
 DEFAULT_CLUSTER = "amp-heterogeneous"
 DEFAULT_GLOBAL_BATCH = 32
 DEFAULT_PLANNER = "auto"
+OFFLOAD_SEARCH = ("auto", "never")  # plan/compare --offload: may the planners offload activations
 
 
 _batch = at_most(MAX_GLOBAL_BATCH)
@@ -52,7 +53,7 @@ def _global_batch(text: str) -> int | str:
 
 
 def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> None:
-    p.add_argument("--model", default=None, help=f"preset name, HF config.json or ModelSpec .json (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"preset name, HF config.json, ModelSpec .json or pkg.mod:function (default {DEFAULT_MODEL})")
     p.add_argument("--cluster", default=None, help=f"preset name, NxGPU, or cluster .yaml (default {DEFAULT_CLUSTER})")
     p.add_argument("--global-batch", type=_global_batch if batch_auto else _batch, default=None,
                    help=f"samples per step (default {DEFAULT_GLOBAL_BATCH})" + ("; 'auto' lets batch-searching "
@@ -88,6 +89,13 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="with --target torchtitan: the release to run (0.2 runs ZeRO-0 only without TP/PP)")
 
 
+def _add_offload_search_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offload", choices=OFFLOAD_SEARCH, default="auto",
+                   help="activation offloading to host memory: auto (default) lets the planners that search "
+                   "recomputation (uniform, auto) offload layers where memory is short and the cost model ranks it "
+                   "best; never keeps every plan's activations on the GPU")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="hetplan", description="Plan and run parallel training on heterogeneous GPU clusters.")
     parser.add_argument("--version", action="version", version=f"hetplan {__version__}")
@@ -100,12 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="only the table")
     p.add_argument("--timeline", default=None, help="write the best plan's pipeline timeline here (.svg)")
     p.add_argument("--memory-chart", default=None, help="write the best plan's memory per GPU here (.svg)")
+    p.add_argument("--smp-alpha", type=finite_nonneg_float, default=None,
+                   help="--planner smp: weight of memory against compute in a module's cost, 0..1 (default 0.8)")
+    p.add_argument("--smp-pp", type=positive_int, default=None,
+                   help="--planner smp: the pipeline degree (default: every divisor of the GPU count, ranked)")
+    _add_offload_search_arg(p)
     _add_target_args(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("compare", help="run several planners on the same inputs")
     _add_workload_args(p)
     p.add_argument("--planners", default=None, help="comma-separated planner names (default: all)")
+    _add_offload_search_arg(p)
     _add_target_args(p)
     p.set_defaults(func=cmd_compare)
 
@@ -116,9 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_degree, default=None)
     p.add_argument("--pp", type=_degree, default=None)
     p.add_argument("--dp", type=_degree, default=None)
+    p.add_argument("--cp", type=_degree, default=1,
+                   help="context-parallel degree: each sequence split over this many GPUs (default 1)")
+    p.add_argument("--ep", type=_degree, default=1,
+                   help="expert-parallel degree of MoE layers, taken from the dp x cp GPUs (default 1)")
     p.add_argument("--micro-batch", type=_batch, default=None, help="samples per dp replica per micro-batch")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    p.add_argument("--offload", action="store_true", help="keep saved activations in host memory (every layer)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved-1f1b"), default="1f1b")
     p.add_argument("--virtual-stages", type=positive_int, default=1,
@@ -206,7 +225,9 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
                     overlap_grad_sync=not args.no_overlap and saved.get("overlap_grad_sync", True),
                     profile=profile, fp8=args.fp8 or saved.get("fp8", False),
                     zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"),
-                    precision=args.precision or saved.get("precision", ""), calibration=calibration)
+                    precision=args.precision or saved.get("precision", ""), calibration=calibration,
+                    # plan/compare: --offload auto|never; estimate's --offload (a flag) sets the plan, not a search
+                    search_offload=getattr(args, "offload", "auto") != "never")
 
 
 def _write_json(path: str | None, data: Any) -> None:
@@ -285,6 +306,14 @@ def _seq_len_hint(exc: OutOfMemoryError, model: Any) -> OutOfMemoryError:
 
 
 # --- commands -------------------------------------------------------------------------
+def _smp_planner(args: argparse.Namespace) -> Any:
+    """The smp planner with ``--smp-alpha`` / ``--smp-pp`` (hetplan.search.smp)."""
+    from hetplan.search.smp import DEFAULT_ALPHA, SMPPlanner
+
+    alpha = DEFAULT_ALPHA if args.smp_alpha is None else args.smp_alpha
+    return SMPPlanner(alpha=alpha, pp=args.smp_pp)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetplan.cost import CostModel
     from hetplan.planfile import workload_record
@@ -293,7 +322,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     auto = args.global_batch == "auto"
     workload = load_workload(args, global_batch=1 if auto else None)
-    planner = get_planner(args.planner)
+    planner = _smp_planner(args) if args.planner == "smp" else get_planner(args.planner)
     start = time.perf_counter()
     target = None
     if args.target:  # the planner's best candidates, less those the tool cannot run (hetplan.target)
@@ -321,7 +350,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.quiet:
         print()
         print(f"best plan: {best.plan.describe()}")
-        print(breakdown(best.estimate))
+        print(breakdown(best.estimate, any(s.cp > 1 or s.ep > 1 for s in best.plan.stages)))
         print()
         print(memory_table(best.plan, best.estimate, workload, cost_model.memory_breakdown(best.plan)))
         print()
@@ -451,9 +480,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from hetplan.validate import validate_plan
 
     degrees = (args.tp, args.pp, args.dp, args.micro_batch)
+    if args.offload and args.plan_file in OFFLOAD_SEARCH:  # 'estimate --offload never': read as a plan file
+        raise HetplanError(f"estimate's --offload takes no value (it offloads every layer); --offload "
+                           f"{'|'.join(OFFLOAD_SEARCH)} is for plan and compare")
     if args.plan_file:
-        if any(d is not None for d in degrees):
-            raise HetplanError("give either a plan file or --tp/--pp/--dp/--micro-batch, not both")
+        if any(d is not None for d in degrees) or args.cp != 1 or args.ep != 1:
+            raise HetplanError("give either a plan file or --tp/--pp/--dp/--cp/--ep/--micro-batch, not both")
+        if args.offload:
+            raise HetplanError("--offload applies to a --tp/--pp/--dp plan; a plan file sets offload per layer: "
+                               "drop --offload or the plan file")
         plan_file = read_plan_file(args.plan_file)
         plan = plan_file.plan(args.index)
         if plan_file.model is None:  # a format-1 file: names only
@@ -470,7 +505,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             raise HetplanError("--virtual-stages needs --schedule interleaved-1f1b")
         plan = uniform_plan(workload, args.dp, args.tp, args.pp, args.micro_batch, args.zero, args.recompute,
                             args.schedule, args.sequence_parallel, planner="manual",
-                            virtual_stages=args.virtual_stages)
+                            virtual_stages=args.virtual_stages, offload=args.offload, cp=args.cp, ep=args.ep)
         validate_plan(plan, workload.model, workload.cluster)
     cost_model = CostModel(workload)
     estimate = cost_model.estimate(plan)
@@ -478,7 +513,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print()
     print(ranked_table([RankedPlan(plan, estimate)]))
     print()
-    print(breakdown(estimate))
+    print(breakdown(estimate, any(s.cp > 1 or s.ep > 1 for s in plan.stages)))
     print()
     print(memory_table(plan, estimate, workload, cost_model.memory_breakdown(plan)))
     print()

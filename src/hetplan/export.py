@@ -80,6 +80,8 @@ class _Uniform:
     recompute: str  # of the transformer blocks
     sequence_parallel: bool
     notes: tuple[str, ...]
+    cp: int = 1
+    ep: int = 1
 
 
 def _is_block(model: ModelSpec, index: int) -> bool:
@@ -101,6 +103,14 @@ def _uniform(plan: Plan, model: ModelSpec, tool: str) -> _Uniform:
                                "use the hetplan runtime for uneven data splits")
         if stage.has_layer_degrees:
             raise HetplanError(f"{tool} cannot give single layers their own tp (stage {j}); use the hetplan runtime")
+        if stage.ep_split is not None and len(set(stage.ep_split)) > 1:
+            raise HetplanError(f"torchtitan/Megatron give every EP rank the same number of experts; stage {j} "
+                               f"splits them {':'.join(map(str, stage.ep_split))} — make the plan with an even "
+                               "expert split")
+        if (stage.cp, stage.ep) != (first.cp, first.ep):
+            raise HetplanError(f"{tool} runs one context- and expert-parallel degree on every stage; stage {j} has "
+                               f"cp={stage.cp} ep={stage.ep} but stage 0 has cp={first.cp} ep={first.ep} — use the "
+                               "hetplan runtime for this plan")
         if stage.sequence_parallel != first.sequence_parallel and first.tp > 1:
             raise HetplanError(f"{tool} uses sequence parallelism on every stage or none; stage {j} differs from "
                                "stage 0 — use the hetplan runtime for this plan")
@@ -124,8 +134,86 @@ def _uniform(plan: Plan, model: ModelSpec, tool: str) -> _Uniform:
     if first.dp_split[0] < 1:
         raise HetplanError(f"{tool} needs at least one sample per replica and micro-batch; the plan gives "
                            f"{first.dp_split[0]}")
+    if first.cp > 1 and model.seq_len % (2 * first.cp):
+        raise HetplanError(f"{tool} splits each sequence into 2 x cp chunks to balance causal attention; the sequence "
+                           f"length {model.seq_len} is not divisible by 2 x cp = {2 * first.cp}")
+    if first.cp > 1 and first.tp > 1 and first.sequence_parallel and (model.seq_len // first.cp) % first.tp:
+        raise HetplanError(f"{tool} shards each context-parallel rank's {model.seq_len // first.cp} tokens over "
+                           f"tp={first.tp} (sequence parallelism); they do not divide")
     return _Uniform(first.dp, first.tp, first.dp_split[0], zeros.pop(), recompute,
-                    first.tp > 1 and first.sequence_parallel, tuple(notes))
+                    first.tp > 1 and first.sequence_parallel, tuple(notes), first.cp, first.ep)
+
+
+def _offloaded(plan: Plan) -> int:
+    """How many of the plan's layers keep their saved activations in host memory."""
+    return sum(s.offload for stage in plan.stages for s in stage.strategies)
+
+
+def _refuse_offload(plan: Plan, tool: str, why: str) -> None:
+    """A plan that offloads activations, refused in one line (never silently dropped)."""
+    count = _offloaded(plan)
+    if count:
+        raise HetplanError(f"{tool} {why}; this plan offloads the activations of {count} layers — make it with "
+                           "'hetplan plan --offload never', or use the hetplan runtime")
+
+
+def _deepspeed_offload(plan: Plan, model: ModelSpec, recompute: str) -> tuple[bool, list[str]]:
+    """Whether DeepSpeed's ``cpu_checkpointing`` carries the plan's offloading
+    (checkpointed block inputs to host memory: every block offloaded with full
+    recompute), and notes; any other offloading is refused in one line."""
+    layers = [(i, s.offload) for stage in plan.stages for i, s in zip(stage.layers, stage.strategies)]
+    blocks = {off for i, off in layers if _is_block(model, i)}
+    if not any(off for _, off in layers):
+        return False, []
+    if blocks != {True} or recompute != "full":
+        _refuse_offload(plan, "DeepSpeed", "offloads only checkpointed layer inputs, of every checkpointed block "
+                        "(activation_checkpointing.cpu_checkpointing): it needs every transformer block offloaded with "
+                        "full recompute")
+    edges = sorted(model.layers[i].name for i, off in layers if off and not _is_block(model, i))
+    notes = [f"DeepSpeed checkpoints transformer blocks only: {', '.join(edges)} keep their activations on the GPU, "
+             "which the plan offloads (more GPU memory than hetplan estimated for those stages)"] if edges else []
+    return True, notes
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts facts a tool needs, read from the model's layers
+    (every MoE layer must agree: the tools configure one expert shape)."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int
+    capacity_factor: float
+    pattern: tuple[int, ...]  # per transformer block: 1 = MoE, 0 = dense
+
+
+def experts(model: ModelSpec, tool: str) -> Experts | None:
+    """The model's expert configuration, or None for a dense model."""
+    blocks = [layer for i, layer in enumerate(model.layers) if _is_block(model, i)]
+    moe = [layer for layer in blocks if getattr(layer, "num_experts", 0)]
+    if not moe:
+        return None
+    shapes = {(layer.num_experts, layer.top_k, layer.expert_ffn, layer.shared_expert_ffn, layer.capacity_factor)
+              for layer in moe}
+    if len(shapes) > 1:
+        raise HetplanError(f"{tool} gives every MoE layer the same experts; model {model.name!r} has "
+                           f"{len(shapes)} different expert shapes")
+    num, top_k, ffn, shared, capacity = shapes.pop()
+    return Experts(num, top_k, ffn, shared, capacity, tuple(int(bool(layer.num_experts)) for layer in blocks))
+
+
+def _check_expert_degree(u: _Uniform, model: ModelSpec, tool: str) -> Experts | None:
+    """The experts, with ``ep`` checked against them: EP needs MoE layers and
+    an expert count it divides."""
+    moe = experts(model, tool)
+    if u.ep > 1 and moe is None:
+        raise HetplanError(f"the plan uses ep={u.ep}, but model {model.name!r} has no MoE layer; make the plan "
+                           "with ep 1")
+    if moe is not None and u.ep > 1 and moe.num_experts % u.ep:
+        raise HetplanError(f"{tool} gives every expert-parallel rank the same number of experts; ep={u.ep} does "
+                           f"not divide the {moe.num_experts} experts")
+    return moe
 
 
 def _chunks(plan: Plan) -> list[tuple[int, ...]]:
@@ -189,16 +277,22 @@ _ARCH_OPTIONAL = ("kv_channels", "rope_theta", "qkv_bias")
 def architecture(model: ModelSpec, tool: str) -> Architecture:
     """The model's architecture facts, checked; a HetplanError naming what is
     missing for ``tool`` otherwise."""
-    if model.family not in ("gpt", "llama"):
-        raise HetplanError(f"{tool} export covers GPT and Llama decoders (pretrain_gpt.py); model {model.name!r} is "
-                           f"family {model.family!r}")
+    if model.family not in ("gpt", "llama", "moe"):
+        raise HetplanError(f"{tool} export covers GPT and Llama decoders and their MoE forms (pretrain_gpt.py); "
+                           f"model {model.name!r} is family {model.family!r}")
     kinds = [layer.kind for layer in model.layers]
     blocks = [k for k in kinds if k not in _EDGE_KINDS]
-    if kinds[0] != "embedding" or kinds[-1] != "head" or set(blocks) != {"decoder"} or \
+    allowed = {"decoder", "moe"} if model.family == "moe" else {"decoder"}
+    if kinds[0] != "embedding" or kinds[-1] != "head" or not blocks or not set(blocks) <= allowed or \
             "embedding" in kinds[1:] or "head" in kinds[:-1]:
         raise HetplanError(f"{tool} builds an embedding, decoder blocks and a head; model {model.name!r} has layers "
                            f"of kinds {sorted(set(kinds))} in another order")
-    facts = model.meta.get("architecture") if isinstance(model.meta, dict) else None
+    meta = model.meta if isinstance(model.meta, dict) else {}
+    moe_meta = meta.get("moe") if isinstance(meta.get("moe"), dict) else {}
+    if meta.get("latent_attention") or moe_meta.get("latent_attention"):
+        raise HetplanError(f"{tool} export does not write multi-head latent attention (DeepSeek's MLA) yet; model "
+                           f"{model.name!r} uses it — use the plan JSON and set the MLA ranks by hand")
+    facts = meta.get("architecture")
     if not isinstance(facts, dict):
         raise HetplanError(f"model {model.name!r} gives no architecture (meta.architecture: kv_heads, ffn, norm, ...), "
                            f"which {tool} needs to build it; use a hetplan preset or HF config, or add it to the file")
@@ -259,6 +353,8 @@ def to_torchtitan(plan: Plan, model: ModelSpec, version: str = DEFAULT_TORCHTITA
 
 
 def _torchtitan(plan: Plan, model: ModelSpec, version: str) -> tuple[dict[str, Any], list[str]]:
+    _refuse_offload(plan, "torchtitan", "has no activation offloading to host memory (training.enable_cpu_offload "
+                    "moves FSDP's parameters, gradients and optimizer states)")
     if version not in TORCHTITAN_VERSIONS:
         raise HetplanError(f"unknown torchtitan version {version!r}; choose one of {', '.join(TORCHTITAN_VERSIONS)}")
     u = _uniform(plan, model, "torchtitan")
@@ -275,6 +371,8 @@ def _torchtitan(plan: Plan, model: ModelSpec, version: str) -> tuple[dict[str, A
                            f"tp={u.tp}")
     if model.dtype_bytes == 2 and model.meta.get("precision") == "fp16":
         raise HetplanError("torchtitan trains in bf16 or fp32; this model is fp16")
+    _check_expert_degree(u, model, "torchtitan")
+    notes += _torchtitan_cp_ep_checks(u, version)
     v = _virtual(plan)
     if plan.virtual_stages > 1 and v == 1 and plan.pp > 1:
         notes.append(f"virtual_stages={plan.virtual_stages} ignored: only interleaved-1f1b uses model chunks "
@@ -286,6 +384,12 @@ def _torchtitan(plan: Plan, model: ModelSpec, version: str) -> tuple[dict[str, A
         "tensor_parallel_degree": u.tp,
         "pipeline_parallel_degree": plan.pp,
     }
+    if u.cp > 1:
+        parallelism["context_parallel_degree"] = u.cp
+    if u.ep > 1:
+        parallelism["expert_parallel_degree"] = u.ep
+        if version == "0.2":
+            parallelism["expert_tensor_parallel_degree"] = u.tp
     if version == "0.3":
         parallelism["enable_sequence_parallel"] = u.sequence_parallel
     elif u.tp > 1 and not u.sequence_parallel:
@@ -322,6 +426,27 @@ def _torchtitan(plan: Plan, model: ModelSpec, version: str) -> tuple[dict[str, A
         notes.append("torchtitan's selective AC is per-op (saves matmul and attention outputs, recomputes the rest), "
                      "close to but not the same as hetplan's attention-core recompute")
     return data, notes
+
+
+def _torchtitan_cp_ep_checks(u: _Uniform, version: str) -> list[str]:
+    """What torchtitan's meshes allow for CP and EP (ParallelDims): FSDP
+    shards over dp_shard x cp, so a replicated (ZeRO-0) plan's weights get
+    sharded over the CP ranks; EP borrows from dp_shard x cp (0.2.x with
+    expert TP = tp) or from dp_shard x cp x tp (0.3, experts not TP-split)."""
+    notes = []
+    shard = u.dp if u.zero == 3 else 1
+    if u.cp > 1 and u.zero == 0:
+        notes.append(f"torchtitan shards weights over the {u.cp} context-parallel ranks (FSDP over dp_shard x cp) "
+                     "even with data_parallel_shard_degree 1: less memory than hetplan estimated for ZeRO-0")
+    if u.ep > 1 and version == "0.3" and u.tp > 1:
+        raise HetplanError("torchtitan 0.3 runs the experts without tensor parallelism (EP borrows the TP ranks), "
+                           f"but this plan TP-splits them (ep={u.ep} x tp={u.tp}); export for torchtitan 0.2 "
+                           "(expert_tensor_parallel_degree) or Megatron-LM, or make the plan with tp 1")
+    if u.ep > 1 and (shard * u.cp) % u.ep:
+        raise HetplanError(f"torchtitan takes expert parallelism from the sharded data-parallel and context-parallel "
+                           f"ranks (dp_shard x cp = {shard} x {u.cp}), which ep={u.ep} does not divide; make the plan "
+                           "with ZeRO-3 or a smaller ep")
+    return notes
 
 
 def to_toml(data: dict[str, Any], comments: Sequence[str] = ()) -> str:
@@ -393,11 +518,15 @@ def to_megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
 
 def _megatron(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
     u = _uniform(plan, model, "Megatron-LM")
+    _refuse_offload(plan, "Megatron-LM", "offloads activations (--cpu-offloading-num-layers) only without pipeline "
+                    "parallelism and recomputation and never on the last layer, and its fine-grained offloading "
+                    "moves chosen module inputs, not hetplan's per-layer saved tensors")
     notes = list(u.notes)
     if u.zero >= 2:
         raise HetplanError("Megatron-LM's distributed optimizer shards optimizer states (ZeRO-1) only; "
                            f"this plan uses ZeRO-{u.zero} — make it with --zero 0 or 1, or use the hetplan runtime")
     arch = architecture(model, "Megatron-LM")
+    moe = _check_expert_degree(u, model, "Megatron-LM")
     args = ["--num-layers", str(arch.num_layers), "--hidden-size", str(model.hidden_size),
             "--num-attention-heads", str(model.num_heads), "--ffn-hidden-size", str(arch.ffn),
             "--seq-length", str(model.seq_len), "--max-position-embeddings", str(max(arch.max_positions,
@@ -413,7 +542,9 @@ def _megatron(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
     if arch.positions == "rope":
         args += ["--position-embedding-type", "rope"]
         if arch.rope_theta:
-            args += ["--rotary-base", f"{arch.rope_theta:g}"]
+            # an int option in Megatron's parser (1e6, not "1e+06")
+            theta = arch.rope_theta
+            args += ["--rotary-base", str(int(theta)) if float(theta).is_integer() else repr(theta)]
     if not arch.bias:
         args.append("--disable-bias-linear")
         if arch.qkv_bias:
@@ -430,6 +561,11 @@ def _megatron(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
         args.append("--fp16" if model.meta.get("precision") == "fp16" else "--bf16")
     args += ["--micro-batch-size", str(u.per_replica), "--global-batch-size", str(plan.global_batch_size),
              "--tensor-model-parallel-size", str(u.tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    if u.cp > 1:
+        # p2p: the ring exchange of K/V blocks overlapped with attention (Megatron-Core's default cp_comm_type)
+        args += ["--context-parallel-size", str(u.cp)]
+    if moe is not None:
+        args += _megatron_moe(moe, u)
     if u.zero == 1:
         args.append("--use-distributed-optimizer")
     if u.sequence_parallel:
@@ -447,6 +583,24 @@ def _megatron(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
         notes.append(f"virtual_stages={plan.virtual_stages} ignored: one pipeline stage")
     args.append("--mock-data")
     return args, notes
+
+
+def _megatron_moe(moe: Experts, u: _Uniform) -> list[str]:
+    """Megatron-Core's MoE flags: experts, top-k, expert width, which blocks
+    are MoE (``--moe-layer-freq`` as a 0/1 list), the all-to-all token
+    dispatcher (what hetplan costs), EP with the experts TP-split like the
+    dense layers (expert TP = tp, Megatron's default, as the plan means).
+    The experts use the dense MLP's activation (``--swiglu`` or GELU)."""
+    args = ["--num-experts", str(moe.num_experts), "--moe-router-topk", str(moe.top_k),
+            "--moe-ffn-hidden-size", str(moe.expert_ffn), "--moe-token-dispatcher-type", "alltoall",
+            "--expert-model-parallel-size", str(u.ep), "--expert-tensor-parallel-size", str(u.tp)]
+    if moe.shared_ffn:
+        args += ["--moe-shared-expert-intermediate-size", str(moe.shared_ffn)]
+    if any(flag == 0 for flag in moe.pattern):
+        args += ["--moe-layer-freq", "[" + ",".join(map(str, moe.pattern)) + "]"]
+    if moe.capacity_factor != 1.0:
+        args += ["--moe-expert-capacity-factor", f"{moe.capacity_factor:g}"]
+    return args
 
 
 def _megatron_split(plan: Plan, model: ModelSpec) -> list[str]:
@@ -509,6 +663,12 @@ def to_deepspeed_config(plan: Plan, model: ModelSpec) -> dict[str, Any]:
 def _deepspeed(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], list[str]]:
     u = _uniform(plan, model, "DeepSpeed")
     notes = list(u.notes)
+    if u.cp > 1:
+        raise HetplanError(f"DeepSpeed has no ring/all-gather context parallelism (its sequence_parallel_size is "
+                           f"Ulysses, another scheme); this plan uses cp={u.cp}: export it for torchtitan or Megatron")
+    if u.ep > 1:
+        raise HetplanError(f"DeepSpeed's expert parallelism lives in the model code (deepspeed.moe.layer.MoE(ep_size="
+                           f"{u.ep})), not in its config; export this ep={u.ep} plan for torchtitan or Megatron-LM")
     if plan.pp > 1 and u.zero >= 2:
         raise HetplanError(f"DeepSpeed pipeline parallelism supports ZeRO-0/1 only; this plan uses ZeRO-{u.zero}")
     if plan.pp > 1 and u.tp > 1:
@@ -521,6 +681,8 @@ def _deepspeed(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], list[str]]
     if _virtual(plan) > 1:
         raise HetplanError("DeepSpeed's pipeline engine runs one model chunk per stage (1F1B), not interleaved "
                            "1F1B; make the plan with --schedule 1f1b")
+    cpu_checkpointing, offload_notes = _deepspeed_offload(plan, model, u.recompute)
+    notes += offload_notes
     config: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": u.per_replica,
@@ -531,12 +693,15 @@ def _deepspeed(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], list[str]]
         config["fp16" if model.meta.get("precision") == "fp16" else "bf16"] = {"enabled": True}
     if u.recompute != "none":
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
-                                              "cpu_checkpointing": False}
+                                              "cpu_checkpointing": cpu_checkpointing}
         if u.recompute == "full":
             where = ("PipelineModule(..., activation_checkpoint_interval=1)" if plan.pp > 1 else
                      "deepspeed.checkpointing.checkpoint(block, hidden_states) around each transformer block")
             notes.append(f"DeepSpeed's activation_checkpointing block turns nothing on: full recompute needs {where}, "
                          "after deepspeed.checkpointing.configure(None, deepspeed_config=CONFIG)")
+            if cpu_checkpointing:
+                notes.append("cpu_checkpointing keeps each checkpointed block's input in host memory, as the plan's "
+                             "offload does (SageMaker's scheme); it acts on those checkpoint calls only")
         else:
             notes.append("DeepSpeed's activation_checkpointing block turns nothing on and DeepSpeed has no selective "
                          "recompute: the model code must call deepspeed.checkpointing.checkpoint(core_attention, q, k, "

@@ -24,6 +24,9 @@ MAX_LOCAL_PROCESSES = 1024
 # Samples per step: Llama 3 405B trained with 16M tokens a step = 2,048 samples
 # of 8k; the GPT-3 paper's largest batch is 3.2M tokens. 2^24 samples is 8,000x that.
 MAX_GLOBAL_BATCH = 2**24
+# Host memory of one node, GiB: a GB200 NVL72 rack (one "node") has 17 TB of
+# LPDDR5X (NVIDIA GB200 NVL72 specifications); 1 PiB is 60x that.
+MAX_HOST_MEMORY_GIB = 2**20
 
 
 def check_at_most(what: str, value: int | float, limit: int, fix: str) -> None:

@@ -49,11 +49,16 @@ class LayerStrategy:
             tp). Galvatron-BMW picks a (dp, tp) per layer; the layer's dp is
             then len(devices) / tp, and its TP groups are runs of ``tp``
             consecutive devices of the stage.
+        offload: keep the layer's saved activations in host memory between its
+            forward and backward (SageMaker model parallelism, App. H.3). With
+            ``recompute="full"`` only the checkpointed layer input is moved, as
+            in SageMaker; with "none"/"selective" whatever the layer saves.
     """
 
     zero: int = 0
     recompute: str = "none"
     tp: int = 0
+    offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,12 @@ class Stage:
             ranks (attention exchanges keys/values; Llama 3 §3.3.2).
         ep: expert-parallel degree of the stage's MoE layers (1 for dense
             layers): experts split over ``ep`` ranks, tokens routed by
-            all-to-all; divides ``dp * cp``.
+            all-to-all; divides ``dp * cp``. The experts keep the stage's TP
+            (expert tensor parallelism = tp, Megatron-Core's default).
+        ep_split: routed experts held by each EP rank, in EP-rank order (rank
+            ``i % ep`` of each group of ``ep`` consecutive dp·cp ranks); sums
+            to the MoE layers' experts. None: ``experts / ep`` each. Uneven on
+            mixed GPUs, like ``dp_split`` (JSON key omitted when None).
         dp_split: samples of one micro-batch given to each dp replica; sums to
             the plan's ``micro_batch_size``. Equal on equal GPUs.
         strategies: one LayerStrategy per layer in ``layers`` (same order).
@@ -87,6 +97,7 @@ class Stage:
     sequence_parallel: bool = False
     cp: int = 1
     ep: int = 1
+    ep_split: tuple[int, ...] | None = None
 
     def replica_devices(self, replica: int) -> tuple[int, ...]:
         """The ``cp * tp`` devices of data-parallel replica ``replica``."""
@@ -188,18 +199,22 @@ class Plan:
         def extras(s: Stage) -> str:
             zeros = {st.zero for st in s.strategies}
             recs = {st.recompute for st in s.strategies}
+            offloaded = sum(st.offload for st in s.strategies)
             text = ""
             if zeros != {0}:
                 text += " z" + "/".join(str(z) for z in sorted(zeros))
             if recs != {"none"}:
                 text += " rc:" + "/".join(sorted(r for r in recs if r != "none"))
+            if offloaded:
+                text += " offload" + ("" if offloaded == s.num_layers else f":{offloaded}L")
             if s.sequence_parallel:
                 text += " sp"
             return text
 
         def degrees(s: Stage) -> str:
             text = f"dp{s.dp}" + (f" cp{s.cp}" if s.cp > 1 else "") + f" tp{s.tp}"
-            return text + (f" ep{s.ep}" if s.ep > 1 else "")
+            experts = " experts " + ":".join(map(str, s.ep_split)) if s.ep_split else ""
+            return text + (f" ep{s.ep}{experts}" if s.ep > 1 else "")
 
         def uneven(s: Stage) -> str:
             return " split " + ":".join(map(str, s.dp_split)) if len(set(s.dp_split)) > 1 else ""
@@ -228,6 +243,9 @@ class Plan:
         ``dp_split``); ``micro_batch_total`` is the micro-batch over a stage's
         replicas, this class's ``micro_batch_size``."""
         data = asdict(self)
+        for stage in data["stages"]:
+            if stage["ep_split"] is None:  # even: plans without EP read as before
+                del stage["ep_split"]
         data["micro_batch_size"] = self.micro_batch_per_replica
         data["micro_batch_total"] = self.micro_batch_size
         return data
@@ -264,8 +282,9 @@ class Plan:
 _PLAN_KEYS = ("model", "cluster", "global_batch_size", "micro_batch_size", "micro_batch_total", "num_micro_batches",
               "schedule", "stages", "planner", "virtual_stages", "notes")
 _PLAN_REQUIRED = ("model", "cluster", "global_batch_size", "num_micro_batches", "schedule", "stages")
-_STAGE_KEYS = ("layers", "devices", "dp", "tp", "dp_split", "strategies", "sequence_parallel", "cp", "ep")
-_STRATEGY_KEYS = ("zero", "recompute", "tp")
+_STAGE_KEYS = ("layers", "devices", "dp", "tp", "dp_split", "strategies", "sequence_parallel", "cp", "ep",
+               "ep_split")
+_STRATEGY_KEYS = ("zero", "recompute", "tp", "offload")
 
 
 def _micro_batch_total(data: Mapping[str, Any]) -> int:
@@ -311,6 +330,7 @@ def _stage_from_dict(where: str, data: Any) -> Stage:
         sequence_parallel=fields.flag(f"{where}.sequence_parallel", stage.get("sequence_parallel", False)),
         cp=fields.whole(f"{where}.cp", stage.get("cp", 1), 1, MAX_GPUS),
         ep=fields.whole(f"{where}.ep", stage.get("ep", 1), 1, MAX_GPUS),
+        ep_split=None if stage.get("ep_split") is None else _whole_list(f"{where}.ep_split", stage["ep_split"], 1),
     )
 
 
@@ -320,7 +340,8 @@ def _strategy_from_dict(where: str, data: Any) -> LayerStrategy:
     if zero not in ZERO_STAGES:
         raise HetplanError(f"{where}.zero must be one of {ZERO_STAGES}, got {zero}")
     return LayerStrategy(zero=zero, recompute=fields.text(f"{where}.recompute", st.get("recompute", "none"), RECOMPUTE),
-                         tp=fields.whole(f"{where}.tp", st.get("tp", 0), 0, MAX_GPUS))
+                         tp=fields.whole(f"{where}.tp", st.get("tp", 0), 0, MAX_GPUS),
+                         offload=fields.flag(f"{where}.offload", st.get("offload", False)))
 
 
 def _group_runs(values: Sequence[Any]) -> list[tuple[Any, int]]:
@@ -341,17 +362,18 @@ def _runs(values: Sequence[int]) -> list[str]:
 
 def uniform_stage(
     layers: Sequence[int], devices: Sequence[int], dp: int, tp: int, micro_batch_size: int,
-    zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
+    zero: int = 0, recompute: str = "none", sequence_parallel: bool = False, offload: bool = False,
+    cp: int = 1, ep: int = 1, ep_split: tuple[int, ...] | None = None,
 ) -> Stage:
     """A stage whose replicas split the micro-batch evenly and whose layers all
-    use the same strategy."""
+    use the same strategy (``devices``: dp·cp·tp of them)."""
     if micro_batch_size % dp:
         raise HetplanError(f"micro-batch {micro_batch_size} does not split evenly over dp={dp}")
     return Stage(
         layers=tuple(layers), devices=tuple(devices), dp=dp, tp=tp,
         dp_split=(micro_batch_size // dp,) * dp,
-        strategies=(LayerStrategy(zero, recompute),) * len(layers),
-        sequence_parallel=sequence_parallel,
+        strategies=(LayerStrategy(zero, recompute, offload=offload),) * len(layers),
+        sequence_parallel=sequence_parallel, cp=cp, ep=ep, ep_split=ep_split,
     )
 
 
@@ -394,6 +416,10 @@ class Estimate:
     fits: bool
     stages: tuple[StageEstimate, ...] = field(default=())
     lower_bound_s: float = 0.0  # no plan of the workload is faster (cost/bounds.py)
+    # offloading plans: each offloading GPU's activations in host memory, and its
+    # share of host memory where one limits it (``cost.memory.host_offload_capacity_bytes``)
+    host_offload_bytes: dict[int, int] = field(default_factory=dict)
+    host_capacity_bytes: dict[int, int] = field(default_factory=dict)
 
     TIME_PARTS = ("compute_s", "bubble_s", "p2p_s", "dp_sync_s", "tp_comm_s", "recompute_s", "optimizer_s")
 
@@ -408,6 +434,7 @@ class Estimate:
                                                            "tokens_per_s", "mfu", "lower_bound_s")}
         bad = {k: v for k, v in numbers.items() if not math.isfinite(v) or v < -noise}
         bad.update({f"memory of GPU {d}": m for d, m in self.peak_memory_bytes.items() if m < 0})
+        bad.update({f"host memory of GPU {d}": m for d, m in self.host_offload_bytes.items() if m < 0})
         if bad or not total > 0:
             raise RuntimeError(f"cost model bug: the estimate has impossible numbers {bad or {'total': total}}")
         parts = sum(max(0.0, numbers[k]) for k in self.TIME_PARTS)
@@ -434,6 +461,10 @@ class Estimate:
         data = asdict(self)
         data["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
         data["memory_capacity_bytes"] = {str(k): v for k, v in self.memory_capacity_bytes.items()}
+        for key in ("host_offload_bytes", "host_capacity_bytes"):  # only where the plan offloads
+            data[key] = {str(k): v for k, v in getattr(self, key).items()}
+            if not data[key]:
+                del data[key]
         data["max_memory_bytes"] = self.max_memory_bytes
         data["min_headroom_bytes"] = self.min_headroom_bytes
         return data
@@ -449,6 +480,8 @@ class Estimate:
             fields = {k: v for k, v in data.items() if k not in ("max_memory_bytes", "min_headroom_bytes")}
             fields["peak_memory_bytes"] = {int(k): int(v) for k, v in data["peak_memory_bytes"].items()}
             fields["memory_capacity_bytes"] = {int(k): int(v) for k, v in data["memory_capacity_bytes"].items()}
+            for key in ("host_offload_bytes", "host_capacity_bytes"):
+                fields[key] = {int(k): int(v) for k, v in data.get(key, {}).items()}
             fields["stages"] = stages
             return Estimate(**fields)
         except (KeyError, TypeError) as exc:

@@ -103,7 +103,8 @@ def uniform_plans_for(workload: Workload, tool: str, top_k: int,
     from hetplan.search.baselines.uniform import UniformPlanner
 
     planner = UniformPlanner()
-    candidates = list(planner.candidates(workload))
+    cost = cost_model_for(workload, None)
+    candidates = list(planner.candidates(workload, cost))  # offloaded variants only where memory is short
     if not candidates:
         planner.plan(workload, top_k)  # raises its own reason (no data-parallel degree divides the batch)
     refusals = Counter()
@@ -120,7 +121,7 @@ def uniform_plans_for(workload: Workload, tool: str, top_k: int,
         raise HetplanError(f"{name} can run none of the {len(candidates)} uniform 3D plans ({count} refused with: "
                            f"{reason})")
     try:
-        ranked = rank_plans(cost_model_for(workload, None), kept, top_k)
+        ranked = rank_plans(cost, kept, top_k)
     except HetplanError as exc:
         raise HetplanError(f"none of the {len(kept)} uniform 3D plans {name} can run fits: {exc}") from None
     return ranked, len(kept), len(candidates)

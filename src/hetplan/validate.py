@@ -32,6 +32,7 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, check_name
         expected = _check_layers(where, stage, model, expected)
         _check_devices(where, stage, cluster, used)
         _check_split(where, stage, plan.micro_batch_size)
+        _check_expert_split(where, stage, model)
         _check_strategies(where, stage, model, plan.micro_batch_size)
     if expected != model.num_layers:
         raise InvalidPlanError(
@@ -126,6 +127,24 @@ def _check_split(where: str, stage: Stage, micro_batch_size: int) -> None:
             f"{where}: dp_split {list(stage.dp_split)} sums to {sum(stage.dp_split)}, "
             f"not the micro-batch size {micro_batch_size}"
         )
+
+
+def _check_expert_split(where: str, stage: Stage, model: ModelSpec) -> None:
+    """An uneven ``ep_split``: one count of experts per EP rank, each at least
+    one, summing to the experts of every MoE layer of the stage."""
+    if stage.ep_split is None:
+        return
+    experts = {model.layers[i].num_experts for i in stage.layers if 0 <= i < model.num_layers
+               and model.layers[i].is_moe}
+    if stage.ep == 1 or not experts:
+        raise InvalidPlanError(f"{where}: ep_split needs ep > 1 and MoE layers on the stage; remove ep_split")
+    if len(stage.ep_split) != stage.ep:
+        raise InvalidPlanError(f"{where}: ep_split has {len(stage.ep_split)} entries for ep={stage.ep}")
+    if any(n < 1 for n in stage.ep_split):
+        raise InvalidPlanError(f"{where}: every EP rank needs at least one expert in ep_split")
+    if len(experts) > 1 or sum(stage.ep_split) != min(experts):
+        raise InvalidPlanError(f"{where}: ep_split {list(stage.ep_split)} sums to {sum(stage.ep_split)}, not the "
+                               f"{min(experts)} experts of every MoE layer of the stage")
 
 
 def _check_strategies(where: str, stage: Stage, model: ModelSpec, micro_batch_size: int) -> None:

@@ -354,17 +354,6 @@ def torch_clip_worker(plan_path: str) -> dict[str, Any]:
     return {"torch_clip": torch_clip, "norm": norm}
 
 
-def hf_pp_plan(gbs: int = 4) -> Plan:
-    """The tiny HF Llama in two pipeline stages (one process each)."""
-    from hetplan.model.hf import model_from_hf_config
-
-    config, _ = _tiny_llama()
-    spec = model_from_hf_config(config, seq_len=16, dtype_bytes=4)
-    n = spec.num_layers
-    stages = (uniform_stage(range(0, n // 2), [0], 1, 1, 2), uniform_stage(range(n // 2, n), [1], 1, 1, 2))
-    return Plan(spec.name, "local-cpu-2", gbs, 2, gbs // 2, "1f1b", stages, planner="test")
-
-
 def compiled_whole_worker(plan_path: str) -> dict[str, Any]:
     """The user compiles the returned model themselves (torch.compile(model))."""
     import torch

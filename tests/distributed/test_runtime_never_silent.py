@@ -77,18 +77,6 @@ def test_torch_clip_grad_norm_runs_under_plain_data_parallelism(tmp_path) -> Non
     assert [r["torch_clip"] for r in results] == ["ran", "ran"]
 
 
-def test_hf_model_in_two_stages_is_refused_with_the_real_reason(tmp_path) -> None:
-    """An HF Llama passes masks and position embeddings to every decoder layer:
-    not a chain. Refused in parallelize (every rank) naming that, not a stray norm."""
-    pytest.importorskip("transformers")
-    from rt_helpers import hf_pp_plan, hf_worker
-
-    results = run_raw(hf_worker, 2, write_plan(tmp_path, hf_pp_plan()), timeout_s=90)
-    for r in results:
-        assert r.exitcode not in (0, None)
-        assert "layer 'model.layers.0' is called with keyword input(s)" in r.error, r.error
-
-
 @pytest.mark.slow
 def test_user_compiled_model_trains_with_one_stage_and_is_refused_with_several(tmp_path) -> None:
     """torch.compile(model) of the returned model: train_step uses it with one

@@ -22,6 +22,7 @@ Format (every key is checked; an unknown key is an error, never ignored)::
         memory_gb: 16                   # optional: usable memory per GPU
         overrides: {memory_bandwidth_gbps: 800}   # optional: any GPU number, this node only
         price_per_gpu_hour: 2.1         # optional: what one GPU of this node costs per hour
+        host_memory_gb: 2048            # optional: the node's host RAM (GiB) for offloaded activations
       - gpu: T4
         gpus: 4
         intra_node_bandwidth_gbps: 50
@@ -44,7 +45,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from hetplan import fields
-from hetplan.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES, check_at_most
+from hetplan.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_HOST_MEMORY_GIB, MAX_NODES, check_at_most
 from hetplan.cluster.catalog import (
     GPU_CATALOG, TERA, GPUSpec, find_catalog_gpu, get_gpu, in_si, in_units, is_catalog_gpu, normalise_gpu_name,
     power_capped,
@@ -57,7 +58,7 @@ from hetplan.userfiles import read_yaml
 _TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types",
              "calibration"}
 _NODE_KEYS = {"gpu", "gpus", "intra_node_bandwidth_gbps", "count", "inter_node_bandwidth_gbps", "memory_gb", "name",
-              "overrides", "price_per_gpu_hour"}
+              "overrides", "price_per_gpu_hour", "host_memory_gb"}
 GB_PER_S = 1e9  # memory bandwidth is quoted in decimal GB/s on datasheets
 
 # A GPU's numbers as a file writes them: key -> (GPUSpec attribute, SI units per file unit).
@@ -317,14 +318,23 @@ def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int)
         if "inter_node_bandwidth_gbps" in nd else 0.0
     memory = int(_number(f"{where}.memory_gb", nd["memory_gb"]) * GIB) if "memory_gb" in nd else 0
     price = _number(f"{where}.price_per_gpu_hour", nd["price_per_gpu_hour"]) if "price_per_gpu_hour" in nd else 0.0
+    host = _host_memory_bytes(where, nd["host_memory_gb"]) if "host_memory_gb" in nd else 0
     gpu = _node_gpu(where, nd, custom)
     nodes = []
     for k in range(int(count)):
         label = _text(f"{where}.name", nd.get("name", f"node{first_index + k}"))
         if count > 1:
             label = f"{label}-{k}"
-        nodes.append(NodeSpec(gpu, int(gpus), intra, inter, memory, label, price_per_gpu_hour=price))
+        nodes.append(NodeSpec(gpu, int(gpus), intra, inter, memory, label, price_per_gpu_hour=price,
+                              host_memory_bytes=host))
     return nodes
+
+
+def _host_memory_bytes(where: str, value: Any) -> int:
+    """A node's ``host_memory_gb`` (GiB of host RAM, shared by its GPUs' offloaded activations) in bytes."""
+    gib = _number(f"{where}.host_memory_gb", value)
+    check_at_most(f"{where}.host_memory_gb", gib, MAX_HOST_MEMORY_GIB, "give the node's host RAM in GiB")
+    return int(gib * GIB)
 
 
 def _check_name_is_not_a_preset(cluster: ClusterSpec, source: str) -> None:
@@ -383,6 +393,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
             entry["memory_gb"] = node.memory_bytes / GIB
         if node.price_per_gpu_hour:
             entry["price_per_gpu_hour"] = node.price_per_gpu_hour
+        if node.host_memory_bytes:
+            entry["host_memory_gb"] = node.host_memory_bytes / GIB
         nodes.append(entry)
     data: dict[str, Any] = {"name": cluster.name, "description": cluster.description}
     if custom:

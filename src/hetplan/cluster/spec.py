@@ -35,6 +35,9 @@ class NodeSpec:
         memory_bytes: per-GPU memory override (0 = the GPU type's value).
         name: label used in reports.
         price_per_gpu_hour: what one of its GPUs costs per hour (0 = not given).
+        host_memory_bytes: the node's host (CPU) memory, shared by its GPUs'
+            offloaded activations (0 = its GPU type's reference server:
+            ``cost.memory.node_host_memory_bytes``).
         gpu_spec: the resolved GPU type (set from ``gpu_type`` when not given);
             compared with the rest, so two nodes of differently capped or tuned
             GPUs never compare equal.
@@ -48,6 +51,7 @@ class NodeSpec:
     name: str = ""
     gpu_spec: GPUSpec | None = None
     price_per_gpu_hour: float = 0.0
+    host_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         spec = self._resolve_gpu()
@@ -66,6 +70,8 @@ class NodeSpec:
             raise HetplanError(f"node {label!r}: memory must be positive")
         if not (self.price_per_gpu_hour >= 0 and math.isfinite(self.price_per_gpu_hour)):
             raise HetplanError(f"node {label!r}: price_per_gpu_hour must be a number >= 0")
+        if self.host_memory_bytes < 0:
+            raise HetplanError(f"node {label!r}: host_memory_gb must be positive (or left out for the default)")
 
     def _resolve_gpu(self) -> GPUSpec:
         """The GPUSpec this node runs: given directly, given as ``gpu_spec``

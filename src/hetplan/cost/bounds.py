@@ -30,6 +30,8 @@ bubble, imbalance between stages and replicas, recomputation forced by memory.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
@@ -44,6 +46,8 @@ def sample_cost_matrix(kernel: CostKernel, gpus: list[GPUSpec], batch: int) -> n
     columns = []
     for gpu in gpus:
         unit = kernel.unit_work(gpu, 1, False)
+        if unit.expert_tokens is not None:  # experts at their best token side: EP gives them up to ep·batch tokens
+            unit = replace(unit, expert_tokens=np.full_like(unit.expert_tokens, np.inf))
         fwd, bwd = roofline_passes(kernel.arrays, gpu, batch, 1, kernel.dtype_bytes, unit=unit)
         cost = (fwd + bwd) / batch
         measured = _profiled_minimum(kernel, gpu)

@@ -111,6 +111,37 @@ def reduce_scatter_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: f
     return _hierarchical(cluster, group, num_bytes, 1.0, concurrent_groups)
 
 
+def alltoall_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
+                  concurrent_groups: int = 1) -> float:
+    """All-to-all of a ``num_bytes`` send buffer per device over ``group``
+    (each device keeps 1/n and sends (n−1)/n of it, one slice to each peer):
+    NCCL runs it as n−1 concurrent send/recv pairs, so the time is that of
+    the busiest link class. Inside a node: (n−1)/n·M over the node's fabric.
+    Across nodes, a node with k of the group's GPUs sends k·M·(n−k)/n bytes
+    through its NICs (shared by ``concurrent_groups`` groups running at once,
+    the TP ranks' expert-parallel groups) while its in-node part runs on
+    NVLink at the same time: the slower of the two."""
+    n = len(group)
+    if n < 2 or num_bytes <= 0:
+        return 0.0
+    if cluster.bandwidth_matrix_gbps is not None:
+        return _ring_time(cluster, group, num_bytes, 1.0)
+    by_node = node_counts(cluster, group)
+    worst = 0.0
+    for node, k in by_node.items():
+        intra = 0.0
+        if k > 1:
+            bandwidth = gbps_to_bytes_per_s(cluster.nodes[node].intra_bandwidth_gbps) * COLLECTIVE_BANDWIDTH_EFFICIENCY
+            intra = (k - 1) * num_bytes / (n * bandwidth)
+        inter = 0.0
+        if k < n:
+            nic = (cluster.node_inter_gbps(node) * 1e9 / 8.0 * COLLECTIVE_BANDWIDTH_EFFICIENCY
+                   / max(1, concurrent_groups))
+            inter = k * num_bytes * (n - k) / (n * nic)
+        worst = max(worst, intra, inter)
+    return worst
+
+
 def p2p_time(cluster: ClusterSpec, src: Sequence[int], dst: Sequence[int], num_bytes: float) -> float:
     """Send ``num_bytes`` from one device group to the next (pipeline p2p: v/b).
 

@@ -27,6 +27,7 @@ from hetplan.cost.constants import (
     ATTENTION_TO_GEMM_DEFAULT,
     BACKWARD_FLOPS_RATIO,
     CAUSAL_EXECUTED_FRACTION,
+    CP_CAUSAL_ZIGZAG,
     DEFAULT_SUSTAINED_MATMUL_FRACTION,
     ELEMENTWISE_BACKWARD_RATIO,
     ELEMENTWISE_KERNELS_PER_GEMM,
@@ -37,6 +38,7 @@ from hetplan.cost.constants import (
     MEMORY_BANDWIDTH_EFFICIENCY,
     SUSTAINED_MATMUL_FRACTION,
 )
+from hetplan.cost.cp_ep import cp_attention_scale
 from hetplan.cost.layers import LayerArrays
 from hetplan.errors import HetplanError
 from hetplan.profile.db import ProfileDB
@@ -119,38 +121,78 @@ class Work:
     attention_backward_s: np.ndarray
     memory_s: np.ndarray
     launch_s: np.ndarray
+    # routed experts' matmuls at a long token side (``expert_time`` applies
+    # their own), and the tokens each expert of the rank gets per sample
+    expert_s: np.ndarray | None = None
+    expert_tokens: np.ndarray | None = None
+
+    def expert_time(self) -> np.ndarray:
+        """The routed experts' matmuls at the efficiency of their token side."""
+        if self.expert_s is None or self.expert_tokens is None:
+            return np.zeros_like(self.gemm_s)
+        return self.expert_s / expert_token_efficiency(self.expert_tokens)
 
     def forward(self) -> np.ndarray:
-        return self.gemm_s + self.attention_s + self.memory_s + self.launch_s
+        return self.gemm_s + self.expert_time() + self.attention_s + self.memory_s + self.launch_s
 
     def scaled(self, batch: float) -> Work:
         """The same layers for ``batch`` samples: everything but the launches
-        grows with the batch (this is one sample's work)."""
+        grows with the batch (this is one sample's work), and so do the
+        tokens each expert's matmuls get."""
+        experts = (self.expert_s * batch, self.expert_tokens * batch) \
+            if self.expert_s is not None and self.expert_tokens is not None else (None, None)
         return Work(self.gemm_s * batch, self.attention_s * batch, self.attention_backward_s * batch,
-                     self.memory_s * batch, self.launch_s)
+                    self.memory_s * batch, self.launch_s, *experts)
 
     def backward(self) -> np.ndarray:
         """Twice the forward matmuls (input and weight gradients), the attention
         core's backward, the elementwise kernels' backward traffic and twice the launches."""
-        return (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.launch_s) + ELEMENTWISE_BACKWARD_RATIO * self.memory_s
-                + self.attention_backward_s)
+        return (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.expert_time() + self.launch_s)
+                + ELEMENTWISE_BACKWARD_RATIO * self.memory_s + self.attention_backward_s)
+
+
+def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
+    """Share of its best rate an expert's matmuls reach when it gets
+    ``tokens`` tokens: the token side is the matrices' M (rows of the input,
+    reduction of the weight gradient), and a short side costs what a short
+    weight side does in ``gemm_efficiency`` (tile and wave quantisation, less
+    reuse of each weight byte: NVIDIA "Matrix Multiplication Background"
+    guide §2-4), ``m / (m + GEMM_HALF_DIM)``. Dense layers see thousands of
+    tokens per micro-batch; a routed expert sees top_k/num_experts of them,
+    times ep under expert parallelism. No tokens (dense layers): 1."""
+    m = np.asarray(tokens, dtype=float)
+    return np.divide(m, m + GEMM_HALF_DIM, out=np.ones_like(m), where=(m > 0) & np.isfinite(m))
 
 
 def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int,
-                    sequence_parallel: bool, fp8: bool = False) -> Work:
+                    sequence_parallel: bool, fp8: bool = False, expert_load: float = 1.0,
+                    cp: int = 1, expert_batch: float = 1.0) -> Work:
     """One sample's forward work per layer on one GPU of a TP group (the cost
     kernel caches it per GPU type and scales it to any micro-batch share).
     ``fp8``: the matmuls of linear layers run in FP8 (Transformer Engine
-    style); attention and elementwise work stay 16-bit."""
-    gemm_flops = (arrays.fwd_flops - arrays.attention_flops) / tp
-    gemm_s = gemm_flops / (_gemm_peak(gpu, dtype_bytes, fp8) * gemm_efficiency(gpu, _dims(arrays), tp))
+    style); attention and elementwise work stay 16-bit. ``expert_load``: the
+    routed experts' matmuls this rank runs per sample of its own, over what
+    its own tokens need (the busiest expert-parallel rank's, ``cp_ep``);
+    ``expert_batch``: the tokens each of its experts gets per sample of its
+    own, over the ``top_k / num_experts`` of them that stay without expert
+    parallelism (ep · imbalance with ep > 1); ``cp``: the busiest
+    context-parallel rank's attention over an even share (the kernel scales
+    the sample to the rank's 1/cp)."""
+    expert_flops = arrays.column("expert_flops")
+    rate = _gemm_peak(gpu, dtype_bytes, fp8) * gemm_efficiency(gpu, _dims(arrays), tp)
+    gemm_s = (arrays.fwd_flops - arrays.attention_flops - expert_flops) / tp / rate
+    expert_s = expert_load * expert_flops / tp / rate
+    expert_tokens = arrays.column("expert_tokens") * expert_batch
     attention_s = attention_time(arrays, gpu, 1.0, tp, dtype_bytes)
+    if cp > 1:
+        causal = arrays.attention_causal if arrays.attention_causal is not None else np.zeros(arrays.num_layers, bool)
+        attention_s = attention_s * cp_attention_scale(cp, causal, CP_CAUSAL_ZIGZAG)
     # FlashAttention's backward recomputes the scores: 2.5x its forward; eager attention's is 2x
     backward_ratio = np.where(_fused(arrays), ATTENTION_BACKWARD_RATIO, BACKWARD_FLOPS_RATIO)
     mem = arrays.fwd_mem_bytes * tp_activation_fraction(arrays, tp, sequence_parallel)
     memory_s = mem / (gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY)
     launch_s = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM) * KERNEL_LAUNCH_S
-    return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s)
+    return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s, expert_s, expert_tokens)
 
 
 def _fused(arrays: LayerArrays) -> np.ndarray:

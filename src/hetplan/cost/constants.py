@@ -206,3 +206,111 @@ CPU_FRAMEWORK_OVERHEAD_BYTES = 256 << 20
 # ZeRO-3 keeps the gathered parameters of the running layer and the prefetched
 # next one (FSDP2 default prefetch of 1; PyTorch FSDP docs).
 ZERO3_GATHERED_LAYERS = 2
+
+# --- activation offloading ---------------------------------------------------------
+# An offloaded layer's saved activations stay on the GPU only while it runs
+# and while they are fetched back one layer ahead of its backward (the
+# runtime's prefetch horizon of one layer; SageMaker's "activation loading
+# horizon", Karakus et al. 2021, App. H.3 and I.1): two layers' worth, of one
+# micro-batch (only one micro-batch computes at a time on a GPU).
+OFFLOAD_RESIDENT_LAYERS = 2
+# Host link bandwidth per direction, bytes/s, by link kind: PCI Express x16 at
+# 8, 16 and 32 GT/s with 128b/130b coding (PCI-SIG, PCI Express Base
+# Specification 3.0, 4.0 and 5.0: 15.75, 31.5 and 63 GB/s per direction) and
+# NVLink-C2C between Grace and Blackwell (NVIDIA GB200 NVL72 specifications:
+# 900 GB/s bidirectional, 450 GB/s each way). Datasheet rates: pinned-memory
+# copies reach most, not all, of them (not modelled).
+HOST_LINK_BYTES_PER_S = {"pcie3": 15.75e9, "pcie4": 31.5e9, "pcie5": 63.0e9, "nvlink-c2c": 450e9}
+# The host interface of each catalog GPU (each one's datasheet, as cited in
+# cluster/catalog.py: "PCIe Gen3/Gen4/Gen5 x16"); SXM/OAM modules connect to
+# the host by the same PCIe generation as their PCIe cards. A GPU not listed
+# (a cluster file's own type) gets DEFAULT_HOST_LINK. "CPU" processes copy
+# within host memory: their link is their memory bandwidth (cost/kernel.py).
+GPU_HOST_LINK = {
+    "P100": "pcie3", "V100-16GB": "pcie3", "V100-32GB": "pcie3", "T4": "pcie3", "RTX-TITAN": "pcie3",
+    "A100-40GB": "pcie4", "A100-80GB": "pcie4", "A10": "pcie4", "L4": "pcie4", "RTX-3090": "pcie4",
+    "RTX-4090": "pcie4", "L40S": "pcie4", "RTX-A6000": "pcie4", "RTX-6000-Ada": "pcie4", "MI250X": "pcie4",
+    "Gaudi2": "pcie4", "H100": "pcie5", "H100-PCIe": "pcie5", "H100-NVL": "pcie5", "H800": "pcie5",
+    "H20": "pcie5", "H200": "pcie5", "B200": "pcie5", "MI300X": "pcie5", "MI325X": "pcie5", "Gaudi3": "pcie5",
+    "GB200": "nvlink-c2c",
+}
+DEFAULT_HOST_LINK = "pcie4"
+# Host memory an offloading GPU can fill: its node's host memory (a cluster
+# file's ``host_memory_gb``, else its GPU type's reference server below) over
+# the node's GPUs, less HOST_MEMORY_RESERVE_FRACTION. Reference servers, GiB of
+# system memory per 8 GPUs (NVIDIA datasheets: DGX-1 with V100 "512 GB DDR4";
+# DGX A100 320GB "1TB", DGX A100 640GB "2TB"; DGX H100 "2TB"; DGX H200 "2TB";
+# DGX B200 "2TB, configurable to 4TB"; DIMMs are sold in binary sizes).
+HOST_MEMORY_GIB_PER_SERVER = {
+    "V100-16GB": 512, "V100-32GB": 512, "A100-40GB": 1024, "A100-80GB": 2048, "H100": 2048, "H200": 2048,
+    "B200": 2048,
+}
+GPUS_PER_REFERENCE_SERVER = 8
+# A GPU no reference server lists gets host memory equal to its own memory: the
+# servers above hold 1.8x (DGX H200: 2048 GiB over 8 x 141 GB) to 4x (DGX-1
+# V100-16GB) their GPUs' memory, so 1x is below every one of them — an
+# offloaded plan that fits such a GPU fits any server built like them.
+DEFAULT_HOST_MEMORY_PER_GPU_MEMORY = 1.0
+# Share of each GPU's part of host memory left to everything but offloaded
+# activations: the OS and page cache, the rank's own process (a CPU copy of
+# the model while loading, CUDA's pinned staging buffers) and its dataloader
+# workers (each a fork of the rank). No source gives a number: a conservative
+# quarter, stated, not fitted. A CPU "device" (local-cpu-N) offloads within
+# the memory it already counts as its own, so no host limit applies to it.
+HOST_MEMORY_RESERVE_FRACTION = 0.25
+
+# --- context and expert parallelism (cost/cp_ep.py) ---------------------------------------
+# How context parallelism (CP) exchanges keys and values. "allgather": Llama 3
+# (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.2) all-gathers K and V
+# over the CP group before the attention of the local query chunk and
+# reduce-scatters their gradients in the backward pass; the all-gather is
+# exposed on the critical path ("the exposed all-gather latency is small as
+# the communicated K and V tensors are much smaller than Q ... due to GQA").
+# torchtitan's default rotation (``context_parallel_rotate_method =
+# "allgather"``) does the same. "ring": Ring Attention (Liu et al. 2023, §3)
+# passes K/V blocks around the CP ring in cp - 1 steps, each hidden behind the
+# attention of the block before it: the same bytes, overlapped
+# (``cp_ep.cp_exposed_time``).
+CP_KV_METHODS = ("allgather", "ring")
+CP_KV_METHOD = "allgather"
+# K/V exchanges per training step in units of one forward all-gather: forward
+# all-gather, backward reduce-scatter of dK/dV (Llama 3 §3.3.2); full
+# recomputation gathers again when it replays the forward. The gathered K/V
+# are kept for the backward pass (counted in the activations), so selective
+# recomputation of the attention core needs no second gather.
+CP_KV_PASSES = {"none": 2.0, "selective": 2.0, "full": 3.0}
+# Causal attention split into 2·cp chunks, rank i taking chunks i and
+# 2·cp - 1 - i (the "zigzag" / load-balanced layout of Megatron-Core's CP and
+# torchtitan's ``_load_balancer``; Llama 3 §3.3.2 splits the sequence the same
+# way "for better load balancing"): every rank computes the same share of the
+# causal score matrix. False: contiguous chunks, where the last rank computes
+# (2·cp - 1)/cp² of it (``cp_ep.causal_cp_work_fraction``).
+CP_CAUSAL_ZIGZAG = True
+
+# All-to-all exchanges per MoE layer and training step: token dispatch and
+# combine in the forward pass, and their two transposes in the backward pass
+# (GShard, Lepikhin et al. 2020, §2.2 and Fig. 3; Megatron-Core MoE
+# "token_dispatcher" alltoall; torchtitan's ``expert_parallel`` all-to-all
+# dispatch/combine). Full recomputation replays the forward's two.
+EP_ALLTOALL_PASSES = {"none": 4.0, "selective": 4.0, "full": 6.0}
+# Expert load imbalance: tokens the busiest expert-parallel rank processes
+# over the average. 1.25 is a buffer size, not a measurement: Switch
+# Transformer's capacity factor (Fedus et al. 2022, §2.2 and Table 1: 1.0-1.25
+# best), the slack a capacity-based router gives each expert before it drops
+# tokens — so the most the busiest expert processes there; GShard uses 2.0
+# for top-2 (1.0 per routed copy; Lepikhin et al. 2020 §2.2). Dropless
+# routers (MegaBlocks, Gale et al. 2023; Megatron-Core's default) process
+# whatever arrives, and we found no published per-micro-batch maximum-over-mean
+# for dropless training of a Mixtral-style model to cite instead (DeepSeek-V3,
+# arXiv:2412.19437 §2.1.2, and Wang et al. 2024, arXiv:2408.15664, report
+# balance over whole batches or validation sets, not the busiest rank of one
+# micro-batch). So the capacity buffer stays as the default, read as "what a
+# capacity-limited run would allow"; a measured value goes in
+# ``Workload.expert_imbalance``. The busiest rank's
+# expert matmuls and all-to-all bytes are scaled by it when ep > 1. Without EP
+# a rank runs every expert on its own tokens and pays none of it, but each
+# expert's matmuls then see only top_k / num_experts of the rank's tokens
+# (``compute.expert_token_efficiency``): for Mixtral-8x7B on 64 H100 at 4k
+# tokens that makes auto take EP at an imbalance of 1.1 but not at 1.15,
+# where EP loses by a few percent (tests/test_cp_ep_cost.py).
+EXPERT_LOAD_IMBALANCE = 1.25

@@ -18,6 +18,7 @@ every link may differ: a group's shape is then the group itself.
 
 from __future__ import annotations
 
+import math
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -30,7 +31,10 @@ SMALL_GROUP = 16  # groups up to this size get their shape without numpy
 class ClusterArrays:
     """Per-device and per-node numbers of one cluster, as numpy arrays."""
 
-    def __init__(self, cluster: ClusterSpec, capacity: list[int], overhead: list[int]) -> None:
+    def __init__(self, cluster: ClusterSpec, capacity: list[int], overhead: list[int],
+                 host: list[float] | None = None) -> None:
+        """``host``: per device, bytes of offloaded activations its host share holds (default: no limit)."""
+        host = host if host is not None else [math.inf] * len(capacity)
         self.matrix = cluster.bandwidth_matrix_gbps is not None
         devices = cluster.devices
         self.node = np.fromiter((d.node for d in devices), np.int64, len(devices))
@@ -47,7 +51,7 @@ class ClusterArrays:
         kinds_of_nodes: dict[tuple[object, ...], int] = {}
         self.node_kind = np.array([kinds_of_nodes.setdefault(
             (node.gpu.name, node.num_gpus, node.intra_bandwidth_gbps, cluster.node_inter_gbps(i),
-             capacity[first], overhead[first]), len(kinds_of_nodes))
+             capacity[first], overhead[first], host[first]), len(kinds_of_nodes))
             for i, (node, first) in enumerate(zip(cluster.nodes, firsts.tolist()))], dtype=np.int64)
         self._node_first = firsts.tolist()
         self._node_kind_list = self.node_kind.tolist()
@@ -56,13 +60,14 @@ class ClusterArrays:
         self.gpu = np.fromiter((index[d.gpu.name] for d in devices), np.int64, len(devices))
         self.capacity = np.asarray(capacity, dtype=np.int64)
         self.overhead = np.asarray(overhead, dtype=np.int64)
-        kinds: dict[tuple[int, int], int] = {}
-        self.memory_kinds: list[tuple[int, int]] = []  # (capacity, overhead) of each memory kind
-        for pair in zip(capacity, overhead):
-            if pair not in kinds:
-                kinds[pair] = len(kinds)
-                self.memory_kinds.append(pair)
-        self.memory_kind = np.fromiter((kinds[pair] for pair in zip(capacity, overhead)), np.int64, len(devices))
+        kinds: dict[tuple[int, int, float], int] = {}
+        # (capacity, overhead, host share for offloaded activations) of each memory kind
+        self.memory_kinds: list[tuple[int, int, float]] = []
+        for triple in zip(capacity, overhead, host):
+            if triple not in kinds:
+                kinds[triple] = len(kinds)
+                self.memory_kinds.append(triple)
+        self.memory_kind = np.fromiter((kinds[t] for t in zip(capacity, overhead, host)), np.int64, len(devices))
         self.memory_bandwidth = np.fromiter((d.gpu.memory_bandwidth_bytes_per_s for d in devices), np.float64,
                                             len(devices))
 

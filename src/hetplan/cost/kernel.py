@@ -25,6 +25,7 @@ group's collective is cached as a rate and applied to any byte count
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Sequence, TypeVar
@@ -33,18 +34,35 @@ import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
 from hetplan.cost.calibration import calibrated_cluster
-from hetplan.cost.comm import allgather_time, allreduce_time, collective_latency, p2p_time, reduce_scatter_time
+from hetplan.cost.comm import (
+    allgather_time,
+    allreduce_time,
+    alltoall_time,
+    collective_latency,
+    p2p_time,
+    reduce_scatter_time,
+)
+from hetplan.cost.cp_ep import cp_activation_bytes, cp_exposed_time, cp_gather_bytes, expert_groups
 from hetplan.cost.compute import LayerTimes, Work, layer_times, matmul_rate, per_sample_work
 from hetplan.cost.constants import (
     ALLREDUCE_BUCKET_BYTES,
+    CP_KV_METHOD,
+    CP_KV_PASSES,
+    EP_ALLTOALL_PASSES,
+    DEFAULT_HOST_LINK,
+    GPU_HOST_LINK,
+    HOST_LINK_BYTES_PER_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
+    OFFLOAD_RESIDENT_LAYERS,
     OPTIMIZER_STEP_BYTES_PER_PARAM,
     TP_COMM_PASSES,
 )
 from hetplan.cost.groups import ClusterArrays, first_appearance
 from hetplan.cost.layers import LayerArrays, layer_arrays
 from hetplan.cost.pipeline import overlap_slowdown
-from hetplan.cost.memory import activation_bytes, framework_overhead_bytes, recompute_working_bytes
+from hetplan.cost.memory import (
+    activation_bytes, framework_overhead_bytes, host_offload_capacity_bytes, recompute_working_bytes,
+)
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
 from hetplan.cost.workload import Workload
 from hetplan.profile.metis import MetisProfileDB
@@ -53,6 +71,7 @@ COLLECTIVES: dict[str, Callable[..., float]] = {
     "allreduce": allreduce_time,
     "allgather": allgather_time,
     "reduce_scatter": reduce_scatter_time,
+    "alltoall": alltoall_time,
 }
 
 
@@ -75,6 +94,8 @@ class _MemoryClass:
     batch: int
     capacity: int
     overhead: int
+    expert_scale: float = 1.0  # routed experts held over an even 1/ep share (``Stage.ep_split``)
+    host_capacity: float = math.inf  # offloaded-activation bytes its host share holds (``host_capacity_bytes``)
 
 
 @dataclass(frozen=True)
@@ -89,13 +110,19 @@ class _Layout:
     ``StageCosts`` (``CostKernel.stage``); ``index`` numbers the kernel's
     distinct signatures."""
 
-    time_classes: tuple[tuple[GPUSpec, int, tuple[float, float]], ...]  # (slowest GPU, share, TP link)
+    # (slowest GPU, share, TP link, (expert work, expert tokens): ``CostKernel.row_experts``)
+    time_classes: tuple[tuple[GPUSpec, int, tuple[float, float], tuple[float, float]], ...]
     memory_classes: tuple[_MemoryClass, ...]
     device_class: np.ndarray  # memory class of each device of the stage, in device order
     dp_rate: Callable[[str], float]  # per collective: s/byte on the slowest data-parallel group
     optimizer_rate: float  # s/parameter of the optimizer step
     signature: tuple[object, ...]
     index: int
+    cp: int = 1
+    ep: int = 1
+    parallel: tuple[object, ...] = ()  # (cp, ep, CP link, EP link) when cp or ep > 1 (``CostKernel.cp_ep_links``)
+    expert_rate: Callable[[str], float] | None = None  # s/byte on the slowest expert-data-parallel group
+    expert_scale: float = 1.0  # the most routed experts a device holds, over an even 1/ep share
 
 
 @dataclass(frozen=True)
@@ -162,7 +189,7 @@ class CostKernel:
         self._rates: dict[tuple[object, ...], float] = {}
         self._slowest: dict[tuple[int, ...], GPUSpec] = {}
         self._arrays: dict[tuple[object, ...], np.ndarray] = {}
-        self._stages: dict[tuple[int, int, str, bool], StageCosts] = {}  # by layout index and strategy
+        self._stages: dict[tuple[int, int, str, bool, bool], StageCosts] = {}  # by layout index and strategy
         self._signatures: dict[tuple[object, ...], int] = {}
         self._layouts: dict[tuple[object, ...], _Layout] = {}
         self._sets: dict[tuple[int, ...], int] = {}  # device tuples, numbered (``device_set``)
@@ -172,9 +199,11 @@ class CostKernel:
         self.recent_tables: _Recent[SegmentTables | np.ndarray] = _Recent(RECENT_TABLES)
         self._supports: dict[int, np.ndarray] = {}
         self._corrections: dict[int, list[tuple[int, int, float]]] = {}
-        self._params_prefix: dict[int, list[float]] = {}
+        self._params_prefix: dict[tuple[int, int], list[float]] = {}
         self._capacity = [workload.device_capacity_bytes(d.id) for d in self.cluster.devices]
         self._overhead = [framework_overhead_bytes(d.gpu.name == "CPU") for d in self.cluster.devices]
+        host_per_node = [host_offload_capacity_bytes(node) for node in self.cluster.nodes]
+        self._host = [host_per_node[d.node] for d in self.cluster.devices]
         self._cluster_arrays: ClusterArrays | None = None
         self._matmul: dict[str, float] = {}  # sustained matmul FLOP/s per GPU type
         self._type_rate_array: np.ndarray | None = None  # the same per ``cluster_arrays.gpus``, once all are known
@@ -183,13 +212,17 @@ class CostKernel:
 
     # --- per-layer tables -------------------------------------------------------------
     def layer_times(self, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",
-                    sequence_parallel: bool = False) -> LayerTimes:
-        """Compute time of every layer for ``batch`` samples on one GPU of a TP group."""
-        key = (gpu.name, float(batch), tp, recompute, sequence_parallel)
+                    sequence_parallel: bool = False, expert_load: float = 1.0, cp: int = 1,
+                    expert_batch: float = 1.0) -> LayerTimes:
+        """Compute time of every layer for ``batch`` samples on one GPU of a TP
+        group (a CP rank passes its 1/cp of a sample as ``batch``; ``expert_load``,
+        ``expert_batch`` and ``cp`` as in ``compute.per_sample_work``)."""
+        key = (gpu.name, float(batch), tp, recompute, sequence_parallel, expert_load, cp, expert_batch)
         found = self._times.get(key)
         if found is None:
             found = layer_times(self.arrays, gpu, float(batch), tp, recompute, self.dtype_bytes,
-                                sequence_parallel, self.workload.profile, self.unit_work(gpu, tp, sequence_parallel))
+                                sequence_parallel, self.workload.profile,
+                                self.unit_work(gpu, tp, sequence_parallel, expert_load, cp, expert_batch))
             scale = self.calibration.compute(gpu.name) if self.calibration is not None else 1.0
             if scale != 1.0:
                 found = LayerTimes(found.fwd_s * scale, found.bwd_s * scale, found.recompute_s * scale,
@@ -197,13 +230,14 @@ class CostKernel:
             self._times[key] = found
         return found
 
-    def unit_work(self, gpu: GPUSpec, tp: int, sequence_parallel: bool) -> Work:
+    def unit_work(self, gpu: GPUSpec, tp: int, sequence_parallel: bool, expert_load: float = 1.0,
+                  cp: int = 1, expert_batch: float = 1.0) -> Work:
         """One sample's work per layer (``compute.per_sample_work``), cached per GPU type."""
-        key = (gpu.name, tp, sequence_parallel)
+        key = (gpu.name, tp, sequence_parallel, expert_load, cp, expert_batch)
         found = self._units.get(key)
         if found is None:
             found = self._units[key] = per_sample_work(self.arrays, gpu, tp, self.dtype_bytes, sequence_parallel,
-                                                       self.workload.fp8)
+                                                       self.workload.fp8, expert_load, cp, expert_batch)
         return found
 
     def layer_time(self, index: int, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",
@@ -218,8 +252,12 @@ class CostKernel:
             found = self._arrays[key] = build()
         return found
 
-    def params_per_device(self, tp: int) -> np.ndarray:
-        return self._cached(("params", tp), lambda: self.arrays.params_per_device(tp))
+    def params_per_device(self, tp: int, ep: int = 1) -> np.ndarray:
+        return self._cached(("params", tp, ep), lambda: self.arrays.params_per_device(tp, ep))
+
+    def expert_params_per_device(self, tp: int, ep: int) -> np.ndarray:
+        """Routed-expert parameters one device holds per layer (part of ``params_per_device``)."""
+        return self._cached(("experts", tp, ep), lambda: self.arrays.expert_params_per_device(tp, ep))
 
     def tied_share(self, tp: int) -> np.ndarray:
         return self._cached(("tied", tp), lambda: self.arrays.tied_share_per_device(tp))
@@ -229,9 +267,59 @@ class CostKernel:
         return self._cached(("act", tp, recompute, sequence_parallel),
                             lambda: activation_bytes(self.arrays, tp, recompute, sequence_parallel))
 
-    def recompute_working_bytes(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
-        return self._cached(("work", tp, recompute, sequence_parallel),
-                            lambda: recompute_working_bytes(self.arrays, tp, recompute, sequence_parallel))
+    def rank_activation_bytes(self, tp: int, recompute: str, sequence_parallel: bool, cp: int) -> np.ndarray:
+        """Per sample and layer, what one CP rank keeps for backward
+        (``cp_ep.cp_activation_bytes``: its 1/cp plus the gathered K/V, which
+        full recomputation does not keep)."""
+        if cp <= 1:
+            return self.activation_bytes(tp, recompute, sequence_parallel)
+        kv = self.arrays.column("kv_bytes") / tp if recompute != "full" else np.zeros(self.num_layers)
+        return self._cached(("actcp", tp, recompute, sequence_parallel, cp),
+                            lambda: cp_activation_bytes(self.activation_bytes(tp, recompute, sequence_parallel),
+                                                        kv, cp))
+
+    def recompute_working_bytes(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
+        """Per sample and layer, what a checkpointed layer rebuilds on one CP
+        rank beyond its kept input (``memory.recompute_working_bytes``)."""
+        if cp <= 1:
+            return self._cached(("work", tp, recompute, sequence_parallel),
+                                lambda: recompute_working_bytes(self.arrays, tp, recompute, sequence_parallel))
+        if recompute != "full":
+            return np.zeros(self.num_layers)
+        return self._cached(("workcp", tp, sequence_parallel, cp), lambda: np.maximum(
+            self.rank_activation_bytes(tp, "none", sequence_parallel, cp)
+            - self.rank_activation_bytes(tp, "full", sequence_parallel, cp), 0.0))
+
+    def offload_working_bytes(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
+        """Per sample: what an offloaded layer still holds on the GPU, paid once
+        per stage (not per micro-batch in flight): its own activations while it
+        runs and the next one's fetched back ahead of backward
+        (``OFFLOAD_RESIDENT_LAYERS``), plus a checkpointed layer's rebuilt ones."""
+        return self._cached(("offwork", tp, recompute, sequence_parallel),
+                            lambda: OFFLOAD_RESIDENT_LAYERS * self.activation_bytes(tp, recompute, sequence_parallel)
+                            + self.recompute_working_bytes(tp, recompute, sequence_parallel))
+
+    def host_link_rate(self, gpu: GPUSpec) -> float:
+        """Bytes/s one GPU copies to or from host memory (``GPU_HOST_LINK``); a
+        CPU "device" copies within its own memory."""
+        if gpu.name == "CPU":
+            return gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
+        kind = GPU_HOST_LINK.get(gpu.catalog_name or gpu.name, DEFAULT_HOST_LINK)
+        return HOST_LINK_BYTES_PER_S[kind]
+
+    def offload_exposed_time(self, gpu: GPUSpec, batch: float, tp: int, recompute: str,
+                             sequence_parallel: bool) -> np.ndarray:
+        """Per layer: the part of offloading ``batch`` samples' saved activations
+        that compute does not hide. Each layer's bytes go to the host during its
+        forward and come back during the backward before its own (one layer of
+        prefetch), on a copy stream beside compute, so per pass only
+        ``max(0, transfer - compute)`` shows (the overlap rule of
+        ``pipeline.stage_micro_batch_time``; the layer's own backward stands
+        for its neighbour's, equal in a stack of identical blocks)."""
+        t = self.layer_times(gpu, batch, tp, recompute, sequence_parallel)
+        moved = self.activation_bytes(tp, recompute, sequence_parallel) * float(batch)
+        transfer = moved / self.host_link_rate(gpu)
+        return np.maximum(transfer - t.fwd_s, 0.0) + np.maximum(transfer - (t.bwd_s + t.recompute_s), 0.0)
 
     def tp_comm_bytes(self, recompute: str) -> np.ndarray:
         """TP all-reduce bytes per sample and layer over a whole step's passes."""
@@ -288,7 +376,7 @@ class CostKernel:
     def cluster_arrays(self) -> ClusterArrays:
         """The cluster's per-device numbers as numpy arrays (built on first use)."""
         if self._cluster_arrays is None:
-            self._cluster_arrays = ClusterArrays(self.cluster, self._capacity, self._overhead)
+            self._cluster_arrays = ClusterArrays(self.cluster, self._capacity, self._overhead, self._host)
         return self._cluster_arrays
 
     def device_set(self, devices: Sequence[int]) -> int:
@@ -497,78 +585,218 @@ class CostKernel:
     def overhead_bytes(self, device: int) -> int:
         return self._overhead[device]
 
+    def host_capacity_bytes(self, device: int) -> float:
+        """Offloaded-activation bytes the device's share of host memory holds
+        (``memory.host_offload_capacity_bytes``; inf for a CPU "device")."""
+        return self._host[device]
+
     # --- stages -------------------------------------------------------------------------
     def stage(self, option: StageOption) -> StageCosts:
         """The StageCosts of ``option`` (cached). Options whose layouts have one
         signature (symmetric device groups) share one StageCosts."""
         check_option(option)
-        layout = self.layout(option.devices, option.dp, option.tp, option.split)
-        key = (layout.index, option.zero, option.recompute, option.sequence_parallel)
+        layout = self.layout(option.devices, option.dp, option.tp, option.split, option.cp, option.ep,
+                             option.ep_split)
+        key = (layout.index, option.zero, option.recompute, option.sequence_parallel, option.offload)
         found = self._stages.get(key)
         if found is None:
             found = self._stages[key] = StageCosts(self, option, key)
         return found
 
     def time_class(self, gpu: GPUSpec, share: int, tp: int, recompute: str, sequence_parallel: bool,
-                   tp_link: tuple[float, float]) -> _TimeClass:
+                   tp_link: tuple[float, float], offload: bool = False,
+                   parallel: tuple[object, ...] = (), expert: tuple[float, float] | None = None) -> _TimeClass:
         """Prefix sums of forward, backward, recompute and TP-comm time of a
-        replica (its slowest GPU, its share of a micro-batch, its TP link), cached."""
-        key = (gpu.name, share, tp, recompute, sequence_parallel, tp_link)
+        replica (its slowest GPU, its share of a micro-batch, its TP link), cached.
+        With ``offload`` the recompute time also holds the exposed host transfers
+        (``offload_exposed_time``): both are what a memory saving costs.
+        ``parallel`` (``_Layout.parallel``): each of the replica's ``cp`` ranks
+        runs 1/cp of its tokens, and its CP/EP communication joins the TP
+        communication (``cp_ep_comm_time``). ``expert``: (expert work, expert
+        tokens) of the rank over what its own tokens give (``row_experts``;
+        None: an even split, the busiest rank's)."""
+        key = (gpu.name, share, tp, recompute, sequence_parallel, tp_link, offload, parallel, expert)
         found = self._time_classes.get(key)
         if found is None:
-            t = self.layer_times(gpu, share, tp, recompute, sequence_parallel)
-            tpc = self.tp_comm_time(recompute, share, tp_link, t)
-            parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s, tpc)]
+            cp, ep = (int(parallel[0]), int(parallel[1])) if parallel else (1, 1)  # type: ignore[call-overload]
+            batch = share / cp
+            load, tokens = expert if expert is not None else self.even_experts(ep)
+            t = self.layer_times(gpu, batch, tp, recompute, sequence_parallel, load, cp, tokens)
+            tpc = self.tp_comm_time(recompute, batch, tp_link, t)
+            if parallel:
+                work = self.unit_work(gpu, tp, sequence_parallel, load, cp, tokens)
+                attention = (work.attention_s + work.attention_backward_s) * batch
+                tpc = tpc + self.cp_ep_comm_time(recompute, share, tp, parallel, attention, max(1.0, load))
+            rec = t.recompute_s + self.offload_exposed_time(gpu, batch, tp, recompute, sequence_parallel) \
+                if offload else t.recompute_s
+            parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, rec, tpc)]
             total = parts[0] + parts[1] + parts[2] + parts[3]
             found = self._time_classes[key] = _TimeClass(*parts, total=total, total_list=total.tolist())
         return found
 
-    def activation_prefix(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
-        return self._cached(("actprefix", tp, recompute, sequence_parallel),
-                            lambda: _prefix(self.activation_bytes(tp, recompute, sequence_parallel)))
+    def activation_prefix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
+        return self._cached(("actprefix", tp, recompute, sequence_parallel, cp),
+                            lambda: _prefix(self.rank_activation_bytes(tp, recompute, sequence_parallel, cp)))
 
-    def layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...]) -> _Layout:
+    def layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...], cp: int = 1,
+               ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _Layout:
         """The replica and memory classes and rates of a stage (cached)."""
-        key = (self.device_set(devices), dp, tp, split)
+        key = (self.device_set(devices), dp, tp, split, cp, ep, ep_split)
         found = self._layouts.get(key)
         if found is None:
-            found = self._layouts[key] = self._symmetric_layout(devices, dp, tp, split)
+            found = self._layouts[key] = self._symmetric_layout(devices, dp, tp, split, cp, ep, ep_split)
         return found
 
-    def _symmetric_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...]) -> _Layout:
+    def _symmetric_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...], cp: int = 1,
+                          ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _Layout:
         """The layout of a run of consecutive GPUs is that of every run like it
         (``groups.ClusterArrays.range_class``): the stages of a uniform plan on
         identical nodes share one, built once."""
         run = self.cluster_arrays.range_class(self.device_array(devices))
         if run is None:
-            return self._build_layout(devices, dp, tp, split)
-        key = (run, dp, tp, split)
+            return self._build_layout(devices, dp, tp, split, cp, ep, ep_split)
+        key = (run, dp, tp, split, cp, ep, ep_split)
         found = self._layouts.get(key)
         if found is None:
-            found = self._layouts[key] = self._build_layout(devices, dp, tp, split)
+            found = self._layouts[key] = self._build_layout(devices, dp, tp, split, cp, ep, ep_split)
         return found
 
-    def _build_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...]) -> _Layout:
+    def _build_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...], cp: int = 1,
+                      ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _Layout:
         """Replica and memory classes, numbered in order of first appearance,
-        from the stage's ``(dp, tp)`` device grid without a loop over devices."""
+        from the stage's ``(dp·cp, tp)`` device grid (a row per TP group: the
+        ``cp`` rows of a replica share its samples) without a loop over devices."""
         arrays = self.cluster_arrays
-        grid = self.device_array(devices).reshape(dp, tp)
-        shares = np.asarray(split, dtype=np.int64)
+        grid = self.device_array(devices).reshape(dp * cp, tp)
+        shares = np.repeat(np.asarray(split, dtype=np.int64), cp)
         gpu, link, link_rates = self._replica_kinds(grid)
-        times: dict[tuple[object, ...], tuple[GPUSpec, int, tuple[float, float]]] = {}
-        code = (gpu * len(link_rates) + link) * (int(shares.max()) + 1) + shares
+        work, tokens, held = self.row_experts(shares / cp, ep, ep_split)
+        expert_kind = first_appearance(np.stack([work, tokens], axis=1))[1]
+        times: dict[tuple[object, ...], tuple[GPUSpec, int, tuple[float, float], tuple[float, float]]] = {}
+        code = ((gpu * len(link_rates) + link) * (int(shares.max()) + 1) + shares) * (int(expert_kind.max()) + 1) \
+            + expert_kind
         for r in first_appearance(code)[0].tolist():
-            g, share, rate = arrays.gpus[gpu[r]], split[r], link_rates[link[r]]
-            times.setdefault((g.name, share, rate), (g, share, rate))
+            g, share, rate = arrays.gpus[gpu[r]], int(shares[r]), link_rates[link[r]]
+            expert = (float(work[r]), float(tokens[r]))
+            times.setdefault((g.name, share, rate, expert), (g, share, rate, expert))
         kinds = arrays.memory_kind[grid.reshape(-1)]
-        firsts, device_class = first_appearance(np.repeat(shares, tp) * len(arrays.memory_kinds) + kinds)
-        memory = tuple(_MemoryClass(split[i // tp], *arrays.memory_kinds[kinds[i]]) for i in firsts.tolist())
+        held_kind = np.repeat(first_appearance(held)[1], tp)
+        firsts, device_class = first_appearance((np.repeat(shares, tp) * len(arrays.memory_kinds) + kinds)
+                                                * (int(held_kind.max()) + 1) + held_kind)
+        memory = tuple(_MemoryClass(int(shares[i // tp]), *arrays.memory_kinds[kinds[i]][:2], float(held[i // tp]),
+                                    arrays.memory_kinds[kinds[i]][2])
+                       for i in firsts.tolist())
         optimizer = self.optimizer_rate(grid.reshape(-1))
-        groups = self.dp_groups(devices, tp, grid) if dp > 1 else None
-        signature = (dp, tp, tuple(times), memory, device_class.tobytes(), groups and groups.key, optimizer)
+        groups = self.dp_groups(devices, tp, grid) if dp * cp > 1 else None
+        parallel = (cp, ep, *self.cp_ep_links(grid, cp, ep)) if cp > 1 or ep > 1 else ()
+        experts = self._expert_dp_groups(grid, ep) if ep > 1 and dp * cp > ep else None
+        signature = (dp, tp, tuple(times), memory, device_class.tobytes(), groups and groups.key, optimizer,
+                     parallel, experts and experts.key)
         return _Layout(tuple(times.values()), memory, device_class,
                        lambda kind: self._dp_rate(kind, tp, groups) if groups else 0.0, optimizer, signature,
-                       self._signatures.setdefault(signature, len(self._signatures)))
+                       self._signatures.setdefault(signature, len(self._signatures)), cp, ep, parallel,
+                       lambda kind: self._dp_rate(kind, tp * ep, experts) if experts else 0.0, float(held.max()))
+
+    def even_experts(self, ep: int) -> tuple[float, float]:
+        """(expert work, expert tokens) of the busiest rank of an even EP split
+        (``row_experts``): the imbalance, and ep · imbalance tokens per expert."""
+        if ep <= 1:
+            return 1.0, 1.0
+        load = self.workload.expert_imbalance
+        return load, load * ep
+
+    def row_experts(self, tokens: np.ndarray, ep: int,
+                    ep_split: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row of a stage's ``(dp·cp, tp)`` grid with ``tokens`` samples of
+        a micro-batch each: (routed-expert work, tokens per expert) over what
+        its own tokens would give without EP, and routed experts held over an
+        even 1/ep share. EP rank ``i % ep`` of the group of ``ep`` consecutive
+        rows holds ``ep_split[i % ep]`` of the E experts (E/ep each when
+        None); with routing spread evenly over experts, each expert gets E⁻¹
+        of the group's tokens' copies, times the imbalance (the busiest rank),
+        so the rank runs its share of the group's work."""
+        rows = len(tokens)
+        if ep <= 1:
+            ones = np.ones(rows)
+            return ones, ones, ones
+        even = ep_split is None or len(set(ep_split)) == 1
+        if even and bool((tokens == tokens[0]).all()):
+            load, per_expert = self.even_experts(ep)
+            return np.full(rows, load), np.full(rows, per_expert), np.ones(rows)
+        share = np.full(ep, 1.0 / ep) if even else np.asarray(ep_split, dtype=float) / sum(ep_split)  # type: ignore[arg-type]
+        held = np.tile(share * ep, rows // ep)
+        group = np.repeat(tokens.reshape(-1, ep).sum(axis=1), ep)
+        load = self.workload.expert_imbalance
+        own = np.where(tokens > 0, tokens, 1.0)  # a rank with no samples still runs its experts' tokens
+        fraction = np.tile(share, rows // ep)
+        return load * group * fraction / own, load * group / own, held
+
+    # --- context and expert parallelism (cost/cp_ep.py) ------------------------------------
+    def cp_ep_links(self, grid: np.ndarray, cp: int, ep: int) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((s/byte, latency) of a K/V all-gather on the slowest CP group,
+        (s/byte, latency) of an all-to-all on the slowest EP group) of a
+        stage's ``(dp·cp, tp)`` grid. The ``tp`` groups of each kind run at
+        once (one per TP rank), sharing the nodes' NICs."""
+        tp = grid.shape[1]
+        cp_link = ep_link = (0.0, 0.0)
+        if cp > 1:
+            blocks = grid.reshape(-1, cp, tp)  # replica, CP rank, TP rank
+            groups = {tuple(blocks[r, :, t].tolist()) for r in range(blocks.shape[0]) for t in range(tp)}
+            cp_link = self._slowest_link("allgather", sorted(groups), tp)
+        if ep > 1:
+            groups = {tuple(row.tolist()) for t in range(tp) for row in expert_groups(grid[:, t], ep)[0]}
+            ep_link = self._slowest_link("alltoall", sorted(groups), tp)
+        return cp_link, ep_link
+
+    def _slowest_link(self, kind: str, groups: list[tuple[int, ...]], concurrent: int) -> tuple[float, float]:
+        """(s/byte, latency) of ``kind`` on the slowest of ``groups``, ``concurrent`` of which share NICs.
+        An all-to-all pays one ring all-gather's latency (n−1 peer steps)."""
+        shapes: dict[object, tuple[int, ...]] = {}
+        for group in groups:
+            shapes.setdefault(self.cluster_arrays.shape(group), group)
+        rate = max(self._shape_rate(kind, g, concurrent, shape) for shape, g in shapes.items())
+        latency = max(collective_latency(self.cluster, g, "allgather" if kind == "alltoall" else kind)
+                      for g in shapes.values())
+        if self.calibration is not None:
+            latency *= self.calibration.latency_scale * self.calibration.op_latency(kind)
+        return rate, latency
+
+    def _expert_dp_groups(self, grid: np.ndarray, ep: int) -> _DataParallelGroups:
+        """The expert-data-parallel groups of a stage up to symmetry: per TP
+        rank, the dp·cp/ep devices holding the same experts (``cp_ep.expert_groups``)."""
+        groups = [tuple(row.tolist()) for t in range(grid.shape[1]) for row in expert_groups(grid[:, t], ep)[1]]
+        shapes = [self.cluster_arrays.shape(g) for g in groups]
+        firsts: dict[object, tuple[int, ...]] = {}
+        for shape, group in zip(shapes, groups):
+            firsts.setdefault(shape, group)
+        return _DataParallelGroups(tuple(firsts.values()), (tuple(firsts), shapes[0]))
+
+    def cp_ep_comm_time(self, recompute: str, share: float, tp: int, parallel: tuple[object, ...],
+                        attention_s: np.ndarray, send_scale: float | None = None) -> np.ndarray:
+        """Per layer: a CP/EP rank's K/V exchanges and all-to-alls for a
+        replica's ``share`` samples over one micro-batch's passes
+        (``cp_ep``): the exposed part of the K/V all-gathers of the whole
+        samples' K/V (per TP rank), and the all-to-alls of the rank's 1/cp of
+        the tokens, scaled by ``send_scale``: the larger of what the rank
+        sends (its own tokens' copies) and receives (its experts' tokens, the
+        expert work of ``row_experts``) over its own; None: the expert load
+        imbalance of an even split."""
+        if not parallel or share <= 0:
+            return np.zeros(self.num_layers)
+        cp, ep, (cp_rate, cp_latency), (ep_rate, ep_latency) = parallel  # type: ignore[misc]
+        a = self.arrays
+        out = np.zeros(self.num_layers)
+        if cp > 1:
+            kv = a.column("kv_bytes")
+            gathered = cp_gather_bytes(kv, cp, a.column("attention_window"), a.seq_len) / tp
+            comm = CP_KV_PASSES[recompute] * (gathered * share * cp_rate + np.where(kv > 0, cp_latency, 0.0))
+            out += cp_exposed_time(comm, attention_s, CP_KV_METHOD, self.overlap_slowdown)
+        if ep > 1:
+            dispatch = a.column("dispatch_bytes")
+            scale = self.workload.expert_imbalance if send_scale is None else send_scale
+            buffer = dispatch * (share / cp) / tp * scale  # send buffer of the busiest rank
+            out += EP_ALLTOALL_PASSES[recompute] * (buffer * ep_rate + np.where(dispatch > 0, ep_latency, 0.0))
+        return out
 
     def _replica_kinds(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[float, float]]]:
         """Per replica (row of the grid): its slowest GPU, the index of its TP
@@ -600,30 +828,43 @@ class CostKernel:
         link = arrays.column_classes(grid.T)[0]
         return gpu, link, first_appearance(link)[0].tolist()
 
-    def held_params(self, tp: int, a: int, b: int) -> float:
+    def held_params(self, tp: int, a: int, b: int, ep: int = 1) -> float:
         """Parameters one device of a stage running layers [a, b) holds: a tied
-        weight counted once when several layers of its group are on the stage."""
-        prefix = self._params_prefix.get(tp)
+        weight counted once when several layers of its group are on the stage;
+        1/ep of the routed experts."""
+        prefix = self._params_prefix.get((tp, ep))
         if prefix is None:
-            prefix = self._params_prefix[tp] = _prefix(self.params_per_device(tp)).tolist()
+            prefix = self._params_prefix[(tp, ep)] = _prefix(self.params_per_device(tp, ep)).tolist()
         total = prefix[b] - prefix[a]
         for index, previous, share in self._tied_corrections(tp):
             if a <= previous and index < b:
                 total -= share
         return total
 
-    def held_params_matrix(self, tp: int) -> np.ndarray:
+    def expert_held(self, tp: int, ep: int, a: int, b: int) -> float:
+        """Routed-expert parameters one device of a stage running layers [a, b) holds (part of ``held_params``)."""
+        prefix = self._cached(("expertprefix", tp, ep), lambda: _prefix(self.expert_params_per_device(tp, ep)))
+        return float(prefix[b] - prefix[a])
+
+    def expert_held_matrix(self, tp: int, ep: int) -> np.ndarray:
+        """``expert_held`` for every ``[a, b)``."""
+        def build() -> np.ndarray:
+            prefix = _prefix(self.expert_params_per_device(tp, ep))
+            return prefix[None, :] - prefix[:, None]
+        return self._cached(("expertheld", tp, ep), build)
+
+    def held_params_matrix(self, tp: int, ep: int = 1) -> np.ndarray:
         """``held_params`` for every ``[a, b)`` (``(L+1) x (L+1)``)."""
 
         def build() -> np.ndarray:
-            prefix = _prefix(self.params_per_device(tp))
+            prefix = _prefix(self.params_per_device(tp, ep))
             held = prefix[None, :] - prefix[:, None]
             bounds = np.arange(self.num_layers + 1)
             for index, previous, share in self._tied_corrections(tp):
                 held = held - np.where((bounds[:, None] <= previous) & (bounds[None, :] > index), share, 0.0)
             return held
 
-        return self._cached(("held", tp), build)
+        return self._cached(("held", tp, ep), build)
 
     def _tied_corrections(self, tp: int) -> list[tuple[int, int, float]]:
         """(layer, its nearest earlier tied layer, the tied share per device) of every tied copy."""

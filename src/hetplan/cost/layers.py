@@ -18,12 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetplan.model.layers import CAUSAL_KINDS
 from hetplan.model.spec import LayerSpec, ModelSpec
-
-
-# Layer kinds whose self-attention is causal: decoder blocks, dense or
-# mixture-of-experts (hetplan.model names MoE decoder blocks "moe").
-CAUSAL_KINDS = frozenset({"decoder", "moe"})
 
 
 @dataclass(frozen=True)
@@ -50,14 +46,37 @@ class LayerArrays:
     attention_fused: np.ndarray | None = None  # FlashAttention-style kernel (no score matrix)
     attention_causal: np.ndarray | None = None  # a decoder's causal mask
     gemm_dim: np.ndarray | None = None  # typical dimension of a layer's weight matrices (TP 1)
+    kv_bytes: np.ndarray | None = None  # self-attention K and V per sample (context parallelism)
+    attention_window: np.ndarray | None = None  # tokens a sliding-window attention sees (0: whole sequence)
+    expert_params: np.ndarray | None = None  # routed-expert parameters (expert parallelism divides them)
+    expert_flops: np.ndarray | None = None  # routed-expert part of fwd_flops
+    dispatch_bytes: np.ndarray | None = None  # bytes of one all-to-all per sample
+    expert_tokens: np.ndarray | None = None  # tokens one routed expert gets per sample without EP
+
+    def column(self, name: str) -> np.ndarray:
+        """An optional per-layer array, zeros where the model has none."""
+        value = getattr(self, name)
+        return value if value is not None else np.zeros(self.num_layers)
+
+    @property
+    def has_experts(self) -> bool:
+        return bool(np.any(self.column("expert_params") > 0))
 
     @property
     def tied_duplicate(self) -> np.ndarray:
         return self.tied_previous >= 0
 
-    def params_per_device(self, tp: int) -> np.ndarray:
-        """Parameters one rank of a TP group of size ``tp`` holds for each layer."""
-        return (self.params - self.params_tp_replicated) / tp + self.params_tp_replicated
+    def params_per_device(self, tp: int, ep: int = 1) -> np.ndarray:
+        """Parameters one rank of a TP group of size ``tp`` holds for each
+        layer; with expert parallelism ``ep`` it holds 1/ep of the routed experts."""
+        held = (self.params - self.params_tp_replicated) / tp + self.params_tp_replicated
+        if ep > 1:
+            held = held - self.column("expert_params") * (1.0 - 1.0 / ep) / tp
+        return held
+
+    def expert_params_per_device(self, tp: int, ep: int) -> np.ndarray:
+        """Routed-expert parameters one device holds per layer (part of ``params_per_device``)."""
+        return self.column("expert_params") / (tp * ep)
 
     def tied_share_per_device(self, tp: int) -> np.ndarray:
         """Per layer: the parameters per device an earlier member of its tied
@@ -99,9 +118,29 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
         profile_keys=tuple(layer.profile_key for layer in layers),
         seq_len=int(model.seq_len or 0),
         attention_fused=np.array([_fused_attention(layer, model.seq_len) for layer in layers]),
-        attention_causal=np.array([layer.kind in CAUSAL_KINDS for layer in layers]),
+        attention_causal=np.array([_causal(layer) for layer in layers]),
         gemm_dim=np.array([_gemm_dim(layer) for layer in layers]),
+        kv_bytes=column("kv_bytes"),
+        attention_window=column("attention_window"),
+        expert_params=column("expert_params"),
+        expert_flops=column("expert_flops"),
+        dispatch_bytes=column("dispatch_bytes"),
+        expert_tokens=np.array([_expert_tokens(layer, model.seq_len) for layer in layers]),
     )
+
+
+def _expert_tokens(layer: LayerSpec, seq_len: int) -> float:
+    """Token copies one routed expert processes per sample when every rank
+    runs all experts on its own tokens: ``seq · top_k · capacity / experts``
+    (the rows of its matmuls, ``model.layers._moe_mlp``)."""
+    if not layer.is_moe or seq_len <= 0:
+        return 0.0
+    return seq_len * layer.top_k * layer.capacity_factor / layer.num_experts
+
+
+def _causal(layer: LayerSpec) -> bool:
+    """The layer's own mask, or (model files written before LayerSpec.attention) its kind."""
+    return layer.attention == "causal" if layer.attention else layer.kind in CAUSAL_KINDS
 
 
 def _fused_attention(layer: LayerSpec, seq_len: int) -> bool:

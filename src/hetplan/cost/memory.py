@@ -16,35 +16,62 @@ by ``1 + (pp − 1)/(pp·v)`` (Narayanan et al. 2021 §2.2.2).
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hetplan.cost.constants import CPU_FRAMEWORK_OVERHEAD_BYTES, FRAMEWORK_OVERHEAD_BYTES, ZERO3_GATHERED_LAYERS
+from hetplan.cost.constants import (
+    CPU_FRAMEWORK_OVERHEAD_BYTES, DEFAULT_HOST_MEMORY_PER_GPU_MEMORY, FRAMEWORK_OVERHEAD_BYTES,
+    GPUS_PER_REFERENCE_SERVER, HOST_MEMORY_GIB_PER_SERVER, HOST_MEMORY_RESERVE_FRACTION, ZERO3_GATHERED_LAYERS,
+)
 from hetplan.cost.layers import LayerArrays
+from hetplan.units import GIB
+
+if TYPE_CHECKING:
+    from hetplan.cluster.spec import NodeSpec
 
 
-def model_state_bytes(params: np.ndarray | float, zero: int, dp: int,
-                      state_bytes: tuple[int, int, int]) -> np.ndarray | float:
+def model_state_bytes(params: np.ndarray | float, zero: int, dp: int, state_bytes: tuple[int, int, int],
+                      implementation: str = "deepspeed") -> np.ndarray | float:
     """Bytes of weights + gradients + optimizer states for ``params`` parameters
     under ZeRO stage ``zero`` across ``dp`` replicas (ZeRO §5.1: stage 1 shards
-    optimizer states, 2 also gradients, 3 also weights)."""
-    return params * state_bytes_per_param(zero, dp, state_bytes)
+    optimizer states, 2 also gradients, 3 also weights), at the step's peak."""
+    return params * state_bytes_per_param(zero, dp, state_bytes, implementation)
 
 
-def state_bytes_per_param(zero: int, dp: int, state_bytes: tuple[int, int, int]) -> float:
+def state_bytes_per_param(zero: int, dp: int, state_bytes: tuple[int, int, int],
+                          implementation: str = "deepspeed") -> float:
     """Model-state bytes one device keeps per parameter it holds (see ``model_state_bytes``)."""
-    return sum(state_bytes_split(zero, dp, state_bytes))
+    return sum(state_bytes_split(zero, dp, state_bytes, implementation))
 
 
-def state_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int]) -> tuple[float, float, float]:
-    """(weight, gradient, optimizer-state) bytes one device keeps per parameter it holds."""
+def state_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
+                      implementation: str = "deepspeed") -> tuple[float, float, float]:
+    """(weight, gradient, optimizer-state) bytes one device holds per parameter
+    at the step's peak: what it keeps between steps (``resident_bytes_split``)
+    plus, for ZeRO-2 under FSDP2, the whole weights gathered from forward to
+    backward (``fully_shard(reshard_after_forward=False)`` keeps its shard and
+    the unsharded copy). ZeRO-3's gathered layers are counted apart (``memory_parts``)."""
+    weight, grad, opt = resident_bytes_split(zero, dp, state_bytes, implementation)
+    if zero == 2 and implementation == "fsdp" and dp > 1:
+        weight += float(state_bytes[0])
+    return weight, grad, opt
+
+
+def resident_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
+                         implementation: str = "deepspeed") -> tuple[float, float, float]:
+    """(weight, gradient, optimizer-state) bytes one device keeps per parameter
+    between steps (after the optimizer step; gradients after backward). ZeRO-1
+    shards the optimizer states, ZeRO-2 also the gradients, ZeRO-3 also the
+    weights (Rajbhandari et al. 2020 §5.1); FSDP2 (hetplan's runtime) keeps
+    ZeRO-2's weights sharded too, DeepSpeed keeps them whole."""
     weight, grad, opt = (float(x) for x in state_bytes)
     if zero >= 1:
         opt = opt / dp
     if zero >= 2:
         grad = grad / dp
-    if zero >= 3:
+    if zero >= 3 or (zero == 2 and implementation == "fsdp"):
         weight = weight / dp
     return weight, grad, opt
 
@@ -89,6 +116,29 @@ def in_flight_micro_batches(schedule: str, stage_index: int, pp: int, num_micro_
 
 def framework_overhead_bytes(is_cpu: bool) -> int:
     return CPU_FRAMEWORK_OVERHEAD_BYTES if is_cpu else FRAMEWORK_OVERHEAD_BYTES
+
+
+def node_host_memory_bytes(node: NodeSpec) -> int:
+    """A node's host memory: as given (``NodeSpec.host_memory_bytes``), else
+    its GPU type's reference server scaled to the node's GPUs, else as much as
+    its GPUs' own memory (``DEFAULT_HOST_MEMORY_PER_GPU_MEMORY``)."""
+    if node.host_memory_bytes:
+        return node.host_memory_bytes
+    gpu = node.gpu
+    server_gib = HOST_MEMORY_GIB_PER_SERVER.get(gpu.catalog_name or gpu.name)
+    if server_gib is not None:
+        return int(server_gib * GIB * node.num_gpus // GPUS_PER_REFERENCE_SERVER)
+    per_gpu = node.memory_bytes or gpu.memory_bytes
+    return int(DEFAULT_HOST_MEMORY_PER_GPU_MEMORY * per_gpu * node.num_gpus)
+
+
+def host_offload_capacity_bytes(node: NodeSpec) -> float:
+    """Bytes of offloaded activations one GPU of ``node`` may keep in host
+    memory: its share of the node's, less ``HOST_MEMORY_RESERVE_FRACTION``,
+    in whole bytes. Unlimited for a CPU "device", which offloads within its own memory."""
+    if node.gpu.name == "CPU":
+        return math.inf
+    return float(math.floor(node_host_memory_bytes(node) / node.num_gpus * (1.0 - HOST_MEMORY_RESERVE_FRACTION)))
 
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")

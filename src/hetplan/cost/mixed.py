@@ -20,8 +20,9 @@ from hetplan.cost.constants import TRANSFORM_PASSES
 from hetplan.cost.groups import first_appearance
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
-from hetplan.cost.memory import memory_parts, state_bytes_split
+from hetplan.cost.memory import memory_parts, resident_bytes_split, state_bytes_split
 from hetplan.cost.pipeline import stage_micro_batch_time
+from hetplan.errors import HetplanError
 from hetplan.plan import Stage
 
 
@@ -50,13 +51,65 @@ def tp_segments(stage: Stage) -> list[list[int]]:
 
 def held_params(kernel: CostKernel, stage: Stage, position: int) -> float:
     """Parameters one device holds for a layer of the stage (a tied weight
-    that an earlier layer of the stage already holds is not held again)."""
+    that an earlier layer of the stage already holds is not held again; 1/ep
+    of the routed experts)."""
     tp = stage.layer_degrees(position)[1]
     index = stage.layers[position]
-    params = float(kernel.params_per_device(tp)[index])
+    params = float(kernel.params_per_device(tp, stage.ep)[index])
     if kernel.arrays.tied_previous[index] >= stage.layers[0]:
         params -= float(kernel.tied_share(tp)[index])
     return params
+
+
+def expert_share(kernel: CostKernel, stage: Stage, position: int) -> float:
+    """Routed-expert parameters one device holds for a layer (part of ``held_params``; 0 without EP)."""
+    if stage.ep == 1:
+        return 0.0
+    return float(kernel.expert_params_per_device(stage.layer_degrees(position)[1], stage.ep)[stage.layers[position]])
+
+
+def state_split(kernel: CostKernel, stage: Stage, position: int, zero: int, resident: bool = False
+                ) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer-state) bytes one device holds for a layer:
+    dense parameters sharded over the dp·cp devices with the same shard,
+    routed experts over the dp·cp/ep with the same experts (``cp_ep``)."""
+    dp = stage.layer_degrees(position)[0] * stage.cp
+    split = resident_bytes_split if resident else state_bytes_split
+    held, experts = held_params(kernel, stage, position), expert_share(kernel, stage, position)
+    state, implementation = kernel.workload.state_bytes, kernel.workload.zero_implementation
+    dense = split(zero, dp, state, implementation)
+    if not experts:
+        return tuple(held * x for x in dense)  # type: ignore[return-value]
+    expert = split(zero, dp // stage.ep, state, implementation)
+    return tuple((held - experts) * d + experts * e for d, e in zip(dense, expert))  # type: ignore[return-value]
+
+
+def expert_states(kernel: CostKernel, stage: Stage, position: int, zero: int) -> tuple[float, float, float]:
+    """The routed experts' part of ``state_split`` (0 without EP)."""
+    experts = expert_share(kernel, stage, position)
+    if not experts:
+        return 0.0, 0.0, 0.0
+    dp = stage.layer_degrees(position)[0] * stage.cp
+    split = state_bytes_split(zero, dp // stage.ep, kernel.workload.state_bytes, kernel.workload.zero_implementation)
+    return experts * split[0], experts * split[1], experts * split[2]
+
+
+def expert_scales(stage: Stage) -> np.ndarray:
+    """Per device of the stage (in its order): the routed experts it holds
+    over an even 1/ep share (``Stage.ep_split``: EP rank ``row % ep``)."""
+    rows = len(stage.devices) // stage.tp
+    if stage.ep_split is None or stage.ep == 1:
+        return np.ones(len(stage.devices))
+    share = np.asarray(stage.ep_split, dtype=float) * stage.ep / sum(stage.ep_split)
+    return np.repeat(np.tile(share, rows // stage.ep), stage.tp)
+
+
+def check_uniform_cp_ep(stage: Stage) -> None:
+    """Layers of one stage with context or expert parallelism run one way:
+    the per-layer path below has no CP/EP form."""
+    if stage.cp > 1 or stage.ep > 1:
+        raise HetplanError(f"a stage with cp={stage.cp} and ep={stage.ep} needs one ZeRO stage, recomputation, "
+                           "offload and tp for all its layers; give its layers one strategy")
 
 
 def replica_classes(kernel: CostKernel, stage: Stage, position: int,
@@ -82,16 +135,20 @@ def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
     """(fwd, bwd, recompute, TP comm) of the slowest replica over the segment."""
     worst: tuple[float, float, float, float, float] | None = None
     tp = stage.layer_degrees(segment[0])[1]
-    by_recompute: dict[str, list[int]] = {}
+    by_recompute: dict[tuple[str, bool], list[int]] = {}
     for pos in segment:
-        by_recompute.setdefault(stage.strategies[pos].recompute, []).append(stage.layers[pos])
+        strategy = stage.strategies[pos]
+        by_recompute.setdefault((strategy.recompute, strategy.offload), []).append(stage.layers[pos])
     for gpu, batch, tp_link in replica_classes(kernel, stage, segment[0], micro_batch_size):
         f = b = rc = c = 0.0
-        for recompute, indices in by_recompute.items():
+        for (recompute, offload), indices in by_recompute.items():
             t = kernel.layer_times(gpu, batch, tp, recompute, stage.sequence_parallel)
             f += float(t.fwd_s[indices].sum())
             b += float(t.bwd_s[indices].sum())
             rc += float(t.recompute_s[indices].sum())
+            if offload:  # exposed host transfers count with recomputation (CostKernel.time_class)
+                rc += float(kernel.offload_exposed_time(gpu, batch, tp, recompute,
+                                                        stage.sequence_parallel)[indices].sum())
             c += float(kernel.tp_comm_time(recompute, batch, tp_link, t)[indices].sum())
         total = f + b + rc + c
         if worst is None or total > worst[0]:
@@ -120,6 +177,7 @@ def transform_time(kernel: CostKernel, stage: Stage, before: int, after: int, mi
 
 def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) -> SegmentTiming:
     """What a stage with per-layer strategies charges (see the module docstring)."""
+    check_uniform_cp_ep(stage)
     fwd = bwd = rec = tpc = 0.0
     segments = tp_segments(stage)
     for s_index, segment in enumerate(segments):
@@ -157,31 +215,71 @@ def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
                        in_flight: float) -> list[dict[str, float]]:
     """Each device's peak by category (``memory.memory_parts``), for any stage:
     per-layer strategies summed layer by layer."""
+    if stage.has_layer_degrees:
+        check_uniform_cp_ep(stage)
     per_layer = []
     weights = grads = optimizer = gathered = 0.0
+    experts = np.zeros(3)  # the routed experts' part of weights, grads, optimizer
     for pos, strategy in enumerate(stage.strategies):
         dp, tp = stage.layer_degrees(pos)
         index = stage.layers[pos]
-        held = held_params(kernel, stage, pos)
-        w, g, o = state_bytes_split(strategy.zero, dp, kernel.workload.state_bytes)
-        weights, grads, optimizer = weights + held * w, grads + held * g, optimizer + held * o
-        act = float(kernel.activation_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
-        work = float(kernel.recompute_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
-        if strategy.zero >= 3 and dp > 1:
-            gathered = max(gathered, float(kernel.params_per_device(tp)[index]) * kernel.weight_bytes)
+        w, g, o = state_split(kernel, stage, pos, strategy.zero)
+        weights, grads, optimizer = weights + w, grads + g, optimizer + o
+        experts += expert_states(kernel, stage, pos, strategy.zero)
+        # one CP rank's activations per sample of its replica (cp_ep.cp_activation_bytes)
+        act = float(kernel.rank_activation_bytes(tp, strategy.recompute, stage.sequence_parallel, stage.cp)[index])
+        work = float(kernel.recompute_working_bytes(tp, strategy.recompute, stage.sequence_parallel,
+                                                    stage.cp)[index]) if strategy.recompute == "full" else 0.0
+        if strategy.offload:  # kept on the host: only a working set stays (CostKernel.offload_working_bytes)
+            act, work = 0.0, float(kernel.offload_working_bytes(tp, strategy.recompute,
+                                                                stage.sequence_parallel)[index])
+        if strategy.zero >= 3 and dp * stage.cp > 1:
+            gathered = max(gathered, float(kernel.params_per_device(tp, stage.ep)[index]) * kernel.weight_bytes)
         per_layer.append((tp, act, work))
     positions = {tp: pos for pos, (tp, _, _) in enumerate(per_layer)}  # one layer of each TP degree
     shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
               for tp, pos in positions.items()}  # a replica's share of a micro-batch, per TP degree
     # devices with the same shares and overhead have the same parts: one dict per class of them
-    per_device = {tp: np.repeat(np.asarray(replicas, dtype=np.float64), tp) for tp, replicas in shares.items()}
+    per_device = {tp: np.repeat(np.asarray(replicas, dtype=np.float64), len(stage.devices) // len(replicas))
+                  for tp, replicas in shares.items()}
     overhead = kernel.cluster_arrays.overhead[kernel.device_array(stage.devices)]
-    keys = np.stack([per_device[tp] for tp in sorted(per_device)] + [overhead.astype(np.float64)], axis=1)
+    scales = expert_scales(stage)
+    keys = np.stack([per_device[tp] for tp in sorted(per_device)] + [overhead.astype(np.float64), scales], axis=1)
     firsts, classes = first_appearance(keys)
     parts = []
     for i in firsts.tolist():
         batch = {tp: float(column[i]) for tp, column in per_device.items()}
         act = sum(a * batch[tp] for tp, a, _ in per_layer)
         work = max(w * batch[tp] for tp, _, w in per_layer)
-        parts.append(memory_parts(weights, grads, optimizer, act, in_flight, work, gathered, int(overhead[i])))
+        w, g, o = np.array([weights, grads, optimizer]) + (scales[i] - 1.0) * experts
+        parts.append(memory_parts(float(w), float(g), float(o), act, in_flight, work, gathered, int(overhead[i])))
     return [parts[c] for c in classes.tolist()]
+
+
+def stage_host_bytes(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float) -> list[float]:
+    """Each device's offloaded activations in host memory, for any stage: the
+    activations ``stage_memory_parts`` leaves off the device for its
+    offloaded layers, for every micro-batch in flight (``StageCosts.host_bytes``)."""
+    offloaded = [pos for pos, strategy in enumerate(stage.strategies) if strategy.offload]
+    total = np.zeros(len(stage.devices))
+    for pos in offloaded:
+        dp, tp = stage.layer_degrees(pos)
+        strategy = stage.strategies[pos]
+        act = float(kernel.rank_activation_bytes(tp, strategy.recompute, stage.sequence_parallel,
+                                                 stage.cp)[stage.layers[pos]])
+        replicas = np.asarray([batch for _, batch in layer_replicas(stage, pos, micro_batch_size)], dtype=np.float64)
+        total += np.repeat(replicas, len(stage.devices) // len(replicas)) * act
+    return (total * in_flight).tolist()
+
+
+def stage_resident_parts(kernel: CostKernel, stage: Stage) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer states one device of the
+    stage keeps between steps (``memory.resident_bytes_split``; the same on
+    every device of a stage, whose layers shard alike on every replica): what
+    the runtime's local tensors hold after a step, without the gathered
+    working sets ``stage_memory_parts`` adds for the peak."""
+    parts = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for pos, strategy in enumerate(stage.strategies):
+        for key, value in zip(parts, state_split(kernel, stage, pos, strategy.zero, resident=True)):
+            parts[key] += value
+    return parts

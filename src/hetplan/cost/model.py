@@ -8,6 +8,7 @@ plan is the estimate's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from hetplan.cost.bounds import iteration_lower_bound
@@ -15,7 +16,9 @@ from hetplan.cost.constants import P2P_PASSES
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, StageOption
 from hetplan.cost.memory import in_flight_micro_batches
-from hetplan.cost.mixed import mixed_stage_memory, mixed_stage_timing, stage_memory_parts
+from hetplan.cost.mixed import (
+    mixed_stage_memory, mixed_stage_timing, stage_host_bytes, stage_memory_parts, stage_resident_parts,
+)
 from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time
 from hetplan.cost.workload import Workload
 from hetplan.plan import Estimate, Plan, Stage, StageEstimate
@@ -56,6 +59,26 @@ class CostModel:
             return mixed_stage_memory(self.kernel, stage, micro_batch_size, in_flight)
         return self.kernel.stage(option).device_memory(stage.layers[0], stage.layers[-1] + 1, in_flight)
 
+    def device_host_bytes(self, stage: Stage, micro_batch_size: int, in_flight: float) -> list[int]:
+        """Offloaded activations each device of ``stage`` keeps in host memory
+        (0 where its layers are not offloaded)."""
+        if not any(s.offload for s in stage.strategies):
+            return [0] * len(stage.devices)
+        option = StageOption.of_stage(stage)
+        if option is None:
+            return [int(b) for b in stage_host_bytes(self.kernel, stage, micro_batch_size, in_flight)]
+        return self.kernel.stage(option).device_host_bytes(stage.layers[0], stage.layers[-1] + 1, in_flight)
+
+    def host_offload_bytes(self, plan: Plan) -> dict[int, int]:
+        """Each device of an offloading stage: its offloaded activations in host memory."""
+        out: dict[int, int] = {}
+        for j, stage in enumerate(plan.stages):
+            if any(s.offload for s in stage.strategies):
+                in_flight = in_flight_micro_batches(plan.schedule, j, plan.pp, plan.num_micro_batches,
+                                                    plan.virtual_stages)
+                out.update(zip(stage.devices, self.device_host_bytes(stage, plan.micro_batch_size, in_flight)))
+        return out
+
     def memory_breakdown(self, plan: Plan) -> dict[int, dict[str, int]]:
         """Each device's peak by category (params, grads, optimizer, activations,
         buffers; ``memory.memory_parts``); the categories add up to the peak of
@@ -69,6 +92,16 @@ class CostModel:
             parts = stage_memory_parts(self.kernel, stage, plan.micro_batch_size, in_flight)
             for device, p in zip(stage.devices, parts):
                 out[device] = {k: int(v) for k, v in p.items()}
+        return out
+
+    def resident_state_bytes(self, plan: Plan) -> dict[int, dict[str, int]]:
+        """Each device's parameters, gradients and optimizer states kept between
+        steps (``mixed.stage_resident_parts``): the bytes of the runtime's local
+        tensors after a step, which ``tests/distributed/test_zero_bytes.py`` checks."""
+        out: dict[int, dict[str, int]] = {}
+        for stage in plan.stages:
+            parts = {k: int(v) for k, v in stage_resident_parts(self.kernel, stage).items()}
+            out.update({device: dict(parts) for device in stage.devices})
         return out
 
     def p2p_times(self, plan: Plan) -> list[float]:
@@ -87,8 +120,11 @@ class CostModel:
         stage = plan.stages[stage_index]
         option = StageOption.of_stage(stage)
         if option is None:
-            return all(m <= self.workload.device_capacity_bytes(d)
-                       for d, m in zip(stage.devices, self.stage_memory(plan, stage_index)))
+            in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
+                                                plan.virtual_stages)
+            host = self.device_host_bytes(stage, plan.micro_batch_size, in_flight)
+            return all(m <= self.workload.device_capacity_bytes(d) and h <= self.kernel.host_capacity_bytes(d)
+                       for d, m, h in zip(stage.devices, self.stage_memory(plan, stage_index), host))
         in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
                                             plan.virtual_stages)
         return self.kernel.stage(option).fits(stage.layers[0], stage.layers[-1] + 1, in_flight)
@@ -134,6 +170,9 @@ class CostModel:
                 p2p_s=p2p[j] if j < len(p2p) else 0.0, dp_sync_s=t.grad_sync_s + t.zero3_exposed_s,
                 memory_bytes=tuple(mems), memory_capacity_bytes=tuple(caps),
             ))
+        host = self.host_offload_bytes(plan)
+        # devices with a host limit (a CPU "device" has none: ``memory.host_offload_capacity_bytes``)
+        host_capacity = {d: int(c) for d in host if math.isfinite(c := self.kernel.host_capacity_bytes(d))}
         samples_per_s = plan.global_batch_size / step.total_s
         dtype = self.model.dtype_bytes
         peak_flops = sum(self.cluster.devices[d].gpu.peak_flops_for(dtype) for d in peak)
@@ -151,7 +190,9 @@ class CostModel:
             mfu=self.model.train_flops_per_sample * samples_per_s / peak_flops,
             peak_memory_bytes=peak,
             memory_capacity_bytes=capacity,
-            fits=all(peak[d] <= capacity[d] for d in peak),
+            fits=all(peak[d] <= capacity[d] for d in peak) and all(host[d] <= c for d, c in host_capacity.items()),
             stages=tuple(stage_estimates),
             lower_bound_s=self.lower_bound_s(),
+            host_offload_bytes=host,
+            host_capacity_bytes=host_capacity,
         ).checked()

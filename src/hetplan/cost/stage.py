@@ -13,8 +13,9 @@ every ``[a, b)`` at once as matrices for the exact pipeline partition.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -43,7 +44,9 @@ class StageOption:
             ``devices[r*tp:(r+1)*tp]``, as in :class:`hetplan.plan.Stage`).
         dp, tp: degrees.
         split: samples of one micro-batch per replica (sums to the micro-batch).
-        zero, recompute, sequence_parallel: as in :class:`hetplan.plan.LayerStrategy`.
+        zero, recompute, sequence_parallel, offload: as in :class:`hetplan.plan.LayerStrategy`.
+        cp, ep: context- and expert-parallel degrees (:class:`hetplan.plan.Stage`;
+            ``devices`` then holds ``dp * cp * tp`` ids).
     """
 
     devices: tuple[int, ...]
@@ -53,6 +56,10 @@ class StageOption:
     zero: int = 0
     recompute: str = "none"
     sequence_parallel: bool = False
+    offload: bool = False
+    cp: int = 1
+    ep: int = 1
+    ep_split: tuple[int, ...] | None = None  # experts per EP rank (``plan.Stage.ep_split``)
 
     @staticmethod
     def of_stage(stage: Stage) -> StageOption | None:
@@ -62,15 +69,16 @@ class StageOption:
             if first.tp and first.tp != stage.tp:
                 return None
         elif stage.has_layer_degrees or any(s.zero != first.zero or s.recompute != first.recompute
-                                            for s in stage.strategies):
+                                            or s.offload != first.offload for s in stage.strategies):
             return None
         return StageOption(stage.devices, stage.dp, stage.tp, stage.dp_split, first.zero, first.recompute,
-                           stage.sequence_parallel)
+                           stage.sequence_parallel, first.offload, stage.cp, stage.ep, stage.ep_split)
 
     def stage(self, layers: range) -> Stage:
         """The Plan stage of this option running ``layers``."""
         return Stage(tuple(layers), self.devices, self.dp, self.tp, self.split,
-                     (LayerStrategy(self.zero, self.recompute),) * len(layers), self.sequence_parallel)
+                     (LayerStrategy(self.zero, self.recompute, offload=self.offload),) * len(layers),
+                     self.sequence_parallel, self.cp, self.ep, self.ep_split)
 
     @property
     def micro_batch_size(self) -> int:
@@ -113,25 +121,34 @@ class SegmentTables:
     post_per_param: float
     optimizer_per_param: float
     fits: np.ndarray
+    # routed-expert parameters held (part of ``held``) and what their per-step
+    # rates add to the dense ones' (expert data parallelism: ``StageCosts._build_comm``)
+    expert_held: np.ndarray | float = 0.0
+    expert_sync_extra: float = 0.0
+    expert_post_extra: float = 0.0
+    expert_optimizer_extra: float = 0.0
 
     @property
     def grad_sync_s(self) -> np.ndarray:
-        return self.held * self.sync_per_param
+        return self.held * self.sync_per_param + self.expert_held * self.expert_sync_extra
 
     @property
     def post_step_s(self) -> np.ndarray:
-        return self.held * self.post_per_param
+        return self.held * self.post_per_param + self.expert_held * self.expert_post_extra
 
     @property
     def optimizer_s(self) -> np.ndarray:
-        return self.held * self.optimizer_per_param
+        return self.held * self.optimizer_per_param + self.expert_held * self.expert_optimizer_extra
 
 
 def check_option(option: StageOption) -> None:
     """A stage's devices and shares must match its degrees."""
-    if len(option.devices) != option.dp * option.tp or len(option.split) != option.dp:
-        raise HetplanError(f"a stage of dp={option.dp} x tp={option.tp} needs {option.dp * option.tp} devices "
+    size = option.dp * option.cp * option.tp
+    if len(option.devices) != size or len(option.split) != option.dp:
+        raise HetplanError(f"a stage of dp={option.dp} x cp={option.cp} x tp={option.tp} needs {size} devices "
                            f"and {option.dp} shares, got {len(option.devices)} and {len(option.split)}")
+    if option.ep < 1 or (option.dp * option.cp) % option.ep:
+        raise HetplanError(f"ep={option.ep} must divide dp x cp = {option.dp * option.cp}")
 
 
 class StageCosts:
@@ -145,51 +162,94 @@ class StageCosts:
         self.option = option
         self.key = option if key is None else key
         self.num_layers = kernel.num_layers
-        self._layout = kernel.layout(option.devices, option.dp, option.tp, option.split)
+        self._layout = kernel.layout(option.devices, option.dp, option.tp, option.split, option.cp, option.ep,
+                                     option.ep_split)
         self._layer_totals: np.ndarray | None = None
         self._fits: dict[tuple[int, int, float], bool] = {}
-        self._build_time_classes()
+        self._time_classes: list[Any] | None = None  # built on first use: a fit check needs none
         self._build_comm()
         self._build_memory()
 
     # --- construction ---------------------------------------------------------------------
-    def _build_time_classes(self) -> None:
+    @property
+    def _classes(self) -> list[Any]:
         """One prefix-sum table per distinct (slowest GPU, share, TP link) of the replicas."""
-        o = self.option
-        self._classes = [self.kernel.time_class(gpu, share, o.tp, o.recompute, o.sequence_parallel, tp_link)
-                         for gpu, share, tp_link in self._layout.time_classes]
+        if self._time_classes is None:
+            o = self.option
+            self._time_classes = [self.kernel.time_class(gpu, share, o.tp, o.recompute, o.sequence_parallel,
+                                                         tp_link, o.offload, self._layout.parallel, expert)
+                                  for gpu, share, tp_link, expert in self._layout.time_classes]
+        return self._time_classes
 
     def _build_comm(self) -> None:
-        """Per-parameter rates of the data-parallel collectives and the optimizer."""
-        k, o, rate = self.kernel, self.option, self._layout.dp_rate
-        sharded = o.dp > 1
-        self._gather = self._scatter = self._sync = self._post = 0.0
-        if sharded and o.zero >= 3:
-            self._gather = k.weight_bytes * rate("allgather")
-            self._scatter = k.grad_bytes * rate("reduce_scatter")
-        elif sharded and o.zero in (1, 2):
-            self._sync = k.grad_bytes * rate(zero12_gradient_collective(o.zero))
-            self._post = k.weight_bytes * rate("allgather")
-        elif sharded:
-            self._sync = k.grad_bytes * rate("allreduce")
-        self._optimizer = self._layout.optimizer_rate / (o.dp if o.zero >= 1 else 1)
+        """Per-parameter rates of the data-parallel collectives and the optimizer:
+        dense parameters over the dp·cp devices holding the same shard, routed
+        experts (with ep > 1) over the dp·cp/ep holding the same experts; the
+        experts' rates are kept as what they add to the dense ones."""
+        o = self.option
+        group = o.dp * o.cp
+        self._gather, self._scatter, self._sync, self._post, self._optimizer = \
+            self._rates(self._layout.dp_rate, group)
+        self._expert = (0.0,) * 5
+        if o.ep > 1:
+            rate = self._layout.expert_rate or (lambda kind: 0.0)
+            # the device holding the most experts (``Stage.ep_split``) sets the expert terms' pace
+            scale = self._layout.expert_scale
+            self._expert = tuple(scale * e - d for e, d in zip(self._rates(rate, group // o.ep),
+                                                                (self._gather, self._scatter, self._sync, self._post,
+                                                                 self._optimizer)))
+
+    def _rates(self, rate: Callable[[str], float], group: int) -> tuple[float, float, float, float, float]:
+        """(ZeRO-3 gather, scatter, gradient sync, ZeRO-1/2 post-step gather,
+        optimizer) seconds per parameter held, over data-parallel groups of ``group`` devices."""
+        k, o = self.kernel, self.option
+        gather = scatter = sync = post = 0.0
+        if group > 1 and o.zero >= 3:
+            gather = k.weight_bytes * rate("allgather")
+            scatter = k.grad_bytes * rate("reduce_scatter")
+        elif group > 1 and o.zero in (1, 2):
+            sync = k.grad_bytes * rate(zero12_gradient_collective(o.zero))
+            post = k.weight_bytes * rate("allgather")
+        elif group > 1:
+            sync = k.grad_bytes * rate("allreduce")
+        return gather, scatter, sync, post, self._layout.optimizer_rate / (group if o.zero >= 1 else 1)
+
+    def _held(self, a: int, b: int) -> tuple[float, float]:
+        """(parameters, of which routed experts) one device holds for layers [a, b)."""
+        o = self.option
+        held = self.kernel.held_params(o.tp, a, b, o.ep)
+        return held, (self.kernel.expert_held(o.tp, o.ep, a, b) if o.ep > 1 else 0.0)
 
     def _build_memory(self) -> None:
         """Per-sample activation prefix sums and the per-layer maxima of the working sets."""
         k, o = self.kernel, self.option
-        self._state_per_param = state_bytes_per_param(o.zero, o.dp, k.workload.state_bytes)
-        self._act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel)
-        self._work = k.recompute_working_bytes(o.tp, o.recompute, o.sequence_parallel) if o.recompute == "full" \
+        self._state_per_param = state_bytes_per_param(o.zero, o.dp * o.cp, k.workload.state_bytes,
+                                                      k.workload.zero_implementation)
+        # routed experts shard their states over the dp·cp/ep devices holding the same experts
+        self._expert_state = 0.0 if o.ep == 1 else state_bytes_per_param(
+            o.zero, o.dp * o.cp // o.ep, k.workload.state_bytes, k.workload.zero_implementation) \
+            - self._state_per_param
+        # offloaded: what would be kept per micro-batch in flight goes to host memory
+        self._host_act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp) if o.offload else None
+        if o.offload:  # nothing kept per micro-batch in flight; a working set once (kernel.offload_working_bytes)
+            self._act = np.zeros(self.num_layers + 1)
+            self._work = k.offload_working_bytes(o.tp, o.recompute, o.sequence_parallel)
+        else:
+            self._act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp)
+            self._work = k.recompute_working_bytes(o.tp, o.recompute, o.sequence_parallel, o.cp) \
+                if o.recompute == "full" else None
+        self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes if o.zero >= 3 and o.dp * o.cp > 1 \
             else None
-        self._gathered = k.params_per_device(o.tp) * k.weight_bytes if o.zero >= 3 and o.dp > 1 else None
         self._act_list = self._act.tolist()  # scalar lookups (one range) are faster on lists
         self._work_max = None if self._work is None else \
-            k.range_max_matrix(self._work, ("work", o.tp, o.sequence_parallel))
-        self._gathered_max = None if self._gathered is None else k.range_max_matrix(self._gathered, ("gathered", o.tp))
+            k.range_max_matrix(self._work, ("offwork" if o.offload else "work", o.tp, o.recompute,
+                                            o.sequence_parallel, o.cp))
+        self._gathered_max = None if self._gathered is None else \
+            k.range_max_matrix(self._gathered, ("gathered", o.tp, o.ep))
         self._memory_classes = self._layout.memory_classes
         self._device_class = self._layout.device_class
         self._use_profile = (k.memory_profile is not None and o.zero == 0 and o.recompute == "none"
-                             and not o.sequence_parallel)
+                             and not o.sequence_parallel and not o.offload and o.cp == 1 and o.ep == 1)
 
     # --- one range -----------------------------------------------------------------------------
     def timing(self, a: int, b: int) -> SegmentTiming:
@@ -199,14 +259,14 @@ class StageCosts:
             totals = [c.total[b] - c.total[a] for c in self._classes]
             worst = self._classes[int(np.argmax(totals))]
         fwd, bwd, rec, tpc = (float(x[b] - x[a]) for x in (worst.fwd, worst.bwd, worst.rec, worst.tpc))
-        held = self.kernel.held_params(self.option.tp, a, b)
+        held, experts = self._held(a, b)
+        gather, scatter, sync, post, optimizer = (held * d + experts * e for d, e in zip(
+            (self._gather, self._scatter, self._sync, self._post, self._optimizer), self._expert))
         zero3 = 0.0
         if self._gather:  # ZeRO-3: its gathers and scatters, as far as compute does not hide them
-            zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, held * self._gather, held * self._scatter,
-                                                 self.kernel.overlap_slowdown)
+            zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, gather, scatter, self.kernel.overlap_slowdown)
                           - fwd - bwd - rec)
-        return SegmentTiming(fwd, bwd, rec, tpc, zero3, held * self._sync, held * self._post,
-                             held * self._optimizer)
+        return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer)
 
     def per_micro_batch(self, a: int, b: int) -> float:
         """Time of one micro-batch through layers [a, b) (fast path of ``timing``)."""
@@ -228,29 +288,55 @@ class StageCosts:
 
     def class_memory(self, a: int, b: int, in_flight: float) -> list[float]:
         """Peak bytes of a GPU of each memory class for layers [a, b)."""
-        return [self.peak_bytes(a, b, c.batch, in_flight, c.overhead) for c in self._memory_classes]
+        return [self.peak_bytes(a, b, c.batch, in_flight, c.overhead, c.expert_scale) for c in self._memory_classes]
 
-    def peak_bytes(self, a: int, b: int, batch: float, in_flight: float, overhead: float) -> float:
+    def peak_bytes(self, a: int, b: int, batch: float, in_flight: float, overhead: float,
+                   expert_scale: float = 1.0) -> float:
         """Peak bytes of one GPU of this stage whose replica gets ``batch`` samples
-        per micro-batch, for layers [a, b)."""
+        per micro-batch, for layers [a, b) (``expert_scale``: its routed experts
+        over an even 1/ep share, ``Stage.ep_split``)."""
         measured = self._profiled_memory(a, b, batch, in_flight)
         if measured is not None:
             return measured + overhead
-        fixed, per_sample = self._memory_line(a, b, in_flight, overhead)
+        fixed, per_sample = self._memory_line(a, b, in_flight, overhead, expert_scale)
         return fixed + per_sample * batch
 
-    def _memory_line(self, a: int, b: int, in_flight: float, overhead: float) -> tuple[float, float]:
+    def _memory_line(self, a: int, b: int, in_flight: float, overhead: float,
+                     expert_scale: float = 1.0) -> tuple[float, float]:
         """The analytic peak is linear in the replica's samples: (bytes at 0, bytes per sample)."""
-        states = self.kernel.held_params(self.option.tp, a, b) * self._state_per_param
+        held, experts = self._held(a, b)
+        states = held * self._state_per_param + experts * self._expert_state
+        states += (expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
         work = float(self._work_max[a, b]) if self._work_max is not None else 0.0
         gathered = float(self._gathered_max[a, b]) if self._gathered_max is not None else 0.0
         act = self._act_list[b] - self._act_list[a]
         fixed = float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead))
         return fixed, float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0))
 
+    def host_bytes(self, a: int, b: int, batch: float, in_flight: float) -> float:
+        """Offloaded activations one GPU keeps in host memory for layers [a, b):
+        what the device no longer holds, for every micro-batch in flight (0
+        without offloading)."""
+        if self._host_act is None:
+            return 0.0
+        return float(self._host_act[b] - self._host_act[a]) * batch * in_flight
+
+    def device_host_bytes(self, a: int, b: int, in_flight: float) -> list[int]:
+        """``host_bytes`` of each device of the stage (in its device order)."""
+        per_class = [int(self.host_bytes(a, b, c.batch, in_flight)) for c in self._memory_classes]
+        return [per_class[c] for c in self._device_class.tolist()]
+
     def max_batch(self, a: int, b: int, in_flight: float, overhead: float, capacity: float,
-                  limit: int = 1 << 20) -> int:
-        """The most samples per micro-batch a replica's GPU holds for layers [a, b) (0: none)."""
+                  limit: int = 1 << 20, host_capacity: float = math.inf) -> int:
+        """The most samples per micro-batch a replica's GPU holds for layers [a, b)
+        (0: none), its offloaded activations within ``host_capacity``."""
+        host_per_sample = self.host_bytes(a, b, 1.0, in_flight)
+        if host_per_sample > 0 and math.isfinite(host_capacity):
+            limit = min(limit, int(host_capacity // host_per_sample))
+            while limit > 0 and host_per_sample * limit > host_capacity:  # rounding of the division
+                limit -= 1
+            if limit == 0:
+                return 0
         if self._profiled_memory(a, b, 1, in_flight) is None:
             fixed, per_sample = self._memory_line(a, b, in_flight, overhead)
             if fixed + per_sample > capacity:
@@ -288,8 +374,9 @@ class StageCosts:
         key = (a, b, in_flight)
         found = self._fits.get(key)
         if found is None:
-            found = self._fits[key] = all(m <= c.capacity for m, c in zip(self.class_memory(a, b, in_flight),
-                                                                          self._memory_classes))
+            found = self._fits[key] = all(
+                m <= c.capacity and self.host_bytes(a, b, c.batch, in_flight) <= c.host_capacity
+                for m, c in zip(self.class_memory(a, b, in_flight), self._memory_classes))
         return found
 
     # --- every range at once ----------------------------------------------------------------------
@@ -322,17 +409,24 @@ class StageCosts:
         rows, cols = self._cells(window)
         valid = self._valid(rows, cols)
         fwd, back, tpc = self._worst_replica_matrices(rows, cols)
-        held = self.kernel.held_params_matrix(self.option.tp)[rows, cols]
-        per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather, held * self._scatter,
+        held, experts = self._held_matrices(rows, cols)
+        per_mb = stage_micro_batch_time(fwd, back, tpc, held * self._gather + experts * self._expert[0],
+                                        held * self._scatter + experts * self._expert[1],
                                         self.kernel.overlap_slowdown) \
             if self._gather else fwd + back + tpc  # no ZeRO-3 traffic: nothing to expose
         return SegmentTables(np.where(valid, per_mb, np.inf), back, held, self._sync, self._post, self._optimizer,
-                             valid)
+                             valid, experts, *self._expert[2:])
+
+    def _held_matrices(self, rows: slice, cols: slice) -> tuple[np.ndarray, np.ndarray | float]:
+        """``_held`` for every cell of the table."""
+        o = self.option
+        held = self.kernel.held_params_matrix(o.tp, o.ep)[rows, cols]
+        return held, (self.kernel.expert_held_matrix(o.tp, o.ep)[rows, cols] if o.ep > 1 else 0.0)
 
     def _fits_table(self, in_flight: float, window: tuple[int, int] | None) -> np.ndarray:
         rows, cols = self._cells(window)
-        held = self.kernel.held_params_matrix(self.option.tp)[rows, cols]
-        return self._valid(rows, cols) & self._fits_matrix(held, in_flight, rows, cols)
+        held, experts = self._held_matrices(rows, cols)
+        return self._valid(rows, cols) & self._fits_matrix(held, in_flight, rows, cols, experts)
 
     def _worst_replica_matrices(self, rows: slice, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward, backward (+ recompute) and TP comm of the slowest replica class per range."""
@@ -355,18 +449,24 @@ class StageCosts:
         back = take([c.bwd + c.rec for c in self._classes])
         return fwd, back, take([c.tpc for c in self._classes])
 
-    def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice) -> np.ndarray:
+    def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice,
+                     experts: np.ndarray | float = 0.0) -> np.ndarray:
         ok = np.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=bool)
         if self._use_profile:
             for x, a in enumerate(range(rows.start, rows.stop)):
                 for y, b in enumerate(range(cols.start, cols.stop)):
                     ok[x, y] = b > a and self.fits(a, b, in_flight)
             return ok
-        states = held * self._state_per_param
+        states = held * self._state_per_param + experts * self._expert_state
         act = self._act[cols][None, :] - self._act[rows][:, None]
         work = self._work_max[rows, cols] if self._work_max is not None else 0.0
         gathered = self._gathered_max[rows, cols] if self._gathered_max is not None else 0.0
         for c in self._memory_classes:
-            peak = peak_memory_bytes(states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead)
+            held_states = states + (c.expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
+            peak = peak_memory_bytes(held_states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead)
             ok &= peak <= c.capacity
+        if self._host_act is not None:  # offloaded activations within each GPU's host share (``host_bytes``)
+            host = self._host_act[cols][None, :] - self._host_act[rows][:, None]
+            for c in self._memory_classes:
+                ok &= host * c.batch * in_flight <= c.host_capacity
         return ok

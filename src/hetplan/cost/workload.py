@@ -6,7 +6,16 @@ from dataclasses import dataclass, field
 
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.cost.calibration import Calibration
-from hetplan.cost.constants import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, ZERO_IMPLEMENTATIONS
+from hetplan.cost.constants import (
+    EXPERT_LOAD_IMBALANCE,
+    OPTIMIZER_STATE_BYTES,
+    PRECISION_BYTES,
+    ZERO_IMPLEMENTATIONS,
+)
+
+# The busiest expert-parallel rank cannot take more than every token copy of
+# its group: an imbalance above the number of experts is a typo.
+MAX_EXPERT_IMBALANCE = 64.0
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
 from hetplan.profile.db import ProfileDB
@@ -36,6 +45,12 @@ class Workload:
             (DeepSpeed ZeRO); see ``ZERO_IMPLEMENTATIONS``.
         calibration: the user's measured rates (``hetplan calibrate``), applied
             by the cost kernel to compute, link bandwidth and latency.
+        expert_imbalance: tokens the busiest expert-parallel rank processes
+            over the average (``EXPERT_LOAD_IMBALANCE``; >= 1).
+        search_offload: planners may offload a layer's saved activations to
+            host memory (``LayerStrategy.offload``) where the cost model ranks
+            it best; False (``hetplan plan --offload never``) keeps them on the
+            GPU in every plan searched. A search setting: costs ignore it.
     """
 
     model: ModelSpec
@@ -49,6 +64,8 @@ class Workload:
     zero_implementation: str = "fsdp"
     precision: str = ""
     calibration: Calibration | None = field(default=None, compare=False)
+    expert_imbalance: float = EXPERT_LOAD_IMBALANCE
+    search_offload: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         self._check_precision()
@@ -68,6 +85,9 @@ class Workload:
                                f"{', '.join(sorted(ZERO_IMPLEMENTATIONS))}")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
+        if not 1.0 <= self.expert_imbalance <= MAX_EXPERT_IMBALANCE:
+            raise HetplanError(f"expert load imbalance must be between 1 (perfect balance) and "
+                               f"{MAX_EXPERT_IMBALANCE:g}, got {self.expert_imbalance:g}")
 
     def _check_precision(self) -> None:
         """Default: what the model is costed in (4 bytes: fp32, 2: bf16); a

@@ -11,10 +11,16 @@ from hetplan.model.spec import LayerSpec, ModelSpec
 
 
 def load_model(name_or_path: str, seq_len: int | None = None, dtype_bytes: int | None = None) -> ModelSpec:
-    """A preset name, a HF ``config.json`` (or a directory holding one), or a
-    ModelSpec JSON written by hetplan (it has a "layers" list). ``dtype_bytes``
+    """A preset name, a HF ``config.json`` (or a directory holding one), a
+    ModelSpec JSON written by hetplan (it has a "layers" list), or Python code
+    as ``pkg.mod:function`` (``hetplan.model.source``). ``dtype_bytes``
     builds a HF config in that precision (default 2); presets and ModelSpec
     files keep theirs."""
+    if ":" in name_or_path and not os.path.exists(name_or_path):
+        from hetplan.model.source import is_reference, model_from_reference
+
+        if is_reference(name_or_path):  # pkg.mod:function (hetplan.model.source)
+            return model_from_reference(name_or_path, dtype_bytes)
     if os.path.isdir(name_or_path) or name_or_path.endswith(".json") or os.path.sep in name_or_path:
         path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
         if not os.path.isfile(path):  # refused there: hub names cannot be downloaded

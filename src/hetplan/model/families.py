@@ -28,6 +28,8 @@ from typing import Any
 from hetplan.model.layers import (
     MASK_BYTES,
     BlockShape,
+    MLAShape,
+    MoEShape,
     embedding_layer,
     lm_head_layer,
     moe_block,
@@ -486,6 +488,55 @@ def llama_decoder(
         "max_positions": seq, "bias": False, "tied_embeddings": False, "dropout": False, "rope_theta": rope_theta}}
     info.update(meta or {})
     return ModelSpec(name=name, family="llama", layers=tuple(layers), seq_len=seq, dtype_bytes=p,
+                     hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=info)
+
+
+# --------------------------------------------------------------------------- MoE decoders (Mixtral, DeepSeek)
+
+
+def moe_llama_decoder(
+    name: str,
+    num_layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    seq: int,
+    moe: MoEShape,
+    dense_ffn: int = 0,
+    first_dense_layers: int = 0,
+    mla: MLAShape | None = None,
+    dtype_bytes: int = 2,
+    meta: dict[str, Any] | None = None,
+    rope_theta: float = 0.0,
+) -> ModelSpec:
+    """A Llama-style decoder whose MLPs are mixtures of experts, as
+    Mixtral (every block: ``moe``) and DeepSeek-V2/V3 (the first
+    ``first_dense_layers`` blocks keep a dense SwiGLU MLP of ``dense_ffn``,
+    attention is multi-head latent attention ``mla``) are built; the same
+    blocks as HF import builds (``hetplan.model.hf``). Fused attention, no
+    dropout, untied LM head."""
+    p = dtype_bytes
+    shape = BlockShape(hidden=hidden, heads=heads, ffn=dense_ffn, seq=seq, kv_heads=kv_heads, gated_mlp=True,
+                       bias=False, rms_norm=True, dropout=False, fused_attention=True)
+    layers = [embedding_layer("embed", vocab, hidden, seq, p, dropout=False)]
+    for i in range(num_layers):
+        if i < first_dense_layers:
+            layers.append(transformer_block(f"layers.{i}", "decoder", shape, p, mla=mla))
+        else:
+            layers.append(transformer_block(f"layers.{i}", "moe", shape, p, moe=moe, mla=mla))
+    layers.append(lm_head_layer("head", vocab, hidden, seq, p, norm=True, rms_norm=True))
+    info: dict[str, Any] = {"num_experts": moe.num_experts, "top_k": moe.top_k, "expert_ffn": moe.expert_ffn,
+                            "shared_ffn": moe.shared_ffn, "moe_layers": num_layers - first_dense_layers,
+                            "latent_attention": mla is not None}
+    if mla is None:  # what a tool needs to build the same model (hetplan.export.architecture)
+        info["architecture"] = {
+            "kv_heads": kv_heads, "ffn": dense_ffn or moe.expert_ffn, "gated_mlp": True, "norm": "rmsnorm",
+            "positions": "rope", "max_positions": seq, "bias": False, "tied_embeddings": False, "dropout": False}
+        if rope_theta:
+            info["architecture"]["rope_theta"] = rope_theta
+    info.update(meta or {})
+    return ModelSpec(name=name, family="moe", layers=tuple(layers), seq_len=seq, dtype_bytes=p,
                      hidden_size=hidden, num_heads=heads, vocab_size=vocab, meta=info)
 
 

@@ -839,7 +839,7 @@ def model_from_hf_config(
         "costs": "analytic (hetplan.model.layers, Korthikanti et al. 2022)",
     }
     meta["fused_attention"] = fused_attention
-    meta["runtime_pipeline"] = _runtime_pipeline(model, [layer.name for layer in layers], facts["vocab"], config)
+    meta["runtime_pipeline"] = _runtime_pipeline(model)
     meta.update(_seq_meta(seq_from))
     if family == "t5":
         meta["decoder_seq_len"] = dec_seq
@@ -872,7 +872,10 @@ def _architecture(config: Any, family: str, f: dict[str, Any]) -> dict[str, Any]
         return {"kv_heads": f["heads"], "ffn": f["ffn"], "gated_mlp": False, "norm": "layernorm",
                 "positions": "learned", "max_positions": f["max_seq"], "bias": True,
                 "tied_embeddings": bool(getattr(config, "tie_word_embeddings", True)), "dropout": f["dropout"]}
-    if family != "llama" or f["bias"]:
+    # Mixtral's blocks are Llama's with the MLP made experts; other MoE types
+    # (Qwen's qkv biases, DeepSeek's MLA) have no exact Megatron/torchtitan form here
+    llama_like = family == "llama" or family == "moe" and config.model_type == "mixtral"
+    if not llama_like or f["bias"]:
         return {}
     rope = getattr(config, "rope_parameters", None) or {}
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(config, "rope_theta", None)
@@ -885,15 +888,30 @@ def _architecture(config: Any, family: str, f: dict[str, Any]) -> dict[str, Any]
     return facts
 
 
-def _runtime_pipeline(model: Any, names: list[str], vocab: int, config: Any) -> str:
+def tied_span_refusal(spec: ModelSpec, stage_of_layer: dict[str, int]) -> str:
+    """Why hetplan's runtime refuses a split of ``spec`` (layer name -> pipeline
+    stage): a weight tied over three or more stages (T5's shared embedding at
+    pp >= 3), whose gradient it sums between two. "" if none."""
+    groups: dict[str, list[str]] = {}
+    for layer in spec.layers:
+        if layer.tied_group:
+            groups.setdefault(layer.tied_group, []).append(layer.name)
+    for group in groups.values():
+        stages = {stage_of_layer[n] for n in group if n in stage_of_layer}
+        if len(stages) > 2:
+            return (f"layers {', '.join(group)} share one weight and this plan puts them on {len(stages)} pipeline "
+                    "stages, but hetplan sums a tied weight's gradient between two; use a split that keeps them on "
+                    "at most two stages")
+    return ""
+
+
+def _runtime_pipeline(model: Any) -> str:
     """Why hetplan's runtime cannot run this model in pipeline stages ("" if it
-    can): its forward must be a chain of the layers (hetplan.runtime.chain)."""
-    from types import SimpleNamespace
+    can): a HF model pipelines through its family's staged forward
+    (hetplan.runtime.hf_stages); those without one are refused."""
+    from hetplan.runtime.hf_stages import unsupported_reason
 
-    from hetplan.runtime.chain import example_inputs, pipeline_blocker
-
-    inputs = example_inputs(SimpleNamespace(vocab_size=vocab, seq_len=8), config)
-    return pipeline_blocker(model, names, inputs)
+    return unsupported_reason(model)
 
 
 def _measured_params(
@@ -1023,9 +1041,10 @@ def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes
     spec = model_from_module(model, inputs, name=name, dtype_bytes=dtype_bytes, family=config.model_type, seq_len=seq)
     spec.meta.update(source=where, model_type=config.model_type, hf_class=type(model).__name__,
                      costs="traced on the meta device (hetplan.model.trace)", **seq_meta)
-    from hetplan.runtime.chain import pipeline_blocker
+    from hetplan.runtime.hf_stages import unsupported_reason
 
-    first, *rest = inputs.items()
-    spec.meta["runtime_pipeline"] = pipeline_blocker(model, [layer.name for layer in spec.layers], (first[1],),
-                                                     dict(rest))
+    spec.meta["runtime_pipeline"] = unsupported_reason(model)
+    config_values = _json_config(config)
+    if config_values is not None:  # what 'hetplan train' builds the model from (ViT), as for the analytic families
+        spec.meta["hf_config"] = config_values
     return spec

@@ -17,11 +17,14 @@ Training on GPU Clusters", eq. in §5.1): a multiply-add is 2 FLOPs, so a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetplan.model.spec import LayerSpec
 
 MASK_BYTES = 1  # dropout masks are stored as 1 byte per element (Korthikanti §4.1)
+# Block kinds whose self-attention is causal: decoder blocks, dense or
+# mixture-of-experts (hetplan.model names MoE decoder blocks "moe").
+CAUSAL_KINDS = frozenset({"decoder", "moe"})
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,10 @@ class _Tally:
     act_core: float = 0.0
     mem_traffic: float = 0.0
     tp_comm: float = 0.0
+    kv: float = 0.0  # self-attention K and V bytes (what context parallelism exchanges)
+    expert_params: int = 0
+    expert_flops: float = 0.0
+    dispatch: float = 0.0  # bytes of one all-to-all (expert parallelism)
 
     def linear(self, rows: int, d_in: int, d_out: int, bias: bool, row_parallel: bool) -> None:
         """A linear layer applied to ``rows`` tokens. Column-parallel biases are
@@ -241,6 +248,8 @@ def _attention(t: _Tally, shape: BlockShape, p: int, q_len: int, kv_len: int, kv
         t.save(p * kv_len * h, replicated=True)  # encoder output feeding K/V
     t.save(p * q_len * inner)  # Q for QK^T
     t.save(p * kv_len * kv_width)  # K for QK^T
+    if kv_is_self:
+        t.kv += 2.0 * p * kv_len * kv_width  # K and V of every token
     score_len = min(shape.attn_window, kv_len) if shape.attn_window else kv_len
     scores = a * q_len * score_len
     core_flops = 2.0 * q_len * score_len * inner * 2  # QK^T and scores·V
@@ -348,6 +357,7 @@ def _latent_attention(t: _Tally, shape: BlockShape, mla: MLAShape, p: int, s: in
     t.linear(s, r_kv, a * (mla.qk_nope_head_dim + mla.v_head_dim), False, row_parallel=False)  # kv_b_proj
     t.save(p * s * qk_width)  # Q for QK^T
     t.save(p * s * qk_width)  # K for QK^T (nope part per head, rope part copied into every head)
+    t.kv += p * s * (qk_width + v_width)  # per-head K and V after the up-projection (what CP exchanges)
     scores = a * s * s
     core_flops = 2.0 * s * s * (qk_width + v_width)  # QK^T and scores·V
     t.flops += core_flops
@@ -387,8 +397,12 @@ def _moe_mlp(t: _Tally, shape: BlockShape, moe: MoEShape, p: int, s: int) -> Non
     t.save(4.0 * s * e)  # float32 router probabilities, kept for backward
     t.mem_traffic += 4.0 * s * e * 3  # softmax/sigmoid and top-k over the router logits
     width = (2 if moe.gated else 1) * f  # first expert matrix (gate and up when gated)
-    t.params += e * (h * width + f * h + (width + h if shape.bias else 0))
+    experts = e * (h * width + f * h + (width + h if shape.bias else 0))
+    t.params += experts
+    t.expert_params += experts
     t.flops += 2.0 * rows * (h * width + f * h)
+    t.expert_flops += 2.0 * rows * (h * width + f * h)
+    t.dispatch += p * rows * h  # every routed token copy's hidden state, out and back (all-to-all)
     t.gemms += 2  # one grouped GEMM per expert matrix
     t.save(p * rows * h)  # dispatched expert inputs
     if moe.gated:
@@ -449,7 +463,15 @@ def transformer_block(
         _moe_mlp(t, shape, moe, p, s)
     else:
         _mlp(t, shape, p, s)
-    return t.layer(name, kind, p * s * shape.hidden, shape.heads if mla is not None else shape.num_kv_heads)
+    layer = t.layer(name, kind, p * s * shape.hidden, shape.heads if mla is not None else shape.num_kv_heads)
+    window = min(shape.attn_window, s) if shape.attn_window else 0
+    attention = "sliding" if window else ("causal" if kind in CAUSAL_KINDS else "full")
+    extra: dict[str, object] = {}
+    if moe is not None:
+        extra = dict(num_experts=moe.num_experts, top_k=moe.top_k, expert_ffn=moe.expert_ffn,
+                     shared_expert_ffn=moe.shared_ffn, capacity_factor=float(moe.capacity_factor),
+                     expert_params=t.expert_params, expert_flops=t.expert_flops, dispatch_bytes=t.dispatch)
+    return replace(layer, attention=attention, attention_window=window, kv_bytes=t.kv, **extra)
 
 
 def embedding_layer(

@@ -14,13 +14,14 @@ from hetplan.model.families import (
     bert_model,
     llama_decoder,
     moe_decoder,
+    moe_llama_decoder,
     swin_model,
     t5_model,
     transgan_generator,
     vit_model,
     wide_resnet,
 )
-from hetplan.model.layers import BlockShape, embedding_layer, lm_head_layer, transformer_block
+from hetplan.model.layers import BlockShape, MLAShape, MoEShape, embedding_layer, lm_head_layer, transformer_block
 from hetplan.model.spec import ModelSpec
 
 PresetFn = Callable[[], ModelSpec]
@@ -251,10 +252,47 @@ for _name, _layers, _hidden, _heads, _kv, _ffn, _vocab, _seq, _src in (
            f"{_ffn}, vocab {_vocab}, seq {_seq}, bf16")(_make_llama)
 
 
+@preset("mixtral-8x7b", "Mixtral 8x7B: 32 MoE layers, hidden 4096, 32 heads / 8 KV heads, 8 SwiGLU experts "
+        "of 14336, top-2, vocab 32000, seq 4096, bf16")
+def _mixtral_8x7b() -> ModelSpec:
+    return moe_llama_decoder("mixtral-8x7b", 32, 4096, 32, 8, 32000, 4096, MoEShape(8, 2, 14336), rope_theta=1e6, meta={
+        "source": "Jiang et al. 2024 (Mixtral of Experts, arXiv:2401.04088) Table 1; "
+                  "HF mistralai/Mixtral-8x7B-v0.1 config.json (rope_theta 1e6)"})
+
+
+@preset("deepseek-v2-lite", "DeepSeek-V2-Lite: 27 layers (first dense), hidden 2048, 16 heads, MLA (KV rank 512), "
+        "64 routed experts of 1408 top-6 + 2 shared, vocab 102400, seq 4096, bf16")
+def _deepseek_v2_lite() -> ModelSpec:
+    return moe_llama_decoder(
+        "deepseek-v2-lite", 27, 2048, 16, 16, 102400, 4096, MoEShape(64, 6, 1408, shared_ffn=2 * 1408),
+        dense_ffn=10944, first_dense_layers=1,
+        mla=MLAShape(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        meta={"source": "DeepSeek-AI 2024 (DeepSeek-V2, arXiv:2405.04434) Appendix B; "
+                        "HF deepseek-ai/DeepSeek-V2-Lite config.json"})
+
+
+@preset("deepseek-v3", "DeepSeek-V3: 61 layers (first 3 dense), hidden 7168, 128 heads, MLA (KV rank 512, Q rank "
+        "1536), 256 routed experts of 2048 top-8 + 1 shared, vocab 129280, seq 4096, bf16 (no MTP module)")
+def _deepseek_v3() -> ModelSpec:
+    return moe_llama_decoder(
+        "deepseek-v3", 61, 7168, 128, 128, 129280, 4096, MoEShape(256, 8, 2048, shared_ffn=2048),
+        dense_ffn=18432, first_dense_layers=3,
+        mla=MLAShape(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536),
+        meta={"source": "DeepSeek-AI 2024 (DeepSeek-V3, arXiv:2412.19437) §4.2; HF deepseek-ai/DeepSeek-V3 "
+                        "config.json (the multi-token-prediction module is left out)"})
+
+
 @preset("tiny-gpt", "Tiny GPT for runtime tests: 4 layers, hidden 64, 4 heads, vocab 256, seq 32, fp32")
 def _tiny_gpt() -> ModelSpec:
     return gpt_decoder("tiny-gpt", num_layers=4, hidden=64, heads=4, seq=32, vocab=256, dtype_bytes=4,
                        meta={"source": "hetplan test model (GPT-2 style, tied embeddings)"})
+
+
+@preset("tiny-moe", "Tiny GShard-style MoE for runtime tests: 4 layers (1 and 3 MoE), hidden 64, 4 heads, "
+                    "4 GELU experts of 256, top-2, vocab 256, seq 32, fp32")
+def _tiny_moe() -> ModelSpec:
+    return moe_decoder("tiny-moe", 4, 64, heads=4, num_experts=4, seq=32, vocab=256, ffn_mult=4, top_k=2,
+                       dtype_bytes=4, meta={"source": "hetplan test model (GShard-style, tied embeddings)"})
 
 
 @preset("tiny-llama-bf16", "Tiny Llama for runtime tests of mixed precision: 4 layers, hidden 64, 4 heads / 2 KV "

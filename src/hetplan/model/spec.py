@@ -46,6 +46,14 @@ MAX_SEQ_LEN = 2**24
 # about 3e21 FLOPs; 1e30 leaves room for any real layer while keeping products
 # with batch sizes and GPU counts far from float overflow (1.8e308).
 MAX_PER_SAMPLE = 1e30
+# Routed experts per MoE layer: the most published are a few hundred
+# (DeepSeek-V3: 256, Kimi K2: 384); 65,536 is far above that.
+MAX_EXPERTS = 65_536
+# Token copies per routed copy: GShard trains at 2, Switch at 1-2 (Fedus et
+# al. 2022 §2.2); 64 leaves room and refuses a typo such as 125.
+MAX_CAPACITY_FACTOR = 64.0
+# Self-attention masks a layer may have ("" = no self-attention).
+ATTENTION_KINDS = ("", "causal", "full", "sliding")
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,26 @@ class LayerSpec:
             tied_group already owns (counted once in the model's total; held
             again only by a stage that does not hold the earlier layer).
         profile_key: layers with equal keys have equal cost (profiled once).
+        attention: the layer's self-attention mask: "causal" (decoders),
+            "full" (encoders, vision), "sliding" (attends to the last
+            ``attention_window`` tokens, or within windows of that many);
+            "" for a layer without self-attention. Context parallelism's load
+            balance and K/V exchange depend on it (cost/cp_ep.py).
+        attention_window: tokens a "sliding" attention sees (0 otherwise).
+        kv_bytes: bytes of the self-attention's keys and values per sample
+            (K and V of every token, all heads): what context parallelism
+            exchanges per pass (Llama 3 §3.3.2 all-gathers them).
+        num_experts, top_k: routed experts of a mixture-of-experts layer and
+            how many each token goes to (GShard §2.2); 0 for a dense layer.
+        expert_ffn, shared_expert_ffn: inner width of one routed expert and of
+            all shared experts together (DeepSeekMoE §3.2).
+        capacity_factor: token copies the experts process per routed copy
+            (1 for dropless MoE).
+        expert_params: parameters of the routed experts (part of ``params``,
+            split by TP): what expert parallelism divides by ``ep``.
+        expert_flops: the part of ``fwd_flops`` in the routed experts.
+        dispatch_bytes: bytes one all-to-all sends per sample: every token's
+            ``top_k x capacity_factor`` copies of its hidden state.
     """
 
     name: str
@@ -107,6 +135,17 @@ class LayerSpec:
     tied_group: str = ""
     tied_params: int = 0
     profile_key: str = ""
+    attention: str = ""
+    attention_window: int = 0
+    kv_bytes: float = 0.0
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+    capacity_factor: float = 1.0
+    expert_params: int = 0
+    expert_flops: float = 0.0
+    dispatch_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"layer {self.name!r}" if isinstance(self.name, str) else "layer"
@@ -128,6 +167,11 @@ class LayerSpec:
         if tp > self.tp_max:
             return False
         return self.kind in ("embedding", "head") or self.tp_max % tp == 0
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts layer: expert parallelism applies to it."""
+        return self.num_experts > 0
 
     @property
     def params_tp_sharded(self) -> int:
@@ -335,6 +379,22 @@ def _check_layer_relations(v: dict[str, Any], where: str) -> None:
                            f"({v['fwd_flops']:.6g}), of which they are a part")
     if v["act_tp_replicated_bytes"] + v["act_attention_core_bytes"] > v["act_bytes"] * 1.000001:
         raise HetplanError(f"{where}: act_tp_replicated_bytes + act_attention_core_bytes exceed act_bytes")
+    if v["attention"] not in ATTENTION_KINDS:
+        raise HetplanError(f"{where}: attention must be one of {', '.join(repr(k) for k in ATTENTION_KINDS)}, "
+                           f"got {v['attention']!r}")
+    if v["attention_window"] and v["attention"] != "sliding":
+        raise HetplanError(f"{where}: attention_window needs attention 'sliding'")
+    if v["num_experts"] and not 1 <= v["top_k"] <= v["num_experts"]:
+        raise HetplanError(f"{where}: top_k must be between 1 and num_experts ({v['num_experts']}), "
+                           f"got {v['top_k']}")
+    if not v["num_experts"] and (v["top_k"] or v["expert_params"] or v["expert_flops"] or v["dispatch_bytes"]):
+        raise HetplanError(f"{where}: top_k, expert_params, expert_flops and dispatch_bytes need num_experts >= 1")
+    if v["expert_params"] > v["params"] - v["params_tp_replicated"]:
+        raise HetplanError(f"{where}: expert_params exceed the layer's TP-split params "
+                           f"({v['params'] - v['params_tp_replicated']})")
+    if v["expert_flops"] > v["fwd_flops"] * 1.000001:
+        raise HetplanError(f"{where}: expert_flops ({v['expert_flops']:.6g}) exceed fwd_flops "
+                           f"({v['fwd_flops']:.6g}), of which they are a part")
 
 
 def _check_keys(data: Any, rules: dict[str, _Rule], where: str) -> dict[str, Any]:
@@ -355,6 +415,11 @@ _LAYER_RULES = _rules(LayerSpec, {
     "params": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),
     "params_tp_replicated": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),
     "tied_params": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),
+    "expert_params": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),
+    "attention_window": _Rule("int", maximum=MAX_SEQ_LEN, unit="tokens"),
+    "num_experts": _Rule("int", maximum=MAX_EXPERTS, unit="experts"),
+    "top_k": _Rule("int", maximum=MAX_EXPERTS, unit="experts"),
+    "capacity_factor": _Rule("float", maximum=MAX_CAPACITY_FACTOR),
 })
 _MODEL_RULES = _rules(ModelSpec, {
     "layers": _Rule("tuple"),

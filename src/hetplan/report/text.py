@@ -59,14 +59,16 @@ def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = 
     return table(headers, rows, [True, False] + [True] * (len(headers) - 2))
 
 
-def breakdown(estimate: Estimate) -> str:
-    """Where the iteration time goes (the parts add up to the total)."""
+def breakdown(estimate: Estimate, cp_ep: bool = False) -> str:
+    """Where the iteration time goes (the parts add up to the total); ``cp_ep``:
+    the plan has context or expert parallelism, whose K/V exchanges and
+    all-to-alls the cost model counts with the TP communication."""
     parts = [
         ("compute (bottleneck stage)", estimate.compute_s),
         ("pipeline bubble", estimate.bubble_s),
         ("pipeline p2p", estimate.p2p_s),
         ("data-parallel sync (exposed)", estimate.dp_sync_s),
-        ("tensor-parallel comm", estimate.tp_comm_s),
+        ("tensor-parallel comm" + (" (+ CP K/V, EP all-to-all)" if cp_ep else ""), estimate.tp_comm_s),
         ("recompute", estimate.recompute_s),
         ("optimizer step", estimate.optimizer_s),
     ]
@@ -93,18 +95,51 @@ def memory_table(plan: Plan, estimate: Estimate, workload: Workload,
             used, cap = se.memory_bytes[worst], se.memory_capacity_bytes[worst]
             parts = (breakdown or {}).get(stage.devices[worst])
             split = [format_bytes(parts[k]) for k in MEMORY_CATEGORIES] if parts else ["-"] * len(MEMORY_CATEGORIES)
-            rows.append([j, gpu, f"{stage.dp}x{stage.tp}", f"{stage.num_layers} ({names})", *split,
+            degrees = f"{stage.dp}x{stage.tp}" + (f" cp{stage.cp}" if stage.cp > 1 else "") + \
+                (f" ep{stage.ep}" if stage.ep > 1 else "")
+            rows.append([j, gpu, degrees, f"{stage.num_layers} ({names})", *split,
                          format_bytes(used), format_bytes(cap), f"{100 * used / cap:.0f}%",
                          "ok" if used <= cap else "OOM"])
     headers = ["stage", "GPU", "dp x tp", "layers", *MEMORY_CATEGORIES, "peak mem/GPU", "capacity", "used", ""]
     right = [True, False, False, False, *[True] * len(MEMORY_CATEGORIES), True, True, True, False]
-    return table(headers, rows, right)
+    text = table(headers, rows, right)
+    host = host_memory_table(plan, estimate, workload)
+    return f"{text}\n{host}" if host else text
+
+
+def host_memory_table(plan: Plan, estimate: Estimate, workload: Workload) -> str:
+    """Offloaded activations in host memory per stage and GPU type (the
+    fullest GPU of that type) against its share of the node's host memory;
+    empty for a plan that offloads nothing."""
+    host, limit = estimate.host_offload_bytes, estimate.host_capacity_bytes
+    if not host:
+        return ""
+    rows = []
+    for j, stage in enumerate(plan.stages):
+        by_type: dict[str, list[int]] = {}
+        for d in stage.devices:
+            if d in host:
+                by_type.setdefault(workload.cluster.devices[d].gpu.name, []).append(d)
+        for gpu, devices in sorted(by_type.items()):
+            worst = max(devices, key=lambda d: host[d] / limit[d] if d in limit else 0.0)
+            cap = limit.get(worst)
+            rows.append([j, gpu, "host (offloaded)", format_bytes(host[worst]),
+                         format_bytes(cap) if cap is not None else "its own memory",
+                         f"{100 * host[worst] / cap:.0f}%" if cap else "-",
+                         "over host memory" if cap is not None and host[worst] > cap else "ok"])
+    return table(["stage", "GPU", "memory", "per GPU", "host share", "used", ""], rows,
+                 [True, False, False, True, True, True, False])
 
 
 def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
     """Said with a pipelined plan whose model hetplan's own runtime cannot split
     (hetplan.runtime.chain): the plan is still valid for other tools."""
     blocker = model.meta.get("runtime_pipeline", "")
+    if plan.pp > 1 and not blocker:  # the model splits; this plan's split points may not (hetplan.model.hf)
+        from hetplan.model.hf import tied_span_refusal
+
+        blocker = tied_span_refusal(model, {model.layers[i].name: j % plan.pp for j, stage in enumerate(plan.stages)
+                                            for i in stage.layers if i < len(model.layers)})
     if plan.pp == 1 or not blocker or blocker.startswith("unchecked"):
         return ""
     return (f"hetplan.runtime would refuse this plan's {plan.pp} pipeline stages for this model: {blocker} "

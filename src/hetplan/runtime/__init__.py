@@ -31,6 +31,7 @@ _LAZY = {
     "PipelinePart": ("hetplan.runtime.parallelize", "PipelinePart"),
     "GPT": ("hetplan.runtime.models", "GPT"),
     "GPTConfig": ("hetplan.runtime.models", "GPTConfig"),
+    "Dropout": ("hetplan.runtime.dropout", "Dropout"),
     "build_preset_model": ("hetplan.runtime.models", "build_preset_model"),
     "cross_entropy_loss": ("hetplan.runtime.models", "cross_entropy_loss"),
     "build_reference": ("hetplan.runtime.reference", "build_reference"),

@@ -4,10 +4,14 @@ With more than one pipeline stage the runtime runs each stage's layers one
 after another, each taking the previous layer's output
 (:class:`~hetplan.runtime.parallelize.PipelinePart`); the model's own
 ``forward`` is not called. That is the same computation only when the model's
-``forward`` is exactly such a chain. A skip connection around a layer, a module
-called twice, keyword inputs such as masks, an operation between two layers,
+``forward`` is exactly such a chain, where a layer may also take keyword
+inputs of the model passed to it unchanged (every stage gets those from
+``train_step(..., inputs=)``; :func:`check_chain` returns which layer takes
+which). A skip connection around a layer, a module called twice, a keyword
+input the forward derives (a mask it builds), an operation between two layers,
 or an output that is not the last layer's would all be lost, and the pipeline
-would train a different model without saying so.
+would train a different model without saying so. (HF models are no chains;
+they pipeline through hetplan.runtime.hf_stages.)
 
 :func:`check_chain` runs the model's ``forward`` once on meta tensors (no
 memory, no compute) with hooks on the plan's layers and refuses, with one line
@@ -41,6 +45,7 @@ class _Call:
     output: Any = None
     versions: list[int] = field(default_factory=list)
     inside: str | None = None  # the plan layer that was running when this one was called
+    routes: dict[str, str] = field(default_factory=dict)  # layer keyword -> the model keyword input passed as is
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -90,16 +95,20 @@ def record_calls(model: nn.Module, names: Sequence[str], args: Sequence[Any],
     calls: list[_Call] = []
     running: list[_Call] = []
     handles = []
+    model_inputs = {id(v): k for k, v in mkwargs.items() if isinstance(v, torch.Tensor)}
 
     def pre_hook(name: str) -> Any:
         def hook(module: nn.Module, hargs: tuple[Any, ...], hkwargs: dict[str, Any]) -> None:
             lost = _non_default_kwargs(module, hkwargs)
+            routes = {k: model_inputs[id(hkwargs[k])] for k in lost if id(hkwargs[k]) in model_inputs}
+            lost = [k for k in lost if k not in routes]  # a model keyword input passed on unchanged is kept
             if lost:  # decided here: stop the forward (a large model's meta forward takes seconds)
                 raise _NotAChain(
                     f"layer {name!r} is called with keyword input(s) {', '.join(lost)}, which a pipeline does not "
                     f"pass on, {_ADVICE}"
                 )
-            call = _Call(name, tuple(hargs), dict(hkwargs), inside=running[-1].name if running else None)
+            call = _Call(name, tuple(hargs), dict(hkwargs), inside=running[-1].name if running else None,
+                         routes=routes)
             calls.append(call)
             running.append(call)
         return hook
@@ -134,15 +143,13 @@ def record_calls(model: nn.Module, names: Sequence[str], args: Sequence[Any],
 
 
 def check_chain(model: nn.Module, names: Sequence[str], args: Sequence[Any],
-                kwargs: dict[str, Any] | None = None) -> None:
+                kwargs: dict[str, Any] | None = None) -> dict[str, dict[str, str]]:
     """Raise HetplanError unless ``model(*args, **kwargs)`` is exactly
-    ``names[-1](...(names[1](names[0](*args))))`` (module docstring)."""
-    calls, output, margs, mkwargs = record_calls(model, names, args, kwargs)
-    if mkwargs:
-        raise HetplanError(
-            f"the model is called with keyword input(s) {', '.join(sorted(mkwargs))}; a pipeline passes only "
-            f"positional inputs to its first layer, {_ADVICE}"
-        )
+    ``names[-1](...(names[1](names[0](*args))))`` (module docstring), where a
+    layer may also take keyword inputs of the model passed to it unchanged
+    (a mask): every pipeline stage gets those (``train_step(..., inputs=)``).
+    Returns those routes: layer -> {its keyword: the model's keyword input}."""
+    calls, output, margs, _mkwargs = record_calls(model, names, args, kwargs)
     _check_calls(calls, names)
     expected: list[Any] = list(margs)
     previous = "the model's inputs"
@@ -166,6 +173,7 @@ def check_chain(model: nn.Module, names: Sequence[str], args: Sequence[Any],
         raise HetplanError(
             f"the model's output is not exactly {previous} (the forward changes it after the last layer), {_ADVICE}"
         )
+    return {call.name: call.routes for call in calls if call.routes}
 
 
 def _check_calls(calls: list[_Call], names: Sequence[str]) -> None:

@@ -1,8 +1,8 @@
 """``hetplan train`` and ``hetplan run``: the runtime's commands.
 
     hetplan train --model tiny-gpt --plan p.json --steps 3 [--verify]
-        train the plan's model (a built-in preset, or the HF class of a config.json
-        plan) on synthetic data with the plan, on this machine
+        train the plan's model (a built-in preset, the HF class of a config.json
+        plan, or the model of a pkg.mod:build plan) on synthetic data with the plan, on this machine
         (torchrun, one process per device of the plan); print loss and step
         time. --verify also trains the single-process reference on the same
         data and seed and exits 1 if a loss or parameter differs by more than
@@ -50,7 +50,8 @@ def _timeout_env(args: argparse.Namespace) -> dict[str, str]:
 
 def register(subparsers: Any) -> None:
     """Add ``train`` and ``run`` to the hetplan CLI's subparsers."""
-    p = subparsers.add_parser("train", help="train the plan's model (preset or HF config) with a plan on this machine (needs torch)")
+    p = subparsers.add_parser("train", help="train the plan's model (preset, HF config or pkg.mod:build) with a plan "
+                              "on this machine (needs torch)")
     p.add_argument("--model", default=None, help="model preset (default: the plan's model)")
     p.add_argument("--plan", required=True, help="plan JSON from 'hetplan plan/estimate --json'")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
@@ -60,6 +61,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="check the plan trains in this precision (the plan file's setting decides)")
     p.add_argument("--compile", action="store_true", help="torch.compile each layer (after TP and checkpointing)")
+    p.add_argument("--dropout", type=finite_nonneg_float, default=0.0, metavar="P",
+                   help="dropout probability at GPT-2's sites of the built-in model (default 0); its masks do not "
+                   "depend on the plan, so --verify still holds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="sgd (momentum 0.9, default) or adamw; --verify needs sgd (see docs/runtime.md)")
@@ -135,6 +139,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
     if args.verify and args.optimizer != "sgd":
         raise HetplanError("--verify needs --optimizer sgd: Adam turns rounding noise into full-size steps "
                            "(see docs/runtime.md)")
+    if not getattr(args, "dropout", 0.0) < 1.0:
+        raise HetplanError(f"--dropout {args.dropout:g}: give a probability below 1 (GPT-2 uses 0.1)")
     if args.load_from and not os.path.isdir(args.load_from):
         raise HetplanError(f"--load {args.load_from}: no such checkpoint directory")
     if args.out:
@@ -156,9 +162,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.precision and args.precision != precision:
         raise HetplanError(f"the plan trains in {precision}, not {args.precision}; make a plan with "
                            f"--precision {args.precision} (the cost model and the runtime use the plan's)")
+    how = model_build(spec, args.dropout)  # a pkg.mod:build model: imported and checked against the plan's
     with torch.device("meta"):
-        meta = model_build(spec).build()
-    preflight(layout, spec, meta)
+        meta = how.build()
+    preflight(layout, spec, meta, how.example_inputs)
     nodes = launch.plan_nodes(plan, cluster)
     n = layout.world_size
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
@@ -179,6 +186,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             worker_args += ["--model", args.model]
         if args.compile:
             worker_args.append("--compile")
+        if args.dropout:
+            worker_args += ["--dropout", repr(args.dropout)]
         if args.lr is not None:
             worker_args += ["--lr", str(args.lr)]
         if args.verify:
@@ -217,8 +226,8 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
         build_reference,
         compare,
         make_optimizer,
-        synthetic_batch,
         train_reference,
+        training_batch,
     )
 
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
@@ -227,16 +236,16 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
     start = int(summary.get("start_step", 0))
     if start:
         raise HetplanError("--verify compares a run from step 0; drop --resume/--load")
-    how = model_build(spec)
+    how = model_build(spec, args.dropout)
     if how.meta_init:
         ref = build_reference(how.build, args.seed)
     else:  # built for real under the seed, as every rank built it
         torch.manual_seed(args.seed)
         ref = how.build()
     opt = make_optimizer(ref.parameters(), args.optimizer, args.lr)
-    batches = [synthetic_batch(spec.vocab_size, spec.seq_len, plan.global_batch_size, s, args.seed)
-               for s in range(args.steps)]
-    ref_losses = train_reference(ref, batches, how.loss, opt, clip=args.clip or None, precision=precision)
+    batches = [training_batch(spec, how, plan.global_batch_size, s, args.seed) for s in range(args.steps)]
+    ref_losses = train_reference(ref, batches, how.loss, opt, clip=args.clip or None, precision=precision,
+                                 seed=args.seed)
     result = compare(summary["losses"], ref_losses, state, ref.state_dict())
     print(f"verify: single-process reference on the same data, seed, initial values and precision ({precision})")
     print(f"{'step':>4}  {'loss (plan)':>14}  {'loss (reference)':>16}  {'rel. diff':>9}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import os
 import sys
 import warnings
@@ -40,6 +41,7 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
 from hetplan.runtime import clip_guard
+from hetplan.runtime import dropout as rng
 from hetplan.runtime import heartbeat as hb
 from hetplan.runtime import precision as mp
 from hetplan.runtime import parallelize as par
@@ -86,6 +88,9 @@ class _ModelInfo:
     batch_shapes: tuple[Any, ...] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
     chain_probe: nn.Module | None = None  # a meta copy whose forward the first train_step checks (pp > 1)
+    step_inputs: dict[str, Any] = field(default_factory=dict)  # this train_step's keyword inputs (local rows)
+    seed: int = 0  # parallelize's seed: initial values and dropout masks (hetplan.runtime.dropout)
+    expert_fqns: list[str] = field(default_factory=list)  # expert-parallel experts (synced by the context)
 
 
 class RuntimeContext:
@@ -100,6 +105,8 @@ class RuntimeContext:
         precision: "fp32", "bf16" or "fp16" (hetplan.runtime.precision);
             ``loss_scaler`` (fp16) counts skipped steps.
         last_outputs: outputs of the last step's micro-batches on last-stage ranks.
+        step: the training step dropout masks are drawn for (hetplan.runtime.dropout);
+            ``train_step`` counts it up; set it when resuming from a checkpoint.
     """
 
     def __init__(self, plan: Plan, spec: Any, layout: PlanLayout, position: RankPosition, device: torch.device,
@@ -124,6 +131,12 @@ class RuntimeContext:
         self.precision = precision
         self.loss_scaler = mp.LossScaler() if precision == "fp16" else None
         self._heartbeat: Any = None  # set by init for world > 1; stopped by close()
+        self._dp_cp_mesh: Any = None  # dense-gradient mesh under context parallelism (dp_mesh)
+        self.ep_mesh: Any = None  # ("pp", "edp", "ep", "tp") mesh of an expert-parallel plan (init)
+        self.step = 0
+        self._offload_pool: Any = None  # hetplan.runtime.offload.HostPool, made when a layer offloads
+        self._zero1_params: set[int] = set()  # ids of parameters of ZeRO-1 layers (dp > 1)
+        self._zero1_groups: dict[int, Any] = {}  # their groups where not dp_mesh's (expert-parallel experts)
 
     # --- groups ------------------------------------------------------------------
     @property
@@ -143,11 +156,33 @@ class RuntimeContext:
 
     @property
     def dp_mesh(self) -> Any:
+        """The mesh dense gradients are averaged over: the dp replicas, and with
+        context parallelism also the cp ranks (``dp * cp``)."""
+        if self.mesh is not None and self.layout.cp > 1:
+            if self._dp_cp_mesh is None:
+                self._dp_cp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+            return self._dp_cp_mesh
         return self._sub("dp")
+
+    @property
+    def cp_mesh(self) -> Any:
+        """The CP ranks of this rank's replica and TP rank (None without context parallelism)."""
+        return self.mesh["cp"] if self.mesh is not None and self.layout.cp > 1 else None
 
     @property
     def tp_mesh(self) -> Any:
         return self._sub("tp")
+
+    @property
+    def model_build(self) -> Any:
+        """How the plan's own model is built, trained and fed (a ``ModelBuild``,
+        hetplan.runtime.models): ``build``, ``loss``, and for a ``pkg.mod:build``
+        plan ``batch(batch_size, step, seed)``, the synthetic data of ``hetplan train``."""
+        if getattr(self, "_model_build", None) is None:
+            from hetplan.runtime.models import model_build
+
+            self._model_build = model_build(self.spec)
+        return self._model_build
 
     @property
     def pp_group(self) -> Any:
@@ -157,10 +192,14 @@ class RuntimeContext:
         return self.mesh["pp"].get_group()
 
     # --- model -----------------------------------------------------------------------
-    def parallelize(self, build_model: Callable[[], nn.Module], *, seed: int = 0, meta_init: bool = True,
-                    init_fn: par.InitFn | None = None, example_inputs: Sequence[Any] | None = None,
-                    compile: bool = False) -> nn.Module:
+    def parallelize(self, build_model: Callable[[], nn.Module] | None = None, *, seed: int = 0,
+                    meta_init: bool | None = None, init_fn: par.InitFn | None = None,
+                    example_inputs: Sequence[Any] | None = None, compile: bool = False) -> nn.Module:
         """Build this rank's part of the model and parallelise it as the plan says.
+
+        Without ``build_model``, the plan's own model (``ctx.model_build``: the
+        built-in model of a preset, the HF class of a config, or the
+        ``pkg.mod:build`` function a plan records, checked against the plan's).
 
         ``build_model()`` returns the full model (built on the meta device here,
         so it costs no memory) whose module names include the ModelSpec's layer
@@ -186,6 +225,11 @@ class RuntimeContext:
         Compiling the returned model yourself works with one pipeline stage
         (``train_step`` accepts the compiled wrapper), not with several.
         """
+        if build_model is None:
+            how = self.model_build
+            build_model, meta_init = how.build, how.meta_init if meta_init is None else meta_init
+            example_inputs = how.example_inputs if example_inputs is None else example_inputs
+        meta_init = True if meta_init is None else meta_init
         torch.manual_seed(seed)
         names = list(self.layout.layer_names)
         if meta_init:
@@ -196,43 +240,69 @@ class RuntimeContext:
         if not isinstance(full, nn.Module):
             raise HetplanError("build_model() must return a torch.nn.Module")
         probe = None
-        if self.layout.num_chunks > 1:
+        staged = self._staged_forward(full, names) if self.layout.num_chunks > 1 else None
+        if self.layout.num_chunks > 1 and staged is None:
             with torch.device("meta"):
                 probe = build_model()
             _check_chain_early(probe, names, self.spec, example_inputs)
-            if example_inputs is not None:
-                probe = None  # checked with the user's inputs: nothing left for train_step
+            # the first train_step checks again with its micro-batch and keyword inputs (their routes)
         self._preflight(full)
         init = init_fn or getattr(full, "init_parameter", None)
         values = par.InitialValues(copy.deepcopy(full), seed, init) if meta_init else None
-        notes: list[str] = []
+        notes: list[str] = rng.prepare(full)  # names dropout sites; nn.Dropout made plan-independent
+        if self.layout.cp > 1 and self.mesh is not None:
+            from hetplan.runtime.cp import ContextShard
+
+            full.set_context_parallel(ContextShard(self.cp_mesh.get_group(), self.position.cp_index, self.layout.cp))
         local_chunks = list(self.position.chunks)
         if self.layout.num_chunks == 1:
             local: nn.Module = full
             parts = [full]
         else:
             local_names = [n for c in local_chunks for n in self.layout.chunk_names(c)]
-            local = par.PipelinePart(full, local_names)
-            parts = [par.PipelinePart(local, self.layout.chunk_names(c)) for c in local_chunks]
+            modules = _layer_modules(self.spec)
+            local = par.PipelinePart(full, local_names, modules, staged)
+            parts = [par.PipelinePart(local, self.layout.chunk_names(c), modules, staged) for c in local_chunks]
             if len(parts) == 1:
                 parts = [local]
         aliases = par.param_aliases(full)
-        tied = par.tied_layer_pairs(full, names) if self.layout.pp > 1 else []
+        tied = _one_pair_per_stage_pair(par.tied_layer_pairs(full, names), self.layout) if self.layout.pp > 1 else []
         if not meta_init:
             local.to(self.device)
         recompute, zero = self._layer_strategies()
+        offloaded = self._offloaded_layers()
         sync_modules: list[tuple[nn.Module, bool]] = []
+        experts: set[nn.Parameter] = set()
         for part, chunk in zip(parts, local_chunks):
             chunk_names = self.layout.chunk_names(chunk)
             if self.stage_tp > 1:
                 par.apply_tp(part, chunk_names, self.tp_mesh, self.layout.sequence_parallel, notes,
                              model_tp_plan(full))
+                rng.set_tp(part, self.position.tp_index, self.stage_tp, self.layout.sequence_parallel)
+            if self.layout.ep > 1 and self.ep_mesh is not None:
+                experts |= self._apply_ep(part, chunk_names, zero)
+            elif self.stage_tp > 1:  # expert TP alone: the experts are TP-sharded weights like the dense ones
+                par.apply_ep(part, chunk_names, self.tp_mesh, None, self.tp_mesh.get_group())
             par.apply_recompute(part, {n: recompute[n] for n in chunk_names}, notes)
+            if any(n in offloaded for n in chunk_names):
+                from hetplan.runtime.offload import apply_offload
+
+                apply_offload(part, [n for n in chunk_names if n in offloaded], self.offload_pool)
             if compile:
                 par.apply_compile(part, chunk_names)
-            if self.stage_dp > 1:
-                sync_modules += par.apply_dp(part, {n: zero[n] for n in chunk_names}, self.dp_mesh, notes)
-        if self.stage_dp == 1 and any(zero[n] for c in local_chunks for n in self.layout.chunk_names(c)):
+            if self.layout.ep > 1 and self._expert_zero_sharded():
+                sync_modules += par.apply_expert_zero(part, chunk_names, zero, self.ep_mesh["edp"],
+                                                      self.stage_dp * self.layout.cp)
+            if self.stage_dp * self.layout.cp > 1:
+                sync_modules += par.apply_dp(part, {n: zero[n] for n in chunk_names}, self.dp_mesh, notes,
+                                             ignored=experts or None)
+        if self.stage_dp * self.layout.cp > 1:  # experts: over the ranks holding the same ones, if any
+            zero1 = {id(p): p for c in local_chunks for n in self.layout.chunk_names(c)
+                     if zero[n] == 1 for p in local.get_submodule(n).parameters()}
+            self._zero1_params |= {i for i, p in zero1.items() if p not in experts or self._expert_zero_sharded()}
+            self._zero1_groups.update({i: self.ep_mesh["edp"].get_group() for i, p in zero1.items()
+                                       if p in experts and self._expert_zero_sharded()})
+        if self.stage_dp * self.layout.cp == 1 and any(zero[n] for c in local_chunks for n in self.layout.chunk_names(c)):
             notes.append("ZeRO settings ignored where dp=1: nothing to shard across")
         if values is not None:
             for part in parts:
@@ -247,22 +317,95 @@ class RuntimeContext:
 
             for part, chunk in zip(parts, local_chunks):
                 stages.append(PipelineStage(part, chunk, self.layout.num_chunks, self.device, group=self.pp_group))
+                rng.wrap_stage(stages[-1])  # each micro-batch's forward draws for its own samples
         for note in notes:
             if note not in self.notes:
                 self.notes.append(note)
-        self._models[id(local)] = _ModelInfo(parts, stages, sync_modules, tied, aliases=aliases, chain_probe=probe)
+        self._models[id(local)] = _ModelInfo(parts, stages, sync_modules, tied, aliases=aliases, chain_probe=probe,
+                                             seed=seed,
+                                             expert_fqns=[n for n, p in local.named_parameters() if p in experts])
         why = self._why_torch_clipping_is_wrong()
         if why:
             self._guarded_params += list(local.parameters())
             clip_guard.guard(self._guarded_params, why)
         return local
 
+    def _expert_zero_sharded(self) -> bool:
+        """ZeRO shards expert-parallel experts over their expert-data-parallel
+        ranks; there are none to shard over when ``ep = dp * cp``."""
+        return self.ep_mesh is not None and self.ep_mesh["edp"].size() > 1
+
+    def _apply_ep(self, part: nn.Module, chunk_names: Sequence[str], zero: dict[str, int]) -> set[nn.Parameter]:
+        """Experts as DTensors on ``(edp, ep[, tp])`` (expert TP = the stage's tp,
+        Megatron-Core's default), synced by the context; those of ZeRO-2/3
+        layers on ``(ep[, tp])``, sharded over ``edp`` by FSDP later
+        (``parallelize.apply_expert_zero``). Returns the context-synced ones."""
+        etp = self.stage_tp > 1
+        tp_group = self.ep_mesh["tp"].get_group() if etp else None
+        synced: set[nn.Parameter] = set()
+        for name in chunk_names:
+            by_fsdp = zero[name] >= 2 and self._expert_zero_sharded()
+            dims = ("ep", "tp") if etp else ("ep",)
+            mesh = self.ep_mesh[dims if by_fsdp else ("edp", *dims)]
+            params = par.apply_ep(part, [name], mesh, self.ep_mesh["ep"].get_group(), tp_group)
+            if not by_fsdp:
+                synced |= params
+        return synced
+
+    def _staged_forward(self, full: nn.Module, names: list[str]) -> Any:
+        """An HF model's forward split at layer boundaries (hetplan.runtime.hf_stages),
+        checked against the model's own forward on a padded batch before anything is
+        split, on every rank alike; None for other models (they must be chains)."""
+        from hetplan.runtime import hf_stages
+
+        staged = hf_stages.staged_forward(full, names)
+        if staged is None:
+            return None
+        if any(p.device.type == "meta" for p in full.parameters()):
+            raise HetplanError(f"pipelining {type(full).__name__} checks its staged forward on the real model; "
+                               "use ctx.parallelize(build_model, meta_init=False) (HF models need it for their "
+                               "buffers anyway)")
+        par.check_layer_names(full, names, getattr(self.spec, "name", ""))
+        ids, inputs = hf_stages.example_model_inputs(full, self.spec.seq_len, self.spec.vocab_size)
+        hf_stages.check_staged_forward(full, staged, names, ids, inputs)
+        return staged
+
     def _why_torch_clipping_is_wrong(self) -> str:
         if self.layout.num_chunks > 1:
             return "each pipeline stage would be clipped by the norm of its own gradients"
         if self.layout.max_tp > 1:
             return "it cannot take one norm over tensor-parallel shards"
+        if self.layout.ep > 1:
+            return "it cannot take one norm over expert-parallel shards"
         return ""
+
+    def optimizer(self, model: nn.Module, cls: Callable[..., torch.optim.Optimizer], **kwargs: Any
+                  ) -> torch.optim.Optimizer:
+        """``cls(model.parameters(), **kwargs)``, with the optimizer states of the
+        plan's ZeRO-1 layers sharded over their data-parallel group
+        (``hetplan.runtime.zero1``). A plain ``cls(model.parameters())`` also
+        trains a ZeRO-1 plan correctly, but keeps every state on every rank."""
+        params = list(self._unwrap(model).parameters())
+        zero1 = {id(p) for p in params} & self._zero1_params
+        if not zero1:
+            return cls(params, **kwargs)
+        from hetplan.runtime.zero1 import Zero1Optimizer
+
+        return Zero1Optimizer(params, zero1, self.dp_mesh.get_group(), cls, groups=self._zero1_groups, **kwargs)
+
+    def _offloaded_layers(self) -> set[str]:
+        """Names of the layers whose saved activations go to host memory (``hetplan.runtime.offload``)."""
+        return {self.layout.layer_names[index] for stage in self.plan.stages
+                for index, strategy in zip(stage.layers, stage.strategies) if strategy.offload}
+
+    @property
+    def offload_pool(self) -> Any:
+        """The ``HostPool`` holding this rank's offloaded activations (made on first use)."""
+        if self._offload_pool is None:
+            from hetplan.runtime.offload import HostPool
+
+            self._offload_pool = HostPool(self.device)
+        return self._offload_pool
 
     def _layer_strategies(self) -> tuple[dict[str, str], dict[str, int]]:
         recompute: dict[str, str] = {}
@@ -303,18 +446,29 @@ class RuntimeContext:
 
     # --- training ---------------------------------------------------------------------
     def train_step(self, model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor],
-                   return_outputs: bool = True) -> float:
+                   return_outputs: bool = True, *, inputs: dict[str, torch.Tensor] | None = None) -> float:
         """Forward and backward over all micro-batches of one step; returns the
         global-batch mean loss on every rank. Gradients (synchronised across
         data-parallel replicas and tied copies) are left in ``.grad`` for the
         user's optimizer. ``loss_fn(output, target)`` must return the *mean*
         loss of a micro-batch. With ``return_outputs`` the model outputs of the
-        step are kept in ``ctx.last_outputs`` on last-stage ranks."""
+        step are kept in ``ctx.last_outputs`` on last-stage ranks. With context
+        parallelism this rank keeps its chunks of every sequence (dim 1) of
+        ``batch`` (hetplan.runtime.cp); pass whole sequences.
+
+        ``inputs``: the model's keyword inputs for this batch (``attention_mask``,
+        ``token_type_ids``, ...), tensors with the batch first like ``batch[0]``:
+        each micro-batch's forward gets its rows, ``model(x_mb, **inputs_mb)``,
+        and under pipelining every stage gets them (an HF model's stages rebuild
+        their masks from them; a layer of your own chain model gets those your
+        forward passes to it unchanged)."""
         info = self._model_info(model)
         if len(batch) != 2:
             raise HetplanError("batch must be (inputs, targets)")
-        x = self.local_batch(batch[0]).to(self.device)
-        y = self.local_batch(batch[1]).to(self.device)
+        x = self.local_sequence(self.local_batch(batch[0]).to(self.device))
+        y = self.local_sequence(self.local_batch(batch[1]).to(self.device))
+        info.step_inputs = self._local_inputs(inputs, batch[0])
+        _check_staged_inputs(info.parts[0], info.step_inputs)
         shapes = (tuple(x.shape), tuple(y.shape))
         if info.batch_shapes is None:
             info.batch_shapes = shapes
@@ -324,20 +478,65 @@ class RuntimeContext:
                 "of the first step (torch pipelining would hang); drop the last partial batch (drop_last=True)"
             )
         if info.chain_probe is not None:  # every rank alike, before the pipeline's first message
-            check_chain(info.chain_probe, self.layout.layer_names, (x[:max(1, self.position.samples_per_micro_batch)],))
+            b = max(1, self.position.samples_per_micro_batch)
+            routes = check_chain(info.chain_probe, self.layout.layer_names, (x[:b],),
+                                 {k: v[:b] for k, v in info.step_inputs.items()})
+            for part in {id(p): p for p in [model, *info.parts]}.values():
+                if isinstance(part, par.PipelinePart):
+                    part.kwarg_routes = routes
             info.chain_probe = None
         scale = self.layout.loss_scale(self.position.dp_index) if self.is_last_stage else 1.0
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         fp16_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         earlier = self._take_grads(model, info, every=self.loss_scaler is not None)
-        with mp.autocast(self.device, self.precision):
+        samples = self.layout.local_sample_indices(self.position.dp_index, self.position.pp_index)
+        with mp.autocast(self.device, self.precision), \
+                rng.step_scope(info.seed, self.step, samples, self.position.samples_per_micro_batch):
             self._forward_backward(model, info, x, y, loss_fn, scale * fp16_scale, total, return_outputs)
+        self.step += 1
         if self.layout.pp > 1:
             self._sync_tied_grads(model, info)
+        if info.expert_fqns:
+            self._sync_expert_grads(model, info)
         if self.loss_scaler is not None and not self._unscale(model):
             earlier = {}  # overflow: the whole step is skipped (every gradient None)
         self._restore_grads(model, earlier)
         return self._global_loss(total / fp16_scale)
+
+    def local_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This CP rank's tokens of whole sequences (dim 1; the tensor itself without CP)."""
+        if self.layout.cp == 1 or self.mesh is None:
+            return tensor
+        from hetplan.runtime.cp import ContextShard, check_sequence
+
+        check_sequence(tensor.size(1), self.layout.cp)
+        return ContextShard(None, self.position.cp_index, self.layout.cp).split(tensor, 1)
+
+    def _sync_expert_grads(self, model: nn.Module, info: _ModelInfo) -> None:
+        """Expert gradients: sum over the ranks holding the same experts (the
+        expert-data-parallel group) and divide by ``dp * cp``, as FSDP averages
+        the dense gradients over ``dp * cp`` (hetplan.runtime.ep)."""
+        edp_group = self.ep_mesh["edp"].get_group() if self.ep_mesh["edp"].size() > 1 else None
+        for fqn in info.expert_fqns:
+            p = model.get_parameter(fqn)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if edp_group is not None:
+                dist.all_reduce(g, group=edp_group)
+            g.div_(self.stage_dp * self.layout.cp)
+
+    def _local_inputs(self, inputs: dict[str, torch.Tensor] | None, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This replica's rows of each keyword input, on this rank's device."""
+        if not inputs:
+            return {}
+        out = {}
+        for name, value in inputs.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.size(0) != x.size(0):
+                raise HetplanError(f"keyword input {name!r} must be a tensor with the batch first "
+                                   f"({x.size(0)} rows, as the batch's inputs), sliced per micro-batch")
+            out[name] = self.local_batch(value).to(self.device)
+        return out
 
     def _unwrap(self, model: nn.Module) -> nn.Module:
         """The parallelised model behind a ``torch.compile`` wrapper of it (names without ``_orig_mod.``)."""
@@ -373,7 +572,9 @@ class RuntimeContext:
                 last = k == m - 1
                 for module, every in info.sync_modules:
                     module.set_requires_gradient_sync(every or last, recurse=False)
-                out = model(x[k * b:(k + 1) * b])
+                kw = {name: v[k * b:(k + 1) * b] for name, v in info.step_inputs.items()}
+                with rng.micro_batch(k):
+                    out = model(x[k * b:(k + 1) * b], **kw)
                 loss = loss_fn(out, y[k * b:(k + 1) * b])
                 if scale != 1.0:
                     loss = loss * scale
@@ -417,7 +618,7 @@ class RuntimeContext:
         earlier call's would count twice); with ``every`` (fp16) all of them,
         since only this call's are loss-scaled."""
         earlier = {}
-        names = [n for n, _ in model.named_parameters()] if every else self._tied_fqns(info)
+        names = [n for n, _ in model.named_parameters()] if every else self._tied_fqns(info) + info.expert_fqns
         for fqn in names:
             p = model.get_parameter(fqn)
             if p.grad is not None:
@@ -441,13 +642,21 @@ class RuntimeContext:
 
         info.loss_fn, info.loss_weight = loss_fn, scale
         if self.layout.heterogeneous:
+            staged = getattr(info.parts[-1], "staged", None)
+            if staged is not None:  # an HF model's loss sees its output class
+                loss_fn = functools.partial(_loss_of_output, loss_fn, staged.wrap_output)
             losses, outputs = info.stages[0].step(x if self.is_first_stage else None,
                                                   y if self.is_last_stage else None, loss_fn, scale,
-                                                  self.plan.num_micro_batches, self.layout.schedule)
+                                                  self.plan.num_micro_batches, self.layout.schedule,
+                                                  info.step_inputs)
             self.last_outputs = outputs if self.is_last_stage and return_outputs else None
             return losses
         if info.schedule is None:
+            staged = getattr(info.parts[-1], "staged", None)  # an HF model's loss sees its output class
+
             def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                if staged is not None:
+                    output = staged.wrap_output(output)
                 return info.loss_fn(output, target) * info.loss_weight
 
             m = self.plan.num_micro_batches
@@ -462,7 +671,7 @@ class RuntimeContext:
         args = (x,) if self.is_first_stage else ()
         target = y if self.is_last_stage else None
         out = info.schedule.step(*args, target=target, losses=losses if self.is_last_stage else None,
-                                 return_outputs=return_outputs)
+                                 return_outputs=return_outputs, **info.step_inputs)
         self.last_outputs = out if return_outputs else None
         return losses
 
@@ -492,7 +701,8 @@ class RuntimeContext:
                 # e.g. a vocabulary-parallel embedding's gradient comes back replicated
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, group=self._tie_groups[(min(a, b), max(a, b), pos.dp_index, pos.tp_index)])
+            row = pos.dp_index * self.layout.cp + pos.cp_index
+            dist.all_reduce(g, group=self._tie_groups[(min(a, b), max(a, b), row, pos.tp_index)])
 
     def _sync_tied_grads_full(self, model: nn.Module, info: _ModelInfo) -> None:
         """Tied copies on stages of different (dp, tp) are sharded differently:
@@ -527,7 +737,7 @@ class RuntimeContext:
         if not contributes:
             total = torch.zeros_like(total)
         dist.all_reduce(total)
-        return float(total) / self.layout.stage_dp(self.layout.pp - 1)
+        return float(total) / (self.layout.stage_dp(self.layout.pp - 1) * self.layout.cp)
 
     # --- gradient clipping ------------------------------------------------------------
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
@@ -643,10 +853,15 @@ def preflight(layout: PlanLayout, spec: Any, full: nn.Module, example_inputs: Se
     ``example_inputs``, also the pipeline chain check)."""
     names = list(layout.layer_names)
     par.check_layer_names(full, names, layout.plan.model)
+    _check_dropout(layout, full)
+    _check_cp_ep(layout, spec, full)
     if chain and layout.num_chunks > 1:
         _check_chain_early(full, names, spec, example_inputs)
+    if layout.num_chunks > 1:
+        _check_hf_split(layout, full)
     if layout.pp > 1:
-        stray = par.uncovered_state(full, names)
+        _check_tied_span(layout, spec)
+        stray = par.uncovered_state(full, par.layer_paths(names, _layer_modules(spec)))
         if stray:
             raise HetplanError(
                 f"{stray[0]!r} is not inside any layer of the plan, so no pipeline stage would hold it; "
@@ -675,10 +890,69 @@ def preflight(layout: PlanLayout, spec: Any, full: nn.Module, example_inputs: Se
             )
 
 
+def _check_hf_split(layout: PlanLayout, full: nn.Module) -> None:
+    """An HF model's split points: what its staged forward cannot pass between
+    these stages is refused (hetplan.runtime.hf_stages.StagedForward.split_refusal)."""
+    from hetplan.runtime.hf_stages import staged_forward
+
+    names = list(layout.layer_names)
+    staged = staged_forward(full, names)
+    if staged is None:
+        return
+    why = staged.split_refusal([layout.chunk_names(c) for c in range(layout.num_chunks)], layout.heterogeneous)
+    if why:
+        raise HetplanError(why)
+
+
+def _check_cp_ep(layout: PlanLayout, spec: Any, full: nn.Module) -> None:
+    """What context and expert parallelism need of the model (one line each)."""
+    if layout.cp > 1:
+        if not callable(getattr(full, "set_context_parallel", None)):
+            raise HetplanError(
+                f"the plan has cp={layout.cp}, but {type(full).__name__} does not declare context-parallel support "
+                "(a set_context_parallel(shard) method; hetplan's GPT has one, see docs/runtime.md); "
+                "use a plan with cp=1")
+        from hetplan.runtime.cp import check_sequence
+
+        check_sequence(spec.seq_len, layout.cp)
+    if layout.ep > 1:
+        moe = par.moe_modules(full)
+        if not moe:
+            raise HetplanError(f"the plan has ep={layout.ep}, but model {spec.name!r} has no mixture-of-experts "
+                               "layers to split; use a plan with ep=1")
+        for module in moe:
+            experts = int(getattr(module, "num_experts", 0))
+            if experts % layout.ep:
+                raise HetplanError(f"ep={layout.ep} does not divide the {experts} experts of the model's MoE layers; "
+                                   f"use an ep that divides {experts}")
+    for fqn, module in full.named_modules():  # expert TP = the stage's tp
+        layer = par.owner_layer(fqn, layout.layer_names) if hasattr(module, "ep_group") else None
+        tp = layout.stage_tp(layout.pp_index_of_layer(layer)) if layer and hasattr(module, "experts") else 1
+        if tp > 1:
+            par.check_expert_tp(module.experts, layer, tp)
+
+
+def _check_dropout(layout: PlanLayout, full: nn.Module) -> None:
+    """Dropout hetplan cannot make plan-independent is refused, never run
+    differently: torch dropout modules under TP, any dropout under context
+    parallelism (hetplan.runtime.dropout)."""
+    if not rng.has_dropout(full):
+        return
+    rng.check_tensor_parallel(full, {n: layout.stage_tp(layout.pp_index_of_layer(n)) for n in layout.layer_names})
+    cp = max((getattr(stage, "cp", 1) for stage in layout.plan.stages), default=1)
+    if cp > 1:
+        raise HetplanError(f"dropout under context parallelism (cp={cp}) is not plan-independent yet; "
+                           "set the model's dropout to 0 or use a plan with cp=1")
+
+
 def _check_chain_early(full: nn.Module, names: list[str], spec: Any, inputs: Sequence[Any] | None) -> None:
     """The pipeline chain check before anything is split. Without the user's
     inputs, try the ones hetplan knows (token ids, an HF image); if the model
     cannot run on those, the first ``train_step`` checks with the real batch."""
+    from hetplan.runtime.hf_stages import staged_forward
+
+    if staged_forward(full, names) is not None:
+        return  # an HF model: runs its staged forward (raises if hetplan has none for it)
     if any(p.device.type != "meta" for p in full.parameters()):
         return  # a real model: parallelize checks its meta copy instead
     par.check_layer_names(full, names, getattr(spec, "name", ""))
@@ -693,6 +967,56 @@ def _check_chain_early(full: nn.Module, names: list[str], spec: Any, inputs: Seq
     except HetplanError as e:
         if not str(e).startswith("cannot check"):
             raise
+
+
+def _check_staged_inputs(part: nn.Module, inputs: dict[str, Any]) -> None:
+    """An HF model's stages take only the keyword inputs their staged forward
+    rebuilds from (before any pipeline message, on every rank alike)."""
+    staged = getattr(part, "staged", None)
+    unknown = sorted(set(inputs) - set(staged.model_inputs)) if staged is not None else []
+    if unknown:
+        raise HetplanError(f"keyword input {unknown[0]!r} does not reach the pipeline stages of "
+                           f"{staged.model_class}, which take {', '.join(staged.model_inputs)}; "
+                           "drop it or use a plan with one pipeline stage")
+    missing = [k for k in getattr(staged, "required_inputs", ()) if k not in inputs]
+    if missing:
+        raise HetplanError(f"the pipeline stages of {staged.model_class} need the keyword input {missing[0]!r}; "
+                           f"pass it with train_step(..., inputs={{{missing[0]!r}: ...}})")
+
+
+def _loss_of_output(loss_fn: Callable[..., torch.Tensor], wrap: Callable[[Any], Any], output: Any,
+                    target: torch.Tensor) -> torch.Tensor:
+    return loss_fn(wrap(output), target)
+
+
+def _layer_modules(spec: Any) -> dict[str, list[str]]:
+    """Layer name -> its module paths, where a layer spans several (HF imports)."""
+    modules = (getattr(spec, "meta", None) or {}).get("layer_modules") or {}
+    return {k: list(v) for k, v in modules.items() if isinstance(v, (list, tuple))}
+
+
+def _one_pair_per_stage_pair(pairs: list[tuple[str, str]], layout: PlanLayout) -> list[tuple[str, str]]:
+    """A weight tied three ways (T5: encoder and decoder embeddings, LM head) with
+    two copies on one stage is one tensor there: its gradient is summed with
+    the other stage's once, so keep one pair per (weight, pair of stages)."""
+    seen: set[tuple[str, int, int]] = set()
+    out = []
+    for canon, alias in pairs:
+        a, b = (layout.pp_index_of_layer(par.owner_layer(f, layout.layer_names)) for f in (canon, alias))
+        if (canon, a, b) not in seen:
+            seen.add((canon, a, b))
+            out.append((canon, alias))
+    return out
+
+
+def _check_tied_span(layout: PlanLayout, spec: Any) -> None:
+    """The gradient of a tied weight is summed between two stages; one on three
+    or more stages (T5's shared embedding at pp >= 3) is refused."""
+    from hetplan.model.hf import tied_span_refusal
+
+    why = tied_span_refusal(spec, {n: layout.pp_index_of_layer(n) for n in layout.layer_names})
+    if why:
+        raise HetplanError(why)
 
 
 def _tied_groups(spec: Any) -> list[list[str]]:
@@ -770,6 +1094,7 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
     tie_groups: dict[tuple[int, int, int, int], Any] = {}
     owns = False
     heartbeat = None
+    ep_mesh = None
     if layout.world_size > 1:
         if not already:
             be = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -782,12 +1107,19 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
             meshes = [DeviceMesh(device.type, torch.tensor(layout.stage_mesh_ranks(j), dtype=torch.int64),
                                  mesh_dim_names=("dp", "tp")) for j in range(layout.pp)]
             mesh = meshes[position.pp_index]
+        elif layout.cp > 1:  # TP innermost, then CP, then DP (hetplan.plan)
+            mesh = DeviceMesh(device.type, torch.tensor(layout.mesh_ranks_cp(), dtype=torch.int64),
+                              mesh_dim_names=("pp", "dp", "cp", "tp"))
         else:
             mesh = DeviceMesh(device.type, torch.tensor(layout.mesh_ranks(), dtype=torch.int64),
                               mesh_dim_names=("pp", "dp", "tp"))
+        if layout.ep > 1:  # the dp * cp ranks of a TP rank in EP groups of ep (hetplan.runtime.layout)
+            ep_mesh = DeviceMesh(device.type, torch.tensor(layout.ep_mesh_ranks(), dtype=torch.int64),
+                                 mesh_dim_names=("pp", "edp", "ep", "tp"))
         tie_groups = _make_tie_groups(layout, spec)
     ctx = RuntimeContext(plan, spec, layout, position, device, mesh, tie_groups, notes, owns, precision)
     ctx._heartbeat = heartbeat
+    ctx.ep_mesh = ep_mesh
     return ctx
 
 
@@ -923,9 +1255,9 @@ def _make_tie_groups(layout: PlanLayout, spec: Any) -> dict[tuple[int, int, int,
         for a, b in sorted(pairs):
             groups[(a, b, -1, -1)] = dist.new_group(sorted(layout.stage_ranks(a) + layout.stage_ranks(b)))
         return groups
-    ranks = layout.mesh_ranks()
+    ranks = [[cp_row for dp_row in stage for cp_row in dp_row] for stage in layout.mesh_ranks_cp()]
     for a, b in sorted(pairs):
-        for d in range(layout.dp):
+        for d in range(layout.dp * layout.cp):  # (dp index, cp index) with CP innermost
             for t in range(layout.tp):
                 groups[(a, b, d, t)] = dist.new_group([ranks[a][d][t], ranks[b][d][t]])
     return groups

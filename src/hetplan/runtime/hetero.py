@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetplan.runtime.dropout import micro_batch
+
 _HEADER = 8  # ndim, dtype code, up to 6 dims
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER_TAG = 1 << 20
@@ -133,7 +135,10 @@ class HeteroPipeline:
     # --- one step ---------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
              loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], scale: float, num_micro: int,
-             schedule: str) -> tuple[list[torch.Tensor], list[Any]]:
+             schedule: str, model_inputs: dict[str, torch.Tensor] | None = None
+             ) -> tuple[list[torch.Tensor], list[Any]]:
+        """``model_inputs``: the model's keyword inputs, this replica's rows of
+        each micro-batch after micro-batch (as ``inputs``), given to every stage."""
         b = self.rows[1] - self.rows[0]
         saved: dict[int, tuple[torch.Tensor | None, Any]] = {}
         losses: list[torch.Tensor] = []
@@ -154,7 +159,8 @@ class HeteroPipeline:
                 x = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
                 x.requires_grad_(x.is_floating_point())
                 args = x
-            out = self.part(args)
+            with micro_batch(k):  # dropout draws for this micro-batch's samples
+                out = self.part(args, **{n: v[k * b:(k + 1) * b] for n, v in (model_inputs or {}).items()})
             if self.last:
                 assert targets is not None
                 loss = loss_fn(out, targets[k * b:(k + 1) * b])

@@ -25,6 +25,15 @@ the layout is then *heterogeneous* and the runtime runs its own pipeline
 executor (hetplan.runtime.hetero) instead of torch.distributed.pipelining,
 which connects stage k to stage k+1 one-to-one. Such plans run GPipe or 1F1B,
 without sequence parallelism or interleaving.
+
+Context and expert parallelism (``cp``, ``ep``): a stage's devices are ``dp x
+cp x tp``, TP innermost, then CP, then DP (hetplan.plan). The runtime's mesh is
+then ``(pp, dp, cp, tp)``; dense gradients are averaged over the ``dp * cp``
+ranks of a TP rank. EP borrows from those ``dp * cp`` ranks: numbered
+``i = dp_index * cp + cp_index``, EP rank ``i % ep`` of expert-data-parallel
+index ``i // ep`` (consecutive ranks, CP innermost, share an EP group, as
+torchtitan borrows EP from its data and context dimensions). Both need equal
+(dp, cp, tp, ep) and equal data splits in every stage.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ class RankPosition:
         chunks: pipeline chunk ids this process runs (one, or ``V`` when interleaved).
         samples_per_micro_batch: this replica's share of each micro-batch.
         sample_offset: where that share starts inside a micro-batch.
+        cp_index: context-parallel rank inside the replica (which chunk of each sequence).
     """
 
     rank: int
@@ -62,6 +72,11 @@ class RankPosition:
     chunks: tuple[int, ...]
     samples_per_micro_batch: int
     sample_offset: int
+    cp_index: int = 0
+
+    def ep_index(self, cp: int, ep: int) -> tuple[int, int]:
+        """(expert-data-parallel index, EP rank) of this process (see module doc)."""
+        return divmod(self.dp_index * cp + self.cp_index, ep)
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,8 @@ class PlanLayout:
     chunk_layers: tuple[tuple[int, ...], ...]  # layer indices per pipeline chunk, in order
     notes: tuple[str, ...] = ()
     heterogeneous: bool = False  # stages differ in (dp, tp) or dp_split (see module doc)
+    cp: int = 1  # context-parallel degree (every stage)
+    ep: int = 1  # expert-parallel degree (every stage)
 
     # --- construction ----------------------------------------------------------
     @staticmethod
@@ -98,8 +115,9 @@ class PlanLayout:
         first = plan.stages[0]
         heterogeneous = False
         for j, s in enumerate(plan.stages):
-            if len(s.devices) != s.dp * s.tp or len(s.dp_split) != s.dp:
-                raise PlanNotSupportedError(f"stage {j}: devices/dp_split do not match dp={s.dp} tp={s.tp}")
+            if len(s.devices) != s.dp * s.cp * s.tp or len(s.dp_split) != s.dp:
+                raise PlanNotSupportedError(
+                    f"stage {j}: devices/dp_split do not match dp={s.dp} cp={s.cp} tp={s.tp}")
             if sum(s.dp_split) != plan.micro_batch_size or any(b <= 0 for b in s.dp_split):
                 raise PlanNotSupportedError(
                     f"stage {j}: dp_split {list(s.dp_split)} must give every replica >= 1 sample and sum to the "
@@ -107,6 +125,7 @@ class PlanLayout:
                 )
             if (s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)):
                 heterogeneous = True
+        _check_cp_ep(plan, heterogeneous)
         if heterogeneous:
             if any(s.sequence_parallel for s in plan.stages):
                 raise PlanNotSupportedError(
@@ -159,6 +178,7 @@ class PlanLayout:
             plan=plan, layer_names=names, devices=tuple(sorted(all_devices)), pp=pp, dp=first.dp, tp=first.tp,
             dp_split=tuple(first.dp_split), sequence_parallel=first.sequence_parallel, virtual_stages=virtual,
             schedule=schedule, chunk_layers=chunk_layers, notes=tuple(notes), heterogeneous=heterogeneous,
+            cp=first.cp, ep=first.ep,
         )
 
     # --- queries ---------------------------------------------------------------
@@ -191,7 +211,7 @@ class PlanLayout:
         return max(s.dp for s in self.plan.stages)
 
     def stage_mesh_ranks(self, stage: int) -> list[list[int]]:
-        """Ranks of one stage as a ``[dp][tp]`` nested list (TP innermost)."""
+        """Ranks of one stage as a ``[dp][cp * tp]`` nested list (TP innermost)."""
         s = self.plan.stages[stage]
         return [[self.rank_of_device(d) for d in s.replica_devices(r)] for r in range(s.dp)]
 
@@ -204,6 +224,20 @@ class PlanLayout:
         if self.heterogeneous:
             raise HetplanError("a heterogeneous plan has no single pp x dp x tp mesh; use stage_mesh_ranks")
         return [self.stage_mesh_ranks(j) for j in range(self.pp)]
+
+    def mesh_ranks_cp(self) -> list[list[list[list[int]]]]:
+        """Ranks as a ``[pp][dp][cp][tp]`` nested list, for the DeviceMesh of a CP/EP plan."""
+        return [[[row[c * self.tp:(c + 1) * self.tp] for c in range(self.cp)] for row in stage]
+                for stage in self.mesh_ranks()]
+
+    def ep_mesh_ranks(self) -> list[list[list[list[int]]]]:
+        """Ranks as ``[pp][edp][ep][tp]``: the ``dp * cp`` ranks of each TP rank
+        (CP innermost) in groups of ``ep`` consecutive ones (module doc)."""
+        out = []
+        for stage in self.mesh_ranks_cp():
+            flat = [cp_row for dp_row in stage for cp_row in dp_row]  # dp * cp rows of tp ranks
+            out.append([flat[g * self.ep:(g + 1) * self.ep] for g in range(len(flat) // self.ep)])
+        return out
 
     def sample_range(self, stage: int, dp_index: int) -> tuple[int, int]:
         """[start, end) of replica ``dp_index``'s samples inside each micro-batch of ``stage``."""
@@ -218,10 +252,11 @@ class PlanLayout:
         for j, s in enumerate(self.plan.stages):
             if device in s.devices:
                 k = s.devices.index(device)
-                dp_index, tp_index = divmod(k, s.tp)
+                dp_index, inside = divmod(k, s.cp * s.tp)
+                cp_index, tp_index = divmod(inside, s.tp)
                 chunks = tuple(c for c in range(self.num_chunks) if c % self.pp == j)
                 start, end = self.sample_range(j, dp_index)
-                return RankPosition(rank, device, j, dp_index, tp_index, chunks, end - start, start)
+                return RankPosition(rank, device, j, dp_index, tp_index, chunks, end - start, start, cp_index)
         raise AssertionError("device not in any stage")
 
     def pp_index_of_layer(self, name: str | None) -> int:
@@ -258,10 +293,42 @@ class PlanLayout:
             return (f"{self.world_size} processes: pp={self.pp} heterogeneous [{stages}] {self.schedule} "
                     f"m={self.plan.num_micro_batches} [{chunks}]")
         split = "" if len(set(self.dp_split)) == 1 else f" split {':'.join(map(str, self.dp_split))}"
-        return (f"{self.world_size} processes: pp={self.pp} dp={self.dp} tp={self.tp}{split}"
+        cp_ep = (f" cp={self.cp}" if self.cp > 1 else "") + (f" ep={self.ep}" if self.ep > 1 else "")
+        return (f"{self.world_size} processes: pp={self.pp} dp={self.dp}{cp_ep} tp={self.tp}{split}"
                 f"{' sp' if self.sequence_parallel else ''} {self.schedule}"
                 f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''} "
                 f"m={self.plan.num_micro_batches} [{chunks}]")
+
+
+def _check_cp_ep(plan: Plan, heterogeneous: bool) -> None:
+    """What the runtime's context and expert parallelism need of the plan (one line each)."""
+    first = plan.stages[0]
+    if all(s.cp == 1 and s.ep == 1 for s in plan.stages):
+        return
+    for j, s in enumerate(plan.stages):
+        if (s.cp, s.ep) != (first.cp, first.ep):
+            raise PlanNotSupportedError(
+                f"stage {j} has cp={s.cp} ep={s.ep} but stage 0 has cp={first.cp} ep={first.ep}: the runtime "
+                "needs the same cp and ep in every stage")
+        if (s.dp * s.cp) % s.ep:
+            raise PlanNotSupportedError(f"stage {j}: ep={s.ep} must divide dp x cp = {s.dp * s.cp}")
+        if len(set(s.dp_split)) > 1:
+            raise PlanNotSupportedError(
+                f"stage {j} splits micro-batches unevenly ({':'.join(map(str, s.dp_split))}); with cp or ep > 1 "
+                "the runtime needs an even dp_split")
+        if s.has_layer_degrees:
+            raise PlanNotSupportedError(f"stage {j} gives layers their own tp; with cp or ep > 1 use the stage's tp")
+        if s.ep_split is not None and len(set(s.ep_split)) > 1:
+            raise PlanNotSupportedError(
+                f"stage {j} splits experts unevenly ({':'.join(map(str, s.ep_split))}); the runtime gives every EP "
+                "rank the same number of experts: make the plan with an even expert split")
+        if s.sequence_parallel:
+            raise PlanNotSupportedError(
+                "sequence parallelism together with cp or ep > 1 is not supported by the runtime; "
+                "turn sequence_parallel off")
+    if heterogeneous:
+        raise PlanNotSupportedError(
+            "cp or ep > 1 needs equal (dp, tp) and data splits in every stage; use one (dp, tp) for all stages")
 
 
 def _interleave(plan: Plan, virtual: int) -> tuple[tuple[int, ...], ...]:

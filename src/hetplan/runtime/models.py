@@ -10,18 +10,28 @@ One class covers the decoder families of the papers:
 * GPT-2/GPT-3: learned positions, LayerNorm, GELU MLP, biases, LM head tied to
   the token embedding (``GPTConfig()`` defaults);
 * Llama-style: RMSNorm, SwiGLU MLP, rotary positions, no biases, grouped-query
-  attention (``norm="rms", mlp="swiglu", positions="rope", bias=False, kv_heads=...``).
+  attention (``norm="rms", mlp="swiglu", positions="rope", bias=False, kv_heads=...``);
+* GShard-style mixture of experts (``num_experts``, ``top_k``, ``moe_layers``):
+  the MLP of the listed blocks is a router and ``num_experts`` expert MLPs
+  (:class:`MoE`), dropless.
+
+Context parallelism (hetplan.runtime.cp) and expert parallelism are switched
+on by the runtime through :meth:`GPT.set_context_parallel` and the MoE
+modules' ``ep_group``; without them the model is the plain single-process one.
 
 Query, key and value are separate linears (not one fused QKV matrix) so that
 column-wise tensor parallelism splits each of them by heads. Attention reshapes
 with ``-1`` heads, so the same code runs the local heads of a TP shard.
-There is no dropout: the runtime's tests compare fp32 numbers bit-for-bit-ish.
+Dropout (``GPTConfig.dropout``, default 0) sits where GPT-2 has it -- the
+embedding output, the attention probabilities, the attention and MLP outputs --
+and draws plan-independent masks (hetplan.runtime.dropout), so a run under any
+plan still matches the single-process one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -29,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.runtime.dropout import Dropout
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,11 @@ class GPTConfig:
     bias: bool = True
     tied_embeddings: bool = True
     norm_eps: float = 1e-5
+    dropout: float = 0.0  # GPT-2's four sites (hetplan.runtime.dropout: plan-independent masks)
+    num_experts: int = 0  # > 0: the blocks in moe_layers have a mixture-of-experts MLP
+    top_k: int = 2
+    expert_ffn: int = 0  # 0 = ffn_size
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def ffn_size(self) -> int:
@@ -66,6 +82,10 @@ class GPTConfig:
             raise HetplanError(f"{self.heads} heads are not a multiple of {self.num_kv_heads} key/value heads")
         if self.positions == "rope" and self.head_dim % 2:
             raise HetplanError("rotary positions need an even head dimension")
+        if not 0.0 <= self.dropout < 1.0:
+            raise HetplanError(f"dropout {self.dropout} must be at least 0 and below 1")
+        if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
+            raise HetplanError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
 
 
 class RMSNorm(nn.Module):
@@ -92,37 +112,69 @@ class Embed(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.positions == "learned" else None
+        self.context_shard: Any = None  # set by GPT.set_context_parallel: this rank's sequence positions
+        self.drop = Dropout(cfg.dropout)  # whole sequence and width on every TP rank
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(idx.size(1), device=idx.device))
-        return x
+            x = x + self.pos(_positions(self.context_shard, idx.size(1), idx.device))
+        return self.drop(x)
 
 
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding on (batch, heads, seq, head_dim), computed on the fly."""
+def _positions(shard: Any, length: int, device: torch.device) -> torch.Tensor:
+    """Global sequence positions of the ``length`` local tokens (all of them without CP)."""
+    if shard is None:
+        return torch.arange(length, device=device)
+    return shard.positions(length, device)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding on (batch, heads, seq, head_dim), computed on the fly
+    (``positions``: the tokens' global positions, under context parallelism)."""
     s, d = x.size(-2), x.size(-1)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+    pos = torch.arange(s, device=x.device) if positions is None else positions
+    ang = pos.to(torch.float32)[:, None] * inv[None, :]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
-class AttentionCore(nn.Module):
-    """softmax(QK^T)V, causal: what selective recomputation recomputes (no parameters)."""
+def _attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: Dropout) -> torch.Tensor:
+    """Causal softmax(QK^T/sqrt(d)) V with dropout on the probabilities, written
+    out (SDPA's own dropout draws from torch's generator): the probabilities
+    (batch, heads, query, key) are what GPT-2 drops and the cost model counts."""
+    scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5)
+    s = q.size(-2)
+    causal = torch.ones(s, k.size(-2), dtype=torch.bool, device=q.device).tril()
+    probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    return drop(probs) @ v
 
-    def __init__(self, rope: bool) -> None:
+
+class AttentionCore(nn.Module):
+    """softmax(QK^T)V, causal: what selective recomputation recomputes (no parameters).
+    Under context parallelism (``context_shard`` set) the local queries attend to
+    the keys and values all-gathered over the CP group (hetplan.runtime.cp)."""
+
+    def __init__(self, rope: bool, dropout: float = 0.0) -> None:
         super().__init__()
         self.rope = rope
+        self.drop = Dropout(dropout, tp_dim=1)  # on the probabilities; TP shards the heads (dim 1)
+        self.context_shard: Any = None  # set by GPT.set_context_parallel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.context_shard is not None and not q.is_meta:
+            from hetplan.runtime.cp import context_parallel_attention
+
+            return context_parallel_attention(q, k, v, self.context_shard, _rope if self.rope else None)
         if self.rope:
             q, k = _rope(q), _rope(k)
         if k.size(1) != q.size(1):  # grouped-query attention
             rep = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if self.drop.active:
+            return _attention_with_dropout(q, k, v, self.drop)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -134,8 +186,9 @@ class Attention(nn.Module):
         self.q = nn.Linear(cfg.hidden, cfg.heads * hd, bias=cfg.bias)
         self.k = nn.Linear(cfg.hidden, cfg.num_kv_heads * hd, bias=cfg.bias)
         self.v = nn.Linear(cfg.hidden, cfg.num_kv_heads * hd, bias=cfg.bias)
-        self.core = AttentionCore(cfg.positions == "rope")
+        self.core = AttentionCore(cfg.positions == "rope", cfg.dropout)
         self.proj = nn.Linear(cfg.heads * hd, cfg.hidden, bias=cfg.bias)
+        self.drop = Dropout(cfg.dropout, sp_dim=1)  # sequence-sharded under sequence parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -143,7 +196,7 @@ class Attention(nn.Module):
         k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         o = self.core(q, k, v)
-        return self.proj(o.transpose(1, 2).reshape(b, s, -1))
+        return self.drop(self.proj(o.transpose(1, 2).reshape(b, s, -1)))
 
 
 class MLP(nn.Module):
@@ -153,6 +206,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.hidden, cfg.ffn_size, bias=cfg.bias)
         self.gate = nn.Linear(cfg.hidden, cfg.ffn_size, bias=cfg.bias) if cfg.mlp == "swiglu" else None
         self.proj = nn.Linear(cfg.ffn_size, cfg.hidden, bias=cfg.bias)
+        self.drop = Dropout(cfg.dropout, sp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
@@ -161,18 +215,103 @@ class MLP(nn.Module):
             h = F.relu(self.fc(x))
         else:
             h = F.gelu(self.fc(x))
-        return self.proj(h)
+        return self.drop(self.proj(h))
+
+
+class Experts(nn.Module):
+    """``num_experts`` GELU/ReLU/SwiGLU MLPs, their weights stacked along dim 0 so
+    that expert parallelism shards them as one DTensor (``Shard(0)`` over the EP
+    ranks); ``forward`` takes the token copies sorted by expert and the count per
+    expert of the experts this rank holds.
+
+    Expert tensor parallelism (``tp_group`` set by the runtime when the stage
+    has tp > 1): each TP rank holds a ``1/tp`` slice of every expert's inner
+    width -- the dim named in ``tp_shard_dims`` (first matmul split by columns,
+    second by rows, as Megatron splits a dense MLP) -- and the partial outputs
+    are summed over the TP group before the (whole) output bias."""
+
+    # the inner-width dim of each stacked weight; absent: replicated on the TP ranks
+    tp_shard_dims = {"fc_weight": 2, "gate_weight": 2, "fc_bias": 1, "proj_weight": 1}
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        e, h, f = cfg.num_experts, cfg.hidden, cfg.expert_ffn or cfg.ffn_size
+        self.kind = cfg.mlp
+        self.tp_group: Any = None
+        self.fc_weight = nn.Parameter(torch.empty(e, h, f))
+        self.gate_weight = nn.Parameter(torch.empty(e, h, f)) if cfg.mlp == "swiglu" else None
+        self.proj_weight = nn.Parameter(torch.empty(e, f, h))
+        self.fc_bias = nn.Parameter(torch.zeros(e, f)) if cfg.bias else None
+        self.proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.bias else None
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        from hetplan.runtime.ep import expert_tp_input, expert_tp_output
+
+        weights = {n: _local(p) for n, p in self.named_parameters()}
+        rows = expert_tp_input(rows, self.tp_group)
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            r = rows[start:start + n]
+            start += n
+            a = r @ weights["fc_weight"][e]
+            if "fc_bias" in weights:
+                a = a + weights["fc_bias"][e]
+            if "gate_weight" in weights:
+                a = F.silu(r @ weights["gate_weight"][e]) * a
+            else:
+                a = F.relu(a) if self.kind == "relu" else F.gelu(a)
+            outs.append(a @ weights["proj_weight"][e])
+        out = expert_tp_output(torch.cat(outs) if outs else rows[:0], self.tp_group)
+        if "proj_bias" in weights:
+            out = out + weights["proj_bias"].repeat_interleave(torch.tensor(counts, device=out.device), dim=0)
+        return out
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard (the tensor itself unless it is a DTensor)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts MLP (GShard §2.2; the routing as Mixtral's): a router
+    linear, softmax over the experts, the ``top_k`` largest renormalised to sum
+    to 1, and each token's output the weighted sum of its experts' outputs.
+    Dropless (no capacity limit), so every plan computes exactly what one
+    process does. With ``ep_group`` set (expert parallelism, by the runtime) this
+    rank holds ``num_experts / ep`` experts and token copies travel to and from
+    their expert's rank by ``all_to_all_single`` (hetplan.runtime.ep)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.router = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.ep_group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # shape inference (pipeline, chain check): the output has the input's shape
+            return torch.empty_like(x)
+        from hetplan.runtime.ep import moe_dispatch_combine
+
+        b, s, h = x.shape
+        tokens = x.reshape(-1, h)
+        probs = F.softmax(self.router(tokens).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = moe_dispatch_combine(tokens, experts, weights, self.experts, self.num_experts, self.ep_group)
+        return out.view(b, s, h)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer decoder block."""
+    """Pre-norm transformer decoder block (its MLP a mixture of experts when ``moe``)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln1 = _norm(cfg)
         self.attn = Attention(cfg)
         self.ln2 = _norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -199,7 +338,7 @@ class GPT(nn.Module):
         cfg.check()
         self.config = cfg
         self.embed = Embed(cfg)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i in cfg.moe_layers) for i in range(cfg.num_layers)})
         self.head = Head(cfg)
         if cfg.tied_embeddings:
             self.head.proj.weight = self.embed.tok.weight
@@ -209,6 +348,14 @@ class GPT(nn.Module):
         for block in self.layers.values():
             x = block(x)
         return self.head(x)
+
+    def set_context_parallel(self, shard: Any) -> None:
+        """Run on this rank's chunk of every sequence (hetplan.runtime.cp.ContextShard):
+        positions from the chunk's global positions, attention over the keys and
+        values of the whole sequence. Declares that this model supports CP."""
+        for module in self.modules():
+            if isinstance(module, (Embed, AttentionCore)):
+                module.context_shard = shard
 
     @staticmethod
     def init_parameter(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
@@ -222,7 +369,8 @@ class GPT(nn.Module):
             elif tensor.dim() == 1:
                 tensor.fill_(1.0)
             else:
-                std = 0.02 / math.sqrt(8.0) if fqn.endswith(("attn.proj.weight", "mlp.proj.weight")) else 0.02
+                residual_out = ("attn.proj.weight", "mlp.proj.weight", "experts.proj_weight")
+                std = 0.02 / math.sqrt(8.0) if fqn.endswith(residual_out) else 0.02
                 tensor.normal_(0.0, std, generator=generator)
 
 
@@ -249,16 +397,21 @@ def config_from_spec(spec) -> GPTConfig:  # noqa: ANN001 - ModelSpec, kept torch
             "'embed', 'layers.0'..'layers.N-1', 'head' -- pass your own build function to "
             "hetplan.runtime (ctx.parallelize(build_model)) for other models"
         )
-    if spec.family not in ("gpt", "llama"):
+    if spec.family not in ("gpt", "llama", "moe"):
         raise HetplanError(
-            f"the built-in runtime model covers GPT- and Llama-style decoders, not family {spec.family!r}; "
-            "pass your own build function to hetplan.runtime"
+            f"the built-in runtime model covers GPT- and Llama-style decoders and GShard-style MoE decoders, "
+            f"not family {spec.family!r}; pass your own build function to hetplan.runtime"
         )
     h, heads, vocab, seq = spec.hidden_size, spec.num_heads, spec.vocab_size, spec.seq_len
     if not (h and heads and vocab):
         raise HetplanError(f"model {spec.name!r} lacks hidden size, heads or vocabulary")
     llama = spec.family == "llama"
-    block = spec.layers[1]
+    moe = moe_layer_indices(spec)
+    dense = [i for i in range(n) if i not in moe]
+    if not dense:
+        raise HetplanError(f"model {spec.name!r} has no dense block; the built-in runtime model needs one to infer "
+                           "its sizes -- pass your own build function to hetplan.runtime")
+    block = spec.layers[1 + dense[0]]
     kv = block.tp_max or heads
     tied = bool(spec.layers[0].tied_group) and spec.layers[0].tied_group == spec.layers[-1].tied_group
     hd = h // heads
@@ -275,9 +428,36 @@ def config_from_spec(spec) -> GPTConfig:  # noqa: ANN001 - ModelSpec, kept torch
         ffn, rem = divmod(block.params - attn - norms - h, 2 * h + 1)
     if rem or ffn <= 0:
         raise HetplanError(f"cannot infer the MLP width of model {spec.name!r} from its parameter count")
+    if moe:
+        base.update(_moe_config(spec, moe, attn + norms, llama))
     cfg = GPTConfig(ffn=ffn, **base)
     _check_params(spec, cfg)
     return cfg
+
+
+def moe_layer_indices(spec) -> tuple[int, ...]:  # noqa: ANN001
+    """Block indices (0 = ``layers.0``) of a decoder preset's mixture-of-experts layers."""
+    return tuple(i - 1 for i, layer in enumerate(spec.layers)
+                 if getattr(layer, "num_experts", 0) or layer.kind == "moe")
+
+
+def _moe_config(spec, moe: tuple[int, ...], rest: int, llama: bool) -> dict[str, Any]:  # noqa: ANN001
+    """Experts, top-k and expert width of the MoE blocks: the counts from the
+    layer (or the spec's meta), the width from the block's parameter count
+    (``rest``: its attention and norms; then a bias-free router of ``h x e`` and
+    ``e`` experts of ``3hf`` (SwiGLU) or ``2hf + f + h`` (GELU, biases))."""
+    layer = spec.layers[1 + moe[0]]
+    e = getattr(layer, "num_experts", 0) or int(spec.meta.get("num_experts", 0))
+    k = getattr(layer, "top_k", 0) or int(spec.meta.get("top_k", 2))
+    h = spec.hidden_size
+    if not e:
+        raise HetplanError(f"model {spec.name!r} does not say how many experts its MoE layers have")
+    experts = layer.params - rest - h * e
+    f, rem = divmod(experts, 3 * h * e) if llama else divmod(experts - e * h, e * (2 * h + 1))
+    if rem or f <= 0 or any(spec.layers[1 + i].params != layer.params for i in moe):
+        raise HetplanError(f"cannot infer the expert width of model {spec.name!r} from its parameter count; "
+                           "pass your own build function to hetplan.runtime")
+    return dict(num_experts=e, top_k=k, expert_ffn=f, moe_layers=moe)
 
 
 def _check_params(spec, cfg: GPTConfig) -> None:  # noqa: ANN001
@@ -307,19 +487,50 @@ class ModelBuild:
     model; ``loss(output, targets)`` its training loss; ``meta_init``: built on
     the meta device and initialised by hetplan (the built-in model), or built
     for real under ``torch.manual_seed(seed)`` (HF models: their rotary and
-    other buffers are computed at construction)."""
+    other buffers are computed at construction). ``batch(batch_size, step,
+    seed)``: the model's own synthetic (x, targets, keyword inputs), None for
+    next-token batches (``reference.training_batch``); ``example_inputs``: one
+    batch of positional inputs on meta for the pipeline chain check, if known."""
 
     build: Callable[[], nn.Module]
     loss: Callable[[Any, torch.Tensor], torch.Tensor]
     meta_init: bool
+    batch: Callable[[int, int, int], tuple[Any, Any, dict[str, Any]]] | None = None
+    example_inputs: tuple[Any, ...] | None = None
 
 
-def model_build(spec) -> ModelBuild:  # noqa: ANN001
-    """The built-in model for hetplan's presets; for a model imported from a HF
-    config, that HF class built from the config values the plan file embeds."""
+def model_build(spec, dropout: float = 0.0) -> ModelBuild:  # noqa: ANN001
+    """The built-in model for hetplan's presets (with ``dropout`` at GPT-2's
+    sites); for a model imported from a HF config, that HF class built from the
+    config values the plan file embeds (its dropout is the config's); for a
+    model given as ``pkg.mod:build``, that function's model, checked against
+    the plan's (hetplan.runtime.user_model)."""
+    if dropout:
+        check_dropout(spec, dropout)
     if spec.meta.get("hf_class"):
         return _hf_build(spec)
+    if spec.meta.get("module_source"):
+        from hetplan.runtime.user_model import user_model
+
+        user = user_model(spec)
+        return ModelBuild(user.build, user.loss, user.meta_init, user.batch, user.example_inputs)
+    if dropout:
+        return ModelBuild(lambda: GPT(replace(config_from_spec(spec), dropout=dropout)), cross_entropy_loss, True)
     return ModelBuild(lambda: build_preset_model(spec), cross_entropy_loss, True)
+
+
+def check_dropout(spec, dropout: float) -> None:  # noqa: ANN001
+    """``hetplan train --dropout P``: a probability in [0, 1), for a built-in
+    model whose ModelSpec counts dropout masks (so the plan's memory estimate
+    holds them: 1 byte per element, docs/models.md)."""
+    if not 0.0 <= dropout < 1.0:
+        raise HetplanError(f"--dropout {dropout}: give a probability at least 0 and below 1 (GPT-2 uses 0.1)")
+    if spec.meta.get("hf_class"):
+        raise HetplanError(f"--dropout is for hetplan's built-in models; model {spec.name!r} is a HF model: set "
+                           "the dropout fields of its config.json instead")
+    if not spec.meta.get("architecture", {}).get("dropout"):
+        raise HetplanError(f"model {spec.name!r} is costed without dropout (its layers count no dropout masks), so "
+                           "its plan's memory would not hold them; drop --dropout or use a GPT preset such as tiny-gpt")
 
 
 def _hf_build(spec) -> ModelBuild:  # noqa: ANN001
@@ -338,4 +549,17 @@ def _hf_build(spec) -> ModelBuild:  # noqa: ANN001
     def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(getattr(output, "logits", output), targets)
 
-    return ModelBuild(lambda: cls(config), loss, False)
+    return ModelBuild(lambda: cls(config), loss, False, _hf_batch(spec, cls, config))
+
+
+def _hf_batch(spec, cls: Any, config: Any) -> Callable[[int, int, int], Any] | None:  # noqa: ANN001
+    """The synthetic batches of a HF model that is no next-token model: an
+    encoder-decoder's (T5) or an image classifier's (ViT); None for the others
+    (hetplan.runtime.reference.training_batch)."""
+    from hetplan.runtime import reference
+
+    if getattr(config, "is_encoder_decoder", False):
+        return lambda b, step, seed: reference.seq2seq_batch(spec, config, b, step, seed)
+    if getattr(cls, "main_input_name", "") == "pixel_values" and getattr(config, "num_labels", 0):
+        return lambda b, step, seed: reference.image_batch(config, b, step, seed)
+    return None

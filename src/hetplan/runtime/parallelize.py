@@ -15,12 +15,13 @@ ZeRO stages as FSDP2 settings (per layer; ``zero`` from the plan):
 
 * 0 -- ``replicate`` (FSDP2-based data parallelism: parameters replicated,
   gradients all-reduced). DDP is not used: it is silently wrong with TP/PP.
-* 1, 2 -- ``fully_shard(reshard_after_forward=False)``: parameters stay gathered
+* 1 -- ``replicate`` as 0 (whole weights, gradients all-reduced); the optimizer
+  from ``ctx.optimizer`` keeps states for a 1/dp slice of each parameter and
+  all-gathers the updated slices (``hetplan.runtime.zero1``): FSDP2 has no ZeRO-1.
+* 2 -- ``fully_shard(reshard_after_forward=False)``: parameters stay gathered
   from forward to backward (no second all-gather), gradients are
-  reduce-scattered, optimizer states sharded. This is ZeRO-2. FSDP2 has no
-  ZeRO-1 (optimizer-only sharding with all-reduced gradients); ZeRO-2 holds
-  strictly less memory at the same communication volume (reduce-scatter +
-  all-gather = all-reduce), so ZeRO-1 layers run as ZeRO-2 and the runtime says so.
+  reduce-scattered, optimizer states sharded; between steps FSDP2 keeps the
+  weights sharded too (the cost model counts that: ``memory.resident_bytes_split``).
 * 3 -- ``fully_shard(reshard_after_forward=True)``: parameters re-gathered in
   backward (ZeRO-3 / FSDP).
 
@@ -94,38 +95,72 @@ def uncovered_state(model: nn.Module, names: Sequence[str]) -> list[str]:
 
 
 def tied_layer_pairs(model: nn.Module, names: Sequence[str]) -> list[tuple[str, str]]:
-    """(canonical fqn, alias fqn) for tied parameters owned by different layers."""
-    pairs = []
+    """(canonical fqn, alias fqn) for tied parameters owned by different layers.
+    Names outside every layer's own module are skipped (T5's ``shared.weight``,
+    held by the embedding layer besides ``encoder.embed_tokens.weight``, the
+    same tensor): the canonical name is the first one inside a layer."""
+    tensors: dict[str, list[str]] = {}
     for fqn, canon in param_aliases(model).items():
-        if fqn != canon and owner_layer(fqn, names) != owner_layer(canon, names):
-            pairs.append((canon, fqn))
+        if owner_layer(fqn, names) is not None:
+            tensors.setdefault(canon, []).append(fqn)
+    pairs = []
+    for fqns in tensors.values():
+        pairs += [(fqns[0], f) for f in fqns[1:] if owner_layer(f, names) != owner_layer(fqns[0], names)]
     return pairs
 
 
 # --- pipeline parts -----------------------------------------------------------------------
+def layer_paths(names: Sequence[str], modules: dict[str, Sequence[str]] | None = None) -> list[str]:
+    """Every module path of the layers ``names``: a layer may span several
+    modules (an HF import's ``meta["layer_modules"]``: Llama's head is
+    ``lm_head`` + ``model.norm`` + ``model.rotary_emb``)."""
+    out: list[str] = []
+    for name in names:
+        for path in (modules or {}).get(name) or [name]:
+            if path not in out:
+                out.append(path)
+    return out
+
+
 class PipelinePart(nn.Module):
     """The layers one pipeline chunk (or one rank) runs, at their original
-    module paths so parameter names equal the full model's. ``forward`` runs
-    the layers in order, each taking the previous one's output."""
+    module paths so parameter names equal the full model's.
 
-    def __init__(self, source: nn.Module, names: Sequence[str]) -> None:
+    ``forward(*args, **inputs)`` runs the layers in order, each taking the
+    previous one's output; ``inputs`` are this micro-batch's keyword inputs of
+    the model (``train_step(..., inputs=...)``), which every stage gets. A
+    layer takes those of them ``kwarg_routes`` names (keyword inputs the
+    model's forward passes through unchanged, hetplan.runtime.chain). With
+    ``staged`` (an HF model, hetplan.runtime.hf_stages) the stage runs that
+    family's forward split at layer boundaries instead, and also holds its
+    parameter-free helper modules (rotary embeddings)."""
+
+    def __init__(self, source: nn.Module, names: Sequence[str], modules: dict[str, Sequence[str]] | None = None,
+                 staged: Any = None, kwarg_routes: dict[str, dict[str, str]] | None = None) -> None:
         super().__init__()
         self.layer_names = list(names)
-        for name in names:
+        self.staged = staged
+        self.kwarg_routes = dict(kwarg_routes or {})
+        paths = layer_paths(names, modules) + [h for h in (staged.helpers if staged else ()) if h]
+        for path in dict.fromkeys(paths):
             parent: nn.Module = self
-            parts = name.split(".")
+            parts = path.split(".")
             for p in parts[:-1]:
                 child = parent._modules.get(p)
                 if child is None:
                     child = nn.Module()
                     parent._modules[p] = child
                 parent = child
-            parent._modules[parts[-1]] = source.get_submodule(name)
+            parent._modules[parts[-1]] = source.get_submodule(path)
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **inputs: Any) -> Any:
+        if self.staged is not None:
+            return self.staged.run(self, self.layer_names, args[0] if len(args) == 1 else args, inputs)
         x: Any = args
         for name in self.layer_names:
-            x = self.get_submodule(name)(*x) if isinstance(x, tuple) else self.get_submodule(name)(x)
+            layer = self.get_submodule(name)
+            kw = {k: inputs[src] for k, src in self.kwarg_routes.get(name, {}).items() if src in inputs}
+            x = layer(*x, **kw) if isinstance(x, tuple) else layer(x, **kw)
         return x
 
     def extra_repr(self) -> str:
@@ -227,11 +262,17 @@ def _retie(root: nn.Module, aliases: dict[str, str]) -> None:
 def _checkpoint_forward(module: nn.Module) -> None:
     from torch.utils.checkpoint import checkpoint
 
+    from hetplan.runtime import dropout
+
     inner = module.forward
+    if dropout.has_dropout(module):  # recompute under the forward's dropout scope: the same masks
+        options: dict[str, Any] = {"context_fn": dropout.checkpoint_context}
+    else:
+        options = {}
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
@@ -269,13 +310,16 @@ def apply_compile(root: nn.Module, layer_names: Sequence[str]) -> None:
 
 
 # --- data parallelism ---------------------------------------------------------------------------
-def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[str]) -> list[tuple[nn.Module, bool]]:
+def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[str],
+             ignored: set[nn.Parameter] | None = None) -> list[tuple[nn.Module, bool]]:
     """Wrap each layer per its ZeRO stage, then the part itself (the FSDP root,
     which also takes parameters shared by two of its layers).
 
     Returns the wrapped modules with whether each reduces gradients on every
     micro-batch (ZeRO-3: yes, so unsharded gradients are freed at once) or
     only on the last one of a step (ZeRO-0/1/2: accumulate locally, reduce once).
+    ``ignored``: parameters FSDP leaves alone (expert-parallel experts, synced
+    over their own group by the runtime).
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
@@ -286,8 +330,6 @@ def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[st
         if f != c:
             shared |= {owner_layer(f, names), owner_layer(c, names)}
     shared.discard(None)
-    if any(z == 1 for z in zero.values()):
-        notes.append("ZeRO-1 runs as ZeRO-2 (FSDP2 reduce-scatters gradients; same traffic, less memory)")
     wrapped: list[tuple[nn.Module, bool]] = []
     for name in names:
         if name in shared:
@@ -296,17 +338,98 @@ def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[st
         if not any(True for _ in layer.parameters()):
             continue
         z = zero[name]
-        if z == 0:
-            replicate(layer, mesh=dp_mesh)
+        if z <= 1:  # ZeRO-1: whole weights and gradients; ctx.optimizer shards the states (runtime/zero1.py)
+            replicate(layer, mesh=dp_mesh, ignored_params=ignored)
         else:
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=(z == 3))
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=(z == 3), ignored_params=ignored)
         wrapped.append((layer, z == 3))
-    if all(z == 0 for z in zero.values()):
-        replicate(root, mesh=dp_mesh)
+    if all(z <= 1 for z in zero.values()):
+        replicate(root, mesh=dp_mesh, ignored_params=ignored)
         wrapped.append((root, False))
     else:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored)
         wrapped.append((root, any(zero[n] == 3 for n in shared if n)))
+    return wrapped
+
+
+# --- expert parallelism ---------------------------------------------------------------------------
+def apply_ep(root: nn.Module, layer_names: Sequence[str], expert_mesh: Any, ep_group: Any,
+             tp_group: Any = None) -> set[nn.Parameter]:
+    """Shard the experts of every MoE module (a module with ``experts`` and
+    ``ep_group``, as hetplan's :class:`~hetplan.runtime.models.MoE`) over the
+    mesh ``expert_mesh``, whose dims are some of ``edp`` (replicated: the
+    expert-data-parallel copies), ``ep`` (``Shard(0)``: this rank holds
+    ``num_experts / ep`` experts, tokens routed by all-to-all over ``ep_group``)
+    and ``tp`` (expert tensor parallelism: each weight split along the dim its
+    holder names in ``tp_shard_dims``, the others replicated; partial outputs
+    summed over ``tp_group``). Returns the expert parameters."""
+    from torch.distributed.tensor import distribute_tensor
+
+    experts: set[nn.Parameter] = set()
+    for name in layer_names:
+        for module in root.get_submodule(name).modules():
+            if not (hasattr(module, "experts") and hasattr(module, "ep_group")):
+                continue
+            module.ep_group = ep_group
+            holder = module.experts
+            if tp_group is not None:
+                check_expert_tp(holder, name, expert_mesh["tp"].size())
+                holder.tp_group = tp_group
+            for pname, p in list(holder.named_parameters(recurse=False)):
+                placements = _expert_placements(expert_mesh.mesh_dim_names, holder, pname)
+                d = distribute_tensor(p.data, expert_mesh, placements, src_data_rank=None)
+                new = nn.Parameter(d, requires_grad=p.requires_grad)
+                setattr(holder, pname, new)
+                experts.add(new)
+    return experts
+
+
+def _expert_placements(dims: Sequence[str], holder: nn.Module, pname: str) -> list[Any]:
+    """One placement per expert-mesh dim (see :func:`apply_ep`)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    tp_dim = getattr(holder, "tp_shard_dims", {}).get(pname)
+    rule = {"edp": Replicate(), "ep": Shard(0), "tp": Replicate() if tp_dim is None else Shard(tp_dim)}
+    return [rule[d] for d in dims]
+
+
+def check_expert_tp(holder: nn.Module, name: str, tp: int) -> None:
+    """Expert TP needs the holder's own rule (``tp_shard_dims``) and a width ``tp`` divides."""
+    dims = getattr(holder, "tp_shard_dims", None)
+    if dims is None or not hasattr(holder, "tp_group"):
+        raise HetplanError(f"the experts of layer {name!r} ({type(holder).__name__}) say nothing of how tensor "
+                           "parallelism splits them (tp_shard_dims, tp_group); use a plan with tp=1 there")
+    for pname, dim in dims.items():
+        p = getattr(holder, pname, None)
+        if p is not None and p.size(dim) % tp:
+            raise HetplanError(f"tp={tp} does not divide the expert width {p.size(dim)} of layer {name!r}; "
+                               f"use a tp that divides {p.size(dim)}")
+
+
+def moe_modules(model: nn.Module) -> list[nn.Module]:
+    """The mixture-of-experts modules of a model (``experts`` and ``ep_group``)."""
+    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "ep_group")]
+
+
+def apply_expert_zero(root: nn.Module, layer_names: Sequence[str], zero: dict[str, int], edp_mesh: Any,
+                      divide_factor: int) -> list[tuple[nn.Module, bool]]:
+    """ZeRO-2/3 for expert-parallel experts, as the cost model charges them:
+    ``fully_shard`` each experts holder over the expert-data-parallel mesh (the
+    ranks holding the same experts; torchtitan does the same), gradients summed
+    there and divided by ``divide_factor`` (``dp * cp``, as the dense ones are
+    averaged). Call before :func:`apply_dp`, which then leaves them alone.
+    Returns the wrapped holders as :func:`apply_dp` does."""
+    from torch.distributed.fsdp import fully_shard
+
+    wrapped: list[tuple[nn.Module, bool]] = []
+    for name in layer_names:
+        if zero[name] < 2:
+            continue
+        for module in moe_modules(root.get_submodule(name)):
+            fully_shard(module.experts, mesh=edp_mesh, reshard_after_forward=zero[name] == 3)
+            module.experts.set_gradient_divide_factor(float(divide_factor))
+            module.experts.set_force_sum_reduction_for_comms(True)  # sum, then divide: gloo has no PREMUL_SUM
+            wrapped.append((module.experts, zero[name] == 3))
     return wrapped
 
 

@@ -31,6 +31,76 @@ def synthetic_batch(vocab_size: int, seq_len: int, batch_size: int, step: int, s
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def synthetic_inputs(spec: Any, batch_size: int, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The keyword inputs ``hetplan train`` gives a model with each synthetic
+    batch: for a HF model that takes one, an attention mask with trailing
+    padding (each sample keeps a random length from half the sequence to all of
+    it), so ``--verify`` also checks that masks reach every pipeline stage;
+    nothing for other models. The same for a given (step, seed) on every rank."""
+    name = (getattr(spec, "meta", None) or {}).get("hf_class")
+    if not name:
+        return {}
+    import inspect
+
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None or "attention_mask" not in inspect.signature(cls.forward).parameters:
+        return {}
+    seq = spec.seq_len
+    g = torch.Generator().manual_seed(par.stable_seed(seed, f"mask:{step}"))
+    valid = torch.randint(max(1, seq // 2), seq + 1, (batch_size, 1), generator=g)
+    return {"attention_mask": (torch.arange(seq)[None, :] < valid).long()}
+
+
+def _padding_mask(length: int, batch_size: int, g: torch.Generator) -> torch.Tensor:
+    valid = torch.randint(max(1, length // 2), length + 1, (batch_size, 1), generator=g)
+    return (torch.arange(length)[None, :] < valid).long()
+
+
+def seq2seq_batch(spec: Any, config: Any, batch_size: int, step: int, seed: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """An encoder-decoder batch (T5): the encoder reads a counting sequence, the
+    decoder predicts its continuation (``meta["decoder_seq_len"]`` tokens) from
+    those labels shifted right (starting at the pad id, as T5 does); both with
+    trailing padding masks. The same for a given (step, seed) on every rank."""
+    seq, dec = spec.seq_len, int(spec.meta.get("decoder_seq_len") or spec.seq_len)
+    x, y = synthetic_batch(spec.vocab_size, max(seq, dec), batch_size, step, seed)
+    labels = y[:, :dec].contiguous()
+    start = getattr(config, "decoder_start_token_id", None)
+    start = int(start if start is not None else getattr(config, "pad_token_id", 0) or 0)
+    g = torch.Generator().manual_seed(par.stable_seed(seed, f"mask:{step}"))
+    return x[:, :seq].contiguous(), labels, {
+        "attention_mask": _padding_mask(seq, batch_size, g),
+        "decoder_input_ids": torch.cat([torch.full_like(labels[:, :1], start), labels[:, :-1]], 1),
+        "decoder_attention_mask": _padding_mask(dec, batch_size, g),
+    }
+
+
+def image_batch(config: Any, batch_size: int, step: int, seed: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Images and class labels for an image classifier (ViT): noise whose first
+    channel is shifted by the label, so the label can be learnt. No mask."""
+    size = config.image_size
+    size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+    g = torch.Generator().manual_seed(par.stable_seed(seed, f"images:{step}"))
+    labels = torch.randint(0, config.num_labels, (batch_size,), generator=g)
+    images = torch.randn(batch_size, config.num_channels, *size, generator=g)
+    images[:, 0] += (labels.float() / config.num_labels)[:, None, None]
+    return images, labels, {}
+
+
+def training_batch(spec: Any, how: Any, batch_size: int, step: int, seed: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(x, targets, keyword inputs) ``hetplan train`` feeds the plan's model at
+    ``step``: the model's own batches (``how.batch``, a ``pkg.mod:build``
+    model: hetplan.runtime.user_model), else the next-token batches above."""
+    if getattr(how, "batch", None) is not None:
+        return how.batch(batch_size, step, seed)
+    x, y = synthetic_batch(spec.vocab_size, spec.seq_len, batch_size, step, seed)
+    return x, y, synthetic_inputs(spec, batch_size, step, seed)
+
+
 def build_reference(build_model: Callable[[], nn.Module], seed: int = 0,
                     init_fn: par.InitFn | None = None, device: str | torch.device = "cpu") -> nn.Module:
     """The full model on one device with the runtime's plan-independent initial values."""
@@ -60,16 +130,20 @@ def make_optimizer(params: Iterable[nn.Parameter], name: str = "sgd", lr: float 
 
 def train_reference(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                     loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-                    clip: float | None = None, precision: str = "fp32") -> list[float]:
+                    clip: float | None = None, precision: str = "fp32", seed: int = 0) -> list[float]:
     """Plain PyTorch training on whole global batches, the forward under the
     plan's precision (hetplan.runtime.precision; no loss scaling: in fp32
-    gradients a power-of-two scale changes nothing); returns the losses."""
+    gradients a power-of-two scale changes nothing); returns the losses.
+    Dropout draws the runtime's plan-independent masks for ``seed`` and step
+    0, 1, ... (hetplan.runtime.dropout; ``seed`` as given to ``parallelize``)."""
+    from hetplan.runtime import dropout
     from hetplan.runtime.precision import autocast
 
+    dropout.prepare(model)
     losses = []
-    for x, y in batches:
-        with autocast(x.device, precision):
-            loss = loss_fn(model(x), y)
+    for step, (x, y, *inputs) in enumerate(batches):  # (x, y) or (x, y, keyword inputs of the model)
+        with autocast(x.device, precision), dropout.scope(seed, step, torch.arange(x.size(0))):
+            loss = loss_fn(model(x, **(inputs[0] if inputs else {})), y)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -136,7 +136,11 @@ def _register_builtins() -> None:
 
     def block_plan(module: m.Block, s: TPSettings) -> dict[str, Any]:
         _heads_check(s.name, module.attn.heads, module.attn.kv_heads, s.tp)
-        ffn = module.mlp.fc.out_features
+        moe = isinstance(module.mlp, m.MoE)  # router whole on every TP rank; experts split by parallelize.apply_ep
+        if moe and s.sequence_parallel:
+            raise HetplanError(f"sequence parallelism with the mixture-of-experts layer {s.name!r} is not supported; "
+                               "turn sequence_parallel off")
+        ffn = 0 if moe else module.mlp.fc.out_features
         if ffn % s.tp:
             raise HetplanError(f"tp={s.tp} does not divide the MLP width {ffn} of layer {s.name!r}")
         sp = s.sequence_parallel
@@ -144,10 +148,10 @@ def _register_builtins() -> None:
         plan: dict[str, Any] = {
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=out),
-            "mlp.fc": ColwiseParallel(),
-            "mlp.proj": RowwiseParallel(output_layouts=out),
         }
-        if module.mlp.gate is not None:
+        if not moe:
+            plan.update({"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=out)})
+        if not moe and module.mlp.gate is not None:
             plan["mlp.gate"] = ColwiseParallel()
         if sp:
             plan.update({

@@ -1,4 +1,5 @@
-"""``hetplan train``'s worker: train a built-in model on synthetic data under a plan.
+"""``hetplan train``'s worker: train the plan's model (a built-in preset, a HF
+config's class or a ``pkg.mod:build`` model) on synthetic data under a plan.
 
 Run by torchrun (``python -m hetplan.runtime.trainer --plan p.json ...``), or
 in-process for a one-device plan, or by the tests through ``run_local``. Rank 0
@@ -38,6 +39,7 @@ class TrainConfig:
     die_after: int = 0  # tests: SIGKILL every rank right after this step (and its checkpoint)
     quiet: bool = False
     compile: bool = False  # torch.compile each layer (RuntimeContext.parallelize)
+    dropout: float = 0.0  # the built-in model's dropout (hetplan.runtime.dropout: plan-independent masks)
 
 
 def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
@@ -48,13 +50,14 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     from hetplan.runtime import checkpoint as ck
     from hetplan.runtime.context import init
     from hetplan.runtime.models import model_build
-    from hetplan.runtime.reference import make_optimizer, synthetic_batch
+    from hetplan.runtime.reference import make_optimizer, training_batch
 
     ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None))
     plan, spec = ctx.plan, ctx.spec
-    how = model_build(spec)
-    model = ctx.parallelize(how.build, seed=cfg.seed, compile=cfg.compile, meta_init=how.meta_init)
-    opt = make_optimizer(model.parameters(), cfg.optimizer, cfg.lr)
+    how = model_build(spec, cfg.dropout)
+    model = ctx.parallelize(how.build, seed=cfg.seed, compile=cfg.compile, meta_init=how.meta_init,
+                            example_inputs=how.example_inputs)
+    opt = ctx.optimizer(model, make_optimizer, name=cfg.optimizer, lr=cfg.lr)  # ZeRO-1: states sharded
     for note in ctx.notes:
         if not cfg.quiet:
             ctx.print(f"note: {note}")
@@ -71,11 +74,13 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
                 ctx.print(f"resumed from {found[0]} (step {start})")
         elif not cfg.quiet:
             ctx.print(f"note: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0", file=sys.stderr)
+    ctx.step = start  # dropout masks of a resumed run continue where it stopped
     losses, times = [], []
     for step in range(start, cfg.steps):
-        x, y = synthetic_batch(spec.vocab_size, spec.seq_len, plan.global_batch_size, step, cfg.seed)
+        # next-token batches (HF: with a padded attention mask), or a pkg.mod:build model's own (user_model)
+        x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, cfg.seed)
         t0 = time.perf_counter()
-        loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False)
+        loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
         if cfg.clip:
             ctx.clip_grad_norm_(model, cfg.clip)
         opt.step()
@@ -149,10 +154,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0)
     a = p.parse_args(argv)
     return TrainConfig(a.plan, a.model, a.steps, a.seed, a.lr, a.optimizer, a.clip, a.out, a.export,
                        a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet,
-                       a.compile)
+                       a.compile, a.dropout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,13 +4,16 @@
    Galvatron-BMW) run on the same CostModel (one kernel, shared tables); their
    best plans join the pool. So auto is never worse than any of them.
 2. **Layouts.** A layout fixes the pipeline's stage device groups, each
-   stage's (dp, tp) and data split, and the micro-batching. Auto takes the
+   stage's (dp, tp) and data split, and the micro-batching — and its context-
+   and expert-parallel degrees (cp for long sequences, ep for MoE models:
+   ``common.degrees.enumerate_parallel_degrees``). Auto takes the
    layouts of every seed plan (Metis's uneven groups and splits, Galvatron's
    stage shapes) and of AMP's whole space: every (pp, dp, tp) with TP inside
    nodes, every micro-batch size, the Megatron placement and — where there are
    at most ``max_placements`` of them — every placement up to symmetry.
 3. **Exact solve.** For each layout, ``common.stage_partition`` finds the
-   layer split and every stage's ZeRO stage and recomputation (sequence
+   layer split and every stage's ZeRO stage, recomputation and activation
+   offloading (the latter two only where memory is short; sequence
    parallelism wherever tp > 1: it never costs more) that minimise the shared
    model's iteration time; the answer is certified optimal for the layout, or
    its gap to the layout's bound is known. Layouts are solved cheapest lower
@@ -20,7 +23,8 @@
    lower bound (``cost/bounds.py``) and the notes say how close the plan is.
 
 The space where auto is exact: every layout above × every contiguous layer
-split × per-stage ZeRO ∈ {0, 2, 3} and recomputation ∈ {none, selective, full}.
+split × per-stage ZeRO ∈ {0, 2, 3}, recomputation ∈ {none, selective, full}
+and activation offloading ∈ {no, yes} (``Workload.search_offload``).
 It contains the ``exhaustive`` planner's space (AMP's, without ZeRO or
 recomputation) whenever the placements are enumerated, so auto is never worse
 than ``exhaustive``; and it contains every seed's layout, so its exact solve
@@ -48,7 +52,8 @@ from hetplan.search.base import Planner, cost_model_for, no_fit_error
 from hetplan.search.baselines.megatron import MegatronPlanner
 from hetplan.search.baselines.uniform import UniformPlanner
 from hetplan.search.common.budget import WorkBudget
-from hetplan.search.common.degrees import divisors, enumerate_degrees, micro_batch_sizes
+from hetplan.search.common.degrees import divisors, enumerate_parallel_degrees, micro_batch_sizes
+from hetplan.search.common.expert_split import speed_expert_split
 from hetplan.search.common.partition import PartitionProblem
 from hetplan.search.common.placement import canonical_placements, count_canonical_placements, heuristic_placement
 from hetplan.search.common.stage_partition import PipelinePartitioner, PipelineSolution
@@ -76,8 +81,10 @@ MAX_SOLVES = 300  # exact layout solves per search (work budget)
 POLISH_DUAL_STEPS = 2  # dual steps of the best layout's second, exact solve
 ZERO_OPTIONS = (0, 2, 3)  # ZeRO-1 never beats ZeRO-2 in the cost model
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
+OFFLOAD_OPTIONS = (False, True)  # activation offloading, searched where memory is short (useful_options)
 
-StageShape = tuple[tuple[int, ...], int, int, tuple[int, ...]]  # devices, dp, tp, split
+# devices, dp, tp, split, cp, ep, ep_split (None: even experts)
+StageShape = tuple[tuple[int, ...], int, int, tuple[int, ...], int, int, tuple[int, ...] | None]
 GRID = "amp-space"  # the source of the layouts of AMP's space
 
 
@@ -94,13 +101,17 @@ class Layout:
     def key(self) -> tuple[object, ...]:
         return (self.stages, self.num_micro_batches)
 
-    def options(self) -> list[list[StageOption]]:
-        """Per stage, the ways to run its layers the exact solve chooses from."""
+    def options(self, offload: bool = False) -> list[list[StageOption]]:
+        """Per stage, the ways to run its layers the exact solve chooses from;
+        with ``offload`` each recomputation also with its saved activations in
+        host memory (listed after those without: ties keep them on the GPU)."""
+        offloads = OFFLOAD_OPTIONS if offload else (False,)
         out = []
-        for devices, dp, tp, split in self.stages:
-            zeros = ZERO_OPTIONS if dp > 1 else (0,)
-            out.append([StageOption(devices, dp, tp, split, zero, recompute, tp > 1)
-                        for zero in zeros for recompute in RECOMPUTE_OPTIONS])
+        for devices, dp, tp, split, cp, ep, ep_split in self.stages:
+            zeros = ZERO_OPTIONS if dp * cp > 1 else (0,)
+            out.append([StageOption(devices, dp, tp, split, zero, recompute, tp > 1, off, cp=cp, ep=ep,
+                                    ep_split=ep_split)
+                        for zero in zeros for off in offloads for recompute in RECOMPUTE_OPTIONS])
         return out
 
 
@@ -191,23 +202,26 @@ class _AutoSearch:
         for plan in seeds:
             if plan.virtual_stages > 1 or plan.global_batch_size != gbs:
                 continue
-            stages = tuple((s.devices, s.dp, s.tp, s.dp_split) for s in plan.stages)
+            stages = tuple((s.devices, s.dp, s.tp, s.dp_split, s.cp, s.ep, s.ep_split) for s in plan.stages)
             yield Layout(stages, plan.micro_batch_size, plan.num_micro_batches, plan.planner)
             if any(len(set(s.dp_split)) > 1 for s in plan.stages):
                 continue
             for m in divisors(gbs):
                 mbs = gbs // m
                 if m != plan.num_micro_batches and all(mbs % s.dp == 0 for s in plan.stages):
-                    evened = tuple((s.devices, s.dp, s.tp, (mbs // s.dp,) * s.dp) for s in plan.stages)
+                    evened = tuple((s.devices, s.dp, s.tp, (mbs // s.dp,) * s.dp, s.cp, s.ep, s.ep_split)
+                                   for s in plan.stages)
                     yield Layout(evened, mbs, m, plan.planner)
 
     def _grid_layouts(self) -> Iterable[Layout]:
-        """AMP's space: degrees × micro-batch × placements."""
+        """AMP's space: degrees × micro-batch × placements, with context and
+        expert parallelism where ``enumerate_parallel_degrees`` allows them
+        (a replica's cp·tp GPUs placed as a TP group of AMP's of dp·cp replicas)."""
         cluster, gbs = self.workload.cluster, self.workload.global_batch_size
         counts: dict[int, int] = {}  # placements up to symmetry: their number depends on tp alone
-        for pp, dp, tp in enumerate_degrees(self.workload):
-            placements = [heuristic_placement(cluster.num_devices, pp, dp, tp)]
-            if cluster.bandwidth_matrix_gbps is None:
+        for pp, dp, cp, tp, ep in enumerate_parallel_degrees(self.workload):
+            placements = [heuristic_placement(cluster.num_devices, pp, dp * cp, tp)]
+            if cluster.bandwidth_matrix_gbps is None and cp == 1:
                 if tp not in counts:
                     counts[tp] = count_canonical_placements(cluster, pp, dp, tp)
                 if counts[tp] <= self.planner.max_placements:
@@ -215,8 +229,13 @@ class _AutoSearch:
             for u in micro_batch_sizes(gbs, dp):
                 mbs = dp * u
                 for placement in placements:
-                    stages = tuple((devices, dp, tp, (u,) * dp) for devices in placement)
+                    stages = tuple((devices, dp, tp, (u,) * dp, cp, ep, None) for devices in placement)
                     yield Layout(stages, mbs, gbs // mbs, GRID)
+                    by_speed = tuple((devices, dp, tp, (u,) * dp, cp, ep,
+                                      speed_expert_split(self.workload, devices, dp * cp, tp, ep))
+                                     for devices in placement)
+                    if any(stage[-1] for stage in by_speed):  # mixed GPUs: experts by speed too
+                        yield Layout(by_speed, mbs, gbs // mbs, GRID)
 
     def solve_all(self, layouts: list[Layout]) -> None:
         """Solve layouts cheapest bound first; stop when no bound can beat the best plan."""
@@ -261,8 +280,8 @@ class _AutoSearch:
         the fastest option's slowest replica (``StageCosts.layer_totals``)."""
         found = self._floors.get(layout.key)
         if found is None:
-            fastest = (StageOption(devices, dp, tp, split, 0, "none", tp > 1)
-                       for devices, dp, tp, split in layout.stages)
+            fastest = (StageOption(devices, dp, tp, split, 0, "none", tp > 1, cp=cp, ep=ep, ep_split=ep_split)
+                       for devices, dp, tp, split, cp, ep, ep_split in layout.stages)
             found = self._floors[layout.key] = np.stack([self.cost.kernel.stage(o).layer_totals() for o in fastest])
         return found
 
@@ -295,18 +314,26 @@ class _AutoSearch:
             - (layout.num_micro_batches - 1) * sum_part.max_stage_s
 
     def useful_options(self, layout: Layout) -> list[list[StageOption]]:
-        """The layout's options less those that cannot help: recomputation only
-        saves memory, so where running without it fits every layer range of the
-        stage's window it is dropped for that ZeRO stage (slower, nothing saved)."""
-        options = layout.options()
+        """The layout's options less those that cannot help: recomputation and
+        activation offloading only save memory (offloading's exposed transfers
+        are never negative), so where running without either fits every layer
+        range of the stage's window they are dropped for that ZeRO stage
+        (slower, nothing saved); and offloading with a recomputation is dropped
+        where that recomputation alone fits everywhere. Offloading is searched
+        only with ``Workload.search_offload``."""
+        options = layout.options(self.workload.search_offload)
         k, n = len(options), self.cost.kernel.num_layers
         span = n - k + 1
         out = []
         for j, stage_options in enumerate(options):
             in_flight = in_flight_micro_batches("1f1b", j, k, layout.num_micro_batches)
-            roomy = {o.zero for o in stage_options if o.recompute == "none" and self._fits_everywhere(o, in_flight,
-                                                                                                   (j, span))}
-            out.append([o for o in stage_options if o.recompute == "none" or o.zero not in roomy])
+            window = (j, span)
+            roomy = {o.zero for o in stage_options if o.recompute == "none" and not o.offload
+                     and self._fits_everywhere(o, in_flight, window)}
+            kept = [o for o in stage_options if o.recompute == "none" and not o.offload or o.zero not in roomy]
+            enough = {(o.zero, o.recompute) for o in kept if not o.offload and o.zero not in roomy
+                      and self._fits_everywhere(o, in_flight, window)} if any(o.offload for o in kept) else set()
+            out.append([o for o in kept if not o.offload or (o.zero, o.recompute) not in enough])
         return out
 
     def _fits_everywhere(self, option: StageOption, in_flight: float, window: tuple[int, int]) -> bool:
@@ -318,7 +345,7 @@ class _AutoSearch:
     def to_plan(self, layout: Layout, solution: PipelineSolution) -> Plan:
         how = "certified optimal" if solution.certified else \
             f"within {solution.iteration_s / solution.lower_bound_s - 1:.2%} of its optimum"
-        note = (f"auto: exact layer split and per-stage ZeRO/recompute for a {layout.source} layout "
+        note = (f"auto: exact layer split and per-stage ZeRO/recompute/offload for a {layout.source} layout "
                 f"({how} for that layout)")
         return Plan(model=self.workload.model.name, cluster=self.workload.cluster.name,
                     global_batch_size=self.workload.global_batch_size, micro_batch_size=layout.micro_batch_size,

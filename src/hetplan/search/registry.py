@@ -16,6 +16,7 @@ from hetplan.search.baselines.uniform import UniformPlanner
 from hetplan.search.exhaustive import ExhaustivePlanner
 from hetplan.search.galvatron import VARIANTS, GalvatronPlanner
 from hetplan.search.metis import MetisPlanner
+from hetplan.search.smp import SMPPlanner
 
 PlannerFactory = Callable[[], Planner]
 
@@ -34,6 +35,9 @@ PLANNERS: dict[str, tuple[PlannerFactory, str]] = {
                                       "symmetry, layer splits) ranked by the cost model; small instances only"),
     "metis": (MetisPlanner, "Metis (ATC'24): device groups, pruned stage mapping, DP-first intra-stage search, "
                             "capacity-aware layer and data balancing"),
+    "smp": (SMPPlanner, "SageMaker model parallelism (Karakus et al. 2021, §4.5): tree partition of the module hierarchy, "
+                        "cost alpha*memory + (1-alpha)*compute, balanced segments, D'Hondt device allocation; "
+                        "dp over the rest, tp=1"),
     "hetero-avg": (HeteroAvgPlanner, "AMP/Alpa homogeneous abstraction: uniform 3D plans chosen as if every GPU "
                                      "were the cluster's average GPU (Metis §3 baseline)"),
 }

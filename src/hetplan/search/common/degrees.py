@@ -4,11 +4,17 @@
   node and TP groups are runs of consecutive ids, so ``tp`` must divide every
   node's GPU count) and every layer must support it (``LayerSpec.supports_tp``);
 * ``pp`` is at most the number of layers;
-* ``dp`` takes the remaining GPUs and must divide the global batch.
+* ``dp`` takes the remaining GPUs and must divide the global batch;
+* ``cp`` (context parallelism) is tried for long sequences only and ``ep``
+  (expert parallelism, taken from the dp·cp GPUs) for MoE models only
+  (``enumerate_parallel_degrees``; the model's own rules in ``cost.cp_ep.degree_problem``).
 """
 
 from __future__ import annotations
 
+import math
+
+from hetplan.cost.cp_ep import degree_problem
 from hetplan.cost.workload import Workload
 
 
@@ -50,3 +56,60 @@ def micro_batch_sizes(global_batch_size: int, dp: int) -> list[int]:
     if global_batch_size % dp:
         return []
     return divisors(global_batch_size // dp)
+
+
+# Context parallelism is searched for workloads whose sequences are long enough
+# that one sample's activations (no TP, no recomputation) fill this share of
+# the smallest GPU: there a replica must split each sample (TP, CP) or
+# recompute it. Shorter sequences keep the search space (and its cost) as it
+# was. Llama-3-8B: 38 GiB per 8k-token sample (no CP on 80 GB GPUs), 305 GiB
+# per 64k-token sample (CP searched).
+CP_SEARCH_ACTIVATION_SHARE = 1.0
+
+
+def context_degrees(workload: Workload) -> list[int]:
+    """CP degrees a search tries: 1, and for long sequences
+    (``CP_SEARCH_ACTIVATION_SHARE``) every cp up to a node's GPUs whose
+    chunks divide the sequence (``cost.cp_ep.degree_problem``)."""
+    model, cluster = workload.model, workload.cluster
+    tps = tp_degrees(workload)
+    if not tps or not any(layer.kv_bytes > 0 for layer in model.layers):
+        return [1]
+    per_sample = model.act_bytes_per_sample
+    smallest = min(workload.device_capacity_bytes(d.id) for d in cluster.devices)
+    if per_sample < CP_SEARCH_ACTIVATION_SHARE * smallest:
+        return [1]
+    most = max(node.num_gpus for node in cluster.nodes)
+    return [cp for cp in divisors(cluster.num_devices) if cp <= most and degree_problem(model, cp, cp, 1) is None]
+
+
+def expert_degrees(workload: Workload, group: int) -> list[int]:
+    """EP degrees over ``group`` = dp·cp devices: 1, and for MoE models every
+    divisor of ``group`` that divides every MoE layer's experts."""
+    experts = {layer.num_experts for layer in workload.model.layers if layer.is_moe}
+    if not experts:
+        return [1]
+    common = math.gcd(group, *experts)
+    return divisors(common)
+
+
+def enumerate_parallel_degrees(workload: Workload) -> list[tuple[int, int, int, int, int]]:
+    """``(pp, dp, cp, tp, ep)`` with pp·dp·cp·tp = GPUs, TP inside nodes, CP
+    only for long sequences (``context_degrees``), EP only for MoE models
+    (``expert_degrees``), pp ≤ layers, dp | global batch. With cp = ep = 1
+    these are ``enumerate_degrees``."""
+    n, model = workload.cluster.num_devices, workload.model
+    cps = context_degrees(workload)
+    degrees = []
+    for tp in tp_degrees(workload):
+        for pp in divisors(n // tp):
+            if pp > model.num_layers:
+                continue
+            rest = n // (tp * pp)
+            for cp in cps:
+                if rest % cp or workload.global_batch_size % (rest // cp):
+                    continue
+                dp = rest // cp
+                degrees += [(pp, dp, cp, tp, ep) for ep in expert_degrees(workload, rest)
+                            if degree_problem(model, dp, cp, ep) is None]
+    return degrees

@@ -360,10 +360,12 @@ class PipelinePartitioner:
 
 
 def _families(options: Sequence[StageOption]) -> tuple[tuple[int, ...], ...]:
-    """Indices of the options that differ only in recomputation, grouped, in order."""
+    """Indices of the options that differ only in recomputation and activation
+    offloading (both trade time for activation memory; neither changes ZeRO
+    traffic or the optimizer step), grouped, in order."""
     groups: dict[StageOption, list[int]] = {}
     for index, option in enumerate(options):
-        groups.setdefault(replace(option, recompute="none"), []).append(index)
+        groups.setdefault(replace(option, recompute="none", offload=False), []).append(index)
     return tuple(tuple(g) for g in groups.values())
 
 

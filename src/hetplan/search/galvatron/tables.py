@@ -200,7 +200,8 @@ class GalvatronCosts:
         once = exposed_grad_sync(ar, bp, self.workload.overlap_grad_sync, k.overlap_slowdown) + opt
         return {
             "valid": valid, "mb": np.where(valid, mb, INF), "once": np.where(valid, once, INF),
-            "states": model_state_bytes(params, zero, s.dp, self.workload.state_bytes),
+            "states": model_state_bytes(params, zero, s.dp, self.workload.state_bytes,
+                                        self.workload.zero_implementation),
             "act": k.activation_bytes(s.tp, recompute, False) * batch,
             "bwd": k.recompute_working_bytes(s.tp, recompute, False) * batch,
             "gathered": k.params_per_device(s.tp) * k.weight_bytes if zero else np.zeros(n),

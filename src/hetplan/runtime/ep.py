@@ -1,0 +1,142 @@
+"""Expert parallelism: token dispatch and combine for a mixture-of-experts MLP.
+
+Each token goes to ``top_k`` experts. Its copies are sorted by expert; with
+expert parallelism (``group``: the EP ranks, each holding ``num_experts / ep``
+consecutive experts) the copies travel to the rank of their expert with
+``all_to_all_single`` (split sizes exchanged first, since they depend on the
+routing), are processed there, and come back the same way (the reverse
+split). ``torch.distributed.nn.functional.all_to_all_single`` is
+autograd-aware: the backward sends the gradients of the outputs back along the
+reverse path, so the router, the experts and everything before them get the
+gradient of the single-process computation (DeepSpeed-MoE, Rajbhandari et al.
+2022 §4; torchtitan's and Megatron-Core's "alltoall" dispatcher). Without a
+group the same code runs every expert locally: the single-process model.
+
+Gradients of the experts: a rank's expert gradient sums what every rank of its
+EP group sent it; the runtime then sums it over the expert-data-parallel group
+(the ranks holding the same experts) and divides by ``dp * cp``, as FSDP
+averages the dense gradients (``RuntimeContext._sync_expert_grads``; under
+ZeRO-2/3 FSDP does it, sharding the experts over that group:
+``parallelize.apply_expert_zero``).
+
+Expert tensor parallelism (tp > 1; Megatron-Core's default ETP = TP): every TP
+rank of an EP rank sees the same tokens and holds a ``1/tp`` slice of each
+expert's inner width; :func:`expert_tp_input` and :func:`expert_tp_output` are
+the two TP collectives around the experts (Megatron-LM's "f" and "g",
+Shoeybi et al. 2019 §3), written here because torch's autograd all-reduce
+does something else (see :class:`_SumOverTP`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+# the autograd-aware all_to_all_single of torch.distributed.nn.functional runs on gloo and NCCL; its
+# suggested replacement (functional collectives) is not autograd-aware in the same way: its warning is noise here
+warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated")
+
+
+def moe_dispatch_combine(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                         expert_fn: Callable[[torch.Tensor, list[int]], torch.Tensor], num_experts: int,
+                         group: Any = None) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * expert_{experts[t, j]}(tokens[t])``.
+
+    ``tokens``: (T, h); ``experts``, ``weights``: (T, k). ``expert_fn(rows,
+    counts)`` runs this rank's experts on ``rows`` sorted by (local) expert,
+    ``counts[e]`` rows each.
+    """
+    k = experts.size(1)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # token copies sorted by expert
+    source = order // k  # the token of each sorted copy
+    counts = torch.bincount(flat, minlength=num_experts)
+    rows = tokens.index_select(0, source)
+    if group is None:
+        out_rows = expert_fn(rows, counts.tolist())
+    else:
+        out_rows = _through_expert_ranks(rows, counts, expert_fn, num_experts, group)
+    scaled = out_rows * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    return torch.zeros_like(tokens).index_add(0, source, scaled)
+
+
+def _through_expert_ranks(rows: torch.Tensor, counts: torch.Tensor,
+                          expert_fn: Callable[[torch.Tensor, list[int]], torch.Tensor], num_experts: int,
+                          group: Any) -> torch.Tensor:
+    """Send ``rows`` (sorted by expert, ``counts`` per expert) to their experts' ranks,
+    run them there, and bring the outputs back in the same order."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    ep = dist.get_world_size(group)
+    local = num_experts // ep
+    received = torch.empty_like(counts)  # [source rank][local expert] counts
+    dist.all_to_all_single(received, counts, group=group)
+    send_splits = counts.view(ep, local).sum(dim=1).tolist()
+    recv_splits = received.view(ep, local).sum(dim=1).tolist()
+    got = all_to_all_single(rows.new_empty(sum(recv_splits), rows.size(1)), rows, recv_splits, send_splits,
+                            group=group)
+    # received copies are ordered by source rank, then expert: regroup by local expert
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), received)
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    out = expert_fn(got.index_select(0, by_expert), received.view(ep, local).sum(dim=0).tolist())
+    back = torch.empty_like(out).index_copy(0, by_expert, out)  # undo the regrouping (autograd-aware)
+    return all_to_all_single(rows.new_empty(rows.shape), back, send_splits, recv_splits, group=group)
+
+
+def expert_shard(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The experts EP rank ``ep_rank`` holds: ``num_experts / ep`` consecutive ones."""
+    local = num_experts // ep
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
+# --- expert tensor parallelism ---------------------------------------------------------------------
+class _SumOverTP(torch.autograd.Function):
+    """Forward: the sum of the TP ranks' partial expert outputs (all-reduce).
+    Backward: the gradient unchanged. Megatron's "g" operator: every TP rank
+    computes the same loss from the summed output, so the gradient arriving
+    here is already the whole one on each rank. torch 2.13's
+    ``torch.distributed.nn.functional.all_reduce`` is not this: its backward
+    all-reduces the gradient again, which makes every expert gradient ``tp``
+    times too large (it is right only when each rank's output feeds a loss of
+    its own that is summed)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        t = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GradSumOverTP(torch.autograd.Function):
+    """Forward: the input unchanged (every TP rank holds the same token rows).
+    Backward: the sum of the TP ranks' input gradients, each of which comes
+    through this rank's slice of the expert width only (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def expert_tp_input(rows: torch.Tensor, group: Any) -> torch.Tensor:
+    """Token rows entering width-split experts (identity; input gradients summed over ``group``)."""
+    return rows if group is None else _GradSumOverTP.apply(rows, group)
+
+
+def expert_tp_output(partial: torch.Tensor, group: Any) -> torch.Tensor:
+    """The experts' outputs summed over the TP ranks' width slices (gradient passed through)."""
+    return partial if group is None else _SumOverTP.apply(partial, group)
