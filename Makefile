@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
+	# the HF release the runtime's staged forwards (runtime/hf_stages.py) are tested with: CI stays reproducible
+	$(BIN)/pip install -q "transformers==5.24.0"
 	$(BIN)/pip install -q -e ".[torch,test]"
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-deps --no-build-isolation $(TOOLS)
 	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/tools/$(subst ==,-,$(TORCHTITAN_OLD)) $(TORCHTITAN_OLD)

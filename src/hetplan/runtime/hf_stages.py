@@ -220,8 +220,10 @@ class _BertEncoder(StagedForward):
     model_inputs = ("attention_mask", "token_type_ids")
 
     def embed(self, part: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        # no cache offset argument: its name changed between transformers releases
+        # (past_key_values_length in 5.23, cache_length in 5.24) and its default, 0, is ours
         return self.sub(part, "embeddings")(input_ids=input_ids, token_type_ids=inputs.get("token_type_ids"),
-                                            position_ids=None, inputs_embeds=None, past_key_values_length=0)
+                                            position_ids=None, inputs_embeds=None)
 
     def context(self, part: nn.Module, hidden: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
         from transformers.masking_utils import create_bidirectional_mask
