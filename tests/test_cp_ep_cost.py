@@ -370,3 +370,31 @@ def test_estimate_takes_cp_and_ep(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--model", "gpt3-1.3b", "--cluster", "8xH100", "--global-batch", "8", "--tp", "1",
                  "--pp", "1", "--dp", "8", "--micro-batch", "1", "--ep", "2"]) == 2
     assert "has no mixture-of-experts layer" in capsys.readouterr().err
+
+
+def test_expert_imbalance_is_an_option_kept_in_the_plan_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--expert-imbalance reaches the cost model, is written to the plan file and
+    read back by estimate (the same step time); out of range is one error line."""
+    args = ["estimate", "--model", "moe-1.3b", "--cluster", "8xH100", "--global-batch", "16", "--tp", "1",
+            "--pp", "1", "--dp", "8", "--micro-batch", "1", "--ep", "8"]
+    times = {}
+    for load in ("1.0", "2.0"):
+        path = tmp_path / f"p{load}.json"
+        assert main([*args, "--expert-imbalance", load, "--json", str(path)]) == 0
+        capsys.readouterr()
+        data = json.loads(path.read_text())
+        assert data["settings"]["expert_imbalance"] == float(load)
+        times[load] = data["plans"][0]["estimate"]["iteration_time_s"]
+        assert main(["estimate", str(path), "--json", str(tmp_path / "again.json")]) == 0
+        capsys.readouterr()
+        again = json.loads((tmp_path / "again.json").read_text())
+        assert again["plans"][0]["estimate"]["iteration_time_s"] == times[load]
+    assert times["2.0"] > times["1.0"]  # the busiest rank's experts carry twice the average
+    for bad in ("0.5", "65", "nan"):
+        try:
+            code = main([*args, "--expert-imbalance", bad])
+        except SystemExit as exc:  # argparse's own check (not a finite number) exits
+            code = exc.code
+        assert code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hetplan: error:") and err.count("\n") == 1, err

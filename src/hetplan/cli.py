@@ -74,6 +74,9 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
     p.add_argument("--zero-impl", choices=ZERO_IMPLEMENTATIONS, default=None,
                    help="how ZeRO shards move between nodes: fsdp (PyTorch FSDP, Megatron distributed optimizer, "
                    "hetplan's runtime; default) or deepspeed (each GPU's shard traffic crosses its own NIC)")
+    p.add_argument("--expert-imbalance", type=finite_nonneg_float, default=None,
+                   help="MoE models: tokens the busiest expert-parallel rank gets over the average (default 1.25; "
+                   "1 = perfect balance; give what your router measures)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON here")
     p.add_argument("--tokens", type=token_count, default=None,
                    help="tokens to train (e.g. 300B): days and GPU-hours (and cost with prices)")
@@ -226,8 +229,17 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
                     profile=profile, fp8=args.fp8 or saved.get("fp8", False),
                     zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"),
                     precision=args.precision or saved.get("precision", ""), calibration=calibration,
+                    expert_imbalance=_expert_imbalance(args, saved),
                     # plan/compare: --offload auto|never; estimate's --offload (a flag) sets the plan, not a search
                     search_offload=getattr(args, "offload", "auto") != "never")
+
+
+def _expert_imbalance(args: argparse.Namespace, saved: dict[str, Any]) -> float:
+    """--expert-imbalance, else the plan file's, else the default; checked by Workload."""
+    from hetplan.cost.constants import EXPERT_LOAD_IMBALANCE
+
+    given = getattr(args, "expert_imbalance", None)
+    return given if given is not None else saved.get("expert_imbalance", EXPERT_LOAD_IMBALANCE)
 
 
 def _write_json(path: str | None, data: Any) -> None:

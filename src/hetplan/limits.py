@@ -34,3 +34,7 @@ def check_at_most(what: str, value: int | float, limit: int, fix: str) -> None:
     if value > limit:
         value = int(value) if float(value).is_integer() else value
         raise HetplanError(f"{what} = {value:,} is above hetplan's limit of {limit:,}; {fix}")
+# The busiest expert-parallel rank's tokens over the average: it cannot take
+# more than every token copy of its group, so an imbalance above the number of
+# experts (a few hundred at most) is a typo; 64 leaves room.
+MAX_EXPERT_IMBALANCE = 64.0

@@ -32,13 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetplan import fields
-from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
+from hetplan.cost.constants import EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.errors import HetplanError
+from hetplan.limits import MAX_EXPERT_IMBALANCE
 from hetplan.plan import Plan
 from hetplan.userfiles import read_json
 
 PLAN_FILE_VERSION = 3
-SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "memory_limit_bytes", "overlap_grad_sync")
+SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "memory_limit_bytes", "overlap_grad_sync",
+                "expert_imbalance")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class PlanFile:
                         overlap_grad_sync=saved.get("overlap_grad_sync", True), profile=profile,
                         fp8=saved.get("fp8", False), zero_implementation=saved.get("zero_implementation", "fsdp"),
                         precision=saved.get("precision", ""),
+                        expert_imbalance=saved.get("expert_imbalance", EXPERT_LOAD_IMBALANCE),
                         calibration=calibration if calibration is not None else self.cluster.meta.get("calibration"))
 
 
@@ -157,6 +160,14 @@ def _plan_of(where: str, entry: Any) -> Any:
     return entry
 
 
+def _imbalance(where: str, value: Any) -> float:
+    """The busiest EP rank's load over the average: 1 (balanced) up to MAX_EXPERT_IMBALANCE."""
+    number = fields.number(where, value, 1.0, strict=False)
+    if number > MAX_EXPERT_IMBALANCE:
+        raise HetplanError(f"{where} must be at most {MAX_EXPERT_IMBALANCE:g}, got {number:g}")
+    return number
+
+
 def _settings(data: Any) -> dict[str, Any]:
     """The workload settings, each with its exact type (a typo is an error, not a default)."""
     raw = fields.mapping("settings", data, SETTING_KEYS)
@@ -167,6 +178,7 @@ def _settings(data: Any) -> dict[str, Any]:
         "zero_implementation": lambda w, v: fields.text(w, v, ZERO_IMPLEMENTATIONS),
         "memory_limit_bytes": lambda w, v: fields.whole(w, v, 0),
         "overlap_grad_sync": fields.flag,
+        "expert_imbalance": _imbalance,
     }
     return {key: readers[key](f"settings.{key}", value) for key, value in raw.items()}
 

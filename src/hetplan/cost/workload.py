@@ -12,11 +12,8 @@ from hetplan.cost.constants import (
     PRECISION_BYTES,
     ZERO_IMPLEMENTATIONS,
 )
-
-# The busiest expert-parallel rank cannot take more than every token copy of
-# its group: an imbalance above the number of experts is a typo.
-MAX_EXPERT_IMBALANCE = 64.0
 from hetplan.errors import HetplanError
+from hetplan.limits import MAX_EXPERT_IMBALANCE
 from hetplan.model.spec import ModelSpec
 from hetplan.profile.db import ProfileDB
 
