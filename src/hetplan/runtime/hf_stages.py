@@ -28,6 +28,8 @@ them (docs/runtime.md, "Pipeline details").
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -39,7 +41,7 @@ from hetplan.errors import HetplanError
 STAGED_TOLERANCE = 1e-5
 
 
-class StagedForward:
+class StagedForward(ABC):
     """How one HF family's forward runs split at layer boundaries (module docstring).
 
     ``model_inputs``: the keyword inputs of the model a stage may need (each a
@@ -64,18 +66,6 @@ class StagedForward:
     def sub(self, part: nn.Module, name: str) -> nn.Module:
         return part.get_submodule(f"{self.prefix}.{name}" if self.prefix else name)
 
-    def embed(self, part: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def context(self, part: nn.Module, hidden: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def block(self, layer: nn.Module, hidden: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def head(self, part: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def wrap_output(self, logits: Any) -> Any:
         """The last stage sends a plain tensor; the loss sees what the model returns (``.logits``)."""
         if self.output_class is None or not isinstance(logits, torch.Tensor):
@@ -97,6 +87,32 @@ class StagedForward:
         """Why this model cannot run split into these stages (each stage's layer
         names in order); "" if it can. Only the hidden state crosses a boundary here."""
         return ""
+
+    @abstractmethod
+    def run(self, part: nn.Module, names: Sequence[str], x: Any, inputs: dict[str, Any]) -> Any:
+        """This part's layers (``names``, in order) on what the previous stage sent
+        (the model's main input on the first stage)."""
+
+
+class _HiddenStateForward(StagedForward):
+    """A family whose stages pass only the hidden state: an embedding, blocks
+    that each take the hidden state and a per-stage context, and a head."""
+
+    @abstractmethod
+    def embed(self, part: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """The hidden state of the first layer from the model's main input."""
+
+    @abstractmethod
+    def context(self, part: nn.Module, hidden: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What every block of a stage needs besides the hidden state (masks, rotary embeddings)."""
+
+    @abstractmethod
+    def block(self, layer: nn.Module, hidden: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        """One layer on the hidden state."""
+
+    @abstractmethod
+    def head(self, part: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer: final norm and output projection."""
 
     def run(self, part: nn.Module, names: Sequence[str], x: Any, inputs: dict[str, Any]) -> Any:
         """This part's layers (``names``, in order) on ``x``: token ids if it holds the
@@ -122,7 +138,7 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-class _RopeDecoder(StagedForward):
+class _RopeDecoder(_HiddenStateForward):
     """Llama, Mistral, Mixtral: ``LlamaModel.forward`` (causal or sliding-window mask,
     rotary embeddings from ``rotary_emb``), then ``lm_head(norm(h))``."""
 
@@ -179,7 +195,7 @@ class _LayerTypedDecoder(_RopeDecoder):
                      position_ids=ctx["position_ids"], past_key_values=None, use_cache=False)
 
 
-class _GPT2(StagedForward):
+class _GPT2(_HiddenStateForward):
     """``GPT2Model.forward``: token + position (+ token type) embeddings, dropout,
     causal mask; then ``lm_head(ln_f(h))``."""
 
@@ -212,7 +228,7 @@ class _GPT2(StagedForward):
         return part.get_submodule(self.head_name)(self.sub(part, "ln_f")(hidden))
 
 
-class _BertEncoder(StagedForward):
+class _BertEncoder(_HiddenStateForward):
     """``BertModel.forward`` of an encoder (bidirectional mask) under a masked-LM
     head: ``embeddings``, the layers, then the head module (``cls`` / ``lm_head``)."""
 
@@ -239,7 +255,7 @@ class _BertEncoder(StagedForward):
         return part.get_submodule(self.head_name)(hidden)
 
 
-class _ViT(StagedForward):
+class _ViT(_HiddenStateForward):
     """``ViTForImageClassification.forward``: ``embeddings`` (patches, the CLS token,
     position embeddings, dropout), the layers with HF's bidirectional mask (none
     for whole images; an ``attention_mask`` over CLS + patches is honoured), then
@@ -450,9 +466,8 @@ def example_model_inputs(model: nn.Module, seq_len: int, vocab_size: int) -> tup
     device = next(iter(model.parameters())).device
     g = torch.Generator().manual_seed(0)
     cls = STAGED.get(type(model).__name__, StagedForward)
-    staged = cls.__new__(cls)
-    staged.config = model.config  # example() reads only the config (no layer names needed)
-    x, inputs = staged.example(model, seq_len, vocab_size, g)
+    # example() reads only the config: called without building the family's forward (no layer names needed)
+    x, inputs = cls.example(SimpleNamespace(config=model.config), model, seq_len, vocab_size, g)  # type: ignore[arg-type]
     return x.to(device), {k: v.to(device) for k, v in inputs.items()}
 
 
