@@ -465,9 +465,14 @@ def example_model_inputs(model: nn.Module, seq_len: int, vocab_size: int) -> tup
     model's device (:meth:`StagedForward.example`)."""
     device = next(iter(model.parameters())).device
     g = torch.Generator().manual_seed(0)
-    cls = STAGED.get(type(model).__name__, StagedForward)
-    # example() reads only the config: called without building the family's forward (no layer names needed)
-    x, inputs = cls.example(SimpleNamespace(config=model.config), model, seq_len, vocab_size, g)  # type: ignore[arg-type]
+    cls = STAGED.get(type(model).__name__)
+    if cls is None:  # no staged forward: token ids and a padded mask, what the base class makes
+        x, inputs = StagedForward.example(SimpleNamespace(config=model.config), model,  # type: ignore[arg-type]
+                                          seq_len, vocab_size, g)
+    else:  # example() reads only the config: the family's forward needs no layer names for it
+        staged = cls.__new__(cls)
+        staged.config = model.config
+        x, inputs = staged.example(model, seq_len, vocab_size, g)
     return x.to(device), {k: v.to(device) for k, v in inputs.items()}
 
 
