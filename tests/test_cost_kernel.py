@@ -141,14 +141,9 @@ def test_exact_partition_tables_are_the_estimate(seed: int) -> None:
         options = [[StageOption(s.devices, s.dp, s.tp, s.dp_split, zero, recompute, s.sequence_parallel)
                     for zero in ((0, 1, 2, 3) if s.dp > 1 else (0,)) for recompute in ("none", "selective", "full")]
                    for s in base.stages]
-        solution = PipelinePartitioner(cost.kernel, base.micro_batch_size, base.num_micro_batches,
-                                       base.schedule).solve(options)
+        solution, plan, estimate = _solve_and_check(cost, base, options)
         if solution is None:
             continue
-        plan = base.with_changes(stages=solution.stages)
-        estimate = cost.estimate(plan)
-        assert estimate.fits
-        assert math.isclose(estimate.iteration_time_s, solution.iteration_s, rel_tol=1e-9)
         assert solution.lower_bound_s <= solution.iteration_s * (1 + 1e-12)
         assert estimate.lower_bound_s <= estimate.iteration_time_s
         solved += 1
@@ -242,14 +237,24 @@ def test_exact_partition_tables_with_offload_are_the_estimate(seed: int) -> None
         options = [[StageOption(s.devices, s.dp, s.tp, s.dp_split, zero, recompute, s.sequence_parallel, offload)
                     for zero in ((0, 2, 3) if s.dp > 1 else (0,)) for offload in (False, True)
                     for recompute in ("none", "selective", "full")] for s in base.stages]
-        solution = PipelinePartitioner(cost.kernel, base.micro_batch_size, base.num_micro_batches,
-                                       base.schedule).solve(options)
+        solution, plan, estimate = _solve_and_check(cost, base, options)
         if solution is None:
             continue
-        plan = base.with_changes(stages=solution.stages)
-        estimate = cost.estimate(plan)
-        assert estimate.fits
-        assert math.isclose(estimate.iteration_time_s, solution.iteration_s, rel_tol=1e-9)
         solved += 1
         offloaded += any(s.offload for st in plan.stages for s in st.strategies)
     assert solved > 0 and offloaded > 0
+
+
+def _solve_and_check(cost, base, options):  # type: ignore[no-untyped-def]
+    """The exact partitioner's solution over ``options`` for ``base``'s stages,
+    its plan and estimate (Nones when nothing fits); the plan fits and its time
+    equals CostModel.estimate's."""
+    solution = PipelinePartitioner(cost.kernel, base.micro_batch_size, base.num_micro_batches,
+                                   base.schedule).solve(options)
+    if solution is None:
+        return None, None, None
+    plan = base.with_changes(stages=solution.stages)
+    estimate = cost.estimate(plan)
+    assert estimate.fits
+    assert math.isclose(estimate.iteration_time_s, solution.iteration_s, rel_tol=1e-9)
+    return solution, plan, estimate

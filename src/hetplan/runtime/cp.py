@@ -11,7 +11,7 @@ Causal attention makes the late tokens costlier, so the sequence is cut into
 PyTorch's own API (``torch.distributed.tensor.experimental.context_parallel``)
 does not run on CPU with torch 2.13: the CPU SDPA kernel
 (``aten._scaled_dot_product_flash_attention_for_cpu``) has no sharding
-strategy (NotImplementedError; probed on gloo, see docs/runtime.md), so the
+strategy (torch raises for it; probed on gloo, see docs/runtime.md), so the
 runtime uses this form on every device: plain ``torch.distributed``
 collectives, the same code on gloo and NCCL.
 
