@@ -135,6 +135,20 @@ def _zero_implementation(ec: dict[str, Any]) -> str:
     return "deepspeed" if "deepspeed" in str(ec.get("other") or "").lower() else "fsdp"
 
 
+def _attention_kernel(run: dict[str, Any]) -> str:
+    """The fused attention kernel the run's stack calls, from its own words:
+    MosaicML's MPT trains with its Triton FlashAttention kernel (ALiBi);
+    Transformer Engine stacks (NeMo, Megatron-Core) call cuDNN's; anything
+    else PyTorch SDPA's FlashAttention-2. Runs without fused attention
+    (Megatron-LM 2021-22) never reach the kernel."""
+    words = json.dumps(run).lower()
+    if "mosaicml" in words or "llm-foundry" in words or "triton" in words:
+        return "triton"
+    if any(k in words for k in ("transformer engine", "transformer-engine", "nemo", "megatron-core", "cudnn")):
+        return "cudnn"
+    return "flash2"
+
+
 def _mpt_model(m: dict[str, Any], seq: int) -> ModelSpec:
     """MosaicML MPT: ALiBi (no position table), no biases, LayerNorm without
     bias, GELU MLP of ``ffn_hidden``, FlashAttention, tied LM head, no dropout."""
@@ -249,7 +263,8 @@ def case_of(run: dict[str, Any]) -> Case:
     if ec.get("zero_stage") is None and "FULL_SHARD" in str(ec.get("fsdp")):
         zero = 3
     workload = Workload(model, cluster, int(gb["sequences"]), optimizer=_optimizer(ec),
-                        fp8=_precision(ec.get("precision")) == "fp8", zero_implementation=_zero_implementation(ec))
+                        fp8=_precision(ec.get("precision")) == "fp8", zero_implementation=_zero_implementation(ec),
+                        attention_kernel=_attention_kernel(run))
     schedule = "interleaved-1f1b" if virtual > 1 else "1f1b"
     try:
         plan = uniform_plan(workload, dp, tp, pp, mbs, zero, recompute, schedule,

@@ -12,6 +12,7 @@ from hetplan.cost import comm
 from hetplan.cost.compute import attention_efficiency, attention_time, gemm_efficiency, layer_times
 from hetplan.cost.constants import (
     ATTENTION_BACKWARD_RATIO,
+    ATTENTION_HALF_SEQ,
     COLLECTIVE_BANDWIDTH_EFFICIENCY,
     NCCL_BASE_LATENCY_S,
     NCCL_RING_HOP_LATENCY_S,
@@ -55,6 +56,47 @@ def test_attention_efficiency_rises_with_sequence_length() -> None:
     gpu = get_gpu("H100")
     rates = [attention_efficiency(gpu, s) for s in (256, 1024, 4096, 32768)]
     assert rates == sorted(rates) and rates[-1] < 1.0
+
+
+def test_attention_kernels_run_at_their_benchmarked_rates() -> None:
+    """H100, head dim 128, 8-16k tokens (Shah et al. 2024, Fig. 5-6): forward
+    and backward TFLOP/s of FlashAttention-2 and cuDNN, combined over the
+    1 + 2.5 FLOPs of a step; a long-sequence kernel reaches them up to the
+    s / (s + half) ramp. MosaicML's Triton kernel is the fitted one."""
+    gpu, seq = get_gpu("H100"), 1 << 20
+    ramp = seq / (seq + ATTENTION_HALF_SEQ)
+    for kernel, fwd, bwd in (("flash2", 370, 320), ("cudnn", 600, 517)):
+        combined = 3.5 / (1 / fwd + 2.5 / bwd)
+        assert attention_efficiency(gpu, seq, kernel) * 989 == pytest.approx(combined * ramp, rel=1e-9)
+    assert attention_efficiency(gpu, seq, "triton") == pytest.approx(0.2 * ramp)
+    a100 = get_gpu("A100-80GB")
+    assert attention_efficiency(a100, seq, "cudnn") == attention_efficiency(a100, seq, "flash2")
+
+
+def test_attention_kernel_sets_the_attention_time_of_an_estimate() -> None:
+    """The same plan with cuDNN's kernel instead of FlashAttention-2's: only
+    the attention core gets faster, by the ratio of their rates."""
+    from hetplan.cost.model import CostModel
+    from hetplan.cost.workload import Workload
+    from hetplan.cluster.presets import homogeneous_cluster
+
+    model = _block_model(8192, fused=True)
+    cluster = homogeneous_cluster(8, "H100", 8)
+    units = {k: CostModel(Workload(model, cluster, 8, attention_kernel=k)).kernel.unit_work(cluster.devices[0].gpu,
+                                                                                           1, False)
+             for k in ("flash2", "cudnn")}
+    ratio = attention_efficiency(get_gpu("H100"), 8192, "cudnn") / attention_efficiency(get_gpu("H100"), 8192)
+    assert units["flash2"].attention_s[0] == pytest.approx(ratio * units["cudnn"].attention_s[0], rel=1e-9)
+    assert units["flash2"].gemm_s[0] == units["cudnn"].gemm_s[0]
+
+
+def test_unknown_attention_kernel_is_an_error() -> None:
+    from hetplan.cluster.presets import homogeneous_cluster
+    from hetplan.cost.workload import Workload
+    from hetplan.errors import HetplanError
+
+    with pytest.raises(HetplanError, match="unknown attention kernel 'flash9'"):
+        Workload(_block_model(128, fused=True), homogeneous_cluster(8, "H100", 8), 8, attention_kernel="flash9")
 
 
 def test_flash_attention_backward_is_2_5_forwards() -> None:
@@ -230,3 +272,51 @@ def test_sustained_matmul_rate_for_fitted_measured_and_unmeasured_gpus():
         assert gpu.matmul_efficiency > 0
         assert best(name) == pytest.approx(gpu.matmul_efficiency * DEFAULT_SUSTAINED_MATMUL_FRACTION)
     assert best("T4") == pytest.approx(GEMM_EFFICIENCY)
+
+
+def test_attention_kernel_is_an_option_kept_in_the_plan_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--attention-kernel reaches the cost model (cuDNN's kernel is faster on
+    H100 at 8k tokens), is written to the plan file, read back by estimate,
+    and shown in the header; an unknown name is one error line."""
+    import json
+
+    from hetplan.cli import main
+
+    args = ["estimate", "--model", "llama3-8b", "--cluster", "8xH100", "--global-batch", "8", "--tp", "1",
+            "--pp", "1", "--dp", "8", "--micro-batch", "1", "--zero", "3"]
+    times = {}
+    for kernel in ("flash2", "cudnn"):
+        path = tmp_path / f"{kernel}.json"
+        assert main([*args, "--attention-kernel", kernel, "--json", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert ("cudnn attention" in out) == (kernel == "cudnn")
+        data = json.loads(path.read_text())
+        assert data["settings"]["attention_kernel"] == kernel
+        times[kernel] = data["plans"][0]["estimate"]["iteration_time_s"]
+        assert main(["estimate", str(path), "--json", str(tmp_path / "again.json")]) == 0
+        capsys.readouterr()
+        again = json.loads((tmp_path / "again.json").read_text())
+        assert again["plans"][0]["estimate"]["iteration_time_s"] == times[kernel]
+    assert times["cudnn"] < times["flash2"]
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--attention-kernel", "flash9"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "hetplan: error:" in err and "flash9" in err
+
+
+def test_planning_for_megatron_costs_its_attention_kernel(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--target megatron: Megatron-LM trains through Transformer Engine, so the
+    plans are costed with cuDNN's attention unless --attention-kernel says otherwise."""
+    import json
+
+    from hetplan.cli import main
+
+    args = ["plan", "--model", "llama3-8b", "--cluster", "8xH100", "--global-batch", "8", "--planner", "uniform",
+            "--top", "1", "--quiet"]
+    for extra, kernel in ((["--target", "megatron"], "cudnn"), (["--target", "torchtitan"], "flash2"),
+                          (["--target", "megatron", "--attention-kernel", "flash2"], "flash2")):
+        path = tmp_path / "p.json"
+        assert main([*args, *extra, "--json", str(path)]) == 0
+        capsys.readouterr()
+        assert json.loads(path.read_text())["settings"]["attention_kernel"] == kernel

@@ -26,7 +26,9 @@ from typing import Any, Sequence
 
 from hetplan import __version__
 from hetplan.argtypes import EXIT_USAGE, OneLineParser, at_most, finite_nonneg_float, gpu_prices, positive_int, token_count
-from hetplan.cost.constants import PRECISION_BYTES, ZERO_IMPLEMENTATIONS
+from hetplan.cost.constants import (
+    ATTENTION_KERNELS, DEFAULT_ATTENTION_KERNEL, PRECISION_BYTES, TOOL_ATTENTION_KERNEL, ZERO_IMPLEMENTATIONS,
+)
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TARGETS, TORCHTITAN_VERSIONS
 from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
@@ -74,6 +76,10 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
     p.add_argument("--zero-impl", choices=ZERO_IMPLEMENTATIONS, default=None,
                    help="how ZeRO shards move between nodes: fsdp (PyTorch FSDP, Megatron distributed optimizer, "
                    "hetplan's runtime; default) or deepspeed (each GPU's shard traffic crosses its own NIC)")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None,
+                   help="the fused attention kernel your training calls: flash2 (PyTorch SDPA: hetplan's runtime, "
+                   "torchtitan, HF; the default), cudnn (Transformer Engine: Megatron-LM, NeMo; the default with "
+                   "--target megatron), triton (MosaicML MPT)")
     p.add_argument("--expert-imbalance", type=finite_nonneg_float, default=None,
                    help="MoE models: tokens the busiest expert-parallel rank gets over the average (default 1.25; "
                    "1 = perfect balance; give what your router measures)")
@@ -228,10 +234,17 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
                     overlap_grad_sync=not args.no_overlap and saved.get("overlap_grad_sync", True),
                     profile=profile, fp8=args.fp8 or saved.get("fp8", False),
                     zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"),
+                    attention_kernel=_attention_kernel(args, saved),
                     precision=args.precision or saved.get("precision", ""), calibration=calibration,
                     expert_imbalance=_expert_imbalance(args, saved),
                     # plan/compare: --offload auto|never; estimate's --offload (a flag) sets the plan, not a search
                     search_offload=getattr(args, "offload", "auto") != "never")
+
+
+def _attention_kernel(args: argparse.Namespace, saved: dict[str, Any]) -> str:
+    """--attention-kernel, else the plan file's, else the kernel the --target tool calls, else the default."""
+    return (args.attention_kernel or saved.get("attention_kernel")
+            or TOOL_ATTENTION_KERNEL.get(getattr(args, "target", None) or "", DEFAULT_ATTENTION_KERNEL))
 
 
 def _expert_imbalance(args: argparse.Namespace, saved: dict[str, Any]) -> float:
@@ -285,6 +298,8 @@ def _header(workload: Any, extra: str = "") -> str:
              f"batch    {workload.global_batch_size} samples/step, {workload.precision}, optimizer {workload.optimizer}"
              + (", FP8 matmuls" if workload.fp8 else "")
              + (", DeepSpeed ZeRO collectives" if workload.zero_implementation == "deepspeed" else "")
+             + (f", {workload.attention_kernel} attention" if workload.attention_kernel != DEFAULT_ATTENTION_KERNEL
+                else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
     if workload.profile is not None:
         lines.append(f"costs    measured layer times ({len(workload.profile)} profile entries) where the profile "

@@ -32,15 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetplan import fields
-from hetplan.cost.constants import EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, ZERO_IMPLEMENTATIONS
+from hetplan.cost.constants import (
+    ATTENTION_KERNELS, DEFAULT_ATTENTION_KERNEL, EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, ZERO_IMPLEMENTATIONS,
+)
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_EXPERT_IMBALANCE
 from hetplan.plan import Plan
 from hetplan.userfiles import read_json
 
 PLAN_FILE_VERSION = 3
-SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "memory_limit_bytes", "overlap_grad_sync",
-                "expert_imbalance")
+SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
+                "overlap_grad_sync", "expert_imbalance")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class PlanFile:
                         memory_limit_bytes=saved.get("memory_limit_bytes", 0),
                         overlap_grad_sync=saved.get("overlap_grad_sync", True), profile=profile,
                         fp8=saved.get("fp8", False), zero_implementation=saved.get("zero_implementation", "fsdp"),
+                        attention_kernel=saved.get("attention_kernel", DEFAULT_ATTENTION_KERNEL),
                         precision=saved.get("precision", ""),
                         expert_imbalance=saved.get("expert_imbalance", EXPERT_LOAD_IMBALANCE),
                         calibration=calibration if calibration is not None else self.cluster.meta.get("calibration"))
@@ -176,6 +179,7 @@ def _settings(data: Any) -> dict[str, Any]:
         "optimizer": fields.text,
         "fp8": fields.flag,
         "zero_implementation": lambda w, v: fields.text(w, v, ZERO_IMPLEMENTATIONS),
+        "attention_kernel": lambda w, v: fields.text(w, v, ATTENTION_KERNELS),
         "memory_limit_bytes": lambda w, v: fields.whole(w, v, 0),
         "overlap_grad_sync": fields.flag,
         "expert_imbalance": _imbalance,

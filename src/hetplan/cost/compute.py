@@ -22,12 +22,13 @@ from hetplan.cost.constants import (
     ATTENTION_BACKWARD_RATIO,
     ATTENTION_CORE_KERNELS,
     ATTENTION_CORE_PASSES,
-    ATTENTION_EFFICIENCY,
     ATTENTION_HALF_SEQ,
+    ATTENTION_KERNEL_EFFICIENCY,
     ATTENTION_TO_GEMM_DEFAULT,
     BACKWARD_FLOPS_RATIO,
     CAUSAL_EXECUTED_FRACTION,
     CP_CAUSAL_ZIGZAG,
+    DEFAULT_ATTENTION_KERNEL,
     DEFAULT_SUSTAINED_MATMUL_FRACTION,
     ELEMENTWISE_BACKWARD_RATIO,
     ELEMENTWISE_KERNELS_PER_GEMM,
@@ -102,12 +103,18 @@ def matmul_rate(gpu: GPUSpec, dtype_bytes: int) -> float:
     return gpu.peak_flops_for(dtype_bytes) * float(gemm_efficiency(gpu, np.array([0.0]), 1)[0])
 
 
-def attention_efficiency(gpu: GPUSpec, seq_len: int) -> float:
-    """Fraction of peak a fused attention kernel reaches at ``seq_len`` tokens:
-    the GPU's long-sequence rate times ``s / (s + half)`` (short sequences give
-    each thread block little work: Dao 2023, Fig. 4-6)."""
-    best = ATTENTION_EFFICIENCY.get(gpu.catalog_name, (gpu.matmul_efficiency or GEMM_EFFICIENCY)
-                                    * ATTENTION_TO_GEMM_DEFAULT)
+def attention_efficiency(gpu: GPUSpec, seq_len: int, kernel: str = DEFAULT_ATTENTION_KERNEL) -> float:
+    """Fraction of peak the fused attention ``kernel`` (``ATTENTION_KERNELS``)
+    reaches at ``seq_len`` tokens: its long-sequence rate on the GPU times
+    ``s / (s + half)`` (short sequences give each thread block little work:
+    Dao 2023, Fig. 4-6). A GPU without a kernel benchmark: its matmul rate's
+    ``ATTENTION_TO_GEMM_DEFAULT``, times the kernel's mean ratio to
+    FlashAttention-2 where both were measured."""
+    table, flash2 = ATTENTION_KERNEL_EFFICIENCY[kernel], ATTENTION_KERNEL_EFFICIENCY["flash2"]
+    best = table.get(gpu.catalog_name)
+    if best is None:
+        ratio = float(np.mean([table[g] / flash2[g] for g in table if g in flash2]))
+        best = (gpu.matmul_efficiency or GEMM_EFFICIENCY) * ATTENTION_TO_GEMM_DEFAULT * ratio
     return best * seq_len / (seq_len + ATTENTION_HALF_SEQ) if seq_len > 0 else best
 
 
@@ -166,7 +173,8 @@ def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
 
 def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int,
                     sequence_parallel: bool, fp8: bool = False, expert_load: float = 1.0,
-                    cp: int = 1, expert_batch: float = 1.0) -> Work:
+                    cp: int = 1, expert_batch: float = 1.0,
+                    attention_kernel: str = DEFAULT_ATTENTION_KERNEL) -> Work:
     """One sample's forward work per layer on one GPU of a TP group (the cost
     kernel caches it per GPU type and scales it to any micro-batch share).
     ``fp8``: the matmuls of linear layers run in FP8 (Transformer Engine
@@ -177,13 +185,14 @@ def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int
     own, over the ``top_k / num_experts`` of them that stay without expert
     parallelism (ep · imbalance with ep > 1); ``cp``: the busiest
     context-parallel rank's attention over an even share (the kernel scales
-    the sample to the rank's 1/cp)."""
+    the sample to the rank's 1/cp); ``attention_kernel``: the fused attention
+    implementation (``attention_efficiency``)."""
     expert_flops = arrays.column("expert_flops")
     rate = _gemm_peak(gpu, dtype_bytes, fp8) * gemm_efficiency(gpu, _dims(arrays), tp)
     gemm_s = (arrays.fwd_flops - arrays.attention_flops - expert_flops) / tp / rate
     expert_s = expert_load * expert_flops / tp / rate
     expert_tokens = arrays.column("expert_tokens") * expert_batch
-    attention_s = attention_time(arrays, gpu, 1.0, tp, dtype_bytes)
+    attention_s = attention_time(arrays, gpu, 1.0, tp, dtype_bytes, attention_kernel)
     if cp > 1:
         causal = arrays.attention_causal if arrays.attention_causal is not None else np.zeros(arrays.num_layers, bool)
         attention_s = attention_s * cp_attention_scale(cp, causal, CP_CAUSAL_ZIGZAG)
@@ -203,7 +212,8 @@ def _dims(arrays: LayerArrays) -> np.ndarray:
     return arrays.gemm_dim if arrays.gemm_dim is not None else np.zeros(arrays.num_layers)  # 0: shape unknown
 
 
-def attention_time(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int) -> np.ndarray:
+def attention_time(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int,
+                   kernel: str = DEFAULT_ATTENTION_KERNEL) -> np.ndarray:
     """Forward time of every layer's attention core (QK^T and scores·V).
 
     A fused kernel runs at the attention efficiency and skips the masked half
@@ -216,7 +226,7 @@ def attention_time(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dty
     causal = arrays.attention_causal if arrays.attention_causal is not None else np.zeros(arrays.num_layers, bool)
     executed = np.where(fused & causal, CAUSAL_EXECUTED_FRACTION, 1.0) * flops
     eager_eff = gemm_efficiency(gpu, np.full(arrays.num_layers, float(max(arrays.seq_len, 1))), 1)
-    efficiency = np.where(fused, attention_efficiency(gpu, arrays.seq_len), eager_eff)
+    efficiency = np.where(fused, attention_efficiency(gpu, arrays.seq_len, kernel), eager_eff)
     return executed / (peak * efficiency)
 
 

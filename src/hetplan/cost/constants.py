@@ -37,12 +37,38 @@ DEFAULT_SUSTAINED_MATMUL_FRACTION = sum(SUSTAINED_MATMUL_FRACTION.values()) / le
 
 # Fused attention: fraction of the dense 16-bit peak its forward+backward
 # reaches at long sequences, with FLOPs counted for the lower triangle of a
-# causal mask only. Fitted (like GEMM_HALF_DIM) on the MosaicML runs, whose
-# MPT models use a Triton FlashAttention kernel with an ALiBi bias: about half
-# of what FlashAttention-2's own kernel benchmark reaches (Dao 2023, Fig. 4-6:
-# ~190-200 of 312 TFLOP/s on A100; Shah et al. 2024, "FlashAttention-3",
-# Fig. 5: FlashAttention-2 on H100 SXM ~320-350 of 989).
-ATTENTION_EFFICIENCY = {"A100-40GB": 0.3, "A100-80GB": 0.3, "H100": 0.2, "H200": 0.2}
+# causal mask only, per kernel implementation (``Workload.attention_kernel``):
+# the kernel a run calls is software the user chose, and on one GPU the
+# implementations differ by up to 3x.
+#  - "flash2": FlashAttention-2, what PyTorch SDPA runs (hetplan's runtime,
+#    torchtitan, HF). A100: ~190-200 of 312 TFLOP/s forward+backward (Dao
+#    2023, Fig. 4-6); H100 SXM: 370 forward / 320 backward of 989 at 8-16k
+#    tokens, head dim 128 (Shah et al. 2024, "FlashAttention-3", Fig. 5-6),
+#    i.e. 3.5 / (1/370 + 2.5/320) = 333 TFLOP/s over the 1 + 2.5 FLOPs.
+#  - "cudnn": cuDNN's fused attention, what Transformer Engine runs
+#    (Megatron-LM / NeMo): 600 forward / 517 backward on H100 (same figures):
+#    538 TFLOP/s. Before Hopper its kernels are FlashAttention-2's design.
+#  - "triton": the Triton FlashAttention kernel with an ALiBi bias that
+#    MosaicML's MPT models train with, fitted (like GEMM_HALF_DIM) on the
+#    MosaicML runs of shared/calibration: about half of FlashAttention-2's
+#    own kernel benchmark on both GPUs.
+# Other GPUs (no kernel benchmark): ATTENTION_TO_GEMM_DEFAULT below, scaled by
+# the kernel's ratio to FlashAttention-2 on the GPUs it was measured on.
+_FA2 = {"A100-40GB": 195 / 312, "A100-80GB": 195 / 312,
+        "H100": 3.5 / (1 / 370 + 2.5 / 320) / 989, "H200": 3.5 / (1 / 370 + 2.5 / 320) / 989}
+_CUDNN_HOPPER = 3.5 / (1 / 600 + 2.5 / 517) / 989
+ATTENTION_KERNEL_EFFICIENCY = {
+    "flash2": _FA2,
+    "cudnn": {**_FA2, "H100": _CUDNN_HOPPER, "H200": _CUDNN_HOPPER},
+    "triton": {"A100-40GB": 0.3, "A100-80GB": 0.3, "H100": 0.2, "H200": 0.2},
+}
+ATTENTION_KERNELS = tuple(ATTENTION_KERNEL_EFFICIENCY)
+# What a run calls unless told otherwise: PyTorch SDPA's FlashAttention-2;
+# planning for a tool (``--target``) assumes the kernel that tool calls:
+# Megatron-LM trains through Transformer Engine (cuDNN attention), torchtitan
+# and DeepSpeed's HF models through SDPA.
+DEFAULT_ATTENTION_KERNEL = "flash2"
+TOOL_ATTENTION_KERNEL = {"megatron": "cudnn", "torchtitan": "flash2", "deepspeed": "flash2"}
 # Other GPUs: this fraction of their matmul efficiency, the ratio of
 # FlashAttention-2's kernel benchmark to the matmul rate on A100 (0.62 / 0.87).
 ATTENTION_TO_GEMM_DEFAULT = 0.7

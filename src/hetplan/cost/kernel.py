@@ -237,7 +237,8 @@ class CostKernel:
         found = self._units.get(key)
         if found is None:
             found = self._units[key] = per_sample_work(self.arrays, gpu, tp, self.dtype_bytes, sequence_parallel,
-                                                       self.workload.fp8, expert_load, cp, expert_batch)
+                                                       self.workload.fp8, expert_load, cp, expert_batch,
+                                                       self.workload.attention_kernel)
         return found
 
     def layer_time(self, index: int, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.cost.calibration import Calibration
 from hetplan.cost.constants import (
+    ATTENTION_KERNELS,
+    DEFAULT_ATTENTION_KERNEL,
     EXPERT_LOAD_IMBALANCE,
     OPTIMIZER_STATE_BYTES,
     PRECISION_BYTES,
@@ -48,6 +50,10 @@ class Workload:
             host memory (``LayerStrategy.offload``) where the cost model ranks
             it best; False (``hetplan plan --offload never``) keeps them on the
             GPU in every plan searched. A search setting: costs ignore it.
+        attention_kernel: the fused attention implementation the run calls
+            (``ATTENTION_KERNELS``): "flash2" (PyTorch SDPA: hetplan's runtime,
+            torchtitan, HF), "cudnn" (Transformer Engine: Megatron-LM, NeMo),
+            "triton" (MosaicML's MPT kernel); they differ up to 3x per GPU.
     """
 
     model: ModelSpec
@@ -63,6 +69,7 @@ class Workload:
     calibration: Calibration | None = field(default=None, compare=False)
     expert_imbalance: float = EXPERT_LOAD_IMBALANCE
     search_offload: bool = field(default=True, compare=False)
+    attention_kernel: str = DEFAULT_ATTENTION_KERNEL
 
     def __post_init__(self) -> None:
         self._check_precision()
@@ -80,6 +87,9 @@ class Workload:
         if self.zero_implementation not in ZERO_IMPLEMENTATIONS:
             raise HetplanError(f"unknown ZeRO implementation {self.zero_implementation!r}; choose one of "
                                f"{', '.join(sorted(ZERO_IMPLEMENTATIONS))}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise HetplanError(f"unknown attention kernel {self.attention_kernel!r}; choose one of "
+                               f"{', '.join(ATTENTION_KERNELS)}")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
         if not 1.0 <= self.expert_imbalance <= MAX_EXPERT_IMBALANCE:
