@@ -179,3 +179,45 @@ def test_exhaustive_counts_all_splits() -> None:
                                                         for pp in divisors(8 // tp) if pp <= 6}
     n = workload.model.num_layers
     assert planner.count(workload) == sum(math.comb(n - 1, s.pp - 1) for s in strategies)
+
+
+# --- uniform: interleaved 1F1B --------------------------------------------------------------
+
+
+def test_uniform_offers_every_allowed_interleaving_of_each_pipelined_plan() -> None:
+    """Each 1F1B plan with pp > 1 and micro-batches a multiple of pp comes with
+    interleaved variants for every chunk count its smallest stage holds
+    (INTERLEAVE_CHOICES), the same layers, devices and strategies; none other."""
+    from hetplan.search.baselines.uniform import INTERLEAVE_CHOICES, UniformPlanner
+
+    workload = Workload(get_model("gpt3-1.3b"), get_cluster("16xA100-80GB"), 32)
+    plans = list(UniformPlanner(interleave_choices=INTERLEAVE_CHOICES).candidates(workload))
+    assert not any(p.schedule == "interleaved-1f1b" for p in UniformPlanner().candidates(workload))
+    interleaved = [p for p in plans if p.schedule == "interleaved-1f1b"]
+    base = {p.to_dict()["stages"].__repr__() + str(p.micro_batch_size): p for p in plans if p.schedule == "1f1b"}
+    expected = 0
+    for plan in base.values():
+        if plan.pp > 1 and plan.num_micro_batches % plan.pp == 0:
+            fewest = min(s.num_layers for s in plan.stages)
+            expected += sum(1 for v in INTERLEAVE_CHOICES if v <= fewest)
+    assert interleaved and len(interleaved) == expected
+    for plan in interleaved:
+        assert plan.pp > 1 and plan.num_micro_batches % plan.pp == 0
+        assert plan.virtual_stages <= min(s.num_layers for s in plan.stages)
+        twin = base[plan.to_dict()["stages"].__repr__() + str(plan.micro_batch_size)]
+        assert twin.stages == plan.stages and validate_plan(plan, workload.model, workload.cluster) is None
+
+
+def test_interleaving_wins_where_the_pipeline_bubble_dominates() -> None:
+    """Few micro-batches through many stages: the uniform planner's best plan is
+    the fastest of all its candidates, and an interleaved one (its bubble is
+    1/v of 1F1B's for the same stages)."""
+    from hetplan.search.baselines.uniform import INTERLEAVE_CHOICES, UniformPlanner
+
+    workload = Workload(get_model("gpt3-1.3b"), get_cluster("16xA100-80GB"), 8, memory_limit_bytes=6 << 30)
+    cost = CostModel(workload)
+    planner = UniformPlanner(interleave_choices=INTERLEAVE_CHOICES)
+    best = planner.plan(workload, 1, cost)[0]
+    brute = min(t for t, fits in (cost.quick(p) for p in planner.candidates(workload, cost)) if fits)
+    assert best.estimate.iteration_time_s == pytest.approx(brute, rel=1e-9)
+    assert best.plan.schedule == "interleaved-1f1b", best.plan.describe()

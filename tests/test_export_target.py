@@ -189,3 +189,28 @@ def test_plan_without_target_is_unchanged(tmp_path, capsys):
     data, out, _ = _plan_json(tmp_path, capsys, ["--model", "tiny-llama-bf16", "--cluster", "8xH100",
                                                  "--global-batch", "16"])
     assert "target" not in data and "best_overall" not in data and "best plan " not in out
+
+
+def test_megatron_target_searches_zero_1_and_interleaving():
+    """Planning Mixtral-8x7B for Megatron-LM on 64 H100: the uniform plans the
+    tool runs include its distributed optimizer (ZeRO-1) and virtual pipeline
+    (interleaved 1F1B), so the best is at least as fast as NeMo's own recipe
+    for it (tp1 pp4 ep8, 8 virtual stages, distributed optimizer) costed the
+    same way, and Megatron-LM runs it."""
+    from hetplan.cluster.presets import get_cluster
+    from hetplan.cost import CostModel, Workload
+    from hetplan.model.presets import get_model
+    from hetplan.search.baselines.uniform import uniform_plan
+    from hetplan.target import uniform_plans_for
+
+    workload = Workload(get_model("mixtral-8x7b"), get_cluster("64xH100"), 256, attention_kernel="cudnn")
+    ranked, can, total = uniform_plans_for(workload, "megatron", 3)
+    assert 0 < can < total
+    plans = [r.plan for r in ranked]
+    assert exportable(plans[0], workload.model, "megatron", workload.cluster) == ""
+    nemo = uniform_plan(workload, 16, 1, 4, 1, zero=1, schedule="interleaved-1f1b", virtual_stages=8, ep=8)
+    assert exportable(nemo, workload.model, "megatron", workload.cluster) == ""
+    recipe_s, fits = CostModel(workload).quick(nemo)
+    assert fits and ranked[0].estimate.iteration_time_s <= recipe_s
+    assert any(p.schedule == "interleaved-1f1b" for p in plans) and \
+        any(st.zero == 1 for p in plans for s in p.stages for st in s.strategies)

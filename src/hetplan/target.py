@@ -100,9 +100,14 @@ def uniform_plans_for(workload: Workload, tool: str, top_k: int,
     can run, ranked by the cost model: (best ``top_k``, how many it can run, how
     many there are). A one-line HetplanError when it can run none, or none fits."""
     from hetplan.search.base import cost_model_for, rank_plans
-    from hetplan.search.baselines.uniform import UniformPlanner
+    from hetplan.search.baselines.uniform import (
+        ALL_SEQUENCE_PARALLEL, ALL_ZERO_STAGES, INTERLEAVE_CHOICES, UniformPlanner,
+    )
 
-    planner = UniformPlanner()
+    # every ZeRO stage (Megatron-LM shards by ZeRO-1 only), TP without sequence parallelism
+    # (DeepSpeed) and interleaved 1F1B (Megatron-LM's virtual pipeline)
+    planner = UniformPlanner(zero_choices=ALL_ZERO_STAGES, sequence_parallel_choices=ALL_SEQUENCE_PARALLEL,
+                             interleave_choices=INTERLEAVE_CHOICES)
     cost = cost_model_for(workload, None)
     candidates = list(planner.candidates(workload, cost))  # offloaded variants only where memory is short
     if not candidates:

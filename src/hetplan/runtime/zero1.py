@@ -45,15 +45,37 @@ class _Slice:
         grad = self.param.grad
         self.shard.grad = None if grad is None else _local(grad).reshape(-1)[self.start:self.stop]
 
-    def gather(self) -> None:
-        """Every rank's updated slice back into the whole (local) parameter."""
-        group, size = self.group, self.size
+    def padded(self) -> torch.Tensor:
+        """This rank's updated slice, zero-padded to the common chunk length."""
         padded = torch.zeros(self.chunk, dtype=self.shard.dtype, device=self.shard.device)
         padded[:self.stop - self.start] = self.shard.detach()
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded, group=group)
+        return padded
+
+    def assign(self, parts: list[torch.Tensor]) -> None:
+        """The whole (local) parameter from every rank's padded slice, in rank order."""
         with torch.no_grad():
             _local(self.param).view(-1).copy_(torch.cat(parts)[:self.numel])
+
+
+def gather_slices(slices: list[_Slice]) -> None:
+    """Every rank's updated slices back into the whole parameters: one
+    all-gather per (group, dtype, device) of all its slices laid end to end,
+    as the cost model charges one all-gather of the stage's bytes (a
+    collective per parameter pays the group's latency once per tensor, which
+    on gloo costs more than the bytes)."""
+    buckets: dict[tuple[int, torch.dtype, torch.device], list[_Slice]] = {}
+    for s in slices:
+        buckets.setdefault((id(s.group), s.shard.dtype, s.shard.device), []).append(s)
+    for bucket in buckets.values():
+        group, size = bucket[0].group, bucket[0].size
+        mine = torch.cat([s.padded() for s in bucket])
+        gathered = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        per_rank = gathered.view(size, mine.numel())
+        offset = 0
+        for s in bucket:
+            s.assign([per_rank[r, offset:offset + s.chunk] for r in range(size)])
+            offset += s.chunk
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -84,8 +106,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for s in self.slices:
             s.take_grad()
         loss = self.inner.step(closure)
-        for s in self.slices:
-            s.gather()
+        gather_slices(self.slices)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -7,13 +7,16 @@ What a user of Megatron-LM / torchtitan would try by hand: every factorisation
 ``dp × tp × pp`` of the GPUs (TP inside a node), every per-replica micro-batch
 size, transformer blocks split evenly (embedding on the first stage, head on
 the last, as Megatron-LM does), the same ZeRO stage, recomputation and
-activation offloading on every layer, devices laid out TP-innermost, then
-DP, then PP (Megatron's order). ``uniform_plan`` builds one such plan
+activation offloading on every layer, sequence parallelism with TP,
+1F1B (and interleaved 1F1B when planning for a tool: ``INTERLEAVE_CHOICES``), devices laid out
+TP-innermost, then DP, then PP (Megatron's order). ``uniform_plan`` builds one such plan
 (``hetplan estimate --tp/--pp/--dp``).
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from functools import lru_cache
 from typing import Iterator
 
@@ -30,12 +33,30 @@ from hetplan.search.common.layer_splits import block_split
 # ZeRO-1 is left out: in the cost model it is never better than ZeRO-2 (same
 # parameter all-gather, an all-reduce instead of a reduce-scatter, whole gradients).
 ZERO_CHOICES = (0, 2, 3)
+# Every stage, for planning for a tool that runs only some of them (Megatron-LM's
+# distributed optimizer is ZeRO-1 and nothing above it: hetplan.target).
+ALL_ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 # Activation offloading (``LayerStrategy.offload``) next to recomputation. It
 # only saves memory, so with a cost model ``candidates`` yields an offloaded
 # variant only where the same plan without offloading does not fit and the
 # variant does (elsewhere it cannot be the best fitting plan).
 OFFLOAD_CHOICES = (False, True)
+# Model chunks per pipeline stage for interleaved 1F1B (Narayanan et al. 2021
+# §2.2.2: the bubble shrinks v-fold for v times the pipeline p2p traffic), next
+# to plain 1F1B on every pipelined plan whose stages all hold at least v blocks
+# and whose micro-batches are a multiple of pp (what Megatron-LM requires).
+# Searched when planning for a tool (hetplan.target); by default the uniform
+# planner keeps 1F1B, the space auto's exact solve contains (search/auto.py),
+# so that auto stays at least as fast as every planner it is compared with.
+INTERLEAVE_CHOICES = (2, 4, 8)
+# With TP, Megatron-LM's sequence parallelism (Korthikanti et al. 2022 §4.2.2):
+# the same communication volume as TP's all-reduces, the norms' and dropouts'
+# activations and work split tp ways, so in the cost model it never loses.
+# Planning for a tool that cannot run it (DeepSpeed: hetplan.target) asks for
+# the plans without it too (``ALL_SEQUENCE_PARALLEL``).
+SEQUENCE_PARALLEL_CHOICES = (True,)
+ALL_SEQUENCE_PARALLEL = (False, True)
 
 
 def uniform_plan(
@@ -103,8 +124,12 @@ class UniformPlanner:
 
     def __init__(self, zero_choices: tuple[int, ...] = ZERO_CHOICES,
                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES,
-                 offload_choices: tuple[bool, ...] = OFFLOAD_CHOICES) -> None:
+                 offload_choices: tuple[bool, ...] = OFFLOAD_CHOICES,
+                 sequence_parallel_choices: tuple[bool, ...] = SEQUENCE_PARALLEL_CHOICES,
+                 interleave_choices: tuple[int, ...] = ()) -> None:
         self.zero_choices = zero_choices
+        self.interleave_choices = interleave_choices
+        self.sequence_parallel_choices = sequence_parallel_choices
         self.recompute_choices = recompute_choices
         self.offload_choices = offload_choices
 
@@ -120,19 +145,23 @@ class UniformPlanner:
                 for zero in self.zero_choices:
                     if zero and dp * cp == 1:
                         continue
-                    for recompute in self.recompute_choices:
-                        for by_speed in self._expert_splits(workload, ep):
-                            plan = uniform_plan(workload, dp, tp, pp, u, zero, recompute, planner=self.name,
-                                                cp=cp, ep=ep, expert_split=by_speed)
-                            if by_speed and not any(s.ep_split for s in plan.stages):  # the even one again
-                                continue
-                            yield plan
-                            if not offload or cost is not None and _fits(cost, plan):
-                                continue
-                            offloaded = uniform_plan(workload, dp, tp, pp, u, zero, recompute, planner=self.name,
-                                                     cp=cp, ep=ep, offload=True, expert_split=by_speed)
-                            if cost is None or _fits(cost, offloaded):
-                                yield offloaded
+                    for recompute, sp, by_speed in itertools.product(
+                            self.recompute_choices, self.sequence_parallel_choices if tp > 1 else (False,),
+                            self._expert_splits(workload, ep)):
+                        plan = uniform_plan(workload, dp, tp, pp, u, zero, recompute, sequence_parallel=sp,
+                                            planner=self.name, cp=cp, ep=ep, expert_split=by_speed)
+                        if by_speed and not any(s.ep_split for s in plan.stages):  # the even one again
+                            continue
+                        yield plan
+                        yield from interleaved_variants(plan, self.interleave_choices)
+                        if not offload or cost is not None and _fits(cost, plan):
+                            continue
+                        offloaded = uniform_plan(workload, dp, tp, pp, u, zero, recompute, sequence_parallel=sp,
+                                                 planner=self.name, cp=cp, ep=ep, offload=True,
+                                                 expert_split=by_speed)
+                        if cost is None or _fits(cost, offloaded):
+                            yield offloaded
+                            yield from interleaved_variants(offloaded, self.interleave_choices)
 
     @staticmethod
     def _expert_splits(workload: Workload, ep: int) -> tuple[bool, ...]:
@@ -150,6 +179,19 @@ class UniformPlanner:
                 f"{workload.cluster.num_devices}"
             )
         return rank_plans(cost, plans, top_k)
+
+
+def interleaved_variants(plan: Plan, choices: tuple[int, ...] = INTERLEAVE_CHOICES) -> Iterator[Plan]:
+    """``plan`` (1F1B, pp > 1) with interleaved 1F1B of each ``INTERLEAVE_CHOICES``
+    chunk count its stages and micro-batches allow. The same layers, devices
+    and strategies: only the schedule's bubble, p2p traffic and in-flight
+    activations change."""
+    if plan.pp == 1 or plan.schedule != "1f1b" or plan.num_micro_batches % plan.pp:
+        return
+    fewest = min(stage.num_layers for stage in plan.stages)
+    for v in choices:
+        if v <= fewest:
+            yield replace(plan, schedule="interleaved-1f1b", virtual_stages=v)
 
 
 def _fits(cost: CostModel, plan: Plan) -> bool:
