@@ -7,7 +7,7 @@ compared with, and the errors; these are also runs no constant was fitted on.
 
 Each data file (``data/megatron_bridge_h100.json``, ``data/torchtitan_a100.json``)
 states its stack's defaults (GPU, attention kernel, optimizer state, routing
-balance) and its runs' own settings (TP, PP, CP, EP, interleaving, micro-batch,
+balance, TP communication overlap) and its runs' own settings (TP, PP, CP, EP, interleaving, micro-batch,
 FSDP or the distributed optimizer, recomputation, FP8). Each run becomes the
 workload and uniform plan of those settings, and ``CostModel.estimate``
 predicts its tokens/s per GPU. A run hetplan cannot express is listed with the
@@ -76,7 +76,8 @@ def build(run: dict[str, Any], data: dict[str, Any]) -> Row:
         zero = 3 if int(run["fsdp"]) > 0 else (1 if d["distributed_optimizer"] else 0)
         workload = Workload(model, homogeneous_cluster(gpus, d["gpu"], int(d["gpus_per_node"])), int(run["gbs"]),
                             optimizer=d["optimizer"], fp8=run["precision"] == "fp8",
-                            expert_imbalance=float(d["expert_imbalance"]), attention_kernel=d["attention_kernel"])
+                            expert_imbalance=float(d["expert_imbalance"]), attention_kernel=d["attention_kernel"],
+                            tp_comm_overlap=bool(d["tp_comm_overlap"]))
         vp = int(run["vp"])
         plan = uniform_plan(workload, dp, tp, pp, int(run["mbs"]), zero=zero,
                             recompute=run.get("recompute", d["recompute"]),

@@ -320,3 +320,59 @@ def test_planning_for_megatron_costs_its_attention_kernel(tmp_path, capsys: pyte
         assert main([*args, *extra, "--json", str(path)]) == 0
         capsys.readouterr()
         assert json.loads(path.read_text())["settings"]["attention_kernel"] == kernel
+
+
+def test_tp_comm_overlap_exposes_only_what_outlasts_the_compute() -> None:
+    """Llama 3 70B at tp4 on 8 H100: with the overlap the TP communication of
+    each layer is pipeline.overlapped_exposure of its time without it under
+    the layer's forward + backward compute; the step gets faster, nothing else
+    changes (memory, compute)."""
+    from hetplan.cluster.presets import homogeneous_cluster
+    from hetplan.cost.model import CostModel
+    from hetplan.cost.pipeline import overlapped_exposure
+    from hetplan.cost.workload import Workload
+    from hetplan.model.presets import get_model
+    from hetplan.search.baselines.uniform import uniform_plan
+
+    cluster = homogeneous_cluster(8, "H100", 8)
+    kernels, estimates = {}, {}
+    for overlap in (False, True):
+        workload = Workload(get_model("llama3-70b"), cluster, 16, tp_comm_overlap=overlap)
+        cost = CostModel(workload)
+        plan = uniform_plan(workload, 1, 4, 2, 1, zero=0, recompute="full", sequence_parallel=True)
+        kernels[overlap], estimates[overlap] = cost.kernel, cost.estimate(plan)
+    gpu, group = cluster.devices[0].gpu, (0, 1, 2, 3)
+    times = kernels[False].layer_times(gpu, 1, 4, "full", True)
+    link = kernels[False].tp_link(group)
+    plain = kernels[False].tp_comm_time("full", 1, link, times)
+    hidden = kernels[True].tp_comm_time("full", 1, link, times)
+    expected = overlapped_exposure(plain, times.fwd_s + times.bwd_s + times.recompute_s,
+                                   kernels[True].overlap_slowdown)
+    assert np.any(plain > 0)
+    assert np.allclose(hidden, expected) and np.all(hidden <= plain) and hidden.sum() < plain.sum()
+    assert estimates[True].iteration_time_s < estimates[False].iteration_time_s
+    assert estimates[True].peak_memory_bytes == estimates[False].peak_memory_bytes
+
+
+def test_tp_overlap_is_kept_in_the_plan_file_and_named_at_export(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp-overlap reaches the estimate, the plan file keeps it, and exporting
+    that plan tells the user how the tool turns it on (the export cannot)."""
+    import json
+
+    from hetplan.cli import main
+
+    path = tmp_path / "p.json"
+    args = ["estimate", "--model", "llama3-8b", "--cluster", "8xH100", "--global-batch", "8", "--tp", "4",
+            "--pp", "1", "--dp", "2", "--micro-batch", "1", "--sequence-parallel"]
+    assert main([*args, "--json", str(tmp_path / "plain.json")]) == 0
+    assert main([*args, "--tp-overlap", "--fp8", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "TP communication overlapped" in out
+    data = json.loads(path.read_text())
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert data["settings"]["tp_comm_overlap"] is True and plain["settings"]["tp_comm_overlap"] is False
+    assert main(["export", str(path), "--format", "megatron"]) == 0
+    err = capsys.readouterr().err
+    assert "--tp-comm-overlap" in err and "--fp8-format" in err
+    assert main(["export", str(tmp_path / "plain.json"), "--format", "megatron"]) == 0
+    assert "--tp-comm-overlap" not in capsys.readouterr().err

@@ -184,9 +184,9 @@ CLI_BASES = [
     ["whatif", "--model", "tiny-gpt", "--cluster", "2xT4", "--vary", "global-batch=4,8", "--planner", "uniform"],
 ]
 CLI_OPTIONS = ["--model", "--cluster", "--global-batch", "--seq-len", "--memory-limit", "--optimizer", "--precision",
-               "--zero-impl", "--tokens", "--price-per-gpu-hour", "--top", "--planner", "--planners", "--tp", "--pp",
-               "--dp", "--micro-batch", "--zero", "--recompute", "--schedule", "--virtual-stages", "--vary",
-               "--index", "--profile"]
+               "--zero-impl", "--attention-kernel", "--tokens", "--price-per-gpu-hour", "--top", "--planner",
+               "--planners", "--tp", "--pp", "--dp", "--micro-batch", "--zero", "--recompute", "--schedule",
+               "--virtual-stages", "--vary", "--index", "--profile"]
 CLI_VALUES = ["nan", "inf", "-inf", "-1", "0", "0.5", "1e308", "", " ", "99999999999999999999999", "8GB", "0.5GB",
               "GB", "1e-9GB", "auto", "true", "x", "local-cpu-3", "local-cpu-0", "2xT4", "0xT4", "tiny-gpt",
               "tiny-llama-bf16", "/dev/null", "/nonexistent/file", "/tmp", "fp16", "bf16", "adam-fp32",

@@ -80,6 +80,9 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
                    help="the fused attention kernel your training calls: flash2 (PyTorch SDPA: hetplan's runtime, "
                    "torchtitan, HF; the default), cudnn (Transformer Engine: Megatron-LM, NeMo; the default with "
                    "--target megatron), triton (MosaicML MPT)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="TP communication overlapped with the matmuls, as Megatron-LM --tp-comm-overlap and "
+                   "torchtitan's async TP run it (hetplan's own runtime does not)")
     p.add_argument("--expert-imbalance", type=finite_nonneg_float, default=None,
                    help="MoE models: tokens the busiest expert-parallel rank gets over the average (default 1.25; "
                    "1 = perfect balance; give what your router measures)")
@@ -235,6 +238,7 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
                     profile=profile, fp8=args.fp8 or saved.get("fp8", False),
                     zero_implementation=args.zero_impl or saved.get("zero_implementation", "fsdp"),
                     attention_kernel=_attention_kernel(args, saved),
+                    tp_comm_overlap=args.tp_overlap or saved.get("tp_comm_overlap", False),
                     precision=args.precision or saved.get("precision", ""), calibration=calibration,
                     expert_imbalance=_expert_imbalance(args, saved),
                     # plan/compare: --offload auto|never; estimate's --offload (a flag) sets the plan, not a search
@@ -300,6 +304,7 @@ def _header(workload: Any, extra: str = "") -> str:
              + (", DeepSpeed ZeRO collectives" if workload.zero_implementation == "deepspeed" else "")
              + (f", {workload.attention_kernel} attention" if workload.attention_kernel != DEFAULT_ATTENTION_KERNEL
                 else "")
+             + (", TP communication overlapped" if workload.tp_comm_overlap else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
     if workload.profile is not None:
         lines.append(f"costs    measured layer times ({len(workload.profile)} profile entries) where the profile "
@@ -567,7 +572,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import os
 
-    from hetplan.export import render
+    from hetplan.export import render, settings_notes
     from hetplan.planfile import read_plan_file, resolve_cluster, resolve_model
     from hetplan.validate import validate_plan
 
@@ -577,7 +582,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     cluster = resolve_cluster(plan_file, args.cluster)
     validate_plan(plan, model, cluster)  # never export a plan that cannot run
     result = render(plan, model, args.format, cluster, args.torchtitan_version)
-    for note in result.notes:
+    for note in [*result.notes, *settings_notes(plan_file.settings, args.format)]:
         print(f"note: {note}", file=sys.stderr)
     outputs = {args.out: result.text} if args.out else {}
     for suffix, text in result.files.items():

@@ -42,7 +42,7 @@ from hetplan.userfiles import read_json
 
 PLAN_FILE_VERSION = 3
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
-                "overlap_grad_sync", "expert_imbalance")
+                "overlap_grad_sync", "expert_imbalance", "tp_comm_overlap")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class PlanFile:
                         overlap_grad_sync=saved.get("overlap_grad_sync", True), profile=profile,
                         fp8=saved.get("fp8", False), zero_implementation=saved.get("zero_implementation", "fsdp"),
                         attention_kernel=saved.get("attention_kernel", DEFAULT_ATTENTION_KERNEL),
+                        tp_comm_overlap=saved.get("tp_comm_overlap", False),
                         precision=saved.get("precision", ""),
                         expert_imbalance=saved.get("expert_imbalance", EXPERT_LOAD_IMBALANCE),
                         calibration=calibration if calibration is not None else self.cluster.meta.get("calibration"))
@@ -182,6 +183,7 @@ def _settings(data: Any) -> dict[str, Any]:
         "attention_kernel": lambda w, v: fields.text(w, v, ATTENTION_KERNELS),
         "memory_limit_bytes": lambda w, v: fields.whole(w, v, 0),
         "overlap_grad_sync": fields.flag,
+        "tp_comm_overlap": fields.flag,
         "expert_imbalance": _imbalance,
     }
     return {key: readers[key](f"settings.{key}", value) for key, value in raw.items()}

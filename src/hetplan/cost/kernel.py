@@ -59,7 +59,7 @@ from hetplan.cost.constants import (
 )
 from hetplan.cost.groups import ClusterArrays, first_appearance
 from hetplan.cost.layers import LayerArrays, layer_arrays
-from hetplan.cost.pipeline import overlap_slowdown
+from hetplan.cost.pipeline import overlap_slowdown, overlapped_exposure
 from hetplan.cost.memory import (
     activation_bytes, framework_overhead_bytes, host_offload_capacity_bytes, recompute_working_bytes,
 )
@@ -353,13 +353,19 @@ class CostKernel:
                      times: LayerTimes | None = None) -> np.ndarray:
         """Per layer: a replica's TP all-reduces of ``batch`` samples over one
         micro-batch's passes, bandwidth and latency; none for layers whose
-        measured ``times`` already hold them (``compute._apply_profile``)."""
+        measured ``times`` already hold them (``compute._apply_profile``). With
+        ``Workload.tp_comm_overlap`` only the part its forward and backward
+        compute cannot hide (``pipeline.overlapped_exposure``)."""
         rate, latency = link
         if batch <= 0 or (rate == 0.0 and latency == 0.0):
             return np.zeros(self.num_layers)
         comm = self.tp_comm_bytes(recompute) * batch * rate + self.tp_collective_counts(recompute) * latency
         if times is not None and times.tp_comm_inside is not None:
             comm = np.where(times.tp_comm_inside, 0.0, comm)
+        if self.workload.tp_comm_overlap and times is not None:
+            # split under the layer's own matmuls (Megatron-LM --tp-comm-overlap, torchtitan async TP):
+            # only what outlasts its compute, and the slowdown of sharing the GPU, stays exposed
+            comm = overlapped_exposure(comm, times.fwd_s + times.bwd_s + times.recompute_s, self.overlap_slowdown)
         return comm
 
     def supports_tp(self, tp: int) -> np.ndarray:

@@ -54,6 +54,11 @@ class Workload:
             (``ATTENTION_KERNELS``): "flash2" (PyTorch SDPA: hetplan's runtime,
             torchtitan, HF), "cudnn" (Transformer Engine: Megatron-LM, NeMo),
             "triton" (MosaicML's MPT kernel); they differ up to 3x per GPU.
+        tp_comm_overlap: TP's all-gathers and reduce-scatters run split under
+            the matmuls they feed (Megatron-LM ``--tp-comm-overlap`` with
+            Transformer Engine, torchtitan's async TP with torch.compile):
+            only what outlasts a layer's compute stays exposed. hetplan's own
+            runtime does not overlap them.
     """
 
     model: ModelSpec
@@ -70,6 +75,7 @@ class Workload:
     expert_imbalance: float = EXPERT_LOAD_IMBALANCE
     search_offload: bool = field(default=True, compare=False)
     attention_kernel: str = DEFAULT_ATTENTION_KERNEL
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         self._check_precision()
