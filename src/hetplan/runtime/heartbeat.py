@@ -49,6 +49,9 @@ DEFAULT_INTERVAL_S = 1.0
 EXIT_CODE = 3  # a peer stopped responding (1: the training failed, 2: a user mistake)
 MAX_WATCHED = 8
 _DONE = 1 << 40  # added to a counter when its rank finishes normally
+# How long a rank waits at start for its watched peers' pid and host: they start
+# together (the process group's rendezvous has just brought every rank up).
+INFO_WAIT_S = 10.0
 _starts = 0  # heartbeats started in this process: every rank runs the same code, so keys match
 
 
@@ -114,13 +117,34 @@ class Heartbeat:
         self._info: dict[int, str] = {}
         self._threads: list[threading.Thread] = []
         self._finished = False  # stopped because the run ended (not because a peer hung)
+        self._store: Any = None  # the connection start() opened, handed to the beat thread
         self.reported = ""
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
 
+    def _info_key(self, rank: int) -> str:
+        return f"{self._prefix}/info/{rank}"
+
+    def _exchange_info(self) -> Any:
+        """Publish this rank's pid and host and wait (at most ``INFO_WAIT_S``)
+        for its watched peers' before training starts, so that a peer that
+        stops later is named with them even when it hosts the store and its
+        store stops with it. Best effort: returns the connection, or None
+        (a rank is then named without them)."""
+        try:
+            store = self._connect()
+            store.set(self._info_key(self.rank), f"pid {os.getpid()} on {socket.gethostname()}")
+            store.wait([self._info_key(r) for r in self.watched], datetime.timedelta(seconds=INFO_WAIT_S))
+            for r in self.watched:
+                self._info[r] = store.get(self._info_key(r)).decode(errors="replace")
+            return store
+        except Exception:  # noqa: BLE001 - a peer late or a store without wait: the beat thread retries
+            return None
+
     # --- threads ----------------------------------------------------------------------------
     def start(self) -> Heartbeat:
+        self._store = self._exchange_info()
         for name, target in (("beat", self._beat), ("watch", self._watch)):
             t = threading.Thread(target=target, name=f"hetplan-heartbeat-{name}", daemon=True)
             t.start()
@@ -139,8 +163,8 @@ class Heartbeat:
                 t.join(max(0.0, deadline - time.monotonic()))
 
     def _beat(self) -> None:
-        store = None
-        info_sent = False
+        store, self._store = self._store, None  # the start's connection, now this thread's
+        info_sent = store is not None
         while True:
             stopping = self._stop.is_set()
             try:
@@ -152,11 +176,11 @@ class Heartbeat:
                     return
                 store.add(self._key(self.rank), 1)
                 if not info_sent:
-                    store.set(f"{self._prefix}/info/{self.rank}", f"pid {os.getpid()} on {socket.gethostname()}")
+                    store.set(self._info_key(self.rank), f"pid {os.getpid()} on {socket.gethostname()}")
                     info_sent = True
                 values = {r: store.add(self._key(r), 0) for r in self.watched}
                 for r in self.watched:
-                    key = f"{self._prefix}/info/{r}"
+                    key = self._info_key(r)
                     if r not in self._info and store.check([key]):
                         self._info[r] = store.get(key).decode(errors="replace")
             except Exception:  # noqa: BLE001 - the store went away or failed: counts as no answer
