@@ -26,14 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published_runs import DEFAULT_RUNS, Case, load_cases  # noqa: E402
 
 import hetplan.cost.compute as compute  # noqa: E402
+from hetplan.cost.constants import per_die as _per_die  # noqa: E402
 from hetplan.cost.model import CostModel  # noqa: E402
-
-A100 = ("A100-40GB", "A100-80GB")  # one GA100 die
-H100 = ("H100", "H200")  # one GH100 die
-
-
-def _per_die(a100: float, h100: float) -> dict[str, float]:
-    return {**dict.fromkeys(A100, a100), **dict.fromkeys(H100, h100)}
 
 
 GRID: dict[str, list[object]] = {

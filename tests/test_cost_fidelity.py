@@ -278,25 +278,16 @@ def test_attention_kernel_is_an_option_kept_in_the_plan_file(tmp_path, capsys: p
     """--attention-kernel reaches the cost model (cuDNN's kernel is faster on
     H100 at 8k tokens), is written to the plan file, read back by estimate,
     and shown in the header; an unknown name is one error line."""
-    import json
-
     from hetplan.cli import main
+    from setting_roundtrip import estimate_keeps_setting
 
     args = ["estimate", "--model", "llama3-8b", "--cluster", "8xH100", "--global-batch", "8", "--tp", "1",
             "--pp", "1", "--dp", "8", "--micro-batch", "1", "--zero", "3"]
     times = {}
     for kernel in ("flash2", "cudnn"):
-        path = tmp_path / f"{kernel}.json"
-        assert main([*args, "--attention-kernel", kernel, "--json", str(path)]) == 0
-        out = capsys.readouterr().out
-        assert ("cudnn attention" in out) == (kernel == "cudnn")
-        data = json.loads(path.read_text())
-        assert data["settings"]["attention_kernel"] == kernel
-        times[kernel] = data["plans"][0]["estimate"]["iteration_time_s"]
-        assert main(["estimate", str(path), "--json", str(tmp_path / "again.json")]) == 0
-        capsys.readouterr()
-        again = json.loads((tmp_path / "again.json").read_text())
-        assert again["plans"][0]["estimate"]["iteration_time_s"] == times[kernel]
+        kept, times[kernel], out = estimate_keeps_setting(args, "--attention-kernel", kernel, "attention_kernel",
+                                                          tmp_path, capsys)
+        assert kept == kernel and ("cudnn attention" in out) == (kernel == "cudnn")
     assert times["cudnn"] < times["flash2"]
     with pytest.raises(SystemExit) as exc:
         main([*args, "--attention-kernel", "flash9"])

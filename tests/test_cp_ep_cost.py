@@ -25,6 +25,7 @@ from hetplan.errors import HetplanError
 from hetplan.model.families import llama_decoder
 from hetplan.model.presets import get_model
 from hetplan.model.spec import LayerSpec, ModelSpec
+from setting_roundtrip import estimate_keeps_setting
 from hetplan.plan import Plan
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.baselines.uniform import UniformPlanner, uniform_plan
@@ -379,16 +380,9 @@ def test_expert_imbalance_is_an_option_kept_in_the_plan_file(tmp_path, capsys: p
             "--pp", "1", "--dp", "8", "--micro-batch", "1", "--ep", "8"]
     times = {}
     for load in ("1.0", "2.0"):
-        path = tmp_path / f"p{load}.json"
-        assert main([*args, "--expert-imbalance", load, "--json", str(path)]) == 0
-        capsys.readouterr()
-        data = json.loads(path.read_text())
-        assert data["settings"]["expert_imbalance"] == float(load)
-        times[load] = data["plans"][0]["estimate"]["iteration_time_s"]
-        assert main(["estimate", str(path), "--json", str(tmp_path / "again.json")]) == 0
-        capsys.readouterr()
-        again = json.loads((tmp_path / "again.json").read_text())
-        assert again["plans"][0]["estimate"]["iteration_time_s"] == times[load]
+        kept, times[load], _ = estimate_keeps_setting(args, "--expert-imbalance", load, "expert_imbalance",
+                                                      tmp_path, capsys)
+        assert kept == float(load)
     assert times["2.0"] > times["1.0"]  # the busiest rank's experts carry twice the average
     for bad in ("0.5", "65", "nan"):
         try:

@@ -838,12 +838,15 @@ def render(plan: Plan, model: ModelSpec, fmt: str, cluster: Any = None,
 
 
 # How each tool turns on what a plan file's settings assumed when it was costed
-# (the exports carry the parallel layout; these the user sets in the tool).
+# (the exports carry the parallel layout; these the user sets in the tool):
+# setting -> (what the estimate assumed, {tool: how to turn it on}).
 _SETTING_FLAGS = {
-    "fp8": {"megatron": "--fp8-format hybrid (Transformer Engine)", "torchtitan": "Float8 training (torchao)",
-            "deepspeed": "Transformer Engine FP8 layers"},
-    "tp_comm_overlap": {"megatron": "--tp-comm-overlap", "torchtitan": "async TP (with torch.compile)",
-                        "deepspeed": "no equivalent: expect the TP communication exposed"},
+    "fp8": ("FP8 matmuls", {"megatron": "turn on --fp8-format hybrid (Transformer Engine)",
+                            "torchtitan": "turn on Float8 training (torchao)",
+                            "deepspeed": "turn on Transformer Engine FP8 layers"}),
+    "tp_comm_overlap": ("TP communication overlapped with the matmuls",
+                        {"megatron": "turn on --tp-comm-overlap", "torchtitan": "turn on async TP (with torch.compile)",
+                         "deepspeed": "no equivalent: expect the TP communication exposed"}),
 }
 
 
@@ -851,13 +854,8 @@ def settings_notes(settings: dict[str, Any], tool: str) -> list[str]:
     """One note per cost-model setting of a plan file that the export does not
     carry, saying how ``tool`` turns it on: an estimate assumed it, so a run
     without it would not match the estimate."""
-    notes = []
-    if settings.get("fp8") and tool in _SETTING_FLAGS["fp8"]:
-        notes.append(f"the plan was costed with FP8 matmuls: turn on {_SETTING_FLAGS['fp8'][tool]}")
-    if settings.get("tp_comm_overlap") and tool in _SETTING_FLAGS["tp_comm_overlap"]:
-        notes.append("the plan was costed with TP communication overlapped with the matmuls: "
-                     f"{_SETTING_FLAGS['tp_comm_overlap'][tool]}")
-    return notes
+    return [f"the plan was costed with {what}: {how[tool]}"
+            for key, (what, how) in _SETTING_FLAGS.items() if settings.get(key) and tool in how]
 
 
 def try_render(plan: Plan, model: ModelSpec, tool: str, cluster: Any = None,

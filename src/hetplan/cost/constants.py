@@ -54,13 +54,19 @@ DEFAULT_SUSTAINED_MATMUL_FRACTION = sum(SUSTAINED_MATMUL_FRACTION.values()) / le
 #    own kernel benchmark on both GPUs.
 # Other GPUs (no kernel benchmark): ATTENTION_TO_GEMM_DEFAULT below, scaled by
 # the kernel's ratio to FlashAttention-2 on the GPUs it was measured on.
-_FA2 = {"A100-40GB": 195 / 312, "A100-80GB": 195 / 312,
-        "H100": 3.5 / (1 / 370 + 2.5 / 320) / 989, "H200": 3.5 / (1 / 370 + 2.5 / 320) / 989}
-_CUDNN_HOPPER = 3.5 / (1 / 600 + 2.5 / 517) / 989
+AMPERE_GPUS, HOPPER_GPUS = ("A100-40GB", "A100-80GB"), ("H100", "H200")  # one die each: the same kernel rates
+
+
+def per_die(ampere: float, hopper: float) -> dict[str, float]:
+    """A value per catalog GPU of each die (``AMPERE_GPUS``, ``HOPPER_GPUS``)."""
+    return {**dict.fromkeys(AMPERE_GPUS, ampere), **dict.fromkeys(HOPPER_GPUS, hopper)}
+
+
+_FA2_AMPERE = 195 / 312
 ATTENTION_KERNEL_EFFICIENCY = {
-    "flash2": _FA2,
-    "cudnn": {**_FA2, "H100": _CUDNN_HOPPER, "H200": _CUDNN_HOPPER},
-    "triton": {"A100-40GB": 0.3, "A100-80GB": 0.3, "H100": 0.2, "H200": 0.2},
+    "flash2": per_die(_FA2_AMPERE, 3.5 / (1 / 370 + 2.5 / 320) / 989),
+    "cudnn": per_die(_FA2_AMPERE, 3.5 / (1 / 600 + 2.5 / 517) / 989),
+    "triton": per_die(0.3, 0.2),
 }
 ATTENTION_KERNELS = tuple(ATTENTION_KERNEL_EFFICIENCY)
 # What a run calls unless told otherwise: PyTorch SDPA's FlashAttention-2;

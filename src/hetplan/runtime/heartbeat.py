@@ -126,6 +126,10 @@ class Heartbeat:
     def _info_key(self, rank: int) -> str:
         return f"{self._prefix}/info/{rank}"
 
+    def _publish_info(self, store: Any) -> None:
+        """This rank's pid and host, for the peers' reports."""
+        store.set(self._info_key(self.rank), f"pid {os.getpid()} on {socket.gethostname()}")
+
     def _exchange_info(self) -> Any:
         """Publish this rank's pid and host and wait (at most ``INFO_WAIT_S``)
         for its watched peers' before training starts, so that a peer that
@@ -134,7 +138,7 @@ class Heartbeat:
         (a rank is then named without them)."""
         try:
             store = self._connect()
-            store.set(self._info_key(self.rank), f"pid {os.getpid()} on {socket.gethostname()}")
+            self._publish_info(store)
             store.wait([self._info_key(r) for r in self.watched], datetime.timedelta(seconds=INFO_WAIT_S))
             for r in self.watched:
                 self._info[r] = store.get(self._info_key(r)).decode(errors="replace")
@@ -176,7 +180,7 @@ class Heartbeat:
                     return
                 store.add(self._key(self.rank), 1)
                 if not info_sent:
-                    store.set(self._info_key(self.rank), f"pid {os.getpid()} on {socket.gethostname()}")
+                    self._publish_info(store)
                     info_sent = True
                 values = {r: store.add(self._key(r), 0) for r in self.watched}
                 for r in self.watched:
