@@ -16,8 +16,9 @@ from hetplan.errors import HetplanError
 from hetplan.model import get_model
 from hetplan.profile import load_profile
 from hetplan.profile.collectives import bus_factor, fit_alpha_beta, message_sizes
-from hetplan.profile.db import CollectiveFit, CollectivePoint, ProfileDB, ProfileEntry, Unsupported
-from hetplan.profile.job import ProfileJob, batch_sizes, distinct_layers
+from hetplan.profile.db import (CollectiveFit, CollectivePoint, DataParallelPoint, ProfileDB, ProfileEntry,
+                                Unsupported)
+from hetplan.profile.job import ProfileJob, batch_sizes, data_parallel_measurements, distinct_layers
 
 MODEL = "tiny-gpt"
 
@@ -29,7 +30,9 @@ def _full_db() -> ProfileDB:
                      collectives=[CollectivePoint("all_reduce", 2, "intra", 1024, 3e-5, 0.27)],
                      fits=[CollectiveFit("all_reduce", 2, "intra", 2.5e-5, 9.0, 9.0)],
                      unsupported=[Unsupported("all_to_all", 2, "intra", "RuntimeError: no")],
-                     machine={"hostname": "h", "torch": "2.x", "threads": 1},
+                     data_parallel=[DataParallelPoint("blk", "CPU", 1, 2, 3, 1000, 0.001, 0.003),
+                                    DataParallelPoint("emb", "CPU", 1, 2, 3, 3000, 0.001, 0.001)],
+                     machine={"hostname": "h", "torch": "2.x", "threads": 1, "cores": 2},
                      settings={"model": "m", "tp": [1, 2], "repeats": 3})
 
 
@@ -41,6 +44,7 @@ def test_round_trip_keeps_everything(tmp_path) -> None:  # type: ignore[no-untyp
     back = load_profile(path)
     assert back.entries() == db.entries()
     assert back.collectives == db.collectives and back.fits == db.fits and back.unsupported == db.unsupported
+    assert back.data_parallel == db.data_parallel
     assert back.machine == db.machine and back.settings == db.settings
     assert json.loads(path.read_text())["format"] == "hetplan-profile"
 
@@ -63,6 +67,8 @@ def test_old_files_with_entries_only_still_load(tmp_path) -> None:  # type: igno
     (lambda d: d["machine"].update(gpu_clock=1), "gpu_clock"),
     (lambda d: d["entries"][0].update(tp=True), "tp"),
     (lambda d: d["fits"][0].pop("alpha_s"), "alpha_s"),
+    (lambda d: d["data_parallel"][0].update(zero=2), "zero must be one of 0, 3"),
+    (lambda d: d["data_parallel"][0].pop("params"), "params"),
 ])
 def test_unknown_or_bad_keys_are_one_error_naming_them(tmp_path, change, named) -> None:  # type: ignore[no-untyped-def]
     data = _full_db().to_dict()
@@ -71,6 +77,20 @@ def test_unknown_or_bad_keys_are_one_error_naming_them(tmp_path, change, named) 
     path.write_text(json.dumps(data))
     with pytest.raises(HetplanError, match=named):
         load_profile(path)
+
+
+def test_data_parallel_rate_is_the_measured_extra_per_parameter() -> None:
+    db = _full_db()
+    # (1 + 1 ms) over 4000 parameters forward, (3 + 1 ms) backward
+    assert db.data_parallel_rate("CPU", 1, 2, 3) == pytest.approx((0.002 / 4000, 0.004 / 4000))
+    assert db.data_parallel_rate("CPU", 1, 2, 0) is None  # not measured: the analytic model stays
+    assert db.data_parallel_rate("CPU", 2, 2, 3) is None and db.data_parallel_rate("T4", 1, 2, 3) is None
+
+
+def test_data_parallel_is_measured_at_every_dp_degree_beside_each_tp() -> None:
+    job = ProfileJob(get_model(MODEL), load_cluster("local-cpu-4"), (1, 2), (1, 2))
+    kinds = {(tp, ranks, zero) for _, tp, ranks, zero in data_parallel_measurements(job)}
+    assert kinds == {(1, 2, 0), (1, 2, 3), (1, 4, 0), (1, 4, 3), (2, 2, 0), (2, 2, 3)}
 
 
 def test_lookup_takes_the_measured_tp_collectives_out() -> None:
@@ -152,6 +172,7 @@ def test_every_layer_kind_tp_and_batch_is_measured(measured: ProfileDB) -> None:
     tp2 = [e for e in measured.entries() if e.layer == block and e.tp == 2]
     assert all(e.tp_comm_fwd_s > 0 and e.tp_comm_bwd_s > 0 for e in tp2)  # two all-reduces each way (Megatron)
     assert measured.machine["processes"] == 2 and measured.machine["backend"] == "gloo"
+    assert measured.machine["cores"] >= 1
     assert measured.settings["model"] == MODEL
 
 
@@ -164,6 +185,20 @@ def test_block_activations_grow_exactly_with_the_batch(measured: ProfileDB) -> N
         assert mem[4] - mem[2] == 2 * (mem[2] - mem[1]) > 0
     one = {e.tp: e.memory_bytes for e in measured.entries() if e.layer == block and e.batch == 1}
     assert one[2] < one[1]  # a TP shard holds less
+
+
+@pytest.mark.distributed
+def test_data_parallel_wrappers_are_measured_for_every_layer_kind(measured: ProfileDB) -> None:
+    spec = get_model(MODEL)
+    keys = {layer.profile_key for layer in distinct_layers(spec) if layer.params > 0}
+    points = {(d.layer, d.tp, d.ranks, d.zero): d for d in measured.data_parallel}
+    assert set(points) == {(k, 1, 2, z) for k in keys for z in (0, 3)}  # tp 2 leaves no room for dp on 2
+    for d in points.values():
+        assert d.params > 0 and d.fwd_extra_s >= 0 and d.bwd_extra_s >= 0
+    block = spec.layers[1].profile_key
+    # ZeRO-3 gathers the block's weights before its forward; ZeRO-0 adds nothing there but hooks
+    assert points[block, 1, 2, 3].fwd_extra_s > 0 and points[block, 1, 2, 0].bwd_extra_s > 0
+    assert measured.data_parallel_rate("CPU", 1, 2, 3) is not None
 
 
 @pytest.mark.distributed

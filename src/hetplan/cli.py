@@ -307,8 +307,10 @@ def _header(workload: Any, extra: str = "") -> str:
              + (", TP communication overlapped" if workload.tp_comm_overlap else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
     if workload.profile is not None:
-        lines.append(f"costs    measured layer times ({len(workload.profile)} profile entries) where the profile "
-                     "has them, the analytic model elsewhere")
+        measured_dp = len(getattr(workload.profile, "data_parallel", ()))
+        lines.append(f"costs    measured layer times ({len(workload.profile)} profile entries)"
+                     + (f" and data-parallel wrappers ({measured_dp} points)" if measured_dp else "")
+                     + " where the profile has them, the analytic model elsewhere")
     if workload.calibration is not None:
         lines.append(f"rates    calibrated: {workload.calibration.describe()}")
     if extra:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Callable, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -65,6 +65,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
 from hetplan.cost.workload import Workload
+from hetplan.profile.db import DATA_PARALLEL_ZERO
 from hetplan.profile.metis import MetisProfileDB
 
 COLLECTIVES: dict[str, Callable[..., float]] = {
@@ -123,6 +124,9 @@ class _Layout:
     parallel: tuple[object, ...] = ()  # (cp, ep, CP link, EP link) when cp or ep > 1 (``CostKernel.cp_ep_links``)
     expert_rate: Callable[[str], float] | None = None  # s/byte on the slowest expert-data-parallel group
     expert_scale: float = 1.0  # the most routed experts a device holds, over an even 1/ep share
+    # ZeRO stage -> (fwd, bwd) s/parameter the runtime's data-parallel wrapper adds, as
+    # ``hetplan profile`` measured it over groups of this stage's size (``CostKernel.measured_dp``)
+    measured_dp: Mapping[int, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -697,12 +701,41 @@ class CostKernel:
         groups = self.dp_groups(devices, tp, grid) if dp * cp > 1 else None
         parallel = (cp, ep, *self.cp_ep_links(grid, cp, ep)) if cp > 1 or ep > 1 else ()
         experts = self._expert_dp_groups(grid, ep) if ep > 1 and dp * cp > ep else None
+        measured = self.measured_dp(grid, tp, dp * cp) if groups is not None and ep == 1 else {}
         signature = (dp, tp, tuple(times), memory, device_class.tobytes(), groups and groups.key, optimizer,
-                     parallel, experts and experts.key)
+                     parallel, experts and experts.key, tuple(sorted(measured.items())))
         return _Layout(tuple(times.values()), memory, device_class,
                        lambda kind: self._dp_rate(kind, tp, groups) if groups else 0.0, optimizer, signature,
                        self._signatures.setdefault(signature, len(self._signatures)), cp, ep, parallel,
-                       lambda kind: self._dp_rate(kind, tp * ep, experts) if experts else 0.0, float(held.max()))
+                       lambda kind: self._dp_rate(kind, tp * ep, experts) if experts else 0.0, float(held.max()),
+                       measured)
+
+    @property
+    def core_sharing(self) -> tuple[int, int] | None:
+        """(cores, processes the profile timed at once) when a profile of this
+        CPU cluster was measured with its processes sharing fewer cores than
+        they are (``cost/shared_cores.py``); None otherwise."""
+        machine = getattr(self.workload.profile, "machine", None) or {}
+        cores, processes = machine.get("cores"), machine.get("processes")
+        if not cores or not processes or any(d.gpu.name != "CPU" for d in self.cluster.devices):
+            return None
+        return (int(cores), int(processes)) if cores < self.cluster.num_devices else None
+
+    def measured_dp(self, grid: np.ndarray, tp: int, ranks: int) -> dict[int, tuple[float, float]]:
+        """ZeRO stage -> (fwd, bwd) seconds per parameter that the runtime's
+        data-parallel wrapper adds over groups of ``ranks`` processes at TP degree ``tp``, from a
+        profile that measured it on every GPU type of the stage (the slowest
+        type's), for the stages it measured (``ProfileDB.data_parallel_rate``)."""
+        rate_of = getattr(self.workload.profile, "data_parallel_rate", None)
+        if rate_of is None:
+            return {}
+        names = sorted({self.cluster.devices[int(d)].gpu.name for d in grid.reshape(-1).tolist()})
+        found = {}
+        for zero in DATA_PARALLEL_ZERO:
+            rates = [rate_of(name, tp, ranks, zero) for name in names]
+            if all(r is not None for r in rates):
+                found[zero] = (max(r[0] for r in rates), max(r[1] for r in rates))  # type: ignore[index]
+        return found
 
     def even_experts(self, ep: int) -> tuple[float, float]:
         """(expert work, expert tokens) of the busiest rank of an even EP split

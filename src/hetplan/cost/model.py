@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from hetplan.cost import shared_cores
 from hetplan.cost.bounds import iteration_lower_bound
 from hetplan.cost.constants import P2P_PASSES
 from hetplan.cost.kernel import CostKernel
@@ -19,7 +20,7 @@ from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.mixed import (
     mixed_stage_memory, mixed_stage_timing, stage_host_bytes, stage_memory_parts, stage_resident_parts,
 )
-from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time
+from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time, pipeline_time
 from hetplan.cost.workload import Workload
 from hetplan.plan import Estimate, Plan, Stage, StageEstimate
 
@@ -136,8 +137,20 @@ class CostModel:
         tails = [StageTail(t.back_s, t.grad_sync_s, t.post_step_s, t.optimizer_s) for t in timings]
         step = iteration_time([t.per_micro_batch_s for t in timings], p2p, tails, plan.num_micro_batches,
                               self.workload.overlap_grad_sync, max(1, plan.virtual_stages),
-                              self.kernel.overlap_slowdown)
+                              self.kernel.overlap_slowdown, self._shared_core_pipeline(plan, timings, p2p))
         return timings, p2p, step
+
+    def _shared_core_pipeline(self, plan: Plan, timings: list[SegmentTiming], p2p: list[float]) -> float | None:
+        """The pipeline's time when its processes share fewer cores than they
+        are (``cost/shared_cores.py``; None otherwise, and for interleaved
+        schedules, which keep the closed form)."""
+        sharing = self.kernel.core_sharing
+        if sharing is None or plan.pp == 1 or plan.virtual_stages > 1:
+            return None
+        fwd = [t.per_micro_batch_s * t.fwd_s / max(t.fwd_s + t.back_s, 1e-30) for t in timings]
+        bwd = [t.per_micro_batch_s - f for t, f in zip(timings, fwd)]
+        return shared_cores.pipeline_time(plan.schedule, fwd, bwd, p2p, plan.num_micro_batches,
+                                          [len(s.devices) for s in plan.stages], *sharing)
 
     def quick(self, plan: Plan) -> tuple[float, bool]:
         """(iteration time, fits) — what ``estimate`` says, without the per-GPU
@@ -155,7 +168,13 @@ class CostModel:
         compute = m * (slow.fwd_s + slow.bwd_s)
         recompute, tp_comm, zero3 = m * slow.recompute_s, m * slow.tp_comm_s, m * slow.zero3_exposed_s
         p2p_total = P2P_PASSES * v * sum(p2p)
-        bubble = step.pipeline_s - compute - recompute - tp_comm - zero3 - p2p_total
+        # processes sharing cores (cost/shared_cores.py) run the pipeline faster than
+        # its closed form: its parts shrink by that speed-up, as they ran
+        closed = pipeline_time(stage_times, p2p, m, v)
+        speedup = step.pipeline_s / closed if closed > 0 else 1.0
+        compute, recompute, tp_comm, zero3, p2p_total = (
+            x * min(1.0, speedup) for x in (compute, recompute, tp_comm, zero3, p2p_total))
+        bubble = max(0.0, step.pipeline_s - compute - recompute - tp_comm - zero3 - p2p_total)
 
         peak: dict[int, int] = {}
         capacity: dict[int, int] = {}

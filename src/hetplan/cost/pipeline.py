@@ -121,9 +121,12 @@ class IterationTime:
 
 def iteration_time(stage_times: Sequence[float], p2p_times: Sequence[float], tails: Sequence[StageTail],
                    num_micro_batches: int, overlap_grad_sync: bool, virtual_stages: int = 1,
-                   slowdown: float = OVERLAP_SLOWDOWN) -> IterationTime:
-    """The whole step (module docstring): pipeline, sync tail, optimizer."""
-    t_pipe = pipeline_time(stage_times, p2p_times, num_micro_batches, virtual_stages)
+                   slowdown: float = OVERLAP_SLOWDOWN, pipeline_s: float | None = None) -> IterationTime:
+    """The whole step (module docstring): pipeline, sync tail, optimizer.
+    ``pipeline_s``: the pipeline's time where the closed form does not hold
+    (processes sharing cores, ``cost/shared_cores.py``)."""
+    t_pipe = pipeline_time(stage_times, p2p_times, num_micro_batches, virtual_stages) if pipeline_s is None \
+        else pipeline_s
     finish = t_pipe
     ahead = 0.0
     for j, tail in enumerate(tails):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -189,7 +189,7 @@ class StageCosts:
         o = self.option
         group = o.dp * o.cp
         self._gather, self._scatter, self._sync, self._post, self._optimizer = \
-            self._rates(self._layout.dp_rate, group)
+            self._rates(self._layout.dp_rate, group, self._layout.measured_dp)
         self._expert = (0.0,) * 5
         if o.ep > 1:
             rate = self._layout.expert_rate or (lambda kind: 0.0)
@@ -199,19 +199,33 @@ class StageCosts:
                                                                 (self._gather, self._scatter, self._sync, self._post,
                                                                  self._optimizer)))
 
-    def _rates(self, rate: Callable[[str], float], group: int) -> tuple[float, float, float, float, float]:
+    def _rates(self, rate: Callable[[str], float], group: int,
+               measured: Mapping[int, tuple[float, float]] | None = None) -> tuple[float, float, float, float, float]:
         """(ZeRO-3 gather, scatter, gradient sync, ZeRO-1/2 post-step gather,
-        optimizer) seconds per parameter held, over data-parallel groups of ``group`` devices."""
+        optimizer) seconds per parameter held, over data-parallel groups of ``group`` devices.
+
+        ``measured`` (ZeRO stage -> fwd, bwd s/parameter, from a profile):
+        what the runtime's wrapper added to a lone layer, whose collectives
+        nothing hides, taken as the collectives' time in place of the
+        alpha-beta estimate: ZeRO-3's forward extra as its gather, the rest of
+        its backward extra as the reduce-scatter; ZeRO-0's (the all-reduce
+        ZeRO-1 runs too) as the gradient sync."""
         k, o = self.kernel, self.option
+        measured = measured or {}
         gather = scatter = sync = post = 0.0
         if group > 1 and o.zero >= 3:
-            gather = k.weight_bytes * rate("allgather")
-            scatter = k.grad_bytes * rate("reduce_scatter")
+            if 3 in measured:
+                fwd, bwd = measured[3]
+                gather, scatter = fwd, max(0.0, bwd - fwd)
+            else:
+                gather = k.weight_bytes * rate("allgather")
+                scatter = k.grad_bytes * rate("reduce_scatter")
         elif group > 1 and o.zero in (1, 2):
-            sync = k.grad_bytes * rate(zero12_gradient_collective(o.zero))
+            sync = sum(measured[0]) if o.zero == 1 and 0 in measured \
+                else k.grad_bytes * rate(zero12_gradient_collective(o.zero))
             post = k.weight_bytes * rate("allgather")
         elif group > 1:
-            sync = k.grad_bytes * rate("allreduce")
+            sync = sum(measured[0]) if 0 in measured else k.grad_bytes * rate("allreduce")
         return gather, scatter, sync, post, self._layout.optimizer_rate / (group if o.zero >= 1 else 1)
 
     def _held(self, a: int, b: int) -> tuple[float, float]:

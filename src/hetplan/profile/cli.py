@@ -261,7 +261,8 @@ def _write(job: Any, data: dict[str, Any], seconds: float) -> None:
     except OSError as exc:
         raise HetplanError(f"cannot write {job.out}: {exc.strerror}") from None
     print(summary(db, job.spec))
-    print(f"wrote {job.out}: {len(db)} layer entries, {len(db.collectives)} collective points "
+    print(f"wrote {job.out}: {len(db)} layer entries, {len(db.collectives)} collective points, "
+          f"{len(db.data_parallel)} data-parallel wrapper points "
           f"(measured in {seconds:.1f} s)")
 
 
@@ -285,6 +286,11 @@ def summary(db: Any, spec: Any) -> str:
                     for f in db.fits]
         text += "\n\n" + table(["collective", "ranks", "link", "alpha us", "bandwidth Gb/s", "busbw Gb/s"], fit_rows,
                                [False, True, False, True, True, True])
+    if db.data_parallel:
+        dp_rows = [[names.get(d.layer, d.layer), d.gpu, d.tp, d.ranks, d.zero, f"{d.fwd_extra_s * 1e3:.3f}",
+                    f"{d.bwd_extra_s * 1e3:.3f}"] for d in db.data_parallel]
+        text += "\n\n" + table(["layer", "gpu", "tp", "dp ranks", "ZeRO", "adds fwd ms", "adds bwd ms"], dp_rows,
+                               [False, False, True, True, True, True, True])
     for u in db.unsupported:
         text += f"\n{u.op} over {u.ranks} ranks: not supported by the backend ({u.reason})"
     return text

@@ -20,6 +20,8 @@ File format (JSON; every field and unit in docs/profiling.md)::
      "fits": [{"op": "all_reduce", "ranks": 2, "link": "intra", "alpha_s": 2.9e-05,
                "bandwidth_gbps": 9.1, "busbw_gbps": 9.1}],
      "unsupported": [{"op": "...", "ranks": 2, "link": "intra", "reason": "..."}],
+     "data_parallel": [{"layer": "decoder:...", "gpu": "T4", "tp": 1, "ranks": 2, "zero": 3, "params": 787456,
+                        "fwd_extra_s": 0.004, "bwd_extra_s": 0.009}],
      "machine": {"hostname": "...", "torch": "2.13.0", ...},
      "settings": {"model": "tiny-gpt", ...}}
 
@@ -31,6 +33,13 @@ are written only when set, so an entry of such a file is written back as it was.
 collectives included; ``tp_comm_*_s`` is the part of that which the layer's TP
 collectives take when run alone. :meth:`ProfileDB.lookup` returns the compute
 part (the difference), because the cost model adds its own TP communication.
+
+``data_parallel`` holds what the runtime's data-parallel wrappers add to a
+layer's pass over groups of ``ranks`` processes (ZeRO-0: ``replicate`` and its
+gradient all-reduce; ZeRO-3: ``fully_shard`` and its gathers and
+reduce-scatters), copies and hooks included: :meth:`ProfileDB.data_parallel_rate`
+turns them into seconds per parameter, which the cost model uses in place of
+its alpha-beta estimate of those collectives.
 """
 
 from __future__ import annotations
@@ -128,10 +137,29 @@ class Unsupported:
     reason: str
 
 
-MACHINE_KEYS = ("hostname", "torch", "python", "platform", "device", "backend", "threads", "processes")
+@dataclass(frozen=True)
+class DataParallelPoint:
+    """Seconds the runtime's ZeRO-``zero`` wrapper adds to one forward and one
+    backward pass of ``layer`` (``params`` parameters on each process, TP
+    shards at ``tp``) over groups of ``ranks`` processes: the wrapped layer's
+    median minus the plain one's."""
+
+    layer: str
+    gpu: str
+    tp: int
+    ranks: int
+    zero: int
+    params: int
+    fwd_extra_s: float
+    bwd_extra_s: float
+
+
+DATA_PARALLEL_ZERO = (0, 3)  # the wrappers hetplan profile measures (runtime/parallelize.apply_dp)
+MACHINE_KEYS = ("hostname", "torch", "python", "platform", "device", "backend", "threads", "processes", "cores")
 SETTINGS_KEYS = ("model", "seq_len", "cluster", "precision", "tp", "batches", "warmup", "repeats",
                  "comm_max_bytes", "timer", "statistic")
-_TOP_KEYS = ("format", "version", "entries", "collectives", "fits", "unsupported", "machine", "settings")
+_TOP_KEYS = ("format", "version", "entries", "collectives", "fits", "unsupported", "data_parallel", "machine",
+             "settings")
 
 
 def _compose(table: Mapping[int, ProfileEntry], batch: float,
@@ -174,13 +202,18 @@ class ProfileDB:
 
     def __init__(self, entries: Iterable[ProfileEntry] = (), *, collectives: Iterable[CollectivePoint] = (),
                  fits: Iterable[CollectiveFit] = (), unsupported: Iterable[Unsupported] = (),
-                 machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
+                 data_parallel: Iterable[DataParallelPoint] = (), machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
         self._by_key: dict[tuple[str, str, int], dict[int, ProfileEntry]] = {}
         for entry in entries:
             self.add(entry)
         self.collectives = sorted(collectives, key=lambda c: (c.op, c.link, c.ranks, c.bytes))
         self.fits = sorted(fits, key=lambda f: (f.op, f.link, f.ranks))
         self.unsupported = sorted(unsupported, key=lambda u: (u.op, u.link, u.ranks))
+        self.data_parallel = sorted(data_parallel, key=lambda d: (d.gpu, d.tp, d.ranks, d.zero, d.layer))
+        for point in self.data_parallel:
+            if point.zero not in DATA_PARALLEL_ZERO:
+                raise HetplanError(f"profile data_parallel entry for {point.layer}: zero must be one of "
+                                   f"{', '.join(map(str, DATA_PARALLEL_ZERO))}, got {point.zero}")
         self.machine = dict(machine or {})
         self.settings = dict(settings or {})
 
@@ -215,13 +248,25 @@ class ProfileDB:
             return _compose(table, batch, lambda e: (e.fwd_s, e.bwd_s))
         return _compose(table, batch, ProfileEntry.compute_times)
 
+    def data_parallel_rate(self, gpu: str, tp: int, ranks: int, zero: int) -> tuple[float, float] | None:
+        """(forward, backward) seconds per parameter held that the runtime's
+        ZeRO-``zero`` wrapper adds over groups of ``ranks`` processes of ``gpu``
+        at TP degree ``tp``, over all the layers measured (their extra time over
+        their parameters); None when not measured."""
+        points = [d for d in self.data_parallel if (d.gpu, d.tp, d.ranks, d.zero) == (gpu, tp, ranks, zero)]
+        params = sum(d.params for d in points)
+        if not params:
+            return None
+        return sum(d.fwd_extra_s for d in points) / params, sum(d.bwd_extra_s for d in points) / params
+
     # --- files -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the file; parts with nothing in them are left out."""
         data: dict[str, Any] = {"format": FORMAT, "version": VERSION,
                                 "entries": [e.to_dict() for e in self.entries()]}
         parts = {"collectives": [asdict(c) for c in self.collectives], "fits": [asdict(f) for f in self.fits],
-                 "unsupported": [asdict(u) for u in self.unsupported], "machine": self.machine,
+                 "unsupported": [asdict(u) for u in self.unsupported],
+                 "data_parallel": [asdict(d) for d in self.data_parallel], "machine": self.machine,
                  "settings": self.settings}
         data.update({k: v for k, v in parts.items() if v})
         return data
@@ -244,6 +289,7 @@ class ProfileDB:
             collectives=_records(data.get("collectives", []), CollectivePoint, f"{source}: collectives"),
             fits=_records(data.get("fits", []), CollectiveFit, f"{source}: fits"),
             unsupported=_records(data.get("unsupported", []), Unsupported, f"{source}: unsupported"),
+            data_parallel=_records(data.get("data_parallel", []), DataParallelPoint, f"{source}: data_parallel"),
             machine=_flat_object(data.get("machine", {}), MACHINE_KEYS, f"{source}: machine"),
             settings=_flat_object(data.get("settings", {}), SETTINGS_KEYS, f"{source}: settings"),
         )
@@ -258,7 +304,8 @@ class ProfileDB:
 
 # --- checking what a file holds ---------------------------------------------------------
 _ENTRY_KINDS = {"layer": "text", "gpu": "text", "tp": "whole", "batch": "whole", "memory_bytes": "count"}
-_RECORD_KINDS = {"op": "text", "link": "text", "reason": "text", "ranks": "whole", "bytes": "whole"}
+_RECORD_KINDS = {"op": "text", "link": "text", "reason": "text", "ranks": "whole", "bytes": "whole",
+                 "layer": "text", "gpu": "text", "zero": "count", "params": "whole"}
 
 
 def _value(where: str, kind: str, value: Any) -> Any:

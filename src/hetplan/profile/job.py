@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.model.spec import LayerSpec, ModelSpec
+from hetplan.profile.db import DATA_PARALLEL_ZERO
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,19 @@ def measurements(job: ProfileJob) -> list[tuple[LayerSpec, int, int]]:
     """(layer, tp, batch) in the order they are measured."""
     return [(layer, tp, b) for tp in job.tps for layer in distinct_layers(job.spec) if layer.supports_tp(tp)
             for b in job.batches]
+
+
+def data_parallel_measurements(job: ProfileJob) -> list[tuple[LayerSpec, int, int, int]]:
+    """(layer, tp, ranks, zero) in the order they are measured: each layer kind
+    with parameters, at each TP degree, over data-parallel groups of every
+    size from 2 up that fits beside it (the dp degrees a plan can have),
+    under ZeRO-0 and ZeRO-3, at the smallest batch (the wrappers' cost does
+    not grow with it)."""
+    world = job.cluster.num_devices
+    return [(layer, tp, ranks, zero) for tp in job.tps for ranks in range(2, world // tp + 1)
+            if world % (tp * ranks) == 0
+            for layer in distinct_layers(job.spec) if layer.params > 0 and layer.supports_tp(tp)
+            for zero in DATA_PARALLEL_ZERO]
 
 
 def collective_group_sizes(job: ProfileJob) -> list[int]:

@@ -43,8 +43,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hetplan.errors import HetplanError
 from hetplan.model.spec import LayerSpec, ModelSpec
 from hetplan.profile import collectives as coll
-from hetplan.profile.db import ProfileDB, ProfileEntry
-from hetplan.profile.job import ProfileJob, collective_group_sizes, distinct_layers, link_class, measurements
+from hetplan.profile.db import DataParallelPoint, ProfileDB, ProfileEntry
+from hetplan.profile.job import (ProfileJob, collective_group_sizes, data_parallel_measurements, distinct_layers,
+                                 link_class, measurements)
 from hetplan.profile.timing import Stopwatch, iqr, median
 
 # _c10d_functional ops (what DTensor's redistributions call) -> collectives.OPS
@@ -371,6 +372,62 @@ def measure_layers(job: ProfileJob, device: torch.device, progress: ProgressLine
     return records
 
 
+def measure_data_parallel(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[DataParallelPoint]:
+    """This process's records of what the runtime's data-parallel wrappers
+    (``parallelize.apply_dp``: ZeRO-0 ``replicate``, ZeRO-3 ``fully_shard``)
+    add to each layer's pass over groups of each size, every group busy at
+    once: the wrapped layer timed right after the plain one, at the smallest
+    batch, with gradients synchronised on every backward as on a step's last
+    micro-batch (ZeRO-3: on every one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hetplan.runtime.precision import precision_of
+    from hetplan.runtime.parallelize import apply_dp
+
+    gpu = job.cluster.devices[dist.get_rank()].gpu.name
+    precision = precision_of({}, job.spec.dtype_bytes)
+    stopwatch = Stopwatch(device)
+    batch = job.batches[0]
+    inputs = layer_inputs(job.spec, batch)
+    world = dist.get_world_size()
+    meshes: dict[tuple[int, int], Any] = {}
+    points = []
+    for layer, tp, ranks, zero in data_parallel_measurements(job):
+        if (tp, ranks) not in meshes:
+            meshes[tp, ranks] = init_device_mesh(device.type, (world // (ranks * tp), ranks, tp),
+                                                 mesh_dim_names=("rep", "dp", "tp"))
+        mesh = meshes[tp, ranks]
+        shape, dtype = inputs[layer.name]
+        times = []
+        for wrapped in (False, True):
+            module = build_layer(job.spec, layer.name, mesh["tp"] if tp > 1 else None, device, job.seed)
+            params = sum(_local(p).numel() for p in module.parameters())
+            if wrapped:
+                apply_dp(module, {layer.name: zero}, mesh["dp"], [])
+            bench = LayerBench(module, shape, dtype, job.spec.vocab_size, device, precision)
+            fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
+            times.append((median(fwd), median(bwd)))
+            del module
+        (plain_f, plain_b), (f, b) = times
+        points.append(DataParallelPoint(layer.profile_key, gpu, tp, ranks, zero, params,
+                                        max(0.0, f - plain_f), max(0.0, b - plain_b)))
+        progress.layer(f"{layer.name} ({layer.kind}) tp={tp} ZeRO-{zero} over {ranks} processes: adds "
+                       f"{points[-1].fwd_extra_s * 1e3:.3g} ms fwd, {points[-1].bwd_extra_s * 1e3:.3g} ms bwd",
+                       2 * layer_weight(layer, tp, batch))
+    return points
+
+
+def combine_data_parallel(per_rank: Sequence[Sequence[DataParallelPoint]]) -> list[DataParallelPoint]:
+    """One point per (layer, GPU type, TP degree, group size, ZeRO stage): the median across processes."""
+    grouped: dict[tuple[str, str, int, int, int], list[DataParallelPoint]] = {}
+    for points in per_rank:
+        for p in points:
+            grouped.setdefault((p.layer, p.gpu, p.tp, p.ranks, p.zero), []).append(p)
+    return [DataParallelPoint(*key, ps[0].params, median([p.fwd_extra_s for p in ps]),
+                              median([p.bwd_extra_s for p in ps]))
+            for key, ps in sorted(grouped.items())]
+
+
 def layer_weight(layer: LayerSpec, tp: int, batch: int) -> float:
     """A guess of a measurement's relative duration, for the time-left estimate:
     its FLOPs plus a fixed cost per run (a few kernel launches)."""
@@ -405,7 +462,14 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         name = _cpu_name()
     return {"hostname": socket.gethostname(), "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "device": name, "backend": dist.get_backend(),
-            "threads": torch.get_num_threads(), "processes": dist.get_world_size()}
+            "threads": torch.get_num_threads(), "processes": dist.get_world_size(), "cores": usable_cores()}
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity; all of them where the
+    system does not say): what processes of a CPU run share."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def _cpu_name() -> str:
@@ -441,22 +505,27 @@ def run_profile(job: ProfileJob, progress_enabled: bool = True) -> dict[str, Any
     curves = len(coll.curve_list(sizes, world, coll.OPS)) if job.comm_max_bytes else 0
     guess = coll.predicted_seconds(sizes, world, job.comm_max_bytes, job.warmup, job.repeats,
                                    job.cluster.nodes[0].intra_bandwidth_gbps) if curves else 0.0
-    progress = ProgressLines(progress_enabled and rank == 0, [layer_weight(*m) for m in plan], curves, guess)
+    dp_plan = data_parallel_measurements(job)
+    weights = [layer_weight(*m) for m in plan] + [2 * layer_weight(layer, tp, job.batches[0]) for layer, tp, _, _ in dp_plan]
+    progress = ProgressLines(progress_enabled and rank == 0, weights, curves, guess)
     progress.say(f"{job.spec.name} on {job.cluster.name} ({world} process{'es' if world > 1 else ''}, "
                  f"{device.type}): {len(distinct_layers(job.spec))} layer kinds x tp {','.join(map(str, job.tps))} "
                  f"x batch {','.join(map(str, job.batches))} = {len(plan)} measurements"
+                 + (f", {len(dp_plan)} of data-parallel wrappers" if dp_plan else "")
                  + (f", then {curves} collective curves up to {job.comm_max_bytes:,} bytes" if curves else ""))
     records = measure_layers(job, device, progress)
+    dp_points = measure_data_parallel(job, device, progress) if dp_plan else []
     points, fits, refused = [], [], []
     if curves:
         progress.comm_begin()
         points, fits, refused = coll.measure_curves(sizes, job.comm_max_bytes, job.warmup, job.repeats, device,
                                                     lambda n: link_class(job.cluster, n), progress.comm)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, records)
+    dist.all_gather_object(gathered, (records, dp_points))
     if rank != 0:
         return None
-    db = ProfileDB(combine(gathered), collectives=points, fits=fits, unsupported=refused,
+    db = ProfileDB(combine([r for r, _ in gathered]), collectives=points, fits=fits, unsupported=refused,
+                   data_parallel=combine_data_parallel([d for _, d in gathered]),
                    machine=machine_info(device), settings=settings_info(job, Stopwatch(device)))
     return db.to_dict()
 

@@ -748,8 +748,10 @@ class RuntimeContext:
         model = self._unwrap(model)
         info = self._models.get(id(model))
         aliases = info.aliases if info else {}
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
         grads = []
+        # gradients laid out alike (one mesh, one placement) share one norm
+        # and so one collective, not one per parameter (torchtitan's way)
+        alike: dict[object, list[torch.Tensor]] = {}
         for fqn, p in model.named_parameters():
             if p.grad is None:
                 continue
@@ -757,10 +759,13 @@ class RuntimeContext:
             if aliases.get(fqn, fqn) != fqn:
                 continue  # the alias copy of a weight tied across stages
             g = p.grad
-            if isinstance(g, DTensor):
-                n = torch.linalg.vector_norm(g.float()).full_tensor()
-            else:
-                n = torch.linalg.vector_norm(g.float())
+            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+            alike.setdefault(key, []).append(g)
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for group in alike.values():
+            n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in group]))
+            if isinstance(n, DTensor):
+                n = n.full_tensor()
             sq += n * n
         if self.distributed and self.layout.pp > 1:
             # every rank of a stage holds the same sum (norms of DTensors are global): add the stages up
