@@ -1,7 +1,8 @@
 """What a profile measures of the runtime beyond layer times, and how the cost
-model uses it: the data-parallel wrappers' extra time (in place of the
-alpha-beta collectives) and processes sharing fewer cores than they are
-(a pipeline replayed with processor sharing)."""
+model uses it: layers chained in one micro-batch (their measured times
+scaled), the data-parallel wrappers' extra time (in place of the alpha-beta
+collectives) and processes sharing fewer cores than they are (a pipeline
+replayed with processor sharing)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from hetplan.cluster import load_cluster
 from hetplan.cost import CostModel, Workload
 from hetplan.cost import shared_cores
 from hetplan.model import get_model
-from hetplan.profile.db import DataParallelPoint, ProfileDB
+from hetplan.cost.compute import layer_times
+from hetplan.cost.layers import layer_arrays
+from hetplan.profile.db import ChainPoint, DataParallelPoint, ProfileDB, ProfileEntry
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.simulate.events import makespan, simulate
 from hetplan.simulate.schedule import build_schedule
@@ -39,6 +42,19 @@ def _estimate(cluster: str, profile: ProfileDB | None, **plan: int) -> tuple[Cos
 
 def _held(model: CostModel) -> float:
     return model.kernel.held_params(1, 0, get_model(MODEL).num_layers)
+
+
+def test_measured_layer_times_are_scaled_by_the_chain_factor() -> None:
+    spec = get_model(MODEL)
+    gpu = load_cluster("local-cpu-2").devices[0].gpu
+    keys = list(dict.fromkeys(layer.profile_key for layer in spec.layers))
+    entries = [ProfileEntry(key, "CPU", 1, 2, 0.001 * (i + 1), 0.002 * (i + 1)) for i, key in enumerate(keys)]
+    alone = ProfileDB(entries)
+    chained = ProfileDB(entries, chains=[ChainPoint("CPU", 1, 2, tuple(keys), 0.009, 0.018)])  # 1.5x the sum
+    plain = layer_times(layer_arrays(spec), gpu, 2, 1, "none", spec.dtype_bytes, profile=alone)
+    scaled = layer_times(layer_arrays(spec), gpu, 2, 1, "none", spec.dtype_bytes, profile=chained)
+    assert list(scaled.fwd_s) == pytest.approx([1.5 * t for t in plain.fwd_s])
+    assert list(scaled.bwd_s) == pytest.approx([1.5 * t for t in plain.bwd_s])
 
 
 def test_measured_gradient_sync_replaces_the_all_reduce_estimate() -> None:

@@ -16,9 +16,9 @@ from hetplan.errors import HetplanError
 from hetplan.model import get_model
 from hetplan.profile import load_profile
 from hetplan.profile.collectives import bus_factor, fit_alpha_beta, message_sizes
-from hetplan.profile.db import (CollectiveFit, CollectivePoint, DataParallelPoint, ProfileDB, ProfileEntry,
-                                Unsupported)
-from hetplan.profile.job import ProfileJob, batch_sizes, data_parallel_measurements, distinct_layers
+from hetplan.profile.db import (ChainPoint, CollectiveFit, CollectivePoint, DataParallelPoint, ProfileDB,
+                                ProfileEntry, Unsupported)
+from hetplan.profile.job import ProfileJob, batch_sizes, chain_layers, data_parallel_measurements, distinct_layers
 
 MODEL = "tiny-gpt"
 
@@ -30,6 +30,7 @@ def _full_db() -> ProfileDB:
                      collectives=[CollectivePoint("all_reduce", 2, "intra", 1024, 3e-5, 0.27)],
                      fits=[CollectiveFit("all_reduce", 2, "intra", 2.5e-5, 9.0, 9.0)],
                      unsupported=[Unsupported("all_to_all", 2, "intra", "RuntimeError: no")],
+                     chains=[ChainPoint("CPU", 1, 1, ("blk", "blk"), 0.005, 0.009)],
                      data_parallel=[DataParallelPoint("blk", "CPU", 1, 2, 3, 1000, 0.001, 0.003),
                                     DataParallelPoint("emb", "CPU", 1, 2, 3, 3000, 0.001, 0.001)],
                      machine={"hostname": "h", "torch": "2.x", "threads": 1, "cores": 2},
@@ -44,7 +45,7 @@ def test_round_trip_keeps_everything(tmp_path) -> None:  # type: ignore[no-untyp
     back = load_profile(path)
     assert back.entries() == db.entries()
     assert back.collectives == db.collectives and back.fits == db.fits and back.unsupported == db.unsupported
-    assert back.data_parallel == db.data_parallel
+    assert back.data_parallel == db.data_parallel and back.chains == db.chains
     assert back.machine == db.machine and back.settings == db.settings
     assert json.loads(path.read_text())["format"] == "hetplan-profile"
 
@@ -69,6 +70,7 @@ def test_old_files_with_entries_only_still_load(tmp_path) -> None:  # type: igno
     (lambda d: d["fits"][0].pop("alpha_s"), "alpha_s"),
     (lambda d: d["data_parallel"][0].update(zero=2), "zero must be one of 0, 3"),
     (lambda d: d["data_parallel"][0].pop("params"), "params"),
+    (lambda d: d["chains"][0].update(layers="blk"), "layers"),
 ])
 def test_unknown_or_bad_keys_are_one_error_naming_them(tmp_path, change, named) -> None:  # type: ignore[no-untyped-def]
     data = _full_db().to_dict()
@@ -85,6 +87,18 @@ def test_data_parallel_rate_is_the_measured_extra_per_parameter() -> None:
     assert db.data_parallel_rate("CPU", 1, 2, 3) == pytest.approx((0.002 / 4000, 0.004 / 4000))
     assert db.data_parallel_rate("CPU", 1, 2, 0) is None  # not measured: the analytic model stays
     assert db.data_parallel_rate("CPU", 2, 2, 3) is None and db.data_parallel_rate("T4", 1, 2, 3) is None
+
+
+def test_chain_factor_is_the_chain_over_its_layers_one_by_one() -> None:
+    db = _full_db()
+    # two blocks one by one: 2 x (2 + 4) ms; chained: 5 + 9 ms
+    assert db.chain_factor("CPU", 1, 1) == pytest.approx(14 / 12)
+    assert db.chain_factor("CPU", 1, 8) == pytest.approx(14 / 12)  # the nearest measured batch
+    assert db.chain_factor("CPU", 2, 1) == 1.0 and db.chain_factor("T4", 1, 1) == 1.0  # none measured there
+
+
+def test_the_chain_holds_each_layer_kind_and_a_repeated_one_twice() -> None:
+    assert [layer.name for layer in chain_layers(get_model(MODEL))] == ["embed", "layers.0", "layers.1", "head"]
 
 
 def test_data_parallel_is_measured_at_every_dp_degree_beside_each_tp() -> None:
@@ -188,6 +202,14 @@ def test_block_activations_grow_exactly_with_the_batch(measured: ProfileDB) -> N
 
 
 @pytest.mark.distributed
+def test_chains_are_measured_at_every_tp_and_batch(measured: ProfileDB) -> None:
+    assert {(c.tp, c.batch) for c in measured.chains} == {(tp, b) for tp in (1, 2) for b in (1, 2, 4)}
+    for c in measured.chains:
+        assert c.fwd_s > 0 and c.bwd_s > 0 and len(c.layers) == 4
+        assert 0 < measured.chain_factor("CPU", c.tp, c.batch) < 10
+
+
+@pytest.mark.distributed
 def test_data_parallel_wrappers_are_measured_for_every_layer_kind(measured: ProfileDB) -> None:
     spec = get_model(MODEL)
     keys = {layer.profile_key for layer in distinct_layers(spec) if layer.params > 0}
@@ -231,16 +253,18 @@ def test_profile_command_writes_a_file_estimate_uses(tmp_path) -> None:  # type:
                    "--tp", "2", "--pp", "1", "--dp", "1", "--micro-batch", "2", "--global-batch", "4")
     assert est.returncode == 0, est.stderr
     # the cost model takes the measured times for every layer, with the TP
-    # collectives they held where the profile timed them inside the layer
+    # collectives they held where the profile timed them inside the layer,
+    # scaled by what chaining them in one micro-batch added
     db = load_profile(out)
+    chained = db.chain_factor("CPU", 2, 2)
     spec = get_model(MODEL)
     gpu = load_cluster("local-cpu-2").devices[0].gpu
     times = layer_times(layer_arrays(spec), gpu, 2, 2, "none", spec.dtype_bytes, profile=db)
     for i, layer in enumerate(spec.layers):
         inside = db.includes_tp_comm(layer.profile_key, "CPU", 2)
         assert bool(times.tp_comm_inside[i]) == inside
-        assert (times.fwd_s[i], times.bwd_s[i]) == pytest.approx(
-            db.lookup(layer.profile_key, "CPU", 2, 2, with_tp_comm=inside))
+        fwd, bwd = db.lookup(layer.profile_key, "CPU", 2, 2, with_tp_comm=inside)
+        assert (times.fwd_s[i], times.bwd_s[i]) == pytest.approx((fwd * chained, bwd * chained))
 
 
 def test_gpu_cluster_prints_a_torchrun_command_per_node(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

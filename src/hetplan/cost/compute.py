@@ -303,17 +303,22 @@ def _apply_profile(arrays: LayerArrays, profile: ProfileDB, gpu: GPUSpec, batch:
     Where the profile timed a layer with its TP collectives inside (``hetplan
     profile`` at tp > 1), the layer keeps them (fourth array: True there) and
     the kernel adds no TP communication of its own: the collectives as they
-    ran in the layer, not an alpha-beta estimate of them."""
+    ran in the layer, not an alpha-beta estimate of them. Where the profile
+    also timed the layers chained in one micro-batch, the measured times are
+    scaled by how much longer they took that way (``ProfileDB.chain_factor``):
+    a step runs them chained."""
     fwd, bwd = fwd.copy(), bwd.copy()
     measured = np.zeros(arrays.num_layers, dtype=bool)
     with_comm = np.zeros(arrays.num_layers, dtype=bool)
     found: dict[str, tuple[tuple[float, float] | None, bool]] = {}
+    chain_factor = getattr(profile, "chain_factor", None)
+    chained = chain_factor(gpu.name, tp, batch) if chain_factor is not None else 1.0
     for index, key in enumerate(arrays.profile_keys):
         if key not in found:
             inside = profile.includes_tp_comm(key, gpu.name, tp)
             found[key] = (profile.lookup(key, gpu.name, tp, batch, with_tp_comm=inside), inside)
         value, inside = found[key]
         if value is not None:
-            fwd[index], bwd[index] = value
+            fwd[index], bwd[index] = value[0] * chained, value[1] * chained
             measured[index], with_comm[index] = True, inside
     return fwd, bwd, measured, with_comm

@@ -286,6 +286,12 @@ def summary(db: Any, spec: Any) -> str:
                     for f in db.fits]
         text += "\n\n" + table(["collective", "ranks", "link", "alpha us", "bandwidth Gb/s", "busbw Gb/s"], fit_rows,
                                [False, True, False, True, True, True])
+    if db.chains:
+        chain_rows = [[c.gpu, c.tp, c.batch, f"{c.fwd_s * 1e3:.3f}", f"{c.bwd_s * 1e3:.3f}",
+                       f"{db.chain_factor(c.gpu, c.tp, c.batch):.3f}"] for c in db.chains]
+        text += (f"\n\nlayers chained in one micro-batch ({', '.join(names.get(k, k) for k in db.chains[0].layers)}):\n"
+                 + table(["gpu", "tp", "batch", "fwd ms", "bwd ms", "x layers alone"], chain_rows,
+                         [False, True, True, True, True, True]))
     if db.data_parallel:
         dp_rows = [[names.get(d.layer, d.layer), d.gpu, d.tp, d.ranks, d.zero, f"{d.fwd_extra_s * 1e3:.3f}",
                     f"{d.bwd_extra_s * 1e3:.3f}"] for d in db.data_parallel]

@@ -45,6 +45,7 @@ its alpha-beta estimate of those collectives.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Iterable, Mapping
@@ -154,12 +155,26 @@ class DataParallelPoint:
     bwd_extra_s: float
 
 
+@dataclass(frozen=True)
+class ChainPoint:
+    """One micro-batch through a chain of layers (``layers``: their profile
+    keys, in order) on one GPU of the TP group, run as the runtime runs a
+    stage: one layer's output straight into the next one's forward."""
+
+    gpu: str
+    tp: int
+    batch: int
+    layers: tuple[str, ...]
+    fwd_s: float
+    bwd_s: float
+
+
 DATA_PARALLEL_ZERO = (0, 3)  # the wrappers hetplan profile measures (runtime/parallelize.apply_dp)
 MACHINE_KEYS = ("hostname", "torch", "python", "platform", "device", "backend", "threads", "processes", "cores")
 SETTINGS_KEYS = ("model", "seq_len", "cluster", "precision", "tp", "batches", "warmup", "repeats",
                  "comm_max_bytes", "timer", "statistic")
-_TOP_KEYS = ("format", "version", "entries", "collectives", "fits", "unsupported", "data_parallel", "machine",
-             "settings")
+_TOP_KEYS = ("format", "version", "entries", "collectives", "fits", "unsupported", "chains", "data_parallel",
+             "machine", "settings")
 
 
 def _compose(table: Mapping[int, ProfileEntry], batch: float,
@@ -202,13 +217,14 @@ class ProfileDB:
 
     def __init__(self, entries: Iterable[ProfileEntry] = (), *, collectives: Iterable[CollectivePoint] = (),
                  fits: Iterable[CollectiveFit] = (), unsupported: Iterable[Unsupported] = (),
-                 data_parallel: Iterable[DataParallelPoint] = (), machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
+                 chains: Iterable[ChainPoint] = (), data_parallel: Iterable[DataParallelPoint] = (), machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
         self._by_key: dict[tuple[str, str, int], dict[int, ProfileEntry]] = {}
         for entry in entries:
             self.add(entry)
         self.collectives = sorted(collectives, key=lambda c: (c.op, c.link, c.ranks, c.bytes))
         self.fits = sorted(fits, key=lambda f: (f.op, f.link, f.ranks))
         self.unsupported = sorted(unsupported, key=lambda u: (u.op, u.link, u.ranks))
+        self.chains = sorted(chains, key=lambda c: (c.gpu, c.tp, c.batch))
         self.data_parallel = sorted(data_parallel, key=lambda d: (d.gpu, d.tp, d.ranks, d.zero, d.layer))
         for point in self.data_parallel:
             if point.zero not in DATA_PARALLEL_ZERO:
@@ -248,6 +264,19 @@ class ProfileDB:
             return _compose(table, batch, lambda e: (e.fwd_s, e.bwd_s))
         return _compose(table, batch, ProfileEntry.compute_times)
 
+    def chain_factor(self, gpu: str, tp: int, batch: float) -> float:
+        """How much longer the layers take chained in one micro-batch than one
+        by one (the chain's time over the sum of its layers' entries), at the
+        measured batch nearest ``batch``; 1 where no chain was measured."""
+        points = [c for c in self.chains if c.gpu == gpu and c.tp == tp]
+        if not points or batch <= 0:
+            return 1.0
+        near = min(points, key=lambda c: (abs(math.log(c.batch / batch)), c.batch))
+        parts = [self.lookup(key, gpu, tp, near.batch, with_tp_comm=self.includes_tp_comm(key, gpu, tp))
+                 for key in near.layers]
+        alone = sum(f + b for f, b in parts) if all(p is not None for p in parts) else 0.0  # type: ignore[misc]
+        return (near.fwd_s + near.bwd_s) / alone if alone > 0 else 1.0
+
     def data_parallel_rate(self, gpu: str, tp: int, ranks: int, zero: int) -> tuple[float, float] | None:
         """(forward, backward) seconds per parameter held that the runtime's
         ZeRO-``zero`` wrapper adds over groups of ``ranks`` processes of ``gpu``
@@ -266,6 +295,7 @@ class ProfileDB:
                                 "entries": [e.to_dict() for e in self.entries()]}
         parts = {"collectives": [asdict(c) for c in self.collectives], "fits": [asdict(f) for f in self.fits],
                  "unsupported": [asdict(u) for u in self.unsupported],
+                 "chains": [{**asdict(c), "layers": list(c.layers)} for c in self.chains],
                  "data_parallel": [asdict(d) for d in self.data_parallel], "machine": self.machine,
                  "settings": self.settings}
         data.update({k: v for k, v in parts.items() if v})
@@ -289,6 +319,7 @@ class ProfileDB:
             collectives=_records(data.get("collectives", []), CollectivePoint, f"{source}: collectives"),
             fits=_records(data.get("fits", []), CollectiveFit, f"{source}: fits"),
             unsupported=_records(data.get("unsupported", []), Unsupported, f"{source}: unsupported"),
+            chains=_records(data.get("chains", []), ChainPoint, f"{source}: chains"),
             data_parallel=_records(data.get("data_parallel", []), DataParallelPoint, f"{source}: data_parallel"),
             machine=_flat_object(data.get("machine", {}), MACHINE_KEYS, f"{source}: machine"),
             settings=_flat_object(data.get("settings", {}), SETTINGS_KEYS, f"{source}: settings"),
@@ -305,7 +336,8 @@ class ProfileDB:
 # --- checking what a file holds ---------------------------------------------------------
 _ENTRY_KINDS = {"layer": "text", "gpu": "text", "tp": "whole", "batch": "whole", "memory_bytes": "count"}
 _RECORD_KINDS = {"op": "text", "link": "text", "reason": "text", "ranks": "whole", "bytes": "whole",
-                 "layer": "text", "gpu": "text", "zero": "count", "params": "whole"}
+                 "layer": "text", "gpu": "text", "zero": "count", "params": "whole", "tp": "whole", "batch": "whole",
+                 "layers": "texts"}
 
 
 def _value(where: str, kind: str, value: Any) -> Any:
@@ -315,6 +347,8 @@ def _value(where: str, kind: str, value: Any) -> Any:
         return typed.whole(where, value, minimum=1)
     if kind == "count":
         return typed.whole(where, value, minimum=0)
+    if kind == "texts":
+        return tuple(typed.text(f"{where}[{i}]", v) for i, v in enumerate(typed.listing(where, value)))
     return typed.number(where, value, minimum=0.0, strict=False)
 
 

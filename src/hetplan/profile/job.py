@@ -54,6 +54,25 @@ def measurements(job: ProfileJob) -> list[tuple[LayerSpec, int, int]]:
             for b in job.batches]
 
 
+def chain_layers(spec: ModelSpec) -> list[LayerSpec]:
+    """The layers a chain measurement runs, in model order: each layer kind,
+    and a repeated kind (a transformer block) twice, so the chain holds every
+    hand-over between layers a step has."""
+    seen: dict[str, int] = {}
+    chain = []
+    for layer in spec.layers:
+        if seen.get(layer.profile_key, 0) < 2:
+            seen[layer.profile_key] = seen.get(layer.profile_key, 0) + 1
+            chain.append(layer)
+    return chain
+
+
+def chain_measurements(job: ProfileJob) -> list[tuple[int, int]]:
+    """(tp, batch) of each chain measurement: where every layer of the chain takes the TP degree."""
+    chain = chain_layers(job.spec)
+    return [(tp, b) for tp in job.tps if all(layer.supports_tp(tp) for layer in chain) for b in job.batches]
+
+
 def data_parallel_measurements(job: ProfileJob) -> list[tuple[LayerSpec, int, int, int]]:
     """(layer, tp, ranks, zero) in the order they are measured: each layer kind
     with parameters, at each TP degree, over data-parallel groups of every

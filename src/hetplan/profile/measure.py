@@ -43,9 +43,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hetplan.errors import HetplanError
 from hetplan.model.spec import LayerSpec, ModelSpec
 from hetplan.profile import collectives as coll
-from hetplan.profile.db import DataParallelPoint, ProfileDB, ProfileEntry
-from hetplan.profile.job import (ProfileJob, collective_group_sizes, data_parallel_measurements, distinct_layers,
-                                 link_class, measurements)
+from hetplan.profile.db import ChainPoint, DataParallelPoint, ProfileDB, ProfileEntry
+from hetplan.profile.job import (ProfileJob, chain_layers, chain_measurements, collective_group_sizes,
+                                 data_parallel_measurements, distinct_layers, link_class, measurements)
 from hetplan.profile.timing import Stopwatch, iqr, median
 
 # _c10d_functional ops (what DTensor's redistributions call) -> collectives.OPS
@@ -54,17 +54,20 @@ _FUNCTIONAL_OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_ga
 
 
 # --- building a layer as the runtime does ------------------------------------------------------------
-def build_layer(spec: ModelSpec, name: str, tp_mesh: Any, device: torch.device, seed: int) -> nn.Module:
-    """The runtime's module ``name`` alone (at its path in the model), TP-sharded
-    over ``tp_mesh`` when given, on ``device`` with the runtime's initial values."""
+def build_layer(spec: ModelSpec, name: str | Sequence[str], tp_mesh: Any, device: torch.device,
+                seed: int) -> nn.Module:
+    """The runtime's module ``name`` alone (at its path in the model), or the
+    chain of modules ``name`` lists, TP-sharded over ``tp_mesh`` when given,
+    on ``device`` with the runtime's initial values."""
     from hetplan.runtime.models import GPT, config_from_spec
     from hetplan.runtime.parallelize import InitialValues, PipelinePart, apply_tp, materialize
 
+    names = [name] if isinstance(name, str) else list(name)
     with torch.device("meta"):
         full = GPT(config_from_spec(spec))
-    part = PipelinePart(full, [name])
+    part = PipelinePart(full, names)
     if tp_mesh is not None:
-        apply_tp(part, [name], tp_mesh, False, [])
+        apply_tp(part, names, tp_mesh, False, [])
     materialize(part, device, InitialValues(full, seed, GPT.init_parameter))
     return part
 
@@ -372,6 +375,46 @@ def measure_layers(job: ProfileJob, device: torch.device, progress: ProgressLine
     return records
 
 
+def measure_chains(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[ChainPoint]:
+    """This process's times of a chain of layers run as one micro-batch
+    (``chain_layers``: each layer kind, a repeated one twice), for each TP
+    degree and batch: what the layers take together, without a barrier
+    between them, against what they took one by one."""
+    from hetplan.runtime.precision import precision_of
+
+    gpu = job.cluster.devices[dist.get_rank()].gpu.name
+    precision = precision_of({}, job.spec.dtype_bytes)
+    stopwatch = Stopwatch(device)
+    chain = chain_layers(job.spec)
+    points = []
+    for tp in job.tps:
+        if not all(layer.supports_tp(tp) for layer in chain):
+            continue
+        module = build_layer(job.spec, [layer.name for layer in chain], _tp_mesh(device, tp) if tp > 1 else None,
+                             device, job.seed)
+        for batch in job.batches:
+            shape, dtype = layer_inputs(job.spec, batch)[chain[0].name]
+            bench = LayerBench(module, shape, dtype, job.spec.vocab_size, device, precision)
+            fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
+            points.append(ChainPoint(gpu, tp, batch, tuple(layer.profile_key for layer in chain),
+                                     median(fwd), median(bwd)))
+            progress.layer(f"chain {'+'.join(layer.name for layer in chain)} tp={tp} batch={batch}: "
+                           f"fwd {median(fwd) * 1e3:.3g} ms, bwd {median(bwd) * 1e3:.3g} ms",
+                           sum(layer_weight(layer, tp, batch) for layer in chain))
+        del module
+    return points
+
+
+def combine_chains(per_rank: Sequence[Sequence[ChainPoint]]) -> list[ChainPoint]:
+    """One point per (GPU type, TP degree, batch): the median across processes."""
+    grouped: dict[tuple[str, int, int], list[ChainPoint]] = {}
+    for points in per_rank:
+        for p in points:
+            grouped.setdefault((p.gpu, p.tp, p.batch), []).append(p)
+    return [ChainPoint(*key, ps[0].layers, median([p.fwd_s for p in ps]), median([p.bwd_s for p in ps]))
+            for key, ps in sorted(grouped.items())]
+
+
 def measure_data_parallel(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[DataParallelPoint]:
     """This process's records of what the runtime's data-parallel wrappers
     (``parallelize.apply_dp``: ZeRO-0 ``replicate``, ZeRO-3 ``fully_shard``)
@@ -506,14 +549,19 @@ def run_profile(job: ProfileJob, progress_enabled: bool = True) -> dict[str, Any
     guess = coll.predicted_seconds(sizes, world, job.comm_max_bytes, job.warmup, job.repeats,
                                    job.cluster.nodes[0].intra_bandwidth_gbps) if curves else 0.0
     dp_plan = data_parallel_measurements(job)
-    weights = [layer_weight(*m) for m in plan] + [2 * layer_weight(layer, tp, job.batches[0]) for layer, tp, _, _ in dp_plan]
+    chains = chain_measurements(job)
+    weights = ([layer_weight(*m) for m in plan]
+               + [sum(layer_weight(layer, tp, b) for layer in chain_layers(job.spec)) for tp, b in chains]
+               + [2 * layer_weight(layer, tp, job.batches[0]) for layer, tp, _, _ in dp_plan])
     progress = ProgressLines(progress_enabled and rank == 0, weights, curves, guess)
     progress.say(f"{job.spec.name} on {job.cluster.name} ({world} process{'es' if world > 1 else ''}, "
                  f"{device.type}): {len(distinct_layers(job.spec))} layer kinds x tp {','.join(map(str, job.tps))} "
                  f"x batch {','.join(map(str, job.batches))} = {len(plan)} measurements"
+                 + (f", {len(chains)} of layer chains" if chains else "")
                  + (f", {len(dp_plan)} of data-parallel wrappers" if dp_plan else "")
                  + (f", then {curves} collective curves up to {job.comm_max_bytes:,} bytes" if curves else ""))
     records = measure_layers(job, device, progress)
+    chain_points = measure_chains(job, device, progress) if chains else []
     dp_points = measure_data_parallel(job, device, progress) if dp_plan else []
     points, fits, refused = [], [], []
     if curves:
@@ -521,11 +569,12 @@ def run_profile(job: ProfileJob, progress_enabled: bool = True) -> dict[str, Any
         points, fits, refused = coll.measure_curves(sizes, job.comm_max_bytes, job.warmup, job.repeats, device,
                                                     lambda n: link_class(job.cluster, n), progress.comm)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (records, dp_points))
+    dist.all_gather_object(gathered, (records, chain_points, dp_points))
     if rank != 0:
         return None
-    db = ProfileDB(combine([r for r, _ in gathered]), collectives=points, fits=fits, unsupported=refused,
-                   data_parallel=combine_data_parallel([d for _, d in gathered]),
+    db = ProfileDB(combine([g[0] for g in gathered]), collectives=points, fits=fits, unsupported=refused,
+                   chains=combine_chains([g[1] for g in gathered]),
+                   data_parallel=combine_data_parallel([g[2] for g in gathered]),
                    machine=machine_info(device), settings=settings_info(job, Stopwatch(device)))
     return db.to_dict()
 
