@@ -198,8 +198,8 @@ def test_the_other_rank_names_a_stopped_rank_and_exits(stopped: int, tmp_path) -
 
 def test_normal_run_longer_than_the_heartbeat_timeout_prints_nothing(tmp_path) -> None:
     plan = write_plan(tmp_path, make_plan(pp=2, micro=2))
-    timeout = 6.0  # heartbeat after 4.8 s; the run takes longer than that
-    procs = _start_ranks(plan, 120, timeout)
+    timeout = 6.0  # heartbeat after 4.8 s; the run takes longer than that (400 steps: ~13 s here, 3.9 s for 120)
+    procs = _start_ranks(plan, 400, timeout)
     try:
         t0 = time.monotonic()
         outs = [p.communicate(timeout=240) for p in procs]
@@ -207,7 +207,7 @@ def test_normal_run_longer_than_the_heartbeat_timeout_prints_nothing(tmp_path) -
     finally:
         _kill(procs)
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert "step  120" in outs[0][0]
+    assert "step  400" in outs[0][0]
     for _, err in outs:
         assert HEARTBEAT_LINE not in err and "hetplan: error" not in err, err
     assert took > 0.8 * timeout, took
