@@ -3,7 +3,7 @@ their own cluster (issue 11), end to end through the CLI.
 
 1. ``hetplan profile`` measures a small GPT's layers and the gloo collectives
    on ``local-cpu-2`` and ``local-cpu-4``;
-2. for plans of different kinds (DP, ZeRO-1/3, TP, PP with 1F1B and GPipe,
+2. for plans of different kinds (DP, ZeRO-1/2/3, TP, PP with 1F1B and GPipe,
    PP x DP, TP x DP, an uneven layer split, recomputation) the cost model
    predicts the step time with that profile, and ``hetplan train`` measures
    it (the median of the steps after the first, warm-up, one);
@@ -55,6 +55,7 @@ HETPLAN = [sys.executable, "-m", "hetplan"]
 PLANS_2 = {
     "DP": (2, 1, 1, 4, 0, "none", "1f1b", None),
     "ZeRO-1": (2, 1, 1, 4, 1, "none", "1f1b", None),
+    "ZeRO-2": (2, 1, 1, 4, 2, "none", "1f1b", None),
     "ZeRO-3": (2, 1, 1, 4, 3, "none", "1f1b", None),
     "DP + full recompute": (2, 1, 1, 4, 0, "full", "1f1b", None),
     "TP": (1, 2, 1, 4, 0, "none", "1f1b", None),

@@ -72,6 +72,12 @@ def test_measured_zero3_extra_is_paid_on_every_micro_batch() -> None:
     assert estimate.dp_sync_s == pytest.approx(micro_batches * _held(model) * (FWD + BWD))
 
 
+def test_measured_zero2_gathers_and_reduces_once_a_step() -> None:
+    model, estimate = _estimate("local-cpu-2", _dp_profile(2), dp=2, zero=2)
+    # the forward's extra is the step's one gather, the backward's the reduce-scatter: whatever the micro-batches
+    assert estimate.dp_sync_s == pytest.approx(_held(model) * (FWD + BWD))
+
+
 def test_a_profile_of_another_degree_or_stage_leaves_the_analytic_model() -> None:
     _, analytic = _estimate("local-cpu-4", None, dp=4)
     _, other_degree = _estimate("local-cpu-4", _dp_profile(0), dp=4)  # measured over 2, not 4

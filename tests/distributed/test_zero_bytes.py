@@ -60,3 +60,41 @@ def test_predicted_bytes_per_rank_are_the_local_tensors(zero: int, dp: int, tmp_
 def test_zero1_trains_as_the_reference(tmp_path) -> None:
     results = run(train_worker, 2, write_plan(tmp_path, make_plan(2, zero=1)))
     assert_matches_reference(results[0])
+
+
+def gather_count_worker(plan_path: str) -> int:
+    """All-gathers of a step's parameters (the second step: the first also initialises)."""
+    import torch.distributed as dist
+
+    import hetplan.runtime as hr
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import synthetic_batch
+
+    calls = [0]
+    gather = dist.all_gather_single  # what FSDP2 gathers a module's parameters with (DefaultAllGather)
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return gather(*args, **kwargs)
+
+    dist.all_gather_single = counting
+    ctx = hr.init(plan_path)
+    model = ctx.parallelize(lambda: build_preset_model(ctx.spec))
+    x, y = synthetic_batch(ctx.spec.vocab_size, ctx.spec.seq_len, ctx.plan.global_batch_size, 0, 0)
+    ctx.train_step(model, (x, y), cross_entropy_loss)
+    calls[0] = 0
+    ctx.train_step(model, (x, y), cross_entropy_loss)
+    ctx.close()
+    return calls[0]
+
+
+def test_zero2_gathers_once_a_step_and_zero3_on_every_micro_batch(tmp_path) -> None:
+    """ZeRO-2 keeps its gathered weights until the step's last backward (as the
+    cost model charges: one all-gather a step); ZeRO-3 gathers on every micro-batch."""
+    counts = {}
+    for zero in (2, 3):
+        for micro in (8, 2):  # 1 and 4 micro-batches of the 8 samples
+            plan = make_plan(2, micro=micro, zero=zero)
+            counts[zero, micro] = run(gather_count_worker, 2, write_plan(tmp_path, plan, f"z{zero}m{micro}.json"))[0]
+    assert counts[2, 8] > 0 and counts[2, 2] == counts[2, 8], counts
+    assert counts[3, 2] == 4 * counts[3, 8] > 0, counts

@@ -208,8 +208,10 @@ class StageCosts:
         what the runtime's wrapper added to a lone layer, whose collectives
         nothing hides, taken as the collectives' time in place of the
         alpha-beta estimate: ZeRO-3's forward extra as its gather, the rest of
-        its backward extra as the reduce-scatter; ZeRO-0's (the all-reduce
-        ZeRO-1 runs too) as the gradient sync."""
+        its backward extra as the reduce-scatter; ZeRO-2's forward extra (its
+        one gather a step) as the parameter all-gather and its backward extra
+        as the gradient reduce-scatter; ZeRO-0's (the all-reduce ZeRO-1 runs
+        too) as the gradient sync."""
         k, o = self.kernel, self.option
         measured = measured or {}
         gather = scatter = sync = post = 0.0
@@ -220,6 +222,8 @@ class StageCosts:
             else:
                 gather = k.weight_bytes * rate("allgather")
                 scatter = k.grad_bytes * rate("reduce_scatter")
+        elif group > 1 and o.zero == 2 and 2 in measured:
+            post, sync = measured[2]  # the forward's gather of the step, the backward's reduce-scatter
         elif group > 1 and o.zero in (1, 2):
             sync = sum(measured[0]) if o.zero == 1 and 0 in measured \
                 else k.grad_bytes * rate(zero12_gradient_collective(o.zero))

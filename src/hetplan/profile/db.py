@@ -37,7 +37,7 @@ part (the difference), because the cost model adds its own TP communication.
 ``data_parallel`` holds what the runtime's data-parallel wrappers add to a
 layer's pass over groups of ``ranks`` processes (ZeRO-0: ``replicate`` and its
 gradient all-reduce; ZeRO-3: ``fully_shard`` and its gathers and
-reduce-scatters), copies and hooks included: :meth:`ProfileDB.data_parallel_rate`
+reduce-scatters; ZeRO-2 in between), copies and hooks included: :meth:`ProfileDB.data_parallel_rate`
 turns them into seconds per parameter, which the cost model uses in place of
 its alpha-beta estimate of those collectives.
 """
@@ -169,7 +169,7 @@ class ChainPoint:
     bwd_s: float
 
 
-DATA_PARALLEL_ZERO = (0, 3)  # the wrappers hetplan profile measures (runtime/parallelize.apply_dp)
+DATA_PARALLEL_ZERO = (0, 2, 3)  # the wrappers hetplan profile measures (runtime/parallelize.apply_dp)
 MACHINE_KEYS = ("hostname", "torch", "python", "platform", "device", "backend", "threads", "processes", "cores")
 SETTINGS_KEYS = ("model", "seq_len", "cluster", "precision", "tp", "batches", "warmup", "repeats",
                  "comm_max_bytes", "timer", "statistic")

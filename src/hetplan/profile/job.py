@@ -77,7 +77,7 @@ def data_parallel_measurements(job: ProfileJob) -> list[tuple[LayerSpec, int, in
     """(layer, tp, ranks, zero) in the order they are measured: each layer kind
     with parameters, at each TP degree, over data-parallel groups of every
     size from 2 up that fits beside it (the dp degrees a plan can have),
-    under ZeRO-0 and ZeRO-3, at the smallest batch (the wrappers' cost does
+    under ZeRO-0, 2 and 3, at the smallest batch (the wrappers' cost does
     not grow with it)."""
     world = job.cluster.num_devices
     return [(layer, tp, ranks, zero) for tp in job.tps for ranks in range(2, world // tp + 1)

@@ -570,8 +570,7 @@ class RuntimeContext:
             outputs = []
             for k in range(m):
                 last = k == m - 1
-                for module, every in info.sync_modules:
-                    module.set_requires_gradient_sync(every or last, recurse=False)
+                par.set_accumulating(info.sync_modules, last)
                 kw = {name: v[k * b:(k + 1) * b] for name, v in info.step_inputs.items()}
                 with rng.micro_batch(k):
                     out = model(x[k * b:(k + 1) * b], **kw)

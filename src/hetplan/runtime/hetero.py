@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetplan.runtime.dropout import micro_batch
+from hetplan.runtime.parallelize import set_accumulating
 
 _HEADER = 8  # ndim, dtype code, up to 6 dims
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
@@ -180,8 +181,7 @@ class HeteroPipeline:
 
         def backward(k: int, last_backward: bool) -> None:
             x, out = saved.pop(k)
-            for module, every in self.sync_modules:
-                module.set_requires_gradient_sync(every or last_backward, recurse=False)
+            set_accumulating(self.sync_modules, last_backward)
             if self.last:
                 out.backward()
             else:

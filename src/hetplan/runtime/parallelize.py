@@ -352,6 +352,19 @@ def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[st
     return wrapped
 
 
+def set_accumulating(sync_modules: Sequence[tuple[nn.Module, bool]], last: bool) -> None:
+    """Before a micro-batch's backward: wrapped modules that reduce on every
+    micro-batch (ZeRO-3) do; the others reduce their gradients only on the
+    step's ``last`` one and, until then, keep their gathered parameters
+    (ZeRO-2: gathered once a step, as ZeRO keeps them and the cost model
+    charges, not again for every micro-batch; torch pipelining does the same
+    for its stages)."""
+    for module, every in sync_modules:
+        module.set_requires_gradient_sync(every or last, recurse=False)
+        if not every and hasattr(module, "set_reshard_after_backward"):
+            module.set_reshard_after_backward(last, recurse=False)
+
+
 # --- expert parallelism ---------------------------------------------------------------------------
 def apply_ep(root: nn.Module, layer_names: Sequence[str], expert_mesh: Any, ep_group: Any,
              tp_group: Any = None) -> set[nn.Parameter]:
