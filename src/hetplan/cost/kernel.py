@@ -25,6 +25,7 @@ group's collective is cached as a rate and applied to any byte count
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -710,7 +711,7 @@ class CostKernel:
                        lambda kind: self._dp_rate(kind, tp * ep, experts) if experts else 0.0, float(held.max()),
                        measured)
 
-    @property
+    @functools.cached_property
     def core_sharing(self) -> tuple[int, int] | None:
         """(cores, processes the profile timed at once) when a profile of this
         CPU cluster was measured with its processes sharing fewer cores than

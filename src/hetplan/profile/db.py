@@ -20,6 +20,8 @@ File format (JSON; every field and unit in docs/profiling.md)::
      "fits": [{"op": "all_reduce", "ranks": 2, "link": "intra", "alpha_s": 2.9e-05,
                "bandwidth_gbps": 9.1, "busbw_gbps": 9.1}],
      "unsupported": [{"op": "...", "ranks": 2, "link": "intra", "reason": "..."}],
+     "chains": [{"gpu": "T4", "tp": 1, "batch": 4, "layers": ["embedding:...", "decoder:...", "decoder:...",
+                 "head:..."], "fwd_s": 0.031, "bwd_s": 0.062}],
      "data_parallel": [{"layer": "decoder:...", "gpu": "T4", "tp": 1, "ranks": 2, "zero": 3, "params": 787456,
                         "fwd_extra_s": 0.004, "bwd_extra_s": 0.009}],
      "machine": {"hostname": "...", "torch": "2.13.0", ...},
@@ -217,7 +219,8 @@ class ProfileDB:
 
     def __init__(self, entries: Iterable[ProfileEntry] = (), *, collectives: Iterable[CollectivePoint] = (),
                  fits: Iterable[CollectiveFit] = (), unsupported: Iterable[Unsupported] = (),
-                 chains: Iterable[ChainPoint] = (), data_parallel: Iterable[DataParallelPoint] = (), machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
+                 chains: Iterable[ChainPoint] = (), data_parallel: Iterable[DataParallelPoint] = (),
+                 machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
         self._by_key: dict[tuple[str, str, int], dict[int, ProfileEntry]] = {}
         for entry in entries:
             self.add(entry)

@@ -386,22 +386,19 @@ def measure_chains(job: ProfileJob, device: torch.device, progress: ProgressLine
     precision = precision_of({}, job.spec.dtype_bytes)
     stopwatch = Stopwatch(device)
     chain = chain_layers(job.spec)
+    inputs = {b: layer_inputs(job.spec, b)[chain[0].name] for b in job.batches}
+    modules: dict[int, nn.Module] = {}
     points = []
-    for tp in job.tps:
-        if not all(layer.supports_tp(tp) for layer in chain):
-            continue
-        module = build_layer(job.spec, [layer.name for layer in chain], _tp_mesh(device, tp) if tp > 1 else None,
-                             device, job.seed)
-        for batch in job.batches:
-            shape, dtype = layer_inputs(job.spec, batch)[chain[0].name]
-            bench = LayerBench(module, shape, dtype, job.spec.vocab_size, device, precision)
-            fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
-            points.append(ChainPoint(gpu, tp, batch, tuple(layer.profile_key for layer in chain),
-                                     median(fwd), median(bwd)))
-            progress.layer(f"chain {'+'.join(layer.name for layer in chain)} tp={tp} batch={batch}: "
-                           f"fwd {median(fwd) * 1e3:.3g} ms, bwd {median(bwd) * 1e3:.3g} ms",
-                           sum(layer_weight(layer, tp, batch) for layer in chain))
-        del module
+    for tp, batch in chain_measurements(job):
+        if tp not in modules:
+            modules.clear()  # one TP degree's chain at a time
+            modules[tp] = build_layer(job.spec, [layer.name for layer in chain],
+                                      _tp_mesh(device, tp) if tp > 1 else None, device, job.seed)
+        bench = LayerBench(modules[tp], *inputs[batch], job.spec.vocab_size, device, precision)
+        fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
+        points.append(ChainPoint(gpu, tp, batch, tuple(layer.profile_key for layer in chain), median(fwd), median(bwd)))
+        progress.layer(f"chain {'+'.join(layer.name for layer in chain)} tp={tp} batch={batch}: "
+                       f"fwd {median(fwd) * 1e3:.3g} ms, bwd {median(bwd) * 1e3:.3g} ms", chain_weight(chain, tp, batch))
     return points
 
 
@@ -417,11 +414,11 @@ def combine_chains(per_rank: Sequence[Sequence[ChainPoint]]) -> list[ChainPoint]
 
 def measure_data_parallel(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[DataParallelPoint]:
     """This process's records of what the runtime's data-parallel wrappers
-    (``parallelize.apply_dp``: ZeRO-0 ``replicate``, ZeRO-3 ``fully_shard``)
-    add to each layer's pass over groups of each size, every group busy at
-    once: the wrapped layer timed right after the plain one, at the smallest
-    batch, with gradients synchronised on every backward as on a step's last
-    micro-batch (ZeRO-3: on every one)."""
+    (``parallelize.apply_dp``: ZeRO-0 ``replicate``, ZeRO-2 and ZeRO-3
+    ``fully_shard``) add to each layer's pass over groups of each size, every
+    group busy at once: the plain layer timed once, right before its wrapped
+    runs, at the smallest batch, with gradients synchronised on every backward
+    as on a step's last micro-batch (ZeRO-3: on every one)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from hetplan.runtime.precision import precision_of
@@ -434,29 +431,33 @@ def measure_data_parallel(job: ProfileJob, device: torch.device, progress: Progr
     inputs = layer_inputs(job.spec, batch)
     world = dist.get_world_size()
     meshes: dict[tuple[int, int], Any] = {}
+    plain: dict[tuple[str, int, int], tuple[int, float, float]] = {}  # (layer, tp, ranks) -> params, fwd, bwd
     points = []
+
+    def timed(layer: LayerSpec, mesh: Any, tp: int, zero: int | None) -> tuple[int, float, float]:
+        """(parameters, median fwd, median bwd) of the layer, wrapped for ZeRO-``zero`` (None: plain)."""
+        module = build_layer(job.spec, layer.name, mesh["tp"] if tp > 1 else None, device, job.seed)
+        params = sum(_local(p).numel() for p in module.parameters())
+        if zero is not None:
+            apply_dp(module, {layer.name: zero}, mesh["dp"], [])
+        fwd, bwd = LayerBench(module, *inputs[layer.name], job.spec.vocab_size, device, precision).time(
+            job.warmup, job.repeats, stopwatch)
+        return params, median(fwd), median(bwd)
+
     for layer, tp, ranks, zero in data_parallel_measurements(job):
         if (tp, ranks) not in meshes:
             meshes[tp, ranks] = init_device_mesh(device.type, (world // (ranks * tp), ranks, tp),
                                                  mesh_dim_names=("rep", "dp", "tp"))
-        mesh = meshes[tp, ranks]
-        shape, dtype = inputs[layer.name]
-        times = []
-        for wrapped in (False, True):
-            module = build_layer(job.spec, layer.name, mesh["tp"] if tp > 1 else None, device, job.seed)
-            params = sum(_local(p).numel() for p in module.parameters())
-            if wrapped:
-                apply_dp(module, {layer.name: zero}, mesh["dp"], [])
-            bench = LayerBench(module, shape, dtype, job.spec.vocab_size, device, precision)
-            fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
-            times.append((median(fwd), median(bwd)))
-            del module
-        (plain_f, plain_b), (f, b) = times
+        key = (layer.name, tp, ranks)
+        if key not in plain:  # timed once, right before its wrapped runs
+            plain[key] = timed(layer, meshes[tp, ranks], tp, None)
+        params, plain_f, plain_b = plain[key]
+        _, f, b = timed(layer, meshes[tp, ranks], tp, zero)
         points.append(DataParallelPoint(layer.profile_key, gpu, tp, ranks, zero, params,
                                         max(0.0, f - plain_f), max(0.0, b - plain_b)))
         progress.layer(f"{layer.name} ({layer.kind}) tp={tp} ZeRO-{zero} over {ranks} processes: adds "
                        f"{points[-1].fwd_extra_s * 1e3:.3g} ms fwd, {points[-1].bwd_extra_s * 1e3:.3g} ms bwd",
-                       2 * layer_weight(layer, tp, batch))
+                       wrapper_weight(layer, tp, batch))
     return points
 
 
@@ -475,6 +476,16 @@ def layer_weight(layer: LayerSpec, tp: int, batch: int) -> float:
     """A guess of a measurement's relative duration, for the time-left estimate:
     its FLOPs plus a fixed cost per run (a few kernel launches)."""
     return layer.fwd_flops * batch / tp + 5e6
+
+
+def chain_weight(chain: Sequence[LayerSpec], tp: int, batch: int) -> float:
+    return sum(layer_weight(layer, tp, batch) for layer in chain)
+
+
+def wrapper_weight(layer: LayerSpec, tp: int, batch: int) -> float:
+    """A data-parallel wrapper measurement: the wrapped run and the plain run
+    it is compared with (a guess: one plain run serves every ZeRO stage)."""
+    return 2 * layer_weight(layer, tp, batch)
 
 
 def combine(per_rank: Sequence[Sequence[LayerRecord]]) -> list[ProfileEntry]:
@@ -550,9 +561,8 @@ def run_profile(job: ProfileJob, progress_enabled: bool = True) -> dict[str, Any
                                    job.cluster.nodes[0].intra_bandwidth_gbps) if curves else 0.0
     dp_plan = data_parallel_measurements(job)
     chains = chain_measurements(job)
-    weights = ([layer_weight(*m) for m in plan]
-               + [sum(layer_weight(layer, tp, b) for layer in chain_layers(job.spec)) for tp, b in chains]
-               + [2 * layer_weight(layer, tp, job.batches[0]) for layer, tp, _, _ in dp_plan])
+    weights = ([layer_weight(*m) for m in plan] + [chain_weight(chain_layers(job.spec), *c) for c in chains]
+               + [wrapper_weight(layer, tp, job.batches[0]) for layer, tp, _, _ in dp_plan])
     progress = ProgressLines(progress_enabled and rank == 0, weights, curves, guess)
     progress.say(f"{job.spec.name} on {job.cluster.name} ({world} process{'es' if world > 1 else ''}, "
                  f"{device.type}): {len(distinct_layers(job.spec))} layer kinds x tp {','.join(map(str, job.tps))} "
