@@ -367,3 +367,34 @@ def test_tp_overlap_is_kept_in_the_plan_file_and_named_at_export(tmp_path, capsy
     assert "--tp-comm-overlap" in err and "--fp8-format" in err
     assert main(["export", str(tmp_path / "plain.json"), "--format", "megatron"]) == 0
     assert "--tp-comm-overlap" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, False), (2, True)])
+def test_fp8_keeps_linear_inputs_in_one_byte(tp: int, sequence_parallel: bool) -> None:
+    """A GPT block (4h MLP, fused attention) keeps for backward, as the inputs
+    of its linears: the QKV input and the first MLP input (norm outputs, 2sh
+    each, not split by TP), the output-projection input (2sh) and the second
+    MLP input (8sh). FP8 training keeps them at one byte an element: 7sh less
+    per sample, of which TP divides 5sh (all 7 with sequence parallelism)."""
+    from hetplan.cost import CostModel, Workload
+
+    seq, hidden = 512, 1024
+    model = _block_model(seq, fused=True, hidden=hidden)
+    layer = model.layers[0]
+    sh = seq * hidden
+    assert layer.act_linear_input_bytes == 14 * sh and layer.act_linear_input_replicated_bytes == 4 * sh
+
+    def kept(fp8: bool) -> float:
+        workload = Workload(model, _cluster(1, 2), 2, fp8=fp8)
+        return float(CostModel(workload).kernel.activation_bytes(tp, "none", sequence_parallel)[0])
+
+    expected = 7 * sh / tp if sequence_parallel else 2 * sh + 5 * sh / tp
+    assert kept(False) - kept(True) == pytest.approx(expected)
+    # full recompute keeps the block's 16-bit input either way; its rebuilt working set shrinks alike
+    workload = Workload(model, _cluster(1, 2), 2, fp8=True)
+    plain = Workload(model, _cluster(1, 2), 2)
+    k8, k16 = CostModel(workload).kernel, CostModel(plain).kernel
+    assert k8.activation_bytes(tp, "full", sequence_parallel)[0] == k16.activation_bytes(tp, "full",
+                                                                                          sequence_parallel)[0]
+    assert (k16.recompute_working_bytes(tp, "full", sequence_parallel)[0]
+            - k8.recompute_working_bytes(tp, "full", sequence_parallel)[0]) == pytest.approx(expected)

@@ -101,8 +101,10 @@ def _enumerate(costs, layers, ctx):  # type: ignore[no-untyped-def]
         if not all(arr.valid[l, s] for l, s in enumerate(combo)):
             continue
         rows = np.arange(len(combo))
-        mem = (arr.fwd_bytes[rows, combo].sum() + arr.bwd_bytes[rows, combo].max()
-               + 2 * arr.gathered_bytes[rows, combo].max() + overhead)
+        act, bwd = arr.act_bytes[rows, combo], arr.bwd_bytes[rows, combo]
+        # the backward peak: layer l's working set, less what the layers after it have freed
+        working = max(bwd[l] - act[l + 1:].sum() for l in rows)
+        mem = arr.fwd_bytes[rows, combo].sum() + working + 2 * arr.gathered_bytes[rows, combo].max() + overhead
         group = [costs.tps.index(costs.strategies[s].tp) for s in combo]
         transform = sum(arr.transform[l, group[l - 1], group[l]] for l in range(1, len(combo)))  # per iteration
         objective = sum(arr.cost_s[l, s] for l, s in enumerate(combo)) + transform

@@ -62,3 +62,32 @@ def test_plan_json_carries_the_breakdown(tmp_path, capsys):
         parts = est["memory_breakdown_bytes"]
         for device, peak in est["peak_memory_bytes"].items():
             assert sum(parts[device].values()) == pytest.approx(peak, abs=8)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_recompute_peak_is_the_backward_walk(pp):
+    """Full recomputation: replaying backward layer by layer (layer i rebuilds
+    its activations while the layers after it have freed theirs; the other
+    micro-batches in flight keep all of theirs) gives the activations the
+    model reports on every stage; the head after the last block, whose
+    stored tensors are gone before that block recomputes, adds nothing."""
+    workload = Workload(get_model("gpt3-1.3b"), load_cluster("8xA100-80GB"), 64)
+    micro = 2
+    plan = uniform_plan(workload, 8 // pp, 1, pp, micro, 0, "full")
+    cost = CostModel(workload)
+    stored_all = cost.kernel.activation_bytes(1, "full", False) * micro
+    working_all = cost.kernel.recompute_working_bytes(1, "full", False) * micro
+    m = plan.num_micro_batches
+    for j, stage in enumerate(plan.stages):
+        stored, working = stored_all[list(stage.layers)], working_all[list(stage.layers)]
+        walk = max(stored[:i + 1].sum() + working[i] for i in range(len(stored)))
+        in_flight = min(pp - j, m)
+        expected = (in_flight - 1) * stored.sum() + walk
+        parts = cost.memory_breakdown(plan)[stage.devices[0]]
+        assert parts["activations"] == pytest.approx(expected, rel=1e-9)
+        # everything stored plus the largest working set counts the head's input too, on the last stage
+        old_count = in_flight * stored.sum() + working.max()
+        if j == pp - 1:
+            assert parts["activations"] == pytest.approx(old_count - stored[-1], rel=1e-9)
+        else:
+            assert parts["activations"] == pytest.approx(old_count, rel=1e-9)

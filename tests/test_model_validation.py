@@ -89,6 +89,10 @@ SPEC_CASES: dict[str, tuple[Callable[[dict[str, Any]], Any], list[str]]] = {
     "tied above params": (_set(("layers", 5, "tied_params"), 10**6), ["layer 5", "tied_params"]),
     "replicated above params": (_set(("layers", 1, "params_tp_replicated"), 10**6), ["params_tp_replicated"]),
     "attention above flops": (_set(("layers", 1, "attention_flops"), 1e12), ["attention_flops", "fwd_flops"]),
+    "linear inputs above activations": (_set(("layers", 1, "act_linear_input_bytes"), 1e15),
+                                        ["layer 1", "act_linear_input_bytes", "exceed act_bytes"]),
+    "replicated linear inputs above linear inputs": (_set(("layers", 1, "act_linear_input_replicated_bytes"), 1e14),
+                                                     ["act_linear_input_replicated_bytes", "part"]),
     "seq_len above limit": (_set(("seq_len",), MAX_SEQ_LEN + 1), ["seq_len", "limit", str(MAX_SEQ_LEN), "tokens"]),
     "params above limit": (_set(("layers", 1, "params"), MAX_PARAMS + 1), ["layer 1", "params", "limit"]),
     "too many layers": (lambda d: {**d, "layers": [dict(d["layers"][1], name=f"b{i}")

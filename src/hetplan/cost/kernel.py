@@ -62,7 +62,8 @@ from hetplan.cost.groups import ClusterArrays, first_appearance
 from hetplan.cost.layers import LayerArrays, layer_arrays
 from hetplan.cost.pipeline import overlap_slowdown, overlapped_exposure
 from hetplan.cost.memory import (
-    activation_bytes, framework_overhead_bytes, host_offload_capacity_bytes, recompute_working_bytes,
+    activation_bytes, fp8_linear_input_scale, framework_overhead_bytes, host_offload_capacity_bytes,
+    recompute_working_bytes,
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
 from hetplan.cost.workload import Workload
@@ -183,6 +184,8 @@ class CostKernel:
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes
+        # the size a linear layer's saved input keeps (FP8 training: one byte an element)
+        self.linear_input_scale = fp8_linear_input_scale(workload.fp8, self.dtype_bytes)
         self.weight_bytes, held_grad_bytes, _ = workload.state_bytes
         # bytes per gradient the collectives move: the widest copy held, at most
         # fp32 (DeepSpeed's BF16 optimizer holds bf16 + fp32 and reduces the fp32)
@@ -271,7 +274,8 @@ class CostKernel:
     def activation_bytes(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
         """Per sample and layer, kept for backward."""
         return self._cached(("act", tp, recompute, sequence_parallel),
-                            lambda: activation_bytes(self.arrays, tp, recompute, sequence_parallel))
+                            lambda: activation_bytes(self.arrays, tp, recompute, sequence_parallel,
+                                                     self.linear_input_scale))
 
     def rank_activation_bytes(self, tp: int, recompute: str, sequence_parallel: bool, cp: int) -> np.ndarray:
         """Per sample and layer, what one CP rank keeps for backward
@@ -289,7 +293,8 @@ class CostKernel:
         rank beyond its kept input (``memory.recompute_working_bytes``)."""
         if cp <= 1:
             return self._cached(("work", tp, recompute, sequence_parallel),
-                                lambda: recompute_working_bytes(self.arrays, tp, recompute, sequence_parallel))
+                                lambda: recompute_working_bytes(self.arrays, tp, recompute, sequence_parallel,
+                                                                self.linear_input_scale))
         if recompute != "full":
             return np.zeros(self.num_layers)
         return self._cached(("workcp", tp, sequence_parallel, cp), lambda: np.maximum(
@@ -916,6 +921,20 @@ class CostKernel:
             found = self._corrections[tp] = [(int(i), int(previous[i]), float(share[i]))
                                              for i in np.nonzero(previous >= 0)[0]]
         return found
+
+    def recompute_peak_matrix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
+        """``[a, b]``: per sample, what the recompute working sets of a stage of
+        layers ``[a, b)`` add to one micro-batch's stored activations
+        (``memory.working_beyond_stored`` over the range, from the prefix sums
+        ``P``: ``max_{a≤i<b} (P[i+1] + working_i) − P[b]``)."""
+
+        def build() -> np.ndarray:
+            prefix = self.activation_prefix(tp, recompute, sequence_parallel, cp)
+            reach = prefix[1:] + self.recompute_working_bytes(tp, recompute, sequence_parallel, cp)
+            peak = self.range_max_matrix(reach, ("reach", tp, recompute, sequence_parallel, cp))
+            return np.triu(np.maximum(peak - prefix[None, :], 0.0), 1)
+
+        return self._cached(("recpeak", tp, recompute, sequence_parallel, cp), build)
 
     def range_max_matrix(self, values: np.ndarray, key: tuple[object, ...]) -> np.ndarray:
         """``[a, b]``: the largest of ``values[a:b]`` (0 where empty)."""

@@ -52,6 +52,8 @@ class LayerArrays:
     expert_flops: np.ndarray | None = None  # routed-expert part of fwd_flops
     dispatch_bytes: np.ndarray | None = None  # bytes of one all-to-all per sample
     expert_tokens: np.ndarray | None = None  # tokens one routed expert gets per sample without EP
+    act_linear_input_bytes: np.ndarray | None = None  # linear layers' saved inputs (FP8 under FP8 training)
+    act_linear_input_replicated_bytes: np.ndarray | None = None  # the part TP does not divide
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
@@ -126,6 +128,8 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
         expert_flops=column("expert_flops"),
         dispatch_bytes=column("dispatch_bytes"),
         expert_tokens=np.array([_expert_tokens(layer, model.seq_len) for layer in layers]),
+        act_linear_input_bytes=column("act_linear_input_bytes"),
+        act_linear_input_replicated_bytes=column("act_linear_input_replicated_bytes"),
     )
 
 

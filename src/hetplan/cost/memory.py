@@ -5,7 +5,8 @@ peak = model states (weights, gradients, optimizer states; divided by TP, and
        by dp according to the ZeRO stage)
      + ZeRO-3 working set (gathered parameters of the running and next layer)
      + activations of one micro-batch × micro-batches in flight
-     + recompute working set (one layer's full activations under checkpointing)
+     + recompute working set (a checkpointed layer's rebuilt activations, less
+       what the layers after it have freed: ``working_beyond_stored``)
      + framework overhead.
 
 Micro-batches in flight (Narayanan et al. 2021 §2.2; Galvatron-BMW §IV-B):
@@ -76,13 +77,18 @@ def resident_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
     return weight, grad, opt
 
 
-def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
+def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool,
+                     linear_input_scale: float = 1.0) -> np.ndarray:
     """Activation bytes one TP rank keeps for backward, per sample and layer
-    (Korthikanti et al. 2022, Table 2)."""
+    (Korthikanti et al. 2022, Table 2). ``linear_input_scale``: the size a
+    linear layer's saved input keeps (``fp8_linear_input_scale``)."""
     if recompute == "full":
         return arrays.input_bytes / tp if sequence_parallel else arrays.input_bytes.copy()
-    replicated = arrays.act_tp_replicated_bytes
-    sharded = arrays.act_bytes - replicated
+    saved = 1.0 - linear_input_scale
+    linear, linear_replicated = arrays.column("act_linear_input_bytes"), \
+        arrays.column("act_linear_input_replicated_bytes")
+    replicated = arrays.act_tp_replicated_bytes - saved * linear_replicated
+    sharded = arrays.act_bytes - arrays.act_tp_replicated_bytes - saved * (linear - linear_replicated)
     if recompute == "selective":
         sharded = sharded - arrays.act_attention_core_bytes
     if sequence_parallel:
@@ -90,7 +96,16 @@ def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_para
     return replicated + sharded / tp
 
 
-def recompute_working_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
+def fp8_linear_input_scale(fp8: bool, dtype_bytes: int) -> float:
+    """The size a linear layer's saved input keeps, over its ``dtype_bytes``
+    one: FP8 training keeps it in FP8, one byte an element (Transformer
+    Engine's ``Linear`` saves its quantized input and drops the row-wise copy
+    backward does not need: transformer_engine/pytorch/module/linear.py)."""
+    return 1.0 / dtype_bytes if fp8 else 1.0
+
+
+def recompute_working_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool,
+                            linear_input_scale: float = 1.0) -> np.ndarray:
     """Per sample: a checkpointed layer rebuilds its full activations during its
     backward pass; the stage pays the largest such layer once. The layer's
     input is not rebuilt: the recomputed forward reads (and its first op saves)
@@ -99,8 +114,23 @@ def recompute_working_bytes(arrays: LayerArrays, tp: int, recompute: str, sequen
     Table 2 counts it inside the layer's 34·sbh), so only the rest is extra."""
     if recompute != "full":
         return np.zeros(arrays.num_layers)
-    full = activation_bytes(arrays, tp, "none", sequence_parallel)
+    full = activation_bytes(arrays, tp, "none", sequence_parallel, linear_input_scale)
     return np.maximum(full - activation_bytes(arrays, tp, "full", sequence_parallel), 0.0)
+
+
+def working_beyond_stored(stored: np.ndarray, working: np.ndarray, axis: int = -1) -> np.ndarray:
+    """What a stage's recompute working sets add, at their peak, to one
+    micro-batch's stored activations (``stored`` and ``working`` per layer, in
+    forward order along ``axis``). Backward runs the layers in reverse and a
+    layer frees what it stored once its own backward is done, so while layer
+    ``i`` rebuilds its activations the layers after it hold nothing for this
+    micro-batch: the peak is ``max_i (working_i − stored after i)``. It is at
+    least the last layer's working set, so never below 0; the freed layers
+    matter where a big one follows the recomputed ones, such as a language
+    head whose logits are gone before the last block recomputes."""
+    stored = np.asarray(stored, dtype=np.float64)
+    after = np.flip(np.cumsum(np.flip(stored, axis), axis), axis) - stored
+    return np.asarray(working - after).max(axis=axis)
 
 
 def in_flight_micro_batches(schedule: str, stage_index: int, pp: int, num_micro_batches: int,

@@ -20,7 +20,7 @@ from hetplan.cost.constants import TRANSFORM_PASSES
 from hetplan.cost.groups import first_appearance
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
-from hetplan.cost.memory import memory_parts, resident_bytes_split, state_bytes_split
+from hetplan.cost.memory import memory_parts, resident_bytes_split, state_bytes_split, working_beyond_stored
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.errors import HetplanError
 from hetplan.plan import Stage
@@ -249,8 +249,9 @@ def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
     parts = []
     for i in firsts.tolist():
         batch = {tp: float(column[i]) for tp, column in per_device.items()}
-        act = sum(a * batch[tp] for tp, a, _ in per_layer)
-        work = max(w * batch[tp] for tp, _, w in per_layer)
+        stored = np.array([a * batch[tp] for tp, a, _ in per_layer])
+        act = float(stored.sum())
+        work = float(working_beyond_stored(stored, np.array([w * batch[tp] for tp, _, w in per_layer])))
         w, g, o = np.array([weights, grads, optimizer]) + (scales[i] - 1.0) * experts
         parts.append(memory_parts(float(w), float(g), float(o), act, in_flight, work, gathered, int(overhead[i])))
     return [parts[c] for c in classes.tolist()]

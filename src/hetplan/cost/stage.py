@@ -239,7 +239,8 @@ class StageCosts:
         return held, (self.kernel.expert_held(o.tp, o.ep, a, b) if o.ep > 1 else 0.0)
 
     def _build_memory(self) -> None:
-        """Per-sample activation prefix sums and the per-layer maxima of the working sets."""
+        """Per-sample activation prefix sums and, per range of layers, the
+        recompute working set at its peak (``CostKernel.recompute_peak_matrix``)."""
         k, o = self.kernel, self.option
         self._state_per_param = state_bytes_per_param(o.zero, o.dp * o.cp, k.workload.state_bytes,
                                                       k.workload.zero_implementation)
@@ -259,9 +260,12 @@ class StageCosts:
         self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes if o.zero >= 3 and o.dp * o.cp > 1 \
             else None
         self._act_list = self._act.tolist()  # scalar lookups (one range) are faster on lists
-        self._work_max = None if self._work is None else \
-            k.range_max_matrix(self._work, ("offwork" if o.offload else "work", o.tp, o.recompute,
-                                            o.sequence_parallel, o.cp))
+        if self._work is None:
+            self._work_max = None
+        elif o.offload:  # nothing stored on the GPU that backward could free: the largest working set
+            self._work_max = k.range_max_matrix(self._work, ("offwork", o.tp, o.recompute, o.sequence_parallel))
+        else:
+            self._work_max = k.recompute_peak_matrix(o.tp, o.recompute, o.sequence_parallel, o.cp)
         self._gathered_max = None if self._gathered is None else \
             k.range_max_matrix(self._gathered, ("gathered", o.tp, o.ep))
         self._memory_classes = self._layout.memory_classes

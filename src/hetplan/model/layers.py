@@ -193,6 +193,8 @@ class _Tally:
     act: float = 0.0
     act_replicated: float = 0.0
     act_core: float = 0.0
+    act_linear: float = 0.0  # saved inputs of linear layers (kept in FP8 under FP8 training)
+    act_linear_replicated: float = 0.0
     mem_traffic: float = 0.0
     tp_comm: float = 0.0
     kv: float = 0.0  # self-attention K and V bytes (what context parallelism exchanges)
@@ -220,16 +222,24 @@ class _Tally:
             name=name, kind=kind, params=self.params, params_tp_replicated=self.params_replicated,
             fwd_flops=self.flops, fwd_mem_bytes=self.mem_traffic, attention_flops=self.attention_flops,
             gemm_count=self.gemms, act_bytes=self.act, act_tp_replicated_bytes=self.act_replicated,
-            act_attention_core_bytes=self.act_core, input_bytes=boundary_bytes, output_bytes=boundary_bytes,
+            act_attention_core_bytes=self.act_core, act_linear_input_bytes=self.act_linear,
+            act_linear_input_replicated_bytes=self.act_linear_replicated,
+            input_bytes=boundary_bytes, output_bytes=boundary_bytes,
             tp_comm_bytes=self.tp_comm, tp_max=tp_max,
         )
 
-    def save(self, num_bytes: float, replicated: bool = False, core: bool = False) -> None:
+    def save(self, num_bytes: float, replicated: bool = False, core: bool = False, linear: bool = False) -> None:
+        """Keep ``num_bytes`` for backward (``linear``: the input of a linear
+        layer, saved for its weight gradient)."""
         self.act += num_bytes
         if replicated:
             self.act_replicated += num_bytes
         if core:
             self.act_core += num_bytes
+        if linear:
+            self.act_linear += num_bytes
+            if replicated:
+                self.act_linear_replicated += num_bytes
 
 
 def _attention(t: _Tally, shape: BlockShape, p: int, q_len: int, kv_len: int, kv_is_self: bool) -> None:
@@ -241,11 +251,11 @@ def _attention(t: _Tally, shape: BlockShape, p: int, q_len: int, kv_len: int, kv
     t.save(p * q_len * h, replicated=True)  # norm input
     if shape.norm_saves_normalized:
         t.save(p * q_len * h, replicated=True)  # normalized tensor before the weight
-    t.save(p * q_len * h, replicated=True)  # QKV input (norm output)
+    t.save(p * q_len * h, replicated=True, linear=True)  # QKV input (norm output)
     t.linear(q_len, h, inner, shape.bias, row_parallel=False)  # Q
     t.linear(kv_len, h, 2 * kv_width, shape.bias, row_parallel=False)  # K and V
     if not kv_is_self and shape.save_cross_input:
-        t.save(p * kv_len * h, replicated=True)  # encoder output feeding K/V
+        t.save(p * kv_len * h, replicated=True, linear=True)  # encoder output feeding K/V
     t.save(p * q_len * inner)  # Q for QK^T
     t.save(p * kv_len * kv_width)  # K for QK^T
     if kv_is_self:
@@ -268,7 +278,7 @@ def _attention(t: _Tally, shape: BlockShape, p: int, q_len: int, kv_len: int, kv
             t.save(MASK_BYTES * scores, core=True)  # attention-dropout mask
             t.save(p * scores, core=True)  # attention-dropout output (input of scores·V)
     t.save(p * kv_len * kv_width)  # V for scores·V
-    t.save(p * q_len * inner)  # output-projection input
+    t.save(p * q_len * inner, linear=True)  # output-projection input
     t.linear(q_len, inner, h, shape.bias, row_parallel=True)  # output projection
     t.tp_comm += p * q_len * h  # all-reduce after the row-parallel projection
     if shape.dropout:
@@ -283,16 +293,16 @@ def _mlp(t: _Tally, shape: BlockShape, p: int, s: int) -> None:
     t.save(p * s * h, replicated=True)  # norm input
     if shape.norm_saves_normalized:
         t.save(p * s * h, replicated=True)  # normalized tensor before the weight
-    t.save(p * s * h, replicated=True)  # first linear input (norm output)
+    t.save(p * s * h, replicated=True, linear=True)  # first linear input (norm output)
     if shape.gated_mlp:
         t.linear(s, h, 2 * f, shape.bias, row_parallel=False)  # gate and up
         t.save(p * s * f)  # activation-function input (gate)
         t.save(p * s * f)  # up projection output
-        t.save(p * s * f)  # product: down-projection input
+        t.save(p * s * f, linear=not shape.mlp_dropout)  # product: down-projection input
         t.mem_traffic += p * s * f * 5  # silu (r+w) and product (2r+w)
         if shape.mlp_dropout:
             t.save(MASK_BYTES * s * f)  # dropout mask on the product
-            t.save(p * s * f)  # dropout output: down-projection input
+            t.save(p * s * f, linear=True)  # dropout output: down-projection input
             t.mem_traffic += p * s * f * 2
     elif shape.activation == "relu":
         t.linear(s, h, f, shape.bias, row_parallel=False)
@@ -300,7 +310,7 @@ def _mlp(t: _Tally, shape: BlockShape, p: int, s: int) -> None:
         t.mem_traffic += p * s * f * 2  # relu (r+w)
         if shape.mlp_dropout:
             t.save(MASK_BYTES * s * f)  # dropout mask
-            t.save(p * s * f)  # dropout output: second linear input
+            t.save(p * s * f, linear=True)  # dropout output: second linear input
             t.mem_traffic += p * s * f * 2
     else:
         t.linear(s, h, f, shape.bias, row_parallel=False)
@@ -308,7 +318,7 @@ def _mlp(t: _Tally, shape: BlockShape, p: int, s: int) -> None:
         if shape.mlp_dropout:
             t.save(MASK_BYTES * s * f)  # dropout mask on the activation output
             t.mem_traffic += p * s * f * 2
-        t.save(p * s * f)  # second linear input
+        t.save(p * s * f, linear=True)  # second linear input
         t.mem_traffic += p * s * f * 2  # gelu (r+w)
     t.linear(s, f, h, shape.bias, row_parallel=True)
     t.tp_comm += p * s * h
@@ -341,19 +351,19 @@ def _latent_attention(t: _Tally, shape: BlockShape, mla: MLAShape, p: int, s: in
     r_q, r_kv = mla.q_lora_rank, mla.kv_lora_rank
     t.norm(h, shape.rms_norm)
     t.save(p * s * h, replicated=True)  # norm input
-    t.save(p * s * h, replicated=True)  # norm output: input of the query and KV down-projections
+    t.save(p * s * h, replicated=True, linear=True)  # norm output: input of the query and KV down-projections
     if r_q:
         _duplicated_linear(t, s, h, r_q, shape.bias)  # q_a_proj
         t.norm(r_q, shape.rms_norm)  # q_a_layernorm
         t.save(p * s * r_q, replicated=True)  # latent norm input
-        t.save(p * s * r_q, replicated=True)  # q_b_proj input
+        t.save(p * s * r_q, replicated=True, linear=True)  # q_b_proj input
         t.linear(s, r_q, qk_width, False, row_parallel=False)  # q_b_proj
     else:
         t.linear(s, h, qk_width, False, row_parallel=False)  # q_proj
     _duplicated_linear(t, s, h, r_kv + mla.qk_rope_head_dim, shape.bias)  # kv_a_proj_with_mqa
     t.norm(r_kv, shape.rms_norm)  # kv_a_layernorm
     t.save(p * s * r_kv, replicated=True)  # latent norm input
-    t.save(p * s * r_kv, replicated=True)  # kv_b_proj input
+    t.save(p * s * r_kv, replicated=True, linear=True)  # kv_b_proj input
     t.linear(s, r_kv, a * (mla.qk_nope_head_dim + mla.v_head_dim), False, row_parallel=False)  # kv_b_proj
     t.save(p * s * qk_width)  # Q for QK^T
     t.save(p * s * qk_width)  # K for QK^T (nope part per head, rope part copied into every head)
@@ -372,7 +382,7 @@ def _latent_attention(t: _Tally, shape: BlockShape, mla: MLAShape, p: int, s: in
             t.save(MASK_BYTES * scores, core=True)  # attention-dropout mask
             t.save(p * scores, core=True)  # attention-dropout output
     t.save(p * s * v_width)  # V for scores·V
-    t.save(p * s * v_width)  # output-projection input
+    t.save(p * s * v_width, linear=True)  # output-projection input
     t.linear(s, v_width, h, shape.bias, row_parallel=True)  # o_proj
     t.tp_comm += p * s * h
     if shape.dropout:
@@ -404,19 +414,22 @@ def _moe_mlp(t: _Tally, shape: BlockShape, moe: MoEShape, p: int, s: int) -> Non
     t.expert_flops += 2.0 * rows * (h * width + f * h)
     t.dispatch += p * rows * h  # every routed token copy's hidden state, out and back (all-to-all)
     t.gemms += 2  # one grouped GEMM per expert matrix
-    t.save(p * rows * h)  # dispatched expert inputs
+    t.save(p * rows * h, linear=True)  # dispatched expert inputs
     if moe.gated:
-        t.save(p * rows * f * 3)  # gate (SiLU input), up, and their product (down-projection input)
+        t.save(p * rows * f * 2)  # gate (SiLU input) and up
+        t.save(p * rows * f, linear=True)  # their product: down-projection input
         t.mem_traffic += p * rows * f * 5  # silu (r+w) and product (2r+w)
     else:
-        t.save(p * rows * f * 2)  # GELU input and second linear input
+        t.save(p * rows * f)  # GELU input
+        t.save(p * rows * f, linear=True)  # second linear input
         t.mem_traffic += p * rows * f * 2
     t.save(p * rows * h)  # expert outputs, weighted by the router when combined
     t.mem_traffic += p * rows * h * 4 + p * s * h  # dispatch (r+w), weighted combine (r+w), sum (w)
     if moe.shared_ffn:
         fs = moe.shared_ffn
         t.linear(s, h, 2 * fs, False, row_parallel=False)  # shared gate and up
-        t.save(p * s * fs * 3)  # SiLU input, up, product
+        t.save(p * s * fs * 2)  # SiLU input, up
+        t.save(p * s * fs, linear=True)  # product: shared down-projection input
         t.linear(s, fs, h, False, row_parallel=True)  # shared down
         t.mem_traffic += p * s * fs * 5 + p * s * h * 3  # silu, product; add to the routed output
         if moe.shared_gate:

@@ -80,6 +80,12 @@ class LayerSpec:
         act_bytes: activation bytes kept for backward, per sample (see module doc).
         act_tp_replicated_bytes: part of ``act_bytes`` not divided by TP.
         act_attention_core_bytes: part of ``act_bytes`` selective recompute drops.
+        act_linear_input_bytes: part of ``act_bytes`` that linear layers keep
+            as their input for the weight gradient; FP8 training keeps it in
+            FP8 (one byte an element: Transformer Engine's ``Linear`` saves
+            its quantized input, transformer_engine/pytorch/module/linear.py).
+        act_linear_input_replicated_bytes: the part of it TP does not divide
+            (inputs of column-parallel linears, the norm outputs).
         input_bytes: bytes of the layer's input per sample (checkpoint boundary).
         output_bytes: bytes sent to the next layer per sample (pipeline p2p).
         tp_comm_bytes: bytes all-reduced across the TP group per sample in the
@@ -130,6 +136,8 @@ class LayerSpec:
     gemm_count: int = 1
     act_tp_replicated_bytes: float = 0.0
     act_attention_core_bytes: float = 0.0
+    act_linear_input_bytes: float = 0.0
+    act_linear_input_replicated_bytes: float = 0.0
     tp_comm_bytes: float = 0.0
     tp_max: int = 0
     tied_group: str = ""
@@ -379,6 +387,12 @@ def _check_layer_relations(v: dict[str, Any], where: str) -> None:
                            f"({v['fwd_flops']:.6g}), of which they are a part")
     if v["act_tp_replicated_bytes"] + v["act_attention_core_bytes"] > v["act_bytes"] * 1.000001:
         raise HetplanError(f"{where}: act_tp_replicated_bytes + act_attention_core_bytes exceed act_bytes")
+    if v["act_linear_input_bytes"] + v["act_attention_core_bytes"] > v["act_bytes"] * 1.000001:
+        raise HetplanError(f"{where}: act_linear_input_bytes + act_attention_core_bytes exceed act_bytes")
+    if v["act_linear_input_replicated_bytes"] > min(v["act_linear_input_bytes"],
+                                                     v["act_tp_replicated_bytes"]) * 1.000001:
+        raise HetplanError(f"{where}: act_linear_input_replicated_bytes exceed act_linear_input_bytes "
+                           "or act_tp_replicated_bytes, of which they are a part")
     if v["attention"] not in ATTENTION_KINDS:
         raise HetplanError(f"{where}: attention must be one of {', '.join(repr(k) for k in ATTENTION_KINDS)}, "
                            f"got {v['attention']!r}")

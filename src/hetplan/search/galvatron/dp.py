@@ -6,8 +6,11 @@ The DP (eq. 4) runs over a stage's layers with the forward memory
 and carries the last layer's strategy so that the transformation cost ``R``
 between adjacent layers with different TP degrees can be added. Alg. 3 then
 walks the forward budgets ``E_fwd`` and checks the full peak ``E_all`` (eq. 2:
-forward memory + the largest backward peak + framework overhead) against the
-device memory: below ``E − b_ub`` every plan fits, so only the distinct plans
+forward memory + the largest backward peak + framework overhead; the backward
+peak as the kernel counts it, a layer's working set less what the layers after
+it have freed, ``memory.working_beyond_stored``) against the device memory:
+below ``E − b_ub`` every plan fits (``b_ub`` the largest working set, an
+upper bound), so only the distinct plans
 of the window above (at most MAX_CANDIDATES at a time, largest budgets first)
 are backtracked, all at once with numpy, and the cheapest whose exact
 ``E_all`` fits is kept — the paper keeps the largest fitting ``E_fwd``, the
@@ -38,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from hetplan.cost.stage import SegmentTiming
-from hetplan.cost.memory import peak_memory_bytes
+from hetplan.cost.memory import peak_memory_bytes, working_beyond_stored
 from hetplan.cost.pipeline import exposed_grad_sync, stage_micro_batch_time
 from hetplan.plan import Stage
 from hetplan.search.galvatron.tables import COMPONENTS, GalvatronCosts, StageArrays, StageContext, stage_arrays
@@ -94,6 +97,7 @@ class _Packed:
     weight: np.ndarray  # forward memory in bins
     fwd: np.ndarray
     bwd: np.ndarray
+    act: np.ndarray
     gathered: np.ndarray
     parts: dict[str, np.ndarray]
     valid: np.ndarray
@@ -194,7 +198,7 @@ def _fill(costs: GalvatronCosts, problems: Sequence[tuple[Sequence[int], StageCo
     shape = (len(usable), depth, n_slots)
     cost = np.full(shape, INF, dtype=np.float32)
     weight = np.zeros(shape, dtype=np.int64)
-    fwd, bwd, gathered = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    fwd, bwd, act, gathered = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
     parts = {name: np.zeros(shape) for name in COMPONENTS}
     valid = np.zeros(shape, dtype=bool)
     transform = np.zeros((len(usable), depth, num_groups, num_groups))
@@ -210,13 +214,14 @@ def _fill(costs: GalvatronCosts, problems: Sequence[tuple[Sequence[int], StageCo
         weight[row, front:, slot_of] = weights[k].T
         fwd[row, front:, slot_of] = a.fwd_bytes.T
         bwd[row, front:, slot_of] = a.bwd_bytes.T
+        act[row, front:, slot_of] = a.act_bytes.T
         gathered[row, front:, slot_of] = a.gathered_bytes.T
         for name in COMPONENTS:
             parts[name][row, front:, slot_of] = np.where(a.valid, a.parts[name], 0.0).T
         transform[row, front + 1:] = a.transform[1:]
     ms = np.array([problems[k][1].num_micro_batches for k in usable], dtype=float)
     sel = np.array(usable)
-    return _Packed(usable, fronts, cost, weight, fwd, bwd, gathered, parts, valid, transform, ms, caps[sel],
+    return _Packed(usable, fronts, cost, weight, fwd, bwd, act, gathered, parts, valid, transform, ms, caps[sel],
                    overheads[sel], budgets[sel])
 
 
@@ -296,7 +301,8 @@ def _backtrack(costs: GalvatronCosts, p: _Packed, fw: _Forward, rows: np.ndarray
     def gather(values: np.ndarray) -> np.ndarray:
         return values[prob_axis, layer_axis, choices]
 
-    e_all = peak_memory_bytes(gather(p.fwd).sum(axis=0), 0.0, 0.0, gather(p.bwd).max(axis=0),
+    working = working_beyond_stored(gather(p.act), gather(p.bwd), axis=0)
+    e_all = peak_memory_bytes(gather(p.fwd).sum(axis=0), 0.0, 0.0, working,
                               gather(p.gathered).max(axis=0), p.overheads[rows][:, None])
     fits = (e_all <= p.caps[rows][:, None]) & np.isfinite(fw.final[rows[:, None], cand])
     sums = {name: gather(p.parts[name]).sum(axis=0) for name in COMPONENTS}
@@ -361,7 +367,8 @@ def _coarse_picks(costs: GalvatronCosts, p: _Packed) -> list[list[int] | None]:
     """Galvatron's coarse mode: the one strategy for every layer of the stage
     that fits and screens cheapest."""
     ok = p.valid.all(axis=1)
-    memory = peak_memory_bytes(p.fwd.sum(axis=1), 0.0, 0.0, p.bwd.max(axis=1), p.gathered.max(axis=1),
+    memory = peak_memory_bytes(p.fwd.sum(axis=1), 0.0, 0.0, working_beyond_stored(p.act, p.bwd, axis=1),
+                               p.gathered.max(axis=1),
                                p.overheads[:, None])
     ok &= memory <= p.caps[:, None]
     sums = {name: p.parts[name].sum(axis=1) for name in COMPONENTS}

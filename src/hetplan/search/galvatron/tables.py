@@ -13,7 +13,8 @@ dynamic program (§IV-A2, eq. 2-4):
   per-layer objective from the kernel's combining formulas;
 * ``O_f + O_ms``: model states plus activations kept times the micro-batches in flight;
 * ``O_b``: the recompute working set of a checkpointed layer, and the
-  gathered parameters of an SDP layer.
+  gathered parameters of an SDP layer; with one micro-batch's activations per
+  layer, from which the DP's peak check subtracts what backward has freed.
 
 A layer's worst replica is taken per layer here (the DP needs additive
 costs); the planner re-costs every stage it keeps with the kernel's
@@ -68,6 +69,7 @@ class StageArrays:
     cost_s: np.ndarray  # DP objective per layer: m * per-micro-batch time + once-per-iteration time
     fwd_bytes: np.ndarray  # O_f + O_ms: states + activations x in-flight
     bwd_bytes: np.ndarray  # recompute working set
+    act_bytes: np.ndarray  # O_f's activations of one micro-batch (what backward frees layer by layer)
     gathered_bytes: np.ndarray
     transform: np.ndarray  # (layers, T, T) per-iteration R entering each layer
     parts: dict[str, np.ndarray]  # the COMPONENTS
@@ -255,5 +257,5 @@ def stage_arrays(costs: GalvatronCosts, indices: Sequence[int], ctx: StageContex
             return full[name][lo:hi]
         return np.where(dup, full["dup_" + name][lo:hi], full[name][lo:hi])
 
-    return StageArrays(rows("valid"), rows("cost"), rows("fwd"), rows("bwd"), rows("gathered"),
+    return StageArrays(rows("valid"), rows("cost"), rows("fwd"), rows("bwd"), rows("act"), rows("gathered"),
                        full["transform"][lo:hi], {name: rows(name) for name in COMPONENTS})
