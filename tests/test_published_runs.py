@@ -96,3 +96,23 @@ def test_torchtitan_fsdp2_runs_are_estimated_within_10_percent() -> None:
     for row in rows:
         predicted, _ = predict(row)
         assert predicted == pytest.approx(row.run["tokens_per_s_per_gpu"], rel=0.10), row.run["id"]
+
+
+def test_framework_runs_that_trained_are_predicted_to_fit() -> None:
+    """Every published torchtitan and Megatron-Bridge run trained, so each one
+    hetplan can express must be predicted to fit its GPUs' memory (Qwen3-30B-A3B
+    on 16 H100 with micro-batch 2 and 24 virtual stages fits only when FP8
+    linears keep their saved inputs in one byte and gradients are bf16, as that
+    stack runs them)."""
+    import json
+
+    from validate_frameworks import DATA, FILES, build, predict
+
+    for name in FILES:
+        data = json.loads((DATA / name).read_text())
+        for row in (build(run, data) for run in data["runs"]):
+            if row.skip:
+                continue
+            _, peak_gib = predict(row)
+            assert row.workload is not None
+            assert peak_gib <= row.workload.cluster.devices[0].memory_bytes / 2**30, row.run["id"]
