@@ -199,3 +199,16 @@ def test_estimate_offload_and_bad_offload_combinations(tmp_path) -> None:  # typ
     assert "takes no value" in _bad(tmp_path, "estimate", *inputs, *degrees, "--offload", "never")
     # nothing fits without offloading or recomputing, and the batch-1 plan does not fit even so at 7 GB
     assert "no plan fits in memory" in _bad(tmp_path, "plan", *inputs[:-1], "7GB", "--offload", "never")
+
+
+def test_train_refuses_a_plan_costed_with_fp8(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The runtime does not run FP8 matmuls, and an FP8 plan's memory counts
+    one-byte saved linear inputs: ``hetplan train`` refuses it in one line."""
+    plan = tmp_path / "fp8.json"
+    made = run("estimate", "--model", "gpt3-1.3b", "--cluster", "8xH100", "--tp", "1", "--pp", "1",
+               "--dp", "8", "--micro-batch", "1", "--global-batch", "8", "--fp8", "--json", str(plan))
+    assert made.returncode == 0, made.stderr
+    result = run("train", "--plan", str(plan), "--steps", "1")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("hetplan: error:") and "--fp8" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

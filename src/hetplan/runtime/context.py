@@ -1169,6 +1169,7 @@ def _check_plan(plan: Plan | str | os.PathLike[str], model: Any = None
         spec = resolve_model(plan_file, model)
         cluster = resolve_cluster(plan_file) if plan_file.cluster is not None else _load_cluster(plan)
         settings = plan_file.settings
+        _refuse_unrun_settings(settings)
     if spec.name != plan.model:
         raise HetplanError(f"the plan was made for model {plan.model!r}, not {spec.name!r}; make a plan for this model")
     if cluster is not None:
@@ -1177,6 +1178,17 @@ def _check_plan(plan: Plan | str | os.PathLike[str], model: Any = None
         validate_plan(plan, spec, cluster)
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     return plan, spec, cluster, layout, mp.precision_of(settings, spec.dtype_bytes)
+
+
+def _refuse_unrun_settings(settings: dict[str, Any]) -> None:
+    """A plan costed with FP8 matmuls counted FP8's speed and its one-byte saved
+    linear inputs; hetplan's runtime trains in the plan's 16-bit precision, so
+    such a plan could run out of memory here: refuse it rather than train it
+    as a different plan than the one costed."""
+    if settings.get("fp8"):
+        raise HetplanError("the plan was costed with FP8 matmuls (--fp8), which hetplan's runtime does not run: "
+                           "make the plan without --fp8 to train it here, or export it to a tool with "
+                           "Transformer Engine FP8 (hetplan export PLAN --format megatron)")
 
 
 def _pick_device(plan: Plan, cluster: Any, position: RankPosition, notes: list[str]) -> torch.device:
