@@ -386,6 +386,12 @@ def test_trace_tiny_transformer() -> None:
     assert 0 < block.act_tp_replicated_bytes < block.act_bytes
     assert block.input_bytes == block.output_bytes == 4 * s * h
     assert block.tp_comm_bytes == 2 * 4 * s * h  # Megatron: after attention and after the MLP
+    # linear inputs kept for the weight gradients (4-byte elements): the QKV, projection and first MLP
+    # inputs (s x h, hidden-shaped) and the GELU output the second MLP linear reads (s x 4h); the head's
+    # linear stays out (FP8 training keeps only the blocks' linear inputs in one byte)
+    assert block.act_linear_input_bytes == 4 * s * h * 3 + 4 * s * 4 * h
+    assert block.act_linear_input_replicated_bytes == 4 * s * h * 3
+    assert spec.layers[-1].act_linear_input_bytes == 0.0
 
 
 def test_trace_adds_sdpa_flops_when_the_counter_misses_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,8 @@ can each be costed:
   sequence parallelism divides it too;
 * ``act_attention_core_bytes`` the part selective recomputation drops
   (softmax output, its dropout mask and output: Korthikanti's ``5as²b``);
+* ``act_linear_input_bytes``  the part that linear layers keep as their input
+  for the weight gradient, which FP8 training keeps in one byte an element;
 * ``input_bytes``            the layer's input, the only thing full
   recomputation (checkpointing) keeps — Galvatron's "boundary" activation.
 """

@@ -224,7 +224,7 @@ class _Segment:
     mem_bytes: float = 0.0
     params_used: set[str] = field(default_factory=set)
     modules: list[str] = field(default_factory=list)
-    saved: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
+    saved: list[tuple[tuple[int, ...], float, bool]] = field(default_factory=list)  # shape, bytes, linear input
     scores_dims: set[tuple[int, int]] = field(default_factory=set)
     heads: int = 0
     vocab: int = 0
@@ -252,6 +252,7 @@ class _Tracer:
         self.saved_seen: set[int] = set()
         self.keep_alive: list[Any] = []
         self.in_sdpa_dtype: Any = None
+        self.in_linear = False  # inside F.linear: what autograd saves now is the linear's input
         self.sdpa_added = 0.0
         self.flop_counter: Any = None
         self.group_parent: dict[int, str] = {}
@@ -321,7 +322,10 @@ class _Tracer:
         low = self.in_sdpa_dtype
         if low is not None and t.is_floating_point() and t.element_size() > low.itemsize:
             nbytes *= low.itemsize / t.element_size()  # the math path's fp32 upcast
-        self.seg.saved.append((tuple(t.shape), nbytes))
+        # a block's linear input, kept for the weight gradient (FP8 training keeps it in one byte);
+        # heads outside the blocks stay 16-bit, as Megatron's output layer does
+        linear = self.in_linear and self.seg.anchor is not None and t.is_floating_point()
+        self.seg.saved.append((tuple(t.shape), nbytes, linear))
         return t
 
     # -- operators
@@ -378,10 +382,17 @@ def _make_modes(tracer: _Tracer) -> tuple[Any, Any]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    linear = torch.nn.functional.linear
 
     class _FunctionMode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
             kwargs = kwargs or {}
+            if func is linear:
+                outer_linear, tracer.in_linear = tracer.in_linear, True
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    tracer.in_linear = outer_linear
             if func is not sdpa:
                 return func(*args, **kwargs)
             q, k = args[0], args[1]
@@ -939,7 +950,7 @@ def _layer_spec(layer: _Layer, place: _Place, trace: _Trace) -> LayerSpec:
     """The per-sample LayerSpec of one layer: its segments' totals divided by the example batch."""
     stats = _sum_segments(layer.segments)
     numel, batch = trace.params.numel, trace.batch
-    act, repl, core = _split_saved(stats, layer.hidden_shape)
+    act, repl, core, lin, lin_repl = _split_saved(stats, layer.hidden_shape)
     return make_layer(
         name=place.name,
         kind=layer.kind,
@@ -954,6 +965,8 @@ def _layer_spec(layer: _Layer, place: _Place, trace: _Trace) -> LayerSpec:
         act_bytes=act / batch,
         act_tp_replicated_bytes=repl / batch,
         act_attention_core_bytes=core / batch,
+        act_linear_input_bytes=lin / batch,
+        act_linear_input_replicated_bytes=lin_repl / batch,
         input_bytes=layer.input_bytes / batch,
         output_bytes=layer.output_bytes / batch,
         tp_comm_bytes=_tp_comm_bytes(stats, layer.hidden_shape, trace.dtype.itemsize, place.is_last) / batch,
@@ -964,18 +977,22 @@ def _layer_spec(layer: _Layer, place: _Place, trace: _Trace) -> LayerSpec:
     )
 
 
-def _split_saved(stats: dict[str, Any], hidden_shape: tuple[int, ...]) -> tuple[float, float, float]:
-    """Saved bytes: all, hidden-state shaped (whole on every TP rank), attention-score shaped (split by TP)."""
-    act = repl = core = 0.0
+def _split_saved(stats: dict[str, Any], hidden_shape: tuple[int, ...]
+                 ) -> tuple[float, float, float, float, float]:
+    """Saved bytes: all, hidden-state shaped (whole on every TP rank), attention-score shaped (split by TP),
+    linear inputs and those of them hidden-state shaped."""
+    act = repl = core = lin = lin_repl = 0.0
     hidden_numel = _numel(hidden_shape)
-    for shape, nbytes in stats["saved"]:
+    for shape, nbytes, linear in stats["saved"]:
         act += nbytes
+        lin += nbytes if linear else 0.0
         # the hidden state or a 2-D view of it, e.g. (B*S, H) for a linear
         if hidden_numel and _numel(shape) == hidden_numel and shape[-1:] == hidden_shape[-1:]:
             repl += nbytes
+            lin_repl += nbytes if linear else 0.0
         elif len(shape) >= 3 and tuple(shape[-2:]) in stats["scores_dims"]:
             core += nbytes
-    return act, repl, core
+    return act, repl, core, lin, lin_repl
 
 
 def _tp_comm_bytes(stats: dict[str, Any], hidden_shape: tuple[int, ...], p_bytes: int, is_last: bool) -> float:
@@ -1009,6 +1026,8 @@ def _model_meta(trace: _Trace, layers: list[_Layer], places: list[_Place], unuse
         "estimated_fields": [
             "act_tp_replicated_bytes",
             "act_attention_core_bytes",
+            "act_linear_input_bytes",
+            "act_linear_input_replicated_bytes",
             "tp_comm_bytes",
             "params_tp_replicated",
         ],
