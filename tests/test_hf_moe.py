@@ -319,3 +319,23 @@ def test_no_fit_error_hints_at_seq_len_for_hf_configs(capsys: pytest.CaptureFixt
     assert "a shorter --seq-len (now 512, the default for this HF config)" in err
     assert main(["plan", "--model", "gpt2-amp", *common]) == 2  # presets have no --seq-len: no hint
     assert "--seq-len" not in capsys.readouterr().err
+
+
+def test_fine_grained_experts_get_a_fidelity_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Routed experts narrower than the hidden size (Qwen3-30B-A3B: 768 <
+    2048) are the one kind of model whose published runs hetplan costs far too
+    fast: ``hetplan estimate`` says so. Mixtral's experts (14336 > 4096) and
+    dense models get no such note."""
+    from hetplan.cli import main
+    from hetplan.report.text import fine_grained_moe_note
+
+    data = json.loads((Path(__file__).parents[1] / "benchmarks/data/megatron_bridge_h100.json").read_text())
+    qwen = model_from_hf_config(data["hf_configs"]["qwen3-30b-a3b"], seq_len=4096)
+    note = fine_grained_moe_note(qwen)
+    assert "768 < hidden 2048" in note and "optimistic" in note
+    assert fine_grained_moe_note(model_from_hf_config(MIXTRAL_8X7B, seq_len=4096)) == ""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(data["hf_configs"]["qwen3-30b-a3b"]))
+    assert main(["estimate", "--model", str(config), "--cluster", "16xH100", "--seq-len", "4096", "--tp", "1",
+                 "--pp", "2", "--dp", "8", "--ep", "8", "--micro-batch", "1", "--global-batch", "64"]) == 0
+    assert "note: this model's routed experts are fine-grained" in capsys.readouterr().out

@@ -351,7 +351,9 @@ def _smp_planner(args: argparse.Namespace) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetplan.cost import CostModel
     from hetplan.planfile import workload_record
-    from hetplan.report.text import breakdown, explain, memory_table, ranked_table, runtime_pipeline_note
+    from hetplan.report.text import (
+        breakdown, explain, fine_grained_moe_note, memory_table, ranked_table, runtime_pipeline_note,
+    )
     from hetplan.search import get_planner
 
     auto = args.global_batch == "auto"
@@ -390,7 +392,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print()
         for line in [*explain(best.plan, best.estimate, workload), *_training_report(best, workload, args)]:
             print(f"- {line}")
-        for note in [*best.plan.notes, runtime_pipeline_note(best.plan, workload.model)]:
+        for note in [*best.plan.notes, runtime_pipeline_note(best.plan, workload.model),
+                     fine_grained_moe_note(workload.model)]:
             if note:
                 print(f"- note: {note}")
     extra = {}
@@ -509,7 +512,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from hetplan.cost import CostModel
     from hetplan.plan import RankedPlan
     from hetplan.planfile import read_plan_file, workload_record
-    from hetplan.report.text import breakdown, memory_table, ranked_table, runtime_pipeline_note
+    from hetplan.report.text import (
+        breakdown, fine_grained_moe_note, memory_table, ranked_table, runtime_pipeline_note,
+    )
     from hetplan.search.baselines.uniform import uniform_plan
     from hetplan.validate import validate_plan
 
@@ -553,9 +558,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print()
     for line in _training_report(RankedPlan(plan, estimate), workload, args):
         print(f"- {line}")
-    note = runtime_pipeline_note(plan, workload.model)
-    if note:
-        print(f"note: {note}")
+    for note in (runtime_pipeline_note(plan, workload.model), fine_grained_moe_note(workload.model)):
+        if note:
+            print(f"note: {note}")
     if args.simulate:
         from hetplan.simulate import build_schedule, format_schedule, makespan, simulate_plan
 

@@ -146,6 +146,21 @@ def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
             "(exports to Megatron-LM, DeepSpeed and torchtitan are not affected)")
 
 
+def fine_grained_moe_note(model: ModelSpec) -> str:
+    """Said for a model whose routed experts are narrower than its hidden size
+    (fine-grained experts, DeepSeekMoE §3.1): the one kind of model whose
+    published runs hetplan is known to cost far too fast (docs/cost-model.md,
+    "Validation against the frameworks' own published runs")."""
+    narrow = [layer for layer in model.layers if layer.is_moe and 0 < layer.expert_ffn < model.hidden_size]
+    if not narrow:
+        return ""
+    return (f"this model's routed experts are fine-grained (width {narrow[0].expert_ffn} < hidden "
+            f"{model.hidden_size}); the estimate is likely optimistic: per-expert kernel launches, token "
+            "permutation and the dispatcher's host synchronisation are not costed, and published Qwen3-30B-A3B "
+            "runs on H100 trained 1.6-2.8x slower than hetplan estimates them. Measure your GPUs with "
+            "'hetplan profile' and pass --profile")
+
+
 def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:
     """A few plain sentences on why this plan is fast and where it loses time."""
     lines = []
