@@ -35,3 +35,22 @@ def test_gqa_and_swiglu_reduce_kv_and_add_gate() -> None:
     assert mha.params == 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     assert gqa.params == mha.params - 2 * 4096 * (4096 - 1024)
     assert gqa.tp_max == 8 and mha.tp_max == 32
+
+
+def test_linear_inputs_of_swiglu_and_moe_blocks() -> None:
+    """The saved inputs of linear layers (FP8 keeps them in one byte): a
+    Llama block's QKV, output-projection and gate/up inputs (2sh each, the
+    norm outputs not split by TP) and the down-projection input (2sf); a MoE
+    block's expert inputs (2·k·s·h) and down-projection inputs (2·k·s·f)
+    instead of the dense MLP's, the router's input not counted (it stays 16-bit)."""
+    from hetplan.model.layers import MoEShape
+
+    h, f, s = 256, 688, 128
+    shape = BlockShape(h, 4, f, s, gated_mlp=True, bias=False, rms_norm=True, dropout=False)
+    dense = transformer_block("l", "decoder", shape, 2)
+    assert dense.act_linear_input_bytes == 2 * s * h * 3 + 2 * s * f
+    assert dense.act_linear_input_replicated_bytes == 2 * s * h * 2
+    k, fe = 2, 96
+    moe = transformer_block("m", "moe", shape, 2, moe=MoEShape(8, k, fe))
+    assert moe.act_linear_input_bytes == 2 * s * h * 2 + 2 * k * s * h + 2 * k * s * fe
+    assert moe.act_linear_input_replicated_bytes == 2 * s * h
