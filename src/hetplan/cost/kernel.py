@@ -931,22 +931,22 @@ class CostKernel:
         def build() -> np.ndarray:
             prefix = self.activation_prefix(tp, recompute, sequence_parallel, cp)
             reach = prefix[1:] + self.recompute_working_bytes(tp, recompute, sequence_parallel, cp)
-            peak = self.range_max_matrix(reach, ("reach", tp, recompute, sequence_parallel, cp))
-            return np.triu(np.maximum(peak - prefix[None, :], 0.0), 1)
+            return np.triu(np.maximum(_range_max(reach) - prefix[None, :], 0.0), 1)
 
         return self._cached(("recpeak", tp, recompute, sequence_parallel, cp), build)
 
     def range_max_matrix(self, values: np.ndarray, key: tuple[object, ...]) -> np.ndarray:
-        """``[a, b]``: the largest of ``values[a:b]`` (0 where empty)."""
+        """``[a, b]``: the largest of ``values[a:b]`` (0 where empty), cached under ``key``."""
+        return self._cached(("rangemax",) + key, lambda: _range_max(values))
 
-        def build() -> np.ndarray:
-            n = self.num_layers
-            matrix = np.zeros((n + 1, n + 1))
-            inside = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], values[None, :], 0.0)
-            matrix[:n, 1:] = np.maximum.accumulate(inside, axis=1)
-            return np.triu(matrix, 1)
 
-        return self._cached(("rangemax",) + key, build)
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """``[a, b]``: the largest of ``values[a:b]`` (0 where empty, a >= b)."""
+    n = len(values)
+    matrix = np.zeros((n + 1, n + 1))
+    inside = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], values[None, :], 0.0)
+    matrix[:n, 1:] = np.maximum.accumulate(inside, axis=1)
+    return np.triu(matrix, 1)
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:
