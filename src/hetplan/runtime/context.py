@@ -43,6 +43,7 @@ from hetplan.plan import Plan
 from hetplan.runtime import clip_guard
 from hetplan.runtime import dropout as rng
 from hetplan.runtime import heartbeat as hb
+from hetplan.runtime import microbatch
 from hetplan.runtime import precision as mp
 from hetplan.runtime import parallelize as par
 from hetplan.runtime.chain import check_chain, example_inputs as known_example_inputs
@@ -317,7 +318,7 @@ class RuntimeContext:
 
             for part, chunk in zip(parts, local_chunks):
                 stages.append(PipelineStage(part, chunk, self.layout.num_chunks, self.device, group=self.pp_group))
-                rng.wrap_stage(stages[-1])  # each micro-batch's forward draws for its own samples
+                microbatch.wrap_stage(stages[-1])  # each micro-batch's forward: own autocast region, own dropout rows
         for note in notes:
             if note not in self.notes:
                 self.notes.append(note)
@@ -490,7 +491,7 @@ class RuntimeContext:
         fp16_scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         earlier = self._take_grads(model, info, every=self.loss_scaler is not None)
         samples = self.layout.local_sample_indices(self.position.dp_index, self.position.pp_index)
-        with mp.autocast(self.device, self.precision), \
+        with microbatch.step(self.device, self.precision), \
                 rng.step_scope(info.seed, self.step, samples, self.position.samples_per_micro_batch):
             self._forward_backward(model, info, x, y, loss_fn, scale * fp16_scale, total, return_outputs)
         self.step += 1
@@ -572,9 +573,9 @@ class RuntimeContext:
                 last = k == m - 1
                 par.set_accumulating(info.sync_modules, last)
                 kw = {name: v[k * b:(k + 1) * b] for name, v in info.step_inputs.items()}
-                with rng.micro_batch(k):
+                with microbatch.forward(k):  # its own autocast region (microbatch module doc)
                     out = model(x[k * b:(k + 1) * b], **kw)
-                loss = loss_fn(out, y[k * b:(k + 1) * b])
+                    loss = loss_fn(out, y[k * b:(k + 1) * b])
                 if scale != 1.0:
                     loss = loss * scale
                 loss.backward()
@@ -653,6 +654,7 @@ class RuntimeContext:
         if info.schedule is None:
             staged = getattr(info.parts[-1], "staged", None)  # an HF model's loss sees its output class
 
+            @microbatch.loss
             def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                 if staged is not None:
                     output = staged.wrap_output(output)

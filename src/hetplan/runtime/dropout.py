@@ -151,18 +151,6 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], conte
     return contextlib.nullcontext(), _set(_active)
 
 
-def wrap_stage(stage: Any) -> None:
-    """A ``torch.distributed.pipelining`` stage runs each micro-batch's forward under its scope."""
-    inner = stage.forward_one_chunk
-
-    @functools.wraps(inner)
-    def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with micro_batch(fwd_chunk_id):
-            return inner(fwd_chunk_id, *args, **kwargs)
-
-    stage.forward_one_chunk = forward_one_chunk
-
-
 # --- dropout -------------------------------------------------------------------------------------
 @torch.compiler.disable  # reads the scope (Python state): runs eagerly inside compiled layers
 def dropout(x: torch.Tensor, p: float, site: str, offsets: Sequence[int] | None = None) -> torch.Tensor:

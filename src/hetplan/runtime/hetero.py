@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetplan.runtime.dropout import micro_batch
+from hetplan.runtime import microbatch
 from hetplan.runtime.parallelize import set_accumulating
 
 _HEADER = 8  # ndim, dtype code, up to 6 dims
@@ -160,11 +160,12 @@ class HeteroPipeline:
                 x = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
                 x.requires_grad_(x.is_floating_point())
                 args = x
-            with micro_batch(k):  # dropout draws for this micro-batch's samples
+            with microbatch.forward(k):  # its own autocast region; dropout draws for its samples
                 out = self.part(args, **{n: v[k * b:(k + 1) * b] for n, v in (model_inputs or {}).items()})
             if self.last:
                 assert targets is not None
-                loss = loss_fn(out, targets[k * b:(k + 1) * b])
+                with microbatch.autocast():
+                    loss = loss_fn(out, targets[k * b:(k + 1) * b])
                 if scale != 1.0:
                     loss = loss * scale
                 losses.append(loss.detach())

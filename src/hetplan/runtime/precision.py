@@ -2,7 +2,8 @@
 
 Mixed precision keeps fp32 master weights, gradients and optimizer states and
 runs the forward/backward math in 16 bits (Micikevicius et al. 2018, "Mixed
-Precision Training", §3): here ``torch.autocast`` around every forward, the
+Precision Training", §3): here ``torch.autocast`` around every forward (one
+region per micro-batch: :mod:`hetplan.runtime.microbatch` says why), the
 same on every rank and in the single-process reference, so parameters, their
 gradients and the data-parallel reductions stay fp32 (FSDP2 reduces fp32
 gradients). This is what the cost model's ``adam-mixed-fp32-grads`` optimizer
@@ -30,7 +31,8 @@ GROWTH_INTERVAL = 2000  # GradScaler(growth_interval=2000)
 
 
 def autocast(device: torch.device, precision: str) -> Any:
-    """The forward's precision context (nothing for fp32)."""
+    """The precision context of one whole forward (nothing for fp32): the
+    reference's, which runs the global batch in one forward."""
     dtype = DTYPES[precision]
     if dtype is None:
         return contextlib.nullcontext()
