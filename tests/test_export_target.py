@@ -185,10 +185,11 @@ def test_export_index_picks_the_kth_plan(tmp_path, capsys):
     assert "use --index 1..3" in capsys.readouterr().err
 
 
-def test_plan_without_target_is_unchanged(tmp_path, capsys):
+def test_plan_without_target_is_for_the_runtime_and_unchanged(tmp_path, capsys):
     data, out, _ = _plan_json(tmp_path, capsys, ["--model", "tiny-llama-bf16", "--cluster", "8xH100",
                                                  "--global-batch", "16"])
     assert "target" not in data and "best_overall" not in data and "best plan " not in out
+    assert data["settings"]["target"] == "hetplan"  # plans for hetplan's runtime (hetplan.target.plan_target)
 
 
 def test_megatron_target_searches_zero_1_and_interleaving():

@@ -337,5 +337,6 @@ def test_fine_grained_experts_get_a_fidelity_note(tmp_path: Path, capsys: pytest
     config = tmp_path / "config.json"
     config.write_text(json.dumps(data["hf_configs"]["qwen3-30b-a3b"]))
     assert main(["estimate", "--model", str(config), "--cluster", "16xH100", "--seq-len", "4096", "--tp", "1",
-                 "--pp", "2", "--dp", "8", "--ep", "8", "--micro-batch", "1", "--global-batch", "64"]) == 0
+                 "--pp", "2", "--dp", "8", "--ep", "8", "--micro-batch", "1", "--global-batch", "64",
+                 "--target", "any"]) == 0  # a Megatron-Bridge run: not hetplan's runtime
     assert "note: this model's routed experts are fine-grained" in capsys.readouterr().out

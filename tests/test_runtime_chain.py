@@ -196,17 +196,17 @@ def test_hf_import_records_whether_the_runtime_can_pipeline_it():
     pytest.importorskip("transformers")
     from hetplan.model.hf import model_from_hf_config
 
-    assert model_from_hf_config(dict(LLAMA), seq_len=16).meta["runtime_pipeline"] == ""
+    assert model_from_hf_config(dict(LLAMA), seq_len=16).runtime.pipeline == ""
     t5 = {"model_type": "t5", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
           "num_heads": 4}
-    assert model_from_hf_config(t5, seq_len=16).meta["runtime_pipeline"] == ""
+    assert model_from_hf_config(t5, seq_len=16).runtime.pipeline == ""
     vit = {"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "intermediate_size": 128, "image_size": 32, "patch_size": 8}
-    why = model_from_hf_config(vit).meta["runtime_pipeline"]
+    why = model_from_hf_config(vit).runtime.pipeline
     assert why.startswith("hetplan has no staged forward for ViTModel")
 
 
-def test_estimate_of_a_pipelined_hf_plan_says_the_runtime_would_refuse_it(tmp_path, capsys):
+def test_estimate_of_a_pipelined_hf_plan_the_runtime_would_refuse_is_refused(tmp_path, capsys):
     pytest.importorskip("transformers")
     import json
 
@@ -217,7 +217,11 @@ def test_estimate_of_a_pipelined_hf_plan_says_the_runtime_would_refuse_it(tmp_pa
                                "num_layers": 2, "num_heads": 4}))
     base = ["estimate", "--model", str(cfg), "--cluster", "4xA100-80GB", "--tp", "1", "--dp", "1",
             "--micro-batch", "1", "--global-batch", "8", "--seq-len", "16"]
-    assert main([*base, "--pp", "4"]) == 0  # T5's shared embedding on 3 of the 4 stages
+    assert main([*base, "--pp", "4"]) == 2  # T5's shared embedding on 3 of the 4 stages
+    err = capsys.readouterr().err
+    assert err.startswith("hetplan: error: hetplan's runtime cannot run this plan as costed: layers "
+                          "encoder.embed_tokens, decoder.embed_tokens, lm_head share one weight")
+    assert main([*base, "--pp", "4", "--target", "any"]) == 0  # costed for no runtime in particular: a note
     out = capsys.readouterr().out
     assert "note: hetplan.runtime would refuse this plan's 4 pipeline stages for this model: layers " \
            "encoder.embed_tokens, decoder.embed_tokens, lm_head share one weight" in out

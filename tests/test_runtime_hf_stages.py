@@ -172,7 +172,7 @@ def test_a_bare_vit_model_is_refused_naming_the_class():
     vit = {"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "intermediate_size": 128, "image_size": 32, "patch_size": 8}
     spec = model_from_hf_config(dict(vit))
-    why = spec.meta["runtime_pipeline"]
+    why = spec.runtime.pipeline
     assert "hetplan has no staged forward for ViTModel" in why and "one pipeline stage" in why
     with torch.device("meta"):
         model = transformers.ViTModel(transformers.AutoConfig.for_model(**vit))
@@ -182,7 +182,7 @@ def test_a_bare_vit_model_is_refused_naming_the_class():
 
 def test_supported_families_carry_no_pipeline_blocker():
     for name in [*FAMILIES, "t5", "vit"]:
-        assert h.spec(name).meta["runtime_pipeline"] == "", name
+        assert h.spec(name).runtime.pipeline == "", name
 
 
 def test_mixtral_router_loss_is_refused():

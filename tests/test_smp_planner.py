@@ -156,8 +156,8 @@ def test_layers_are_the_runtime_pipeline_units(traced: dict) -> None:
     assert names["encdec"] == ["embed", "encoder.layers.0", "encoder.layers.1", "encoder.final",
                                "decoder.layers.0", "decoder.layers.1", "head"]
     assert names["gpt"][:5] == ["embed", "layers.0", "layers.1", "layers.2", "layers.3"]
-    assert "pipeline_blocker" not in traced["resnet"].meta
-    assert "is not exactly the model's inputs" in traced["encdec_two_inputs"].meta["pipeline_blocker"]
+    assert traced["resnet"].runtime.pipeline == ""
+    assert "is not exactly the model's inputs" in traced["encdec_two_inputs"].runtime.pipeline
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet", "encdec"])

@@ -30,12 +30,13 @@ from hetplan.cost.constants import (
     ATTENTION_KERNELS, DEFAULT_ATTENTION_KERNEL, PRECISION_BYTES, TOOL_ATTENTION_KERNEL, ZERO_IMPLEMENTATIONS,
 )
 from hetplan.errors import HetplanError, OutOfMemoryError
-from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TARGETS, TORCHTITAN_VERSIONS
+from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TORCHTITAN_VERSIONS
 from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
 from hetplan.profile import cli as profile_cli
 from hetplan.report import cli as report_cli
 from hetplan.runtime import cli as runtime_cli
 from hetplan import tune as tune_cli
+from hetplan.target import PLAN_TARGETS
 
 DEFAULT_MODEL = "gpt2-amp"
 DEFAULT_CLUSTER = "amp-heterogeneous"
@@ -94,9 +95,10 @@ def _add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> N
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", choices=TARGETS, default=None,
-                   help="keep only plans this tool can run ('hetplan export' succeeds), and say how much slower "
-                   "the best of them is than the best plan overall (docs/exports.md)")
+    p.add_argument("--target", choices=PLAN_TARGETS, default=None,
+                   help="keep only plans this tool can run ('hetplan export' succeeds; 'hetplan': hetplan's own "
+                   "runtime, the default for models it builds; 'any': every plan, as the papers' planners search), "
+                   "and say how much slower the best of them is than the best plan overall (docs/exports.md)")
     p.add_argument("--torchtitan-version", choices=TORCHTITAN_VERSIONS, default=DEFAULT_TORCHTITAN_VERSION,
                    help="with --target torchtitan: the release to run (0.2 runs ZeRO-0 only without TP/PP)")
 
@@ -157,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, help="write the pipeline timeline here (.svg)")
     p.add_argument("--memory-chart", default=None, help="write memory per GPU here (.svg)")
     p.add_argument("--simulate", action="store_true", help="replay the schedule event by event and compare")
+    _add_target_args(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("export", help="write a plan as torchtitan/Megatron/DeepSpeed settings or module lists")
@@ -216,6 +219,7 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
     from hetplan.planfile import resolve_cluster, resolve_model
     from hetplan.cost.calibration import effective_calibration, read_calibration
     from hetplan.profile import load_profile
+    from hetplan.target import plan_target
     from hetplan.units import parse_memory_size
 
     dtype = PRECISION_BYTES[args.precision] if args.precision else None
@@ -226,6 +230,7 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
         model = load_model(args.model or DEFAULT_MODEL, seq_len=args.seq_len, dtype_bytes=dtype)
         cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
     saved = plan_file.settings if plan_file is not None else {}
+    target = plan_target(model, getattr(args, "target", None) or saved.get("target"))  # hetplan.target
     gbs = global_batch if global_batch is not None else (args.global_batch or DEFAULT_GLOBAL_BATCH)
     limit = parse_memory_size(args.memory_limit) if args.memory_limit is not None \
         else saved.get("memory_limit_bytes", 0)
@@ -242,7 +247,7 @@ def load_workload(args: argparse.Namespace, global_batch: int | None = None, pla
                     precision=args.precision or saved.get("precision", ""), calibration=calibration,
                     expert_imbalance=_expert_imbalance(args, saved),
                     # plan/compare: --offload auto|never; estimate's --offload (a flag) sets the plan, not a search
-                    search_offload=getattr(args, "offload", "auto") != "never")
+                    search_offload=getattr(args, "offload", "auto") != "never", target=target)
 
 
 def _attention_kernel(args: argparse.Namespace, saved: dict[str, Any]) -> str:
@@ -328,6 +333,16 @@ def _run_planner(planner: Any, workload: Any, top_k: int, auto_batch: bool) -> l
         raise _seq_len_hint(exc, workload.model) from None
 
 
+def _runnable_best(planner: Any, workload: Any) -> Any:
+    """The planner's best plan the default target runs (hetplan's runtime, for
+    a model it builds: ``hetplan.target.plan_target``)."""
+    from hetplan.target import search_for_target
+
+    found, _ = search_for_target(lambda k: _run_planner(planner, workload, k, False), workload,
+                                 workload.target or None, 1, planner.name)
+    return found[0]
+
+
 def _seq_len_hint(exc: OutOfMemoryError, model: Any) -> OutOfMemoryError:
     """For a model from a HF config, "nothing fits" may just mean a long
     sequence (activations grow with it): say so, and how to change it. Not
@@ -351,6 +366,7 @@ def _smp_planner(args: argparse.Namespace) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetplan.cost import CostModel
     from hetplan.planfile import workload_record
+    from hetplan.target import default_notes, search_for_target
     from hetplan.report.text import (
         breakdown, explain, fine_grained_moe_note, memory_table, ranked_table, runtime_pipeline_note,
     )
@@ -360,16 +376,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload = load_workload(args, global_batch=1 if auto else None)
     planner = _smp_planner(args) if args.planner == "smp" else get_planner(args.planner)
     start = time.perf_counter()
-    target = None
-    if args.target:  # the planner's best candidates, less those the tool cannot run (hetplan.target)
-        from hetplan.target import candidate_count, plans_for_target
-
-        ranked = _run_planner(planner, workload, candidate_count(args.top), auto)
-        target = plans_for_target(ranked, workload, args.target, args.top, planner.name, "merge",
-                                  args.torchtitan_version)
-        ranked = list(target.plans)
-    else:
-        ranked = _run_planner(planner, workload, args.top, auto)
+    # the planner's best candidates, less those the target cannot run (hetplan.target): hetplan's runtime by default
+    tool = workload.target or None
+    explicit = tool is not None and bool(args.target)
+    ranked, target = search_for_target(lambda k: _run_planner(planner, workload, k, auto), workload, tool, args.top,
+                                       planner.name, "merge" if explicit else "fallback", args.torchtitan_version)
     elapsed = time.perf_counter() - start
     best = ranked[0]
     if auto:
@@ -378,11 +389,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(_header(workload, f"planner  {planner.name}: searched in {elapsed:.2f} s"))
     print()
     print(ranked_table(ranked))
-    if target is not None:
+    target_lines = ([target.summary(), *(f"note: {n}" for n in target.notes)] if explicit and target else
+                    [f"note: {n}" for n in default_notes(target, workload) if args.target != "any"])
+    if target_lines:
         print()
-        print(target.summary())
-        for note in target.notes:
-            print(f"note: {note}")
+        print("\n".join(target_lines))
     if not args.quiet:
         print()
         print(f"best plan: {best.plan.describe()}")
@@ -397,7 +408,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if note:
                 print(f"- note: {note}")
     extra = {}
-    if target is not None and args.json_path:
+    if explicit and target is not None and args.json_path:
         from hetplan.target import target_json
 
         extra = target_json(target, _ranked_json(target.best_overall, cost_model, args))
@@ -447,20 +458,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise HetplanError(f"--planners {args.planners!r} names an empty planner; give names separated by commas "
                            "(see 'hetplan planners'), or leave --planners out for all")
     rows_json, results, targets = [], [], {}
-    if args.target:
-        from hetplan.target import candidate_count, plans_for_target, tool_name
+    from hetplan.target import candidate_count, search_for_target, tool_name
+
+    tool = workload.target or None  # hetplan's runtime by default (hetplan.target)
+    explicit = tool is not None and bool(args.target)
     for name in names:
         planner = get_planner(name)
         start = time.perf_counter()
         try:
             batch = auto and getattr(planner, "searches_batch_size", False)
-            if args.target:  # its best plan the tool can run, of its candidate_count(1) best (hetplan.target)
-                ranked = _run_planner(planner, workload, candidate_count(1), batch)
-                targets[name] = plans_for_target(ranked, workload, args.target, 1, name, "fallback",
-                                                 args.torchtitan_version)
-                best = targets[name].best
-            else:
-                best = _run_planner(planner, workload, 1, batch)[0]
+            # its best plan the tool can run, of its candidate_count(1) best
+            found, target = search_for_target(lambda k: _run_planner(planner, workload, k, batch), workload, tool,
+                                              1, name, "fallback", args.torchtitan_version)
+            best = found[0]
+            if target is not None:
+                targets[name] = target
             error = ""
         except HetplanError as exc:
             best, error = None, str(exc)
@@ -485,14 +497,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
             t = targets[name]
             if t.source != name:
                 rows[-1][1] += f" [{t.source} fallback]"
-            rows[-1].insert(-1, f"+{100 * t.slowdown:.1f}%")
-            rows_json[-1].update({"target": args.target, "source": t.source, "slowdown": t.slowdown,
+            if explicit:
+                rows[-1].insert(-1, f"+{100 * t.slowdown:.1f}%")
+            rows_json[-1].update({"target": t.tool, "source": t.source, "slowdown": t.slowdown,
                                   "best_overall": {**t.best_overall.to_dict(), "refusal": t.best_overall_refusal}})
-    for row in rows if args.target else ():
+    for row in rows if explicit else ():
         if len(row) == 7:  # a planner without a plan
             row.insert(-1, "-")
     extra = ""
-    if args.target:
+    if explicit:
         extra = (f"target   {tool_name(args.target)}: each planner's best plan it can run, of its {candidate_count(1)} "
                  "best (the uniform planner's where it can run none); 'vs own best': slower than the planner's best")
     print(_header(workload, extra))
@@ -500,12 +513,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
     base_name = base[0] if base else "-"
     head = ["planner", "best plan", "iter time", "samples/s", f"vs {base_name}", "fits", "search"]
     right = [False, False, True, True, True, False, True]
-    if args.target:
+    if explicit:
         head.insert(-1, "vs own best")
         right.insert(-1, True)
     print(table(head, rows, right))
     _write_json(args.json_path, rows_json)
     return 0
+
+
+def _check_target_runs(plan: Any, workload: Any, torchtitan_version: str) -> None:
+    """A plan is costed for the code that will run it: hetplan's runtime unless
+    ``--target`` (or the plan file) names a tool; one that code would refuse or
+    run differently is refused here in one line (``hetplan.target.refusal``)."""
+    from hetplan.target import RUNTIME, refusal, tool_name
+
+    tool = workload.target
+    why = refusal(plan, workload, tool, torchtitan_version) if tool else ""
+    if why:
+        hint = ("; to cost it for a tool instead, give --target torchtitan, megatron or deepspeed (or --target any)"
+                if tool == RUNTIME else "")
+        raise HetplanError(f"{tool_name(tool)} cannot run this plan as costed: {why}{hint}")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -546,6 +573,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                             args.schedule, args.sequence_parallel, planner="manual",
                             virtual_stages=args.virtual_stages, offload=args.offload, cp=args.cp, ep=args.ep)
         validate_plan(plan, workload.model, workload.cluster)
+    _check_target_runs(plan, workload, args.torchtitan_version)
     cost_model = CostModel(workload)
     estimate = cost_model.estimate(plan)
     print(_header(workload))
@@ -621,7 +649,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     planner = get_planner(args.planner)
     print(_header(base, f"whatif   {what} = {', '.join(items)}, planner {planner.name}"))
     results = run_whatif(base, what, items, planner, args.tokens, args.prices,
-                         best_of=lambda p, w: _run_planner(p, w, 1, False)[0])
+                         best_of=_runnable_best)
     print()
     print(whatif_table(results, args.tokens))
     if args.json_path:  # the JSON adds the memory breakdown, which needs each variant's cost model

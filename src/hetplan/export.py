@@ -102,7 +102,8 @@ def _uniform(plan: Plan, model: ModelSpec, tool: str) -> _Uniform:
             raise HetplanError(f"{tool} splits batches evenly; stage {j} splits {list(stage.dp_split)} — "
                                "use the hetplan runtime for uneven data splits")
         if stage.has_layer_degrees:
-            raise HetplanError(f"{tool} cannot give single layers their own tp (stage {j}); use the hetplan runtime")
+            raise HetplanError(f"{tool} cannot give single layers their own tp (stage {j}), nor can hetplan's "
+                               "runtime; make the plan with one tp per stage")
         if stage.ep_split is not None and len(set(stage.ep_split)) > 1:
             raise HetplanError(f"torchtitan/Megatron give every EP rank the same number of experts; stage {j} "
                                f"splits them {':'.join(map(str, stage.ep_split))} — make the plan with an even "

@@ -12,7 +12,7 @@ or trained anywhere else ("unknown model preset"). Format 2 and later
      "model_spec": ModelSpec.to_dict(),          # layers, costs, meta (source)
      "cluster_spec": cluster_to_dict(cluster),   # the cluster YAML's form
      "settings": {"precision": ..., "optimizer": ..., "fp8": ..., "zero_implementation": ...,
-                  "memory_limit_bytes": ..., "overlap_grad_sync": ...}}
+                  "memory_limit_bytes": ..., "overlap_grad_sync": ..., "target": ...}}
 
 Format 3 writes each plan's ``micro_batch_size`` per data-parallel replica
 (Megatron's meaning) with the total in ``micro_batch_total``; older plans
@@ -35,6 +35,7 @@ from hetplan import fields
 from hetplan.cost.constants import (
     ATTENTION_KERNELS, DEFAULT_ATTENTION_KERNEL, EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, ZERO_IMPLEMENTATIONS,
 )
+from hetplan.cost.workload import TARGETS as WORKLOAD_TARGETS
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_EXPERT_IMBALANCE
 from hetplan.plan import Plan
@@ -42,7 +43,7 @@ from hetplan.userfiles import read_json
 
 PLAN_FILE_VERSION = 3
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
-                "overlap_grad_sync", "expert_imbalance", "tp_comm_overlap")
+                "overlap_grad_sync", "expert_imbalance", "tp_comm_overlap", "target")
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ class PlanFile:
                         tp_comm_overlap=saved.get("tp_comm_overlap", False),
                         precision=saved.get("precision", ""),
                         expert_imbalance=saved.get("expert_imbalance", EXPERT_LOAD_IMBALANCE),
-                        calibration=calibration if calibration is not None else self.cluster.meta.get("calibration"))
+                        calibration=calibration if calibration is not None else self.cluster.meta.get("calibration"),
+                        target=saved.get("target", ""))
 
 
 def workload_record(workload: Any) -> dict[str, Any]:
@@ -185,6 +187,7 @@ def _settings(data: Any) -> dict[str, Any]:
         "overlap_grad_sync": fields.flag,
         "tp_comm_overlap": fields.flag,
         "expert_imbalance": _imbalance,
+        "target": lambda w, v: fields.text(w, v, WORKLOAD_TARGETS),
     }
     return {key: readers[key](f"settings.{key}", value) for key, value in raw.items()}
 

@@ -1,9 +1,12 @@
 """Plans a given tool can run: ``hetplan plan/compare --target TOOL``.
 
 A planner's search runs as usual; its ranking then keeps only the plans the
-tool (torchtitan, Megatron-LM, DeepSpeed) can run, decided by the export
-itself (``hetplan.export.exportable``: the plans ``hetplan export`` refuses
-are the ones dropped). A heterogeneity-aware planner's best plans often mix
+tool can run: hetplan's own runtime (``"hetplan"``, the default target of
+``plan``, ``compare``, ``whatif`` and ``tune`` for every model the runtime
+builds), decided by the runtime's own check
+(``hetplan.runtime.support.runtime_refusal``), or torchtitan, Megatron-LM or
+DeepSpeed, decided by the export itself (``hetplan.export.exportable``: the
+plans ``hetplan export`` refuses are the ones dropped). A heterogeneity-aware planner's best plans often mix
 per-layer strategies or uneven splits no tool expresses, so the planner is
 asked for more candidates (``candidate_count``), and the uniform planner's
 plans (every uniform 3D setting, which the tools run) filtered the same way
@@ -16,17 +19,21 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TARGETS, TOOL_NAMES, exportable, try_render
-from hetplan.plan import RankedPlan
+from hetplan.model.spec import ModelSpec
+from hetplan.plan import Plan, RankedPlan
 
 # How many of a planner's best plans to look at, per plan asked for, and at most.
 CANDIDATES_PER_PLAN = 20
 MAX_CANDIDATES = 200
 UNIFORM_MODES = ("merge", "fallback")
+RUNTIME = "hetplan"  # hetplan's own runtime (hetplan train / run / tune)
+ANY = "any"  # no target: every plan the cost model costs, as the papers' planners search them
+PLAN_TARGETS = (RUNTIME, *TARGETS, ANY)
 
 
 def candidate_count(top_k: int) -> int:
@@ -35,7 +42,38 @@ def candidate_count(top_k: int) -> int:
 
 
 def tool_name(tool: str) -> str:
-    return TOOL_NAMES.get(tool, tool)
+    return "hetplan's runtime" if tool == RUNTIME else TOOL_NAMES.get(tool, tool)
+
+
+def refusal(plan: Plan, workload: Workload, tool: str,
+            torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> str:
+    """Why ``tool`` cannot run ``plan`` as costed ("" if it can)."""
+    if tool == RUNTIME:
+        from hetplan.runtime.support import runtime_refusal
+
+        return runtime_refusal(plan, workload.model)
+    return exportable(plan, workload.model, tool, workload.cluster, torchtitan_version)
+
+
+def plan_target(model: ModelSpec, given: str | None = None) -> str:
+    """The code plans are made for (``Workload.target``): ``given``
+    (``--target``, or a plan file's; "any": none, ""), else hetplan's runtime
+    for every model it builds, else none (a model it cannot build, a CNN
+    preset: the papers' and the tools' plans, which ``runtime_note`` says)."""
+    from hetplan.runtime.support import support_of
+
+    if given:
+        return "" if given == ANY else given
+    return "" if support_of(model).build else RUNTIME
+
+
+def runtime_note(workload: Workload) -> str:
+    """Said where plans are made for no target: the runtime cannot train the model."""
+    from hetplan.runtime.support import support_of
+
+    why = support_of(workload.model).build
+    return f"hetplan's runtime cannot train this model ({why}); these plans are for the tools it exports to" \
+        if why else ""
 
 
 @dataclass(frozen=True)
@@ -65,7 +103,8 @@ class TargetResult:
             return f"{here}, the best plan overall (0.0% slower)"
         overall = self.best_overall.estimate.iteration_time_s
         return (f"{here}, {100 * self.slowdown:.1f}% slower than the best plan overall ({format_time(overall)}, "
-                f"not exportable: {self.best_overall_refusal})")
+                f"{'the runtime cannot run it' if self.tool == RUNTIME else 'not exportable'}: "
+                f"{self.best_overall_refusal})")
 
 
 def _time_per_sample(r: RankedPlan) -> float:
@@ -89,6 +128,8 @@ def slowdown(best: RankedPlan, overall: RankedPlan) -> float:
 def _tool_settings(r: RankedPlan, workload: Workload, tool: str, torchtitan_version: str) -> tuple[object, ...]:
     """What the tool is given for the plan: plans with the same export are one
     plan to the tool (e.g. a layer's tp written out or left to its stage's)."""
+    if tool == RUNTIME:  # the runtime runs what the plan says: every plan is its own
+        return (r.plan.describe(), repr(r.plan.to_dict()))
     export = try_render(r.plan, workload.model, tool, workload.cluster, torchtitan_version)[0]
     assert export is not None, "only plans the tool can run are compared"
     return (export.text, tuple(sorted(export.files.items())))
@@ -115,7 +156,7 @@ def uniform_plans_for(workload: Workload, tool: str, top_k: int,
     refusals = Counter()
     kept = []
     for plan in candidates:
-        why = exportable(plan, workload.model, tool, workload.cluster, torchtitan_version)
+        why = refusal(plan, workload, tool, torchtitan_version)
         if why:
             refusals[why] += 1
         else:
@@ -140,15 +181,14 @@ def plans_for_target(ranked: Sequence[RankedPlan], workload: Workload, tool: str
     run, with ``"fallback"`` use those only when none of ``ranked`` can run.
     The best plan overall is the best of ``ranked`` and those uniform plans.
     A one-line HetplanError when the tool can run no plan."""
-    if tool not in TARGETS:
-        raise HetplanError(f"unknown target {tool!r}; choose one of {', '.join(TARGETS)}")
+    if tool not in PLAN_TARGETS or tool == ANY:
+        raise HetplanError(f"unknown target {tool!r}; choose one of {', '.join((RUNTIME, *TARGETS))}")
     if uniform not in UNIFORM_MODES:
         raise ValueError(f"uniform must be one of {UNIFORM_MODES}, not {uniform!r}")
     if not ranked:
         raise HetplanError(f"planner {planner!r} returned no plan")
     name = tool_name(tool)
-    model, cluster = workload.model, workload.cluster
-    refusals = [exportable(r.plan, model, tool, cluster, torchtitan_version) for r in ranked]
+    refusals = [refusal(r.plan, workload, tool, torchtitan_version) for r in ranked]
     own = [r for r, why in zip(ranked, refusals) if not why]
     first_refusal = next((why for why in refusals if why), "")
     examined = f"{planner}'s {len(ranked)} best plan{'s' if len(ranked) > 1 else ''}"
@@ -168,14 +208,17 @@ def plans_for_target(ranked: Sequence[RankedPlan], workload: Workload, tool: str
                            f"{uniform_error}")
     seen: set[tuple[object, ...]] = set()
     merged = []
-    for r in sorted(own + uniform_ranked, key=_key):  # stable: the planner's own plan first on a tie
+    # merged: ranked by the cost model (stable: the planner's own plan first on a tie); else in the
+    # planner's own order (AMP ranks by its own objective)
+    pool = sorted(own + uniform_ranked, key=_key) if uniform == "merge" else own + uniform_ranked
+    for r in pool:
         settings = _tool_settings(r, workload, tool, torchtitan_version)
         if settings not in seen:
             seen.add(settings)
             merged.append(r)
     kept = tuple(merged[:top_k])
     overall = min([*ranked, *uniform_ranked], key=_key)
-    refusal = next((why for r, why in zip(ranked, refusals) if r is overall), "")
+    overall_refusal = next((why for r, why in zip(ranked, refusals) if r is overall), "")
     from_uniform = not any(r is kept[0] for r in own)
     if not own:
         notes.append(f"{name} can run none of {examined} (the best refused with: {first_refusal}); these are the "
@@ -188,7 +231,7 @@ def plans_for_target(ranked: Sequence[RankedPlan], workload: Workload, tool: str
             if from_uniform and planner != "uniform":
                 line += f"; the best is the uniform planner's, faster than any of {planner}'s it can run"
         notes.append(line)
-    return TargetResult(tool, kept, overall, refusal, slowdown(kept[0], overall), tuple(notes),
+    return TargetResult(tool, kept, overall, overall_refusal, slowdown(kept[0], overall), tuple(notes),
                         "uniform" if from_uniform else planner, torchtitan_version)
 
 
@@ -201,3 +244,30 @@ def target_json(result: TargetResult, overall: dict[str, Any]) -> dict[str, Any]
     if result.tool == "torchtitan":
         data["torchtitan_version"] = result.torchtitan_version
     return data
+
+
+def search_for_target(search: Callable[[int], list[RankedPlan]], workload: Workload, tool: str | None, top_k: int,
+                      planner: str, uniform: str = "fallback",
+                      torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION
+                      ) -> tuple[list[RankedPlan], TargetResult | None]:
+    """The ``top_k`` best plans ``tool`` can run, from ``search(k)`` (a
+    planner's ``k`` best: asked for ``candidate_count(top_k)``) and the
+    uniform planner's (``uniform``: "merge" or "fallback", see
+    ``plans_for_target``), with what the restriction cost; every plan of
+    ``search(top_k)`` and None with no ``tool``."""
+    if tool is None:
+        return search(top_k), None
+    result = plans_for_target(search(candidate_count(top_k)), workload, tool, top_k, planner, uniform,
+                              torchtitan_version)
+    return list(result.plans), result
+
+
+def default_notes(result: TargetResult | None, workload: Workload) -> list[str]:
+    """What a plan made for the default target says about it: nothing when the
+    runtime runs the planner's best plans; else which plan it could not run
+    and what that costs, or that the runtime cannot train the model at all."""
+    if result is None:
+        note = runtime_note(workload)
+        return [note] if note else []
+    notes = [result.summary()] if result.best_overall_refusal else []
+    return notes + [n for n in result.notes if "can run none of" in n]  # fell back to the uniform planner

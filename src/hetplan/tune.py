@@ -509,6 +509,7 @@ def cmd_tune(args: argparse.Namespace, runner: TrialRunner | None = None) -> int
     from hetplan.cli import _header, _ranked_json, _run_planner, _write_json, load_workload
     from hetplan.cost import CostModel
     from hetplan.search import get_planner
+    from hetplan.target import RUNTIME, search_for_target
 
     measurements = measurements_path(args.out, args.measurements)
     if os.path.abspath(measurements) == os.path.abspath(args.out):
@@ -523,7 +524,9 @@ def cmd_tune(args: argparse.Namespace, runner: TrialRunner | None = None) -> int
         _require_torch()
     planner = get_planner(args.planner)
     start = time.perf_counter()
-    ranked = _run_planner(planner, workload, args.top_k * CANDIDATES_PER_TRIAL, False)
+    # only plans hetplan's runtime runs as costed (hetplan.runtime.support); the trials train them
+    ranked, _ = search_for_target(lambda k: _run_planner(planner, workload, k, False), workload, RUNTIME,
+                                  args.top_k * CANDIDATES_PER_TRIAL, planner.name)
     search_s = time.perf_counter() - start
     cost_model = CostModel(workload)
     n = len(select_plans(ranked, args.top_k))

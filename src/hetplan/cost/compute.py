@@ -189,8 +189,9 @@ def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int
     implementation (``attention_efficiency``)."""
     expert_flops = arrays.column("expert_flops")
     rate = _gemm_peak(gpu, dtype_bytes, fp8) * gemm_efficiency(gpu, _dims(arrays), tp)
-    gemm_s = (arrays.fwd_flops - arrays.attention_flops - expert_flops) / tp / rate
-    expert_s = expert_load * expert_flops / tp / rate
+    share = arrays.tp_share(tp)  # 1/tp, or 1 on layers that run whole on every TP rank
+    gemm_s = (arrays.fwd_flops - arrays.attention_flops - expert_flops) * share / rate
+    expert_s = expert_load * expert_flops * share / rate
     expert_tokens = arrays.column("expert_tokens") * expert_batch
     attention_s = attention_time(arrays, gpu, 1.0, tp, dtype_bytes, attention_kernel)
     if cp > 1:
@@ -221,7 +222,7 @@ def attention_time(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dty
     matmuls at matmul efficiency over the whole matrix (its softmax traffic is
     in ``fwd_mem_bytes``)."""
     peak = gpu.peak_flops_for(dtype_bytes)
-    flops = arrays.attention_flops * batch / tp
+    flops = arrays.attention_flops * batch * arrays.tp_share(tp)
     fused = _fused(arrays)
     causal = arrays.attention_causal if arrays.attention_causal is not None else np.zeros(arrays.num_layers, bool)
     executed = np.where(fused & causal, CAUSAL_EXECUTED_FRACTION, 1.0) * flops
@@ -243,7 +244,7 @@ def tp_activation_fraction(arrays: LayerArrays, tp: int, sequence_parallel: bool
     """Share of each layer's elementwise traffic one TP rank handles: TP splits
     all but the replicated activations; sequence parallelism splits those too."""
     if tp == 1 or sequence_parallel:
-        return np.full(arrays.num_layers, 1.0 / tp)
+        return arrays.tp_share(tp)
     total = arrays.act_bytes
     replicated = np.divide(arrays.act_tp_replicated_bytes, total, out=np.zeros_like(total), where=total > 0)
     return np.where(total > 0, replicated + (1.0 - replicated) / tp, 1.0 / tp)
@@ -268,7 +269,7 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
         return fwd.copy()
     if recompute != "selective":
         return np.zeros_like(fwd)
-    core_mem = ATTENTION_CORE_PASSES * arrays.act_attention_core_bytes * batch / tp
+    core_mem = ATTENTION_CORE_PASSES * arrays.act_attention_core_bytes * batch * arrays.tp_share(tp)
     core = unit.attention_s * batch if unit is not None else attention_time(arrays, gpu, batch, tp, dtype_bytes)
     analytic = core + pass_time(0.0, core_mem, ATTENTION_CORE_KERNELS, gpu, dtype_bytes)
     extra = np.where(arrays.attention_flops > 0, analytic, 0.0)

@@ -54,11 +54,19 @@ class LayerArrays:
     expert_tokens: np.ndarray | None = None  # tokens one routed expert gets per sample without EP
     act_linear_input_bytes: np.ndarray | None = None  # linear layers' saved inputs (FP8 under FP8 training)
     act_linear_input_replicated_bytes: np.ndarray | None = None  # the part TP does not divide
+    tp_replicated: np.ndarray | None = None  # bool: the layer runs whole on every TP rank (LayerSpec.tp_replicated)
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
         value = getattr(self, name)
         return value if value is not None else np.zeros(self.num_layers)
+
+    def tp_share(self, tp: int) -> np.ndarray:
+        """Share of each layer's work one rank of a TP group of ``tp`` does:
+        1/tp, or all of it where the layer runs whole on every TP rank."""
+        if self.tp_replicated is None:
+            return np.full(self.num_layers, 1.0 / tp)
+        return np.where(self.tp_replicated, 1.0, 1.0 / tp)
 
     @property
     def has_experts(self) -> bool:
@@ -94,6 +102,12 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
     def column(name: str) -> np.ndarray:
         return np.array([float(getattr(layer, name)) for layer in layers])
 
+    replicated = np.array([layer.tp_replicated for layer in layers], dtype=bool)
+
+    def whole_where_replicated(name: str, whole: str) -> np.ndarray:
+        """A "TP does not divide" column: all of ``whole`` on layers that run whole on every TP rank."""
+        return np.where(replicated, column(whole), column(name))
+
     previous: list[int] = []
     last_of_group: dict[str, int] = {}
     for i, layer in enumerate(layers):
@@ -104,7 +118,7 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
     return LayerArrays(
         num_layers=len(layers),
         params=column("params"),
-        params_tp_replicated=column("params_tp_replicated"),
+        params_tp_replicated=whole_where_replicated("params_tp_replicated", "params"),
         tied_params=column("tied_params"),
         tied_previous=np.array(previous, dtype=np.int64),
         fwd_flops=column("fwd_flops"),
@@ -112,11 +126,11 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
         attention_flops=column("attention_flops"),
         gemm_count=column("gemm_count"),
         act_bytes=column("act_bytes"),
-        act_tp_replicated_bytes=column("act_tp_replicated_bytes"),
+        act_tp_replicated_bytes=whole_where_replicated("act_tp_replicated_bytes", "act_bytes"),
         act_attention_core_bytes=column("act_attention_core_bytes"),
         input_bytes=column("input_bytes"),
         output_bytes=column("output_bytes"),
-        tp_comm_bytes=column("tp_comm_bytes"),
+        tp_comm_bytes=np.where(replicated, 0.0, column("tp_comm_bytes")),
         profile_keys=tuple(layer.profile_key for layer in layers),
         seq_len=int(model.seq_len or 0),
         attention_fused=np.array([_fused_attention(layer, model.seq_len) for layer in layers]),
@@ -129,7 +143,9 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
         dispatch_bytes=column("dispatch_bytes"),
         expert_tokens=np.array([_expert_tokens(layer, model.seq_len) for layer in layers]),
         act_linear_input_bytes=column("act_linear_input_bytes"),
-        act_linear_input_replicated_bytes=column("act_linear_input_replicated_bytes"),
+        act_linear_input_replicated_bytes=whole_where_replicated("act_linear_input_replicated_bytes",
+                                                                 "act_linear_input_bytes"),
+        tp_replicated=replicated if replicated.any() else None,
     )
 
 
@@ -161,7 +177,7 @@ def _gemm_dim(layer: LayerSpec) -> float:
     """Geometric-mean side of a layer's weight matrices: sqrt(weights per matmul).
     The attention core's two matmuls (QK^T, scores·V) hold no weights."""
     linear = layer.gemm_count - (2 if layer.attention_flops > 0 else 0)
-    weights = layer.params - layer.params_tp_replicated
+    weights = layer.params if layer.tp_replicated else layer.params - layer.params_tp_replicated
     if linear <= 0 or weights <= 0:
         return 0.0
     return float(np.sqrt(weights / linear))

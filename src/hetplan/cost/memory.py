@@ -89,8 +89,10 @@ def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_para
         arrays.column("act_linear_input_replicated_bytes")
     replicated = arrays.act_tp_replicated_bytes - saved * linear_replicated
     sharded = arrays.act_bytes - arrays.act_tp_replicated_bytes - saved * (linear - linear_replicated)
-    if recompute == "selective":
-        sharded = sharded - arrays.act_attention_core_bytes
+    if recompute == "selective":  # the core is TP-split, but whole in a layer that runs whole (tp_replicated)
+        whole = arrays.tp_replicated if arrays.tp_replicated is not None else np.zeros(arrays.num_layers, bool)
+        replicated = replicated - np.where(whole, arrays.act_attention_core_bytes, 0.0)
+        sharded = sharded - np.where(whole, 0.0, arrays.act_attention_core_bytes)
     if sequence_parallel:
         return (replicated + sharded) / tp
     return replicated + sharded / tp

@@ -17,6 +17,9 @@ from hetplan.cost.constants import (
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_EXPERT_IMBALANCE
 from hetplan.model.spec import ModelSpec
+
+# The code a plan may be made for: hetplan's runtime, the tools hetplan exports to, or none ("").
+TARGETS = ("", "hetplan", "torchtitan", "megatron", "deepspeed")
 from hetplan.profile.db import ProfileDB
 
 
@@ -59,6 +62,10 @@ class Workload:
             Transformer Engine, torchtitan's async TP with torch.compile):
             only what outlasts a layer's compute stays exposed. hetplan's own
             runtime does not overlap them.
+        target: the code that will train the plans (``TARGETS``): "hetplan"
+            (hetplan's runtime: the planners search only what it runs,
+            ``hetplan.runtime.support.search_limits``), a tool's name, or ""
+            (none: every plan the cost model costs, as the papers search).
     """
 
     model: ModelSpec
@@ -76,6 +83,7 @@ class Workload:
     search_offload: bool = field(default=True, compare=False)
     attention_kernel: str = DEFAULT_ATTENTION_KERNEL
     tp_comm_overlap: bool = False
+    target: str = ""
 
     def __post_init__(self) -> None:
         self._check_precision()
@@ -96,6 +104,8 @@ class Workload:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise HetplanError(f"unknown attention kernel {self.attention_kernel!r}; choose one of "
                                f"{', '.join(ATTENTION_KERNELS)}")
+        if self.target not in TARGETS:
+            raise HetplanError(f"unknown target {self.target!r}; choose one of {', '.join(t for t in TARGETS if t)}")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
         if not 1.0 <= self.expert_imbalance <= MAX_EXPERT_IMBALANCE:

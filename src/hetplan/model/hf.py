@@ -839,7 +839,6 @@ def model_from_hf_config(
         "costs": "analytic (hetplan.model.layers, Korthikanti et al. 2022)",
     }
     meta["fused_attention"] = fused_attention
-    meta["runtime_pipeline"] = _runtime_pipeline(model)
     meta.update(_seq_meta(seq_from))
     if family == "t5":
         meta["decoder_seq_len"] = dec_seq
@@ -851,7 +850,7 @@ def model_from_hf_config(
     config_values = _json_config(config)
     if config_values is not None:  # what 'hetplan train' builds the model from, the file deleted or not
         meta["hf_config"] = config_values
-    return ModelSpec(
+    spec = ModelSpec(
         name=spec_name,
         family=family,
         layers=tuple(layers),
@@ -862,6 +861,7 @@ def model_from_hf_config(
         vocab_size=facts["vocab"],
         meta=meta,
     )
+    return _with_runtime_support(model, spec)
 
 
 def _architecture(config: Any, family: str, f: dict[str, Any]) -> dict[str, Any]:
@@ -905,13 +905,14 @@ def tied_span_refusal(spec: ModelSpec, stage_of_layer: dict[str, int]) -> str:
     return ""
 
 
-def _runtime_pipeline(model: Any) -> str:
-    """Why hetplan's runtime cannot run this model in pipeline stages ("" if it
-    can): a HF model pipelines through its family's staged forward
-    (hetplan.runtime.hf_stages); those without one are refused."""
+def _with_runtime_support(model: Any, spec: ModelSpec) -> ModelSpec:
+    """``spec`` with what hetplan's runtime can run of the HF ``model``
+    (``hetplan.runtime.support``); it pipelines a HF model through its
+    family's staged forward (``hetplan.runtime.hf_stages``) or not at all."""
     from hetplan.runtime.hf_stages import unsupported_reason
+    from hetplan.runtime.support import inspect_model
 
-    return unsupported_reason(model)
+    return inspect_model(model, spec, pipeline=unsupported_reason(model))
 
 
 def _measured_params(
@@ -1041,10 +1042,7 @@ def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes
     spec = model_from_module(model, inputs, name=name, dtype_bytes=dtype_bytes, family=config.model_type, seq_len=seq)
     spec.meta.update(source=where, model_type=config.model_type, hf_class=type(model).__name__,
                      costs="traced on the meta device (hetplan.model.trace)", **seq_meta)
-    from hetplan.runtime.hf_stages import unsupported_reason
-
-    spec.meta["runtime_pipeline"] = unsupported_reason(model)
     config_values = _json_config(config)
     if config_values is not None:  # what 'hetplan train' builds the model from (ViT), as for the analytic families
         spec.meta["hf_config"] = config_values
-    return spec
+    return _with_runtime_support(model, spec)

@@ -14,8 +14,8 @@ the layers are the finest such chain found by expanding the model's modules
 into the modules they call, kept only where the runtime's own chain check
 passes and every unit holds parameters. If the model's forward is no chain at
 all (two inputs used apart, a skip around every module), the layers are the
-tracer's default (block stacks) and ``meta["pipeline_blocker"]`` says why the
-model trains in one pipeline stage. The ModelSpec's name is the reference, so a
+tracer's default (block stacks) and ``ModelSpec.runtime.pipeline`` says why the
+model trains in one pipeline stage (``hetplan.runtime.support``). The ModelSpec's name is the reference, so a
 plan file's model name rebuilds the model (``load_model``); ``meta["module_source"]``
 records the reference and ``meta["module_hash"]`` the parameter names and shapes it
 built (:func:`module_fingerprint`), so the runtime refuses a build function that
@@ -112,13 +112,13 @@ def module_spec(module: Any, example_inputs: Sequence[Any], name: str = "custom"
     inputs = tuple(example_inputs)
     units, blocker = pipeline_units(module, inputs)
     spec = model_from_module(module, inputs, name=name, layer_names=units or None, dtype_bytes=dtype_bytes)
+    from hetplan.runtime.support import inspect_model
+
     meta = {**spec.meta, "pipeline_units": units is not None}
-    if blocker:
-        meta["pipeline_blocker"] = blocker
     if source:
         meta["module_source"] = source
         meta["module_hash"] = module_fingerprint(module)
-    return replace(spec, meta=meta)
+    return inspect_model(module, replace(spec, meta=meta), pipeline=blocker)
 
 
 def module_fingerprint(module: Any) -> str:

@@ -123,6 +123,11 @@ class LayerSpec:
         expert_flops: the part of ``fwd_flops`` in the routed experts.
         dispatch_bytes: bytes one all-to-all sends per sample: every token's
             ``top_k x capacity_factor`` copies of its hidden state.
+        tp_replicated: hetplan's runtime runs the whole layer on every rank of
+            its TP group (its model gives it no TP plan: a ``pkg.mod:build``
+            module without ``register_tp_plan``), so TP divides none of its
+            parameters, work or activations and it sends no TP collective; the
+            cost kernel costs it that way (``cost.layers``).
     """
 
     name: str
@@ -156,6 +161,7 @@ class LayerSpec:
     expert_params: int = 0
     expert_flops: float = 0.0
     dispatch_bytes: float = 0.0
+    tp_replicated: bool = False
 
     def __post_init__(self) -> None:
         where = f"layer {self.name!r}" if isinstance(self.name, str) else "layer"
@@ -190,6 +196,48 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class RuntimeSupport:
+    """What hetplan's runtime can run of one model: "" where it can, else one
+    line saying why not and what to use instead. Found by the runtime's own
+    checks on the model when it is imported (``hetplan.runtime.support``), so
+    the planners, ``estimate`` and the runtime read one truth.
+
+    Attributes:
+        build: the runtime cannot build the model at all ("" for models it
+            builds: a HF class it knows, a ``pkg.mod:build`` function).
+        pipeline: it cannot run the model in pipeline stages.
+        tensor_parallel: it cannot split the model's layers over TP ranks as
+            costed (a layer whose TP plan leaves part of it whole).
+        sequence_parallel, context_parallel, expert_parallel: it cannot run
+            the model with sequence, context or expert parallelism.
+        selective_recompute: it cannot recompute only the attention core of
+            the model's layers (Korthikanti's selective recomputation).
+    """
+
+    build: str = ""
+    pipeline: str = ""
+    tensor_parallel: str = ""
+    sequence_parallel: str = ""
+    context_parallel: str = ""
+    expert_parallel: str = ""
+    selective_recompute: str = ""
+
+    @staticmethod
+    def from_dict(data: Any, where: str) -> RuntimeSupport:
+        """The facts ``asdict`` wrote (a model file): every key a string, none unknown."""
+        if not isinstance(data, dict):
+            raise HetplanError(f"{where} must be a JSON object, got {_describe(data)}")
+        known = {f.name for f in fields(RuntimeSupport)}
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise HetplanError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        for key, value in data.items():
+            if not isinstance(value, str):
+                raise HetplanError(f"{where}: {key} must be a string (empty: supported), got {_describe(value)}")
+        return RuntimeSupport(**data)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model as an ordered list of layers, in execution order.
 
@@ -203,6 +251,10 @@ class ModelSpec:
         hidden_size, num_heads: for TP checks and reports (0 if not a transformer).
         vocab_size: 0 where there is no vocabulary.
         meta: free-form facts about where the spec came from (config, source).
+        runtime: what hetplan's runtime can run of this model, found by the
+            runtime's own checks when the model was imported (a HF config's
+            class, a ``pkg.mod:build`` module); None for presets, which the
+            runtime builds itself (``hetplan.runtime.support``).
     """
 
     name: str
@@ -214,9 +266,12 @@ class ModelSpec:
     num_heads: int = 0
     vocab_size: int = 0
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    runtime: RuntimeSupport | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}" if isinstance(self.name, str) else "model"
+        if isinstance(self.runtime, dict):  # from a model file (to_dict)
+            object.__setattr__(self, "runtime", RuntimeSupport.from_dict(self.runtime, f"{where}: runtime"))
         if not self.layers:
             raise HetplanError(f"{where} has no layers")
         if len(self.layers) > MAX_LAYERS:
@@ -341,6 +396,14 @@ def _check_value(value: Any, name: str, rule: _Rule, where: str) -> Any:
         if not isinstance(value, dict):
             raise HetplanError(f"{where}: {name} must be a JSON object, got {_describe(value)}")
         return value
+    if rule.kind == "bool":
+        if not isinstance(value, bool):
+            raise HetplanError(f"{where}: {name} must be true or false, got {_describe(value)}")
+        return value
+    if rule.kind == "support":  # ModelSpec.runtime: checked by RuntimeSupport.from_dict
+        if value is not None and not isinstance(value, (dict, RuntimeSupport)):
+            raise HetplanError(f"{where}: {name} must be a JSON object or null, got {_describe(value)}")
+        return value
     whole = rule.kind == "int"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise HetplanError(f"{where}: {name} must be a {'whole number' if whole else 'number'}, "
@@ -439,6 +502,7 @@ _LAYER_RULES = _rules(LayerSpec, {
 })
 _MODEL_RULES = _rules(ModelSpec, {
     "layers": _Rule("tuple"),
+    "runtime": _Rule("support"),
     "seq_len": _Rule("int", minimum=1, maximum=MAX_SEQ_LEN, unit="tokens"),
     "dtype_bytes": _Rule("int", choices=(2, 4)),  # bf16/fp16 or fp32
 })

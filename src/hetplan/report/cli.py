@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hetplan.cli import _run_planner, _write_text
+    from hetplan.cli import _runnable_best, _write_text
     from hetplan.planfile import read_plan_file
     from hetplan.report.html import report_html
     from hetplan.report.whatif import check_varies, parse_vary, run_whatif
@@ -49,7 +49,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         planner = get_planner(args.planner)
         planner_name = planner.name
         results = run_whatif(base, what, items, planner, args.tokens, args.prices,
-                             best_of=lambda pl, w: _run_planner(pl, w, 1, False)[0])
+                             best_of=_runnable_best)
     page = report_html(plan_file, args.index, args.tokens, args.prices, results, planner_name)
     _write_text(args.out, page)
     return 0

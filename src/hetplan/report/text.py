@@ -134,7 +134,9 @@ def host_memory_table(plan: Plan, estimate: Estimate, workload: Workload) -> str
 def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
     """Said with a pipelined plan whose model hetplan's own runtime cannot split
     (hetplan.runtime.chain): the plan is still valid for other tools."""
-    blocker = model.meta.get("runtime_pipeline", "")
+    from hetplan.runtime.support import support_of
+
+    blocker = support_of(model).pipeline
     if plan.pp > 1 and not blocker:  # the model splits; this plan's split points may not (hetplan.model.hf)
         from hetplan.model.hf import tied_span_refusal
 

@@ -48,6 +48,7 @@ from hetplan.runtime import precision as mp
 from hetplan.runtime import parallelize as par
 from hetplan.runtime.chain import check_chain, example_inputs as known_example_inputs
 from hetplan.runtime.layout import PlanLayout, RankPosition
+from hetplan.runtime.support import check_runs, support_of
 
 # Collective / rendezvous timeout (init(timeout_s=...), `--timeout`, env HETPLAN_PG_TIMEOUT_S). 5 minutes:
 # longer than the legitimate waits of a healthy run -- other ranks waiting while one compiles its first
@@ -1050,12 +1051,7 @@ def model_tp_plan(model: nn.Module) -> dict[str, Any] | None:
 def _dry_run_tp(module: nn.Module, name: str, tp: int, sp: bool) -> None:
     from hetplan.runtime import tp as tpr
 
-    fn = tpr.tp_plan_for(module)
-    if fn is not None:
-        fn(module, tpr.TPSettings(tp=tp, sequence_parallel=sp, name=name))
-        return
-    for child_name, child in module.named_children():
-        _dry_run_tp(child, f"{name}.{child_name}", tp, sp)
+    tpr.dry_run(module, name, tp, sp)
 
 
 # --- init -------------------------------------------------------------------------------------
@@ -1179,6 +1175,8 @@ def _check_plan(plan: Plan | str | os.PathLike[str], model: Any = None
 
         validate_plan(plan, spec, cluster)
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
+    if not support_of(spec).build:  # a model the runtime builds: what it can run of it (a script may build its own)
+        check_runs(plan, spec)
     return plan, spec, cluster, layout, mp.precision_of(settings, spec.dtype_bytes)
 
 

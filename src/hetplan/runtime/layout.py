@@ -125,6 +125,7 @@ class PlanLayout:
                 )
             if (s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)):
                 heterogeneous = True
+        _check_layer_degrees(plan)
         _check_cp_ep(plan, heterogeneous)
         if heterogeneous:
             if any(s.sequence_parallel for s in plan.stages):
@@ -300,6 +301,20 @@ class PlanLayout:
                 f"m={self.plan.num_micro_batches} [{chunks}]")
 
 
+def _check_layer_degrees(plan: Plan) -> None:
+    """A layer's own (dp, tp) inside a stage (Galvatron-BMW's per-layer
+    strategies) would need its activations regathered between layers of
+    different degrees; the runtime runs every layer of a stage at the stage's
+    tp, so such a plan would run as another plan than the one costed."""
+    for j, s in enumerate(plan.stages):
+        for position, strategy in enumerate(s.strategies):
+            if strategy.tp and strategy.tp != s.tp:
+                raise PlanNotSupportedError(
+                    f"stage {j} runs layer {s.layers[position]} at tp={strategy.tp} inside a tp={s.tp} stage, but "
+                    "hetplan's runtime runs every layer of a stage at the stage's tp; make the plan with one tp per "
+                    "stage")
+
+
 def _check_cp_ep(plan: Plan, heterogeneous: bool) -> None:
     """What the runtime's context and expert parallelism need of the plan (one line each)."""
     first = plan.stages[0]
@@ -316,8 +331,6 @@ def _check_cp_ep(plan: Plan, heterogeneous: bool) -> None:
             raise PlanNotSupportedError(
                 f"stage {j} splits micro-batches unevenly ({':'.join(map(str, s.dp_split))}); with cp or ep > 1 "
                 "the runtime needs an even dp_split")
-        if s.has_layer_degrees:
-            raise PlanNotSupportedError(f"stage {j} gives layers their own tp; with cp or ep > 1 use the stage's tp")
         if s.ep_split is not None and len(set(s.ep_split)) > 1:
             raise PlanNotSupportedError(
                 f"stage {j} splits experts unevenly ({':'.join(map(str, s.ep_split))}); the runtime gives every EP "

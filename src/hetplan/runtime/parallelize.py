@@ -181,18 +181,17 @@ def apply_tp(root: nn.Module, layer_names: Sequence[str], tp_mesh: Any, sequence
     unplanned = []
     for name in layer_names:
         layer = root.get_submodule(name)
-        matched = _apply_registered(layer, name, tp_mesh, tp, sequence_parallel, parallelize_module)
-        if not matched and model_plan:
-            sub = plan_inside(model_plan, name)
+        if not has_tp_plan(layer, name, model_plan):
+            if any(True for _ in layer.parameters()):
+                unplanned.append(f"{name} ({type(layer).__name__})")
+            continue
+        if not _apply_registered(layer, name, tp_mesh, tp, sequence_parallel, parallelize_module):
+            sub = plan_inside(model_plan or {}, name)
+            own = sub.pop("", None)
             if sub:
-                own = sub.pop("", None)
-                if sub:
-                    parallelize_module(layer, tp_mesh, sub, src_data_rank=None)
-                if own is not None:
-                    parallelize_module(layer, tp_mesh, own, src_data_rank=None)
-                matched = True
-        if not matched and any(True for _ in layer.parameters()):
-            unplanned.append(f"{name} ({type(layer).__name__})")
+                parallelize_module(layer, tp_mesh, sub, src_data_rank=None)
+            if own is not None:
+                parallelize_module(layer, tp_mesh, own, src_data_rank=None)
     if unplanned:
         if sequence_parallel:
             raise HetplanError(
@@ -202,6 +201,15 @@ def apply_tp(root: nn.Module, layer_names: Sequence[str], tp_mesh: Any, sequence
         notes.append(f"no TP plan registered for {', '.join(unplanned)}: replicated on each TP group "
                      "(register one with hetplan.runtime.register_tp_plan)")
     _retie(root, aliases)
+
+
+def has_tp_plan(layer: nn.Module, name: str, model_plan: dict[str, Any] | None) -> bool:
+    """Whether ``apply_tp`` splits layer ``name``: a registered plan at or below
+    it, else entries of the whole-model plan inside it. A layer with parameters
+    and neither runs whole on every TP rank (``LayerSpec.tp_replicated``:
+    costed so, ``hetplan.runtime.support``)."""
+    tp_registry.ensure_builtins()
+    return tp_registry.registered_plan_in(layer) or bool(model_plan and plan_inside(model_plan, name))
 
 
 def plan_inside(model_plan: dict[str, Any], name: str) -> dict[str, Any]:
@@ -277,6 +285,12 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = forward  # type: ignore[method-assign]
 
 
+def selective_targets(layer: nn.Module) -> list[nn.Module]:
+    """The submodules ``recompute="selective"`` checkpoints in ``layer`` (its attention core)."""
+    tp_registry.ensure_builtins()
+    return [m for m in layer.modules() if tp_registry.is_selective_target(m)]
+
+
 def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str]) -> None:
     """``full``: checkpoint the whole layer (keep only its input); ``selective``:
     checkpoint only its registered attention-core submodules."""
@@ -287,7 +301,7 @@ def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str]
             continue
         layer = root.get_submodule(name)
         if how == "selective":
-            targets = [m for m in layer.modules() if tp_registry.is_selective_target(m)]
+            targets = selective_targets(layer)
             if targets:
                 for t in targets:
                     _checkpoint_forward(t)

@@ -99,6 +99,23 @@ def is_selective_target(module: Any) -> bool:
     return any(cls in _SELECTIVE for cls in type(module).__mro__)
 
 
+def registered_plan_in(module: Any) -> bool:
+    """Whether ``apply_tp`` finds a registered plan for ``module`` or a module below it."""
+    return tp_plan_for(module) is not None or any(registered_plan_in(c) for c in module.children())
+
+
+def dry_run(module: Any, name: str, tp: int, sequence_parallel: bool) -> None:
+    """Call the registered plan functions ``apply_tp`` would call for ``module``
+    (named ``name``), so that what they refuse (heads ``tp`` does not divide,
+    sequence parallelism they cannot run) raises here, before any process starts."""
+    fn = tp_plan_for(module)
+    if fn is not None:
+        fn(module, TPSettings(tp=tp, sequence_parallel=sequence_parallel, name=name))
+        return
+    for child_name, child in module.named_children():
+        dry_run(child, f"{name}.{child_name}", tp, sequence_parallel)
+
+
 def _heads_check(name: str, heads: int, kv_heads: int, tp: int) -> None:
     if heads % tp:
         raise HetplanError(

@@ -47,6 +47,7 @@ from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan
 from hetplan.progress import Progress
+from hetplan.runtime.support import NO_LIMITS, SearchLimits, search_limits
 from hetplan.search.amp import AMPPlanner
 from hetplan.search.base import Planner, cost_model_for, no_fit_error
 from hetplan.search.baselines.megatron import MegatronPlanner
@@ -101,17 +102,23 @@ class Layout:
     def key(self) -> tuple[object, ...]:
         return (self.stages, self.num_micro_batches)
 
-    def options(self, offload: bool = False) -> list[list[StageOption]]:
+    def options(self, offload: bool = False, limits: SearchLimits = NO_LIMITS) -> list[list[StageOption]]:
         """Per stage, the ways to run its layers the exact solve chooses from;
         with ``offload`` each recomputation also with its saved activations in
-        host memory (listed after those without: ties keep them on the GPU)."""
+        host memory (listed after those without: ties keep them on the GPU).
+        Sequence parallelism wherever TP splits a stage and ``limits`` (what the
+        workload's target runs) allow it; recomputations ``limits`` allow."""
         offloads = OFFLOAD_OPTIONS if offload else (False,)
+        recomputes = limits.recompute_choices(RECOMPUTE_OPTIONS)
+        mixed = len({(dp, tp, split) for _, dp, tp, split, *_ in self.stages}) > 1
         out = []
         for devices, dp, tp, split, cp, ep, ep_split in self.stages:
             zeros = ZERO_OPTIONS if dp * cp > 1 else (0,)
-            out.append([StageOption(devices, dp, tp, split, zero, recompute, tp > 1, off, cp=cp, ep=ep,
+            sp = limits.sequence_parallel_choices((True,), tp, cp, ep)[0] and (
+                not mixed or limits.mixed_stage_sequence_parallel)
+            out.append([StageOption(devices, dp, tp, split, zero, recompute, sp, off, cp=cp, ep=ep,
                                     ep_split=ep_split)
-                        for zero in zeros for off in offloads for recompute in RECOMPUTE_OPTIONS])
+                        for zero in zeros for off in offloads for recompute in recomputes])
         return out
 
 
@@ -234,7 +241,8 @@ class _AutoSearch:
                     by_speed = tuple((devices, dp, tp, (u,) * dp, cp, ep,
                                       speed_expert_split(self.workload, devices, dp * cp, tp, ep))
                                      for devices in placement)
-                    if any(stage[-1] for stage in by_speed):  # mixed GPUs: experts by speed too
+                    if any(stage[-1] for stage in by_speed) and search_limits(self.workload).uneven_experts:
+                        # mixed GPUs: experts by speed too
                         yield Layout(by_speed, mbs, gbs // mbs, GRID)
 
     def solve_all(self, layouts: list[Layout]) -> None:
@@ -321,7 +329,7 @@ class _AutoSearch:
         (slower, nothing saved); and offloading with a recomputation is dropped
         where that recomputation alone fits everywhere. Offloading is searched
         only with ``Workload.search_offload``."""
-        options = layout.options(self.workload.search_offload)
+        options = layout.options(self.workload.search_offload, search_limits(self.workload))
         k, n = len(options), self.cost.kernel.num_layers
         span = n - k + 1
         out = []

@@ -25,6 +25,7 @@ from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan, uniform_stage
+from hetplan.runtime.support import search_limits
 from hetplan.search.base import cost_model_for, rank_plans
 from hetplan.search.common.degrees import divisors, enumerate_degrees, enumerate_parallel_degrees
 from hetplan.search.common.expert_split import speed_expert_split
@@ -140,14 +141,17 @@ class UniformPlanner:
         an offloaded variant only where the plan without offloading does not
         fit and the variant does (``OFFLOAD_CHOICES``; memory checks only)."""
         offload = True in self.offload_choices and workload.search_offload
+        limits = search_limits(workload)  # what the workload's target runs (hetplan.runtime.support)
+        recomputes = limits.recompute_choices(self.recompute_choices)
         for pp, dp, cp, tp, ep in enumerate_parallel_degrees(workload):
+            splits = self._expert_splits(workload, ep) if limits.uneven_experts else (False,)
             for u in divisors(workload.global_batch_size // dp):
                 for zero in self.zero_choices:
                     if zero and dp * cp == 1:
                         continue
                     for recompute, sp, by_speed in itertools.product(
-                            self.recompute_choices, self.sequence_parallel_choices if tp > 1 else (False,),
-                            self._expert_splits(workload, ep)):
+                            recomputes, limits.sequence_parallel_choices(self.sequence_parallel_choices, tp, cp, ep),
+                            splits):
                         plan = uniform_plan(workload, dp, tp, pp, u, zero, recompute, sequence_parallel=sp,
                                             planner=self.name, cp=cp, ep=ep, expert_split=by_speed)
                         if by_speed and not any(s.ep_split for s in plan.stages):  # the even one again

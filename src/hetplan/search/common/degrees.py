@@ -3,7 +3,8 @@
 * ``tp`` keeps every TP group inside a node (devices are numbered node by
   node and TP groups are runs of consecutive ids, so ``tp`` must divide every
   node's GPU count) and every layer must support it (``LayerSpec.supports_tp``);
-* ``pp`` is at most the number of layers;
+* ``pp`` is at most the number of layers (one, and no CP, EP or whatever else
+  the workload's target cannot run: ``hetplan.runtime.support.search_limits``);
 * ``dp`` takes the remaining GPUs and must divide the global batch;
 * ``cp`` (context parallelism) is tried for long sequences only and ``ep``
   (expert parallelism, taken from the dp·cp GPUs) for MoE models only
@@ -16,6 +17,7 @@ import math
 
 from hetplan.cost.cp_ep import degree_problem
 from hetplan.cost.workload import Workload
+from hetplan.runtime.support import search_limits
 
 
 def divisors(n: int) -> list[int]:
@@ -39,14 +41,20 @@ def tp_degrees(workload: Workload) -> list[int]:
     return [tp for tp in divisors(n) if tp_fits_nodes(workload, tp) and model_supports_tp(workload, tp)]
 
 
+def max_stages(workload: Workload) -> int:
+    """Pipeline stages a plan may have: at most one per layer, and one where the
+    workload's target cannot pipeline the model (``runtime.support.search_limits``)."""
+    return workload.model.num_layers if search_limits(workload).pipeline else 1
+
+
 def enumerate_degrees(workload: Workload) -> list[tuple[int, int, int]]:
-    """``(pp, dp, tp)`` with pp·dp·tp = GPUs, TP inside nodes, pp ≤ layers, dp | global batch."""
+    """``(pp, dp, tp)`` with pp·dp·tp = GPUs, TP inside nodes, pp ≤ ``max_stages``, dp | global batch."""
     n = workload.cluster.num_devices
     degrees = []
     for tp in tp_degrees(workload):
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
-            if pp <= workload.model.num_layers and workload.global_batch_size % dp == 0:
+            if pp <= max_stages(workload) and workload.global_batch_size % dp == 0:
                 degrees.append((pp, dp, tp))
     return degrees
 
@@ -73,7 +81,7 @@ def context_degrees(workload: Workload) -> list[int]:
     chunks divide the sequence (``cost.cp_ep.degree_problem``)."""
     model, cluster = workload.model, workload.cluster
     tps = tp_degrees(workload)
-    if not tps or not any(layer.kv_bytes > 0 for layer in model.layers):
+    if not tps or not any(layer.kv_bytes > 0 for layer in model.layers) or not search_limits(workload).context_parallel:
         return [1]
     per_sample = model.act_bytes_per_sample
     smallest = min(workload.device_capacity_bytes(d.id) for d in cluster.devices)
@@ -87,7 +95,7 @@ def expert_degrees(workload: Workload, group: int) -> list[int]:
     """EP degrees over ``group`` = dp·cp devices: 1, and for MoE models every
     divisor of ``group`` that divides every MoE layer's experts."""
     experts = {layer.num_experts for layer in workload.model.layers if layer.is_moe}
-    if not experts:
+    if not experts or not search_limits(workload).expert_parallel:
         return [1]
     common = math.gcd(group, *experts)
     return divisors(common)
@@ -103,7 +111,7 @@ def enumerate_parallel_degrees(workload: Workload) -> list[tuple[int, int, int, 
     degrees = []
     for tp in tp_degrees(workload):
         for pp in divisors(n // tp):
-            if pp > model.num_layers:
+            if pp > max_stages(workload):
                 continue
             rest = n // (tp * pp)
             for cp in cps:

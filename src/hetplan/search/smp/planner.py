@@ -42,6 +42,7 @@ from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, RankedPlan
+from hetplan.runtime.support import support_of
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.search.base import cost_model_for, rank_plans
 from hetplan.search.common.degrees import divisors, micro_batch_sizes
@@ -110,7 +111,7 @@ class SMPPlanner:
     def candidates(self, workload: Workload, cost: CostModel) -> tuple[list[Plan], list[str]]:
         """Every (pp, micro-batch) plan SMP's partition makes; and why degrees were skipped."""
         model, n = workload.model, workload.cluster.num_devices
-        blocker = str(model.meta.get("pipeline_blocker", ""))
+        blocker = support_of(model).pipeline
         degrees = self._degrees(workload, blocker)
         tree = module_tree([layer.name for layer in model.layers])
         plans: list[Plan] = []
