@@ -32,6 +32,12 @@ def config(name: str) -> Any:
     if name == "mixtral":
         return t.MixtralConfig(**{**small, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2)
+    if name == "qwen2_moe":  # routed experts plus a gated shared expert in both layers
+        return t.Qwen2MoeConfig(**small, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if name == "qwen3_moe":  # routed experts only, top-k weights renormalised (as Qwen3-30B-A3B's config)
+        return t.Qwen3MoeConfig(**small, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True)
     if name == "qwen2":  # layer 0 full attention, layer 1 sliding-window
         return t.Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
                              max_window_layers=1)
@@ -62,15 +68,16 @@ def build(name: str) -> Any:
     return getattr(transformers, spec(name).meta["hf_class"])(config(name))
 
 
-def plan(name: str, pp: int = 2, dp: int = 1, tp: int = 1, gbs: int = 8, micro: int = 2, cut: int = 0) -> Plan:
+def plan(name: str, pp: int = 2, dp: int = 1, tp: int = 1, gbs: int = 8, micro: int = 2, cut: int = 0,
+         ep: int = 1, zero: int = 0) -> Plan:
     """Stages of even layer splits (``cut``: two stages split before layer
-    ``cut``), devices in order (TP innermost, then DP)."""
+    ``cut``), devices in order (TP innermost, then DP); ``ep``, ``zero`` in every stage."""
     s = spec(name)
     stages = []
     splits = [range(cut), range(cut, s.num_layers)] if cut else even_split(s.num_layers, pp)
     for j, layers in enumerate(splits):
         devices = list(range(j * dp * tp, (j + 1) * dp * tp))
-        stages.append(uniform_stage(layers, devices, dp, tp, micro))
+        stages.append(uniform_stage(layers, devices, dp, tp, micro, zero=zero, ep=ep))
     return Plan(s.name, f"local-cpu-{pp * dp * tp}", gbs, micro, gbs // micro, "1f1b", tuple(stages), planner="test")
 
 
