@@ -124,9 +124,10 @@ def loss(output: Any, target: Any) -> Any:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
 
 
-def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False) -> dict[str, Any]:
+def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False, checkpoint: str = ""
+           ) -> dict[str, Any]:
     """Train the tiny HF model under the plan; with ``accumulate`` two ``train_step``
-    calls (batches 2k, 2k+1) per optimizer step."""
+    calls (batches 2k, 2k+1) per optimizer step; with ``checkpoint`` save there at the end."""
     from hetplan.runtime.context import init
     from hetplan.runtime.reference import make_optimizer
 
@@ -140,6 +141,8 @@ def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False) 
             losses.append(ctx.train_step(model, (x, y), loss, inputs=inputs))
         opt.step()
         opt.zero_grad()
+    if checkpoint:
+        ctx.save(checkpoint, model, opt)
     state = ctx.full_state_dict(model)
     notes = list(ctx.notes)
     layout = ctx.parameter_layout(model)
@@ -170,14 +173,15 @@ def reference(name: str, steps: int = 2, gbs: int = 8, accumulate: bool = False,
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def several_workers(jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """``worker`` for each (plan path, model name) in turn, in one process group
-    (plans of the same world size): one process start for several checks."""
+def several_workers(jobs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """``worker`` for each (plan path, model name, more ``worker`` arguments) in
+    turn, in one process group (plans of the same world size): one process
+    start for several checks."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     try:
-        return [worker(path, name) for path, name in jobs]
+        return [worker(*job) for job in jobs]
     finally:
         dist.destroy_process_group()
 

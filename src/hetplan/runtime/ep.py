@@ -96,7 +96,8 @@ def _through_expert_ranks(rows: torch.Tensor, counts: torch.Tensor,
     by_expert = torch.argsort(expert_of_row, stable=True)
     out = expert_fn(got.index_select(0, by_expert), received.view(ep, local).sum(dim=0).tolist())
     back = torch.empty_like(out).index_copy(0, by_expert, out)  # undo the regrouping (autograd-aware)
-    return all_to_all_single(rows.new_empty(rows.shape), back, send_splits, recv_splits, group=group)
+    # outputs come back in the experts' dtype (16-bit under autocast), not the rows' (fp32 residual stream)
+    return all_to_all_single(back.new_empty(rows.size(0), back.size(1)), back, send_splits, recv_splits, group=group)
 
 
 def expert_shard(num_experts: int, ep: int, ep_rank: int) -> range:
