@@ -211,9 +211,10 @@ class HFExperts(nn.Module):
 
 
 def hf_fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """HF transformers modules holding stacked (3-D) expert weights, not yet adapted, by name."""
+    """HF transformers experts modules (a ``num_experts`` and stacked, 3-D,
+    weights; not ViT's 3-D position table), not yet adapted, by name."""
     return [(fqn, m) for fqn, m in model.named_modules()
-            if type(m).__module__.startswith("transformers.")
+            if type(m).__module__.startswith("transformers.") and hasattr(m, "num_experts")
             and any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 
