@@ -38,6 +38,11 @@ def config(name: str) -> Any:
     if name == "qwen3_moe":  # routed experts only, top-k weights renormalised (as Qwen3-30B-A3B's config)
         return t.Qwen3MoeConfig(**small, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=32, norm_topk_prob=True)
+    if name == "deepseek_v3":  # layer 0 dense, layer 1 routed + shared experts (EP refuses its experts class)
+        return t.DeepseekV3Config(**{**small, "num_key_value_heads": 4}, moe_intermediate_size=32,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                  first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
     if name == "qwen2":  # layer 0 full attention, layer 1 sliding-window
         return t.Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
                              max_window_layers=1)
