@@ -187,6 +187,7 @@ class HFExperts(nn.Module):
         return self
 
     def tp_refusal(self, name: str, tp: int) -> str:
+        """Why expert TP cannot split these experts (``parallelize.check_expert_tp`` raises it)."""
         return hf_tp_refusal(name, self.hf_class, tp)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
