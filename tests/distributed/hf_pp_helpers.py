@@ -32,6 +32,17 @@ def config(name: str) -> Any:
     if name == "mixtral":
         return t.MixtralConfig(**{**small, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2)
+    if name == "qwen2_moe":  # routed experts plus a gated shared expert in both layers
+        return t.Qwen2MoeConfig(**small, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if name == "qwen3_moe":  # routed experts only, top-k weights renormalised (as Qwen3-30B-A3B's config)
+        return t.Qwen3MoeConfig(**small, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True)
+    if name == "deepseek_v3":  # layer 0 dense, layer 1 routed + shared experts (EP refuses its experts class)
+        return t.DeepseekV3Config(**{**small, "num_key_value_heads": 4}, moe_intermediate_size=32,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                  first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
     if name == "qwen2":  # layer 0 full attention, layer 1 sliding-window
         return t.Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
                              max_window_layers=1)
@@ -62,15 +73,16 @@ def build(name: str) -> Any:
     return getattr(transformers, spec(name).meta["hf_class"])(config(name))
 
 
-def plan(name: str, pp: int = 2, dp: int = 1, tp: int = 1, gbs: int = 8, micro: int = 2, cut: int = 0) -> Plan:
+def plan(name: str, pp: int = 2, dp: int = 1, tp: int = 1, gbs: int = 8, micro: int = 2, cut: int = 0,
+         ep: int = 1, zero: int = 0) -> Plan:
     """Stages of even layer splits (``cut``: two stages split before layer
-    ``cut``), devices in order (TP innermost, then DP)."""
+    ``cut``), devices in order (TP innermost, then DP); ``ep``, ``zero`` in every stage."""
     s = spec(name)
     stages = []
     splits = [range(cut), range(cut, s.num_layers)] if cut else even_split(s.num_layers, pp)
     for j, layers in enumerate(splits):
         devices = list(range(j * dp * tp, (j + 1) * dp * tp))
-        stages.append(uniform_stage(layers, devices, dp, tp, micro))
+        stages.append(uniform_stage(layers, devices, dp, tp, micro, zero=zero, ep=ep))
     return Plan(s.name, f"local-cpu-{pp * dp * tp}", gbs, micro, gbs // micro, "1f1b", tuple(stages), planner="test")
 
 
@@ -117,9 +129,10 @@ def loss(output: Any, target: Any) -> Any:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
 
 
-def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False) -> dict[str, Any]:
+def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False, checkpoint: str = ""
+           ) -> dict[str, Any]:
     """Train the tiny HF model under the plan; with ``accumulate`` two ``train_step``
-    calls (batches 2k, 2k+1) per optimizer step."""
+    calls (batches 2k, 2k+1) per optimizer step; with ``checkpoint`` save there at the end."""
     from hetplan.runtime.context import init
     from hetplan.runtime.reference import make_optimizer
 
@@ -133,6 +146,8 @@ def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False) 
             losses.append(ctx.train_step(model, (x, y), loss, inputs=inputs))
         opt.step()
         opt.zero_grad()
+    if checkpoint:
+        ctx.save(checkpoint, model, opt)
     state = ctx.full_state_dict(model)
     notes = list(ctx.notes)
     layout = ctx.parameter_layout(model)
@@ -163,14 +178,15 @@ def reference(name: str, steps: int = 2, gbs: int = 8, accumulate: bool = False,
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def several_workers(jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """``worker`` for each (plan path, model name) in turn, in one process group
-    (plans of the same world size): one process start for several checks."""
+def several_workers(jobs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """``worker`` for each (plan path, model name, more ``worker`` arguments) in
+    turn, in one process group (plans of the same world size): one process
+    start for several checks."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     try:
-        return [worker(path, name) for path, name in jobs]
+        return [worker(*job) for job in jobs]
     finally:
         dist.destroy_process_group()
 

@@ -375,3 +375,32 @@ def compiled_whole_worker(plan_path: str) -> dict[str, Any]:
         result = {"error": str(e)}
     ctx.close()
     return result
+
+
+def ep_dispatch_worker() -> dict[str, Any]:
+    """``moe_dispatch_combine`` over 2 EP ranks (each holding 2 of 4 experts)
+    whose experts return bf16 outputs of fp32 token rows, as under autocast:
+    the max differences of the output and of the rows' gradient from the same
+    experts run locally (elementwise experts, so any difference is the dispatch's)."""
+    import torch
+    import torch.distributed as dist
+
+    from hetplan.runtime.ep import moe_dispatch_combine
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    scales = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))  # expert e: x * scales[e], in bf16
+    g = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randn(6, 8, generator=g, requires_grad=True)
+    experts, weights = torch.randint(0, 4, (6, 2), generator=g), torch.rand(6, 2, generator=g)
+
+    def experts_fn(held: torch.Tensor) -> Any:
+        return lambda rows, counts: torch.cat([(r * s).to(torch.bfloat16) for r, s in zip(rows.split(counts), held)])
+
+    out = moe_dispatch_combine(tokens, experts, weights, experts_fn(scales[2 * rank:2 * rank + 2]), 4,
+                               dist.group.WORLD)
+    local = moe_dispatch_combine(tokens, experts, weights, experts_fn(scales), 4)
+    (grad,), (local_grad,) = torch.autograd.grad(out.sum(), tokens), torch.autograd.grad(local.sum(), tokens)
+    dist.destroy_process_group()
+    return {"dtype": str(out.dtype), "out": float((out - local).abs().max()),
+            "grad": float((grad - local_grad).abs().max())}

@@ -912,7 +912,10 @@ def _check_hf_split(layout: PlanLayout, full: nn.Module) -> None:
 
 
 def _check_cp_ep(layout: PlanLayout, spec: Any, full: nn.Module) -> None:
-    """What context and expert parallelism need of the model (one line each)."""
+    """What context and expert parallelism need of the model (one line each).
+    HF's fused experts count as MoE layers before ``apply_ep`` adapts them."""
+    from hetplan.runtime import ep
+
     if layout.cp > 1:
         if not callable(getattr(full, "set_context_parallel", None)):
             raise HetplanError(
@@ -922,17 +925,26 @@ def _check_cp_ep(layout: PlanLayout, spec: Any, full: nn.Module) -> None:
         from hetplan.runtime.cp import check_sequence
 
         check_sequence(spec.seq_len, layout.cp)
+    hf = ep.hf_fused_experts(full)
     if layout.ep > 1:
-        moe = par.moe_modules(full)
-        if not moe:
+        for fqn, module in hf:
+            why = ep.hf_experts_refusal(fqn, module)
+            if why:
+                raise HetplanError(why)
+        counts = [int(getattr(m, "num_experts", 0)) for m in [*par.moe_modules(full), *(m for _, m in hf)]]
+        if not counts:
             raise HetplanError(f"the plan has ep={layout.ep}, but model {spec.name!r} has no mixture-of-experts "
                                "layers to split; use a plan with ep=1")
-        for module in moe:
-            experts = int(getattr(module, "num_experts", 0))
+        for experts in counts:
             if experts % layout.ep:
                 raise HetplanError(f"ep={layout.ep} does not divide the {experts} experts of the model's MoE layers; "
                                    f"use an ep that divides {experts}")
-    for fqn, module in full.named_modules():  # expert TP = the stage's tp
+    for fqn, module in hf:  # expert TP = the stage's tp
+        layer = par.owner_layer(fqn, layout.layer_names)
+        tp = layout.stage_tp(layout.pp_index_of_layer(layer)) if layer else 1
+        if tp > 1:
+            raise HetplanError(ep.hf_tp_refusal(layer, type(module).__name__, tp))
+    for fqn, module in full.named_modules():
         layer = par.owner_layer(fqn, layout.layer_names) if hasattr(module, "ep_group") else None
         tp = layout.stage_tp(layout.pp_index_of_layer(layer)) if layer and hasattr(module, "experts") else 1
         if tp > 1:

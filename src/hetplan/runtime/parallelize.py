@@ -383,17 +383,21 @@ def set_accumulating(sync_modules: Sequence[tuple[nn.Module, bool]], last: bool)
 def apply_ep(root: nn.Module, layer_names: Sequence[str], expert_mesh: Any, ep_group: Any,
              tp_group: Any = None) -> set[nn.Parameter]:
     """Shard the experts of every MoE module (a module with ``experts`` and
-    ``ep_group``, as hetplan's :class:`~hetplan.runtime.models.MoE`) over the
-    mesh ``expert_mesh``, whose dims are some of ``edp`` (replicated: the
-    expert-data-parallel copies), ``ep`` (``Shard(0)``: this rank holds
+    ``ep_group``, as hetplan's :class:`~hetplan.runtime.models.MoE`; HF's fused
+    experts are first made one, :func:`hetplan.runtime.ep.adapt_hf_experts`)
+    over the mesh ``expert_mesh``, whose dims are some of ``edp`` (replicated:
+    the expert-data-parallel copies), ``ep`` (``Shard(0)``: this rank holds
     ``num_experts / ep`` experts, tokens routed by all-to-all over ``ep_group``)
     and ``tp`` (expert tensor parallelism: each weight split along the dim its
     holder names in ``tp_shard_dims``, the others replicated; partial outputs
     summed over ``tp_group``). Returns the expert parameters."""
     from torch.distributed.tensor import distribute_tensor
 
+    from hetplan.runtime.ep import adapt_hf_experts
+
     experts: set[nn.Parameter] = set()
     for name in layer_names:
+        adapt_hf_experts(root.get_submodule(name))
         for module in root.get_submodule(name).modules():
             if not (hasattr(module, "experts") and hasattr(module, "ep_group")):
                 continue
@@ -421,7 +425,11 @@ def _expert_placements(dims: Sequence[str], holder: nn.Module, pname: str) -> li
 
 
 def check_expert_tp(holder: nn.Module, name: str, tp: int) -> None:
-    """Expert TP needs the holder's own rule (``tp_shard_dims``) and a width ``tp`` divides."""
+    """Expert TP needs the holder's own rule (``tp_shard_dims``) and a width ``tp``
+    divides; a holder that cannot be split says why (``tp_refusal``)."""
+    refusal = getattr(holder, "tp_refusal", None)
+    if refusal is not None:
+        raise HetplanError(refusal(name, tp))
     dims = getattr(holder, "tp_shard_dims", None)
     if dims is None or not hasattr(holder, "tp_group"):
         raise HetplanError(f"the experts of layer {name!r} ({type(holder).__name__}) say nothing of how tensor "

@@ -219,7 +219,11 @@ def hf_tp_plan(model: Any) -> dict[str, Any]:
     ``*`` for layer indices) plus the model's own ``_tp_plan`` (e.g. the LM
     head). Styles: colwise, rowwise, colwise_rep / colwise_gather_output
     (output gathered), rowwise_rep / rowwise_split_input, embedding_rowwise,
-    sequence_parallel; others raise a clear error."""
+    sequence_parallel; others raise a clear error. A module styled
+    ``moe_tp_experts`` (HF's fused experts) is left out with its parameters'
+    entries (``packed_colwise`` ``gate_up_proj``, ``down_proj``): expert
+    parallelism splits experts (``parallelize.apply_ep``), and preflight
+    refuses tp > 1 for HF's packed ones (``hetplan.runtime.ep.hf_tp_refusal``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -254,4 +258,6 @@ def hf_tp_plan(model: Any) -> dict[str, Any]:
             f"HF TP style {kind!r} for {name!r} is not supported by hetplan (supported: {', '.join(_HF_STYLES)})"
         )
 
-    return {k: style(k, v) for k, v in base.items()}
+    experts = [k for k, v in base.items() if v == "moe_tp_experts"]
+    return {k: style(k, v) for k, v in base.items()
+            if not any(k == e or k.startswith(e + ".") for e in experts)}
