@@ -403,9 +403,7 @@ def latest_checkpoint(root: str, note: Callable[[str], None] | None = None) -> t
     """
     if not os.path.isdir(root):
         return None
-    if note is None:
-        def note(text: str) -> None:
-            print(f"note: {text}", file=sys.stderr, flush=True)
+    note = note or _note_on_stderr
     steps = []
     for entry in os.listdir(root):
         m = _STEP_DIR.match(entry)
@@ -416,3 +414,46 @@ def latest_checkpoint(root: str, note: Callable[[str], None] | None = None) -> t
             return path, step
         note(f"skipping checkpoint {path}: it is incomplete (no {MANIFEST}: its save did not finish)")
     return None
+
+
+def _note_on_stderr(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+def resume_checkpoint(root: str, or_start: bool = False, note: Callable[[str], None] | None = None
+                      ) -> tuple[str, int] | None:
+    """The checkpoint ``--resume`` continues from: the newest complete one in
+    ``root`` (:func:`latest_checkpoint`; the newer incomplete ones it skips are
+    noted). When there is none, a HetplanError saying what to do: starting from
+    step 0 instead would retrain from scratch, and a job-scheduler restart would
+    never notice a wrong ``--checkpoint-dir``. ``or_start``
+    (``--resume-or-start``): None instead, the run starts from step 0."""
+    skipped: list[str] = []
+    found = latest_checkpoint(root, note=skipped.append)
+    if found is not None or or_start:
+        for text in skipped:
+            (note or _note_on_stderr)(text)
+        return found
+    if not os.path.isdir(root):
+        why = "it does not exist"
+    elif skipped:
+        why = (f"{len(skipped)} incomplete: no {MANIFEST}, {'its save' if len(skipped) == 1 else 'their saves'} "
+               "did not finish")
+    else:
+        why = "it holds no step_N checkpoint"
+    raise HetplanError(f"--resume: no complete checkpoint in {root} ({why}); drop --resume to start from step 0, "
+                       "or use --resume-or-start, which starts from step 0 when there is none")
+
+
+def verify_here(path: str) -> None:
+    """:func:`verify` in this process alone (no process group): what ``hetplan
+    train`` checks before it starts any process, so a damaged checkpoint is one
+    line, not a failure inside every rank."""
+    verify(_ONE_PROCESS, path)
+
+
+class _OneProcess:
+    distributed = False
+
+
+_ONE_PROCESS = _OneProcess()
