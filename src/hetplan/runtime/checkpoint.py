@@ -26,10 +26,13 @@ Every load verifies the manifest before reading anything: no manifest
 another checksum (corrupted), or a data file the manifest does not list, is a
 :class:`~hetplan.errors.HetplanError` naming the file. The ranks share the
 hashing and agree on the verdict (an all-gather), so every rank fails with the
-same message and none is left waiting. :func:`latest_checkpoint` (``hetplan
-train --resume``) picks the newest checkpoint with a manifest and notes, on
-stderr, newer ones it skipped as incomplete, so a run killed while saving
-resumes from the previous checkpoint.
+same message and none is left waiting. :func:`latest_checkpoint` picks the
+newest checkpoint with a manifest and notes, on stderr, newer ones it skipped
+as incomplete, so a run killed while saving resumes from the previous
+checkpoint; :func:`resume_checkpoint` (``hetplan train --resume``) refuses a
+directory with none (``--resume-or-start`` starts from step 0 then), and
+``hetplan train`` runs :func:`verify_here` on the checkpoint it starts from
+before any process starts.
 """
 
 from __future__ import annotations
