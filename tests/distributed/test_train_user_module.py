@@ -116,17 +116,21 @@ def build():
 """
 
 
-def test_keyword_input_passed_on_to_each_block_trains_pipelined(tmp_path) -> None:
+def test_keyword_input_passed_on_to_each_block_trains_pipelined(tmp_path, monkeypatch) -> None:
     """``block(h, mask=mask)``: the example inputs after the first are passed by
     name, as train_step passes them, so the plan gets pp2 and each stage its
     mask rows (2 micro-batches), matching the reference."""
     import json
 
+    from hetplan.cli import main
+
     code = tmp_path / "code"
     code.mkdir()
     (code / "um_mask.py").write_text(MASKED)
+    monkeypatch.syspath_prepend(str(code))
     plan = str(tmp_path / "p.json")
-    _smp_plan("um_mask:build", plan, "local-cpu-2", path=str(code))
+    assert main(["plan", "--planner", "smp", "--smp-pp", "2", "--model", "um_mask:build", "--cluster", "local-cpu-2",
+                 "--global-batch", "8", "--json", plan, "--quiet"]) == 0  # in this process: no start-up to wait for
     data = json.loads(open(plan, encoding="utf-8").read())
     data["plans"] = [p for p in data["plans"] if p["plan"]["num_micro_batches"] == 2]  # the best has 1
     with open(plan, "w", encoding="utf-8") as f:

@@ -269,8 +269,8 @@ def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any,
             shutil.rmtree(logs, ignore_errors=True)
         return True
     line = launch.failure_line(launch.read_exits(logs), logs, lambda r: describe_rank(layout, r))
-    print(f"hetplan: error: {line or f'training failed (exit status {code}); see the messages above'}",
-          file=sys.stderr, flush=True)
+    line = line or f"training failed (exit status {code}); see the messages above and the ranks' output in {logs}"
+    print(f"hetplan: error: {line}", file=sys.stderr, flush=True)
     return False
 
 
