@@ -218,8 +218,8 @@ def test_hetplan_train_timeout_stops_a_run_with_a_stopped_rank(tmp_path) -> None
     """``hetplan train --timeout`` reaches the ranks (torchrun; its agent hosts the store)."""
     plan = write_plan(tmp_path, make_plan(pp=2, micro=2))
     proc = subprocess.Popen([sys.executable, "-m", "hetplan.cli", "train", "--plan", plan, "--steps", "100000",
-                             "--timeout", str(TIMEOUT_S)], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--timeout", str(TIMEOUT_S), "--out", str(tmp_path / "out")], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stopped = None
     try:
         out, err = _Lines(proc.stdout), _Lines(proc.stderr)
