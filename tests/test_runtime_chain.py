@@ -231,3 +231,30 @@ def test_estimate_of_a_pipelined_hf_plan_the_runtime_would_refuse_is_refused(tmp
     assert main([*base[:-8], "--dp", "4", "--micro-batch", "1", "--global-batch", "8", "--seq-len", "16",
                  "--pp", "1"]) == 0
     assert "hetplan.runtime would refuse" not in capsys.readouterr().out
+
+
+def test_example_inputs_after_the_first_are_passed_by_name():
+    """A ``pkg.mod:build`` model's example inputs (x, mask): the planner's and
+    the runtime's chain checks call the model as train_step does,
+    ``model(x, mask=mask)``, so a mask handed on to each block is a chain
+    (passed positionally it looked derived, and pp > 1 was refused)."""
+    from hetplan.model.source import module_spec
+    from hetplan.runtime.context import _check_chain_early
+
+    mask = torch.ones(2, 8)
+    spec = module_spec(Masked(), (X, mask), name="masked")
+    assert "pipeline_blocker" not in spec.meta and [layer.name for layer in spec.layers] == NAMES
+    _check_chain_early(meta(Masked), NAMES, spec, (X, mask))
+
+
+def test_example_inputs_without_forward_parameter_names_are_refused():
+    from hetplan.runtime.chain import example_call
+
+    class Unnamed(Masked):
+        def forward(self, *inputs):
+            return super().forward(inputs[0], mask=inputs[1])
+
+    with pytest.raises(HetplanError) as e:
+        example_call(meta(Unnamed), (X, torch.ones(2, 8)), "model 'm:build'")
+    assert str(e.value).startswith("model 'm:build': forward takes 2 example inputs but names only 0 parameters; ")
+    assert "\n" not in str(e.value)

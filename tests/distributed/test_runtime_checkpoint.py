@@ -171,3 +171,81 @@ def test_resume_skips_a_newer_checkpoint_without_manifest(saved, tmp_path, capsy
     resumed = run(train_worker, 2, write_plan(tmp_path, make_plan(dp=2, micro=2, zero=3)), 3,
                   dict(checkpoint_dir=root, resume=True))
     _assert_continues(resumed[0], 3, 1)
+
+
+# --- hetplan train --resume / --load: checked before any process starts ------------------------
+def _no_processes(*args, **kwargs):
+    raise AssertionError("hetplan train started processes")
+
+
+def _train_refused(tmp_path, capsys, monkeypatch, *flags: str) -> str:
+    """``hetplan train FLAGS`` in this process: one line ``hetplan: error: ...``,
+    exit status 2, and no process started (nor the run announced)."""
+    from hetplan.cli import main
+    from hetplan.runtime import cli as runtime_cli
+
+    monkeypatch.setattr(runtime_cli.subprocess, "call", _no_processes)
+    plan = write_plan(tmp_path, make_plan(dp=2, micro=2), "refused.json")
+    capsys.readouterr()
+    assert main(["train", "--plan", plan, "--steps", "3", *flags]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetplan: error: "), captured.err
+    assert "hetplan train:" not in captured.out, captured.out
+    return lines[0]
+
+
+@pytest.mark.parametrize("state", ["missing", "empty", "incomplete"])
+def test_resume_without_a_complete_checkpoint_is_an_error(state, saved, tmp_path, capsys, monkeypatch) -> None:
+    """Not a silent start from step 0 (a restarted job would retrain from scratch)."""
+    root = str(tmp_path / "ckpt")
+    if state == "empty":
+        os.mkdir(root)
+    elif state == "incomplete":  # killed while saving its first checkpoint
+        shutil.copytree(checkpoint_dir(saved, 1), checkpoint_dir(root, 1))
+        os.remove(os.path.join(checkpoint_dir(root, 1), MANIFEST))
+    line = _train_refused(tmp_path, capsys, monkeypatch, "--checkpoint-dir", root, "--resume")
+    why = {"missing": "it does not exist", "empty": "it holds no step_N checkpoint",
+           "incomplete": f"1 incomplete: no {MANIFEST}, its save did not finish"}[state]
+    assert line == (f"hetplan: error: --resume: no complete checkpoint in {root} ({why}); drop --resume to start "
+                    "from step 0, or use --resume-or-start, which starts from step 0 when there is none"), line
+
+
+def test_damaged_checkpoint_is_refused_before_any_process_starts(saved, tmp_path, capsys, monkeypatch) -> None:
+    root = str(_copy(saved, tmp_path, None))
+    newest = checkpoint_dir(root, 2)
+    shard = os.path.join(newest, "__1_0.distcp")
+    size = os.path.getsize(shard)
+    os.truncate(shard, size - 1)
+    line = _train_refused(tmp_path, capsys, monkeypatch, "--checkpoint-dir", root, "--resume")
+    assert f"checkpoint {newest}: file __1_0.distcp is {size - 1} bytes, the manifest says {size} (truncated)" in line
+    step1 = checkpoint_dir(root, 1)
+    with open(os.path.join(step1, MANIFEST), "w", encoding="utf-8") as f:
+        f.write("{not json")
+    line = _train_refused(tmp_path, capsys, monkeypatch, "--load", step1)
+    assert f"checkpoint {step1}: its {MANIFEST} is unreadable" in line, line
+    assert line.endswith("resume from an earlier checkpoint or delete this one"), line
+
+
+def test_resume_or_start_starts_from_step_0_only_when_there_is_no_checkpoint(tmp_path, capsys) -> None:
+    """``hetplan train --resume-or-start`` (a restart script's flag), with a
+    one-process plan (trained in this process): an empty directory starts from
+    step 0 with a note; the checkpoint that run saved is resumed the next time."""
+    from hetplan.cli import main
+
+    plan = write_plan(tmp_path, make_plan(micro=2, cluster="local-cpu-1"))
+    root = str(tmp_path / "ckpt")
+    os.mkdir(root)
+
+    def train(steps: int):
+        capsys.readouterr()
+        assert main(["train", "--plan", plan, "--steps", str(steps), "--checkpoint-dir", root,
+                     "--checkpoint-every", "1", "--resume-or-start"]) == 0
+        return capsys.readouterr()
+
+    first = train(1)
+    assert f"note: no complete checkpoint in {root}: starting from step 0 (--resume-or-start)" in first.err
+    assert "step    1" in first.out
+    second = train(2)
+    assert f"resuming from {checkpoint_dir(root, 1)} (step 1)" in second.out, second.out
+    assert "step    1" not in second.out and "step    2" in second.out, second.out

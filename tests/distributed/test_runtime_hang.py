@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -217,8 +218,8 @@ def test_hetplan_train_timeout_stops_a_run_with_a_stopped_rank(tmp_path) -> None
     """``hetplan train --timeout`` reaches the ranks (torchrun; its agent hosts the store)."""
     plan = write_plan(tmp_path, make_plan(pp=2, micro=2))
     proc = subprocess.Popen([sys.executable, "-m", "hetplan.cli", "train", "--plan", plan, "--steps", "100000",
-                             "--timeout", str(TIMEOUT_S)], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--timeout", str(TIMEOUT_S), "--out", str(tmp_path / "out")], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stopped = None
     try:
         out, err = _Lines(proc.stdout), _Lines(proc.stderr)
@@ -240,6 +241,61 @@ def test_hetplan_train_timeout_stops_a_run_with_a_stopped_rank(tmp_path) -> None
     assert line.endswith("stopping rank 0"), line
     assert 0.8 * TIMEOUT_S - 1 < waited < TIMEOUT_S + MARGIN_S, (waited, text)
     assert code == 1 and "training failed" in text, (code, text)
+
+
+def test_hetplan_train_names_a_killed_rank_in_one_line(tmp_path) -> None:
+    """A rank SIGKILLed (as by the out-of-memory killer) dies without a Python
+    error; the other rank then fails with a gloo traceback. ``hetplan train``
+    names the killed rank in one line; the tracebacks are in OUT/logs."""
+    plan = write_plan(tmp_path, make_plan(pp=2, micro=2))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "hetplan.cli", "train", "--plan", plan, "--steps", "100000",
+                             "--timeout", str(TIMEOUT_S), "--out", str(out)], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, err = _Lines(proc.stdout), _Lines(proc.stderr)
+        _wait_for_step(stdout, 1)
+        killed = _rank_pid(proc.pid, 1)
+        os.kill(killed, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = proc.wait(60)
+        waited = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started
+            proc.wait(30)
+    lines = [line for line in err.text().splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1, (code, lines)
+    logs = out / "logs"
+    assert lines[0] == (f"hetplan: error: rank 1 (stage 1 of 2: layers.2..head, device 1; pid {killed} on "
+                        f"{socket.gethostname()}) stopped: killed by SIGKILL without an error of its own (kill -9, "
+                        f"or the out-of-memory killer: see dmesg); the other ranks were stopped (their output: {logs})")
+    assert "Connection" in (logs / "rank0.log").read_text()  # rank 0's gloo traceback, kept out of the way
+    assert waited < TIMEOUT_S, waited  # torchrun's stop, not the heartbeat's timeout
+    print(f"killed rank 1 after step 1; hetplan train ended {waited:.1f} s later")
+
+
+def test_failure_line_names_what_stopped_the_run(tmp_path) -> None:
+    """The rule behind that line, on recorded exits: a rank's own hetplan message
+    (exit 2, or the heartbeat's 3) stands alone; a killed rank comes before ranks
+    that lost a peer; of ranks that raised, the one that did not lose a peer."""
+    from hetplan.runtime.launch import RankExit, failure_line, rank_log
+
+    logs = str(tmp_path)
+    for rank, last in ((0, "RuntimeError: [gloo] Read error: Connection reset by peer"),
+                       (1, "ValueError: the forward got a bad shape")):
+        with open(rank_log(logs, rank), "w", encoding="utf-8") as f:
+            f.write(f"Traceback (most recent call last):\n  File \"x.py\", line 1\n[rank{rank}]: {last}\n")
+
+    def line(*exits: tuple[int, int]) -> str:
+        return failure_line([RankExit(r, code, 100 + r) for r, code in exits], logs, lambda r: f"stage {r} of 2")
+
+    here = socket.gethostname()
+    assert line((0, 3), (1, -9)) == "" and line((0, 2), (1, 2)) == ""
+    assert line((0, 1), (1, -9)).startswith(f"rank 1 (stage 1 of 2; pid 101 on {here}) stopped: killed by SIGKILL ")
+    assert line((0, 1), (1, 1)) == (f"rank 1 (stage 1 of 2; pid 101 on {here}) failed: ValueError: the forward got a "
+                                    f"bad shape (traceback: {rank_log(logs, 1)})")
+    assert line((0, -15), (1, -15)).startswith(f"rank 0 (stage 0 of 2; pid 100 on {here}) stopped: SIGTERM from ")
 
 
 def _rank_pid(root: int, rank: int, limit_s: float = 30.0) -> int:

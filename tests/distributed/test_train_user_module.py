@@ -83,6 +83,63 @@ def test_changed_or_missing_build_function_is_refused_before_start(tmp_path) -> 
     assert len(lines) == 1 and "cannot import 'um_cli'" in lines[0] and "PYTHONPATH" in lines[0], lines
 
 
+MASKED = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h, mask=None):
+        return torch.where(mask[..., None], h + torch.tanh(self.fc(h)), h)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([Block(8) for _ in range(2)])
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x, mask):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h, mask=mask)  # the model's keyword input, passed on unchanged
+        return self.out(h)
+
+
+def build():
+    return Net(), (torch.zeros(2, 3, 4), torch.ones(2, 3, dtype=torch.bool))
+"""
+
+
+def test_keyword_input_passed_on_to_each_block_trains_pipelined(tmp_path, monkeypatch) -> None:
+    """``block(h, mask=mask)``: the example inputs after the first are passed by
+    name, as train_step passes them, so the plan gets pp2 and each stage its
+    mask rows (2 micro-batches), matching the reference."""
+    import json
+
+    from hetplan.cli import main
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "um_mask.py").write_text(MASKED)
+    monkeypatch.syspath_prepend(str(code))
+    plan = str(tmp_path / "p.json")
+    assert main(["plan", "--planner", "smp", "--smp-pp", "2", "--model", "um_mask:build", "--cluster", "local-cpu-2",
+                 "--global-batch", "8", "--json", plan, "--quiet"]) == 0  # in this process: no start-up to wait for
+    data = json.loads(open(plan, encoding="utf-8").read())
+    data["plans"] = [p for p in data["plans"] if p["plan"]["num_micro_batches"] == 2]  # the best has 1
+    with open(plan, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify", path=str(code))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pp=2" in proc.stdout and " m=2 " in proc.stdout and "verify: OK" in proc.stdout, proc.stdout
+
+
 SCRIPT = """
 import sys
 import torch

@@ -140,11 +140,15 @@ def pipeline_units(model: Any, inputs: tuple[Any, ...]) -> tuple[list[str] | Non
 
     import torch
 
-    from hetplan.runtime.chain import check_chain
+    from hetplan.runtime.chain import check_chain, example_call
 
     with torch.device("meta"):
         probe = copy.deepcopy(model).to("meta")
-    callees = _call_tree(probe, inputs)
+    try:  # called as the runtime's train_step calls it: the first input positionally, the rest by name
+        args, kwargs = example_call(probe, inputs)
+    except HetplanError as exc:
+        return None, str(exc)
+    callees = _call_tree(probe, args, kwargs)
     units = callees.get("", [])
     if not units:
         return None, "its forward calls no submodule"
@@ -155,7 +159,7 @@ def pipeline_units(model: Any, inputs: tuple[Any, ...]) -> tuple[list[str] | Non
         if not all(_owns_params(probe.get_submodule(n)) for n in names):
             return "a module it calls between its layers holds no parameters"
         try:
-            check_chain(probe, names, inputs)
+            check_chain(probe, names, args, kwargs)
         except HetplanError as exc:
             return str(exc)
         return ""
@@ -174,7 +178,7 @@ def pipeline_units(model: Any, inputs: tuple[Any, ...]) -> tuple[list[str] | Non
     return units, ""
 
 
-def _call_tree(model: Any, inputs: tuple[Any, ...]) -> dict[str, list[str]]:
+def _call_tree(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, list[str]]:
     """Module path -> the submodules its forward calls directly, in call order (one meta forward)."""
     import torch
 
@@ -199,7 +203,7 @@ def _call_tree(model: Any, inputs: tuple[Any, ...]) -> dict[str, list[str]]:
             handles.append(sub.register_forward_hook(leave))
     try:
         with torch.no_grad():
-            model(*(_meta(x) for x in inputs))
+            model(*_meta(args), **_meta(kwargs))
     except Exception as exc:  # noqa: BLE001 - user code on the meta device
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise HetplanError(f"running the model's forward on the meta device failed ({type(exc).__name__}: "

@@ -197,6 +197,32 @@ def _check_calls(calls: list[_Call], names: Sequence[str]) -> None:
         )
 
 
+def keyword_input_names(module: nn.Module, count: int, where: str) -> tuple[str, ...]:
+    """The names a model's example inputs after the first are passed by: the
+    names of ``forward``'s parameters after the first, in order. ``train_step``
+    takes one positional input (the batch's ``x``) and the rest as keyword
+    inputs, so a check or a trace that passed them positionally would run
+    another call than training does (a mask passed on to each layer would look
+    derived). ``where`` names the model in the error."""
+    if count <= 1:
+        return ()
+    params = list(inspect.signature(module.forward).parameters.values())
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if len(named) < count:
+        raise HetplanError(f"{where}: forward takes {count} example inputs but names only {len(named)} "
+                           "parameters; the runtime passes every input after the first by its name (train_step's "
+                           "keyword inputs), so give forward a named parameter for each")
+    return tuple(named[1:count])
+
+
+def example_call(module: nn.Module, inputs: Sequence[Any], where: str = "the model"
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) of the call ``train_step`` makes with these example inputs:
+    the first positional, the rest by name (:func:`keyword_input_names`)."""
+    inputs = tuple(inputs)
+    return inputs[:1], dict(zip(keyword_input_names(module, len(inputs), where), inputs[1:]))
+
+
 def example_inputs(spec: Any, config: Any = None) -> tuple[Any, ...] | None:
     """One sample's positional inputs for a model, where hetplan knows them:
     token ids for a model with a vocabulary, an image for an HF vision config."""

@@ -26,10 +26,13 @@ Every load verifies the manifest before reading anything: no manifest
 another checksum (corrupted), or a data file the manifest does not list, is a
 :class:`~hetplan.errors.HetplanError` naming the file. The ranks share the
 hashing and agree on the verdict (an all-gather), so every rank fails with the
-same message and none is left waiting. :func:`latest_checkpoint` (``hetplan
-train --resume``) picks the newest checkpoint with a manifest and notes, on
-stderr, newer ones it skipped as incomplete, so a run killed while saving
-resumes from the previous checkpoint.
+same message and none is left waiting. :func:`latest_checkpoint` picks the
+newest checkpoint with a manifest and notes, on stderr, newer ones it skipped
+as incomplete, so a run killed while saving resumes from the previous
+checkpoint; :func:`resume_checkpoint` (``hetplan train --resume``) refuses a
+directory with none (``--resume-or-start`` starts from step 0 then), and
+``hetplan train`` runs :func:`verify_here` on the checkpoint it starts from
+before any process starts.
 """
 
 from __future__ import annotations
@@ -403,9 +406,7 @@ def latest_checkpoint(root: str, note: Callable[[str], None] | None = None) -> t
     """
     if not os.path.isdir(root):
         return None
-    if note is None:
-        def note(text: str) -> None:
-            print(f"note: {text}", file=sys.stderr, flush=True)
+    note = note or _note_on_stderr
     steps = []
     for entry in os.listdir(root):
         m = _STEP_DIR.match(entry)
@@ -416,3 +417,46 @@ def latest_checkpoint(root: str, note: Callable[[str], None] | None = None) -> t
             return path, step
         note(f"skipping checkpoint {path}: it is incomplete (no {MANIFEST}: its save did not finish)")
     return None
+
+
+def _note_on_stderr(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+def resume_checkpoint(root: str, or_start: bool = False, note: Callable[[str], None] | None = None
+                      ) -> tuple[str, int] | None:
+    """The checkpoint ``--resume`` continues from: the newest complete one in
+    ``root`` (:func:`latest_checkpoint`; the newer incomplete ones it skips are
+    noted). When there is none, a HetplanError saying what to do: starting from
+    step 0 instead would retrain from scratch, and a job-scheduler restart would
+    never notice a wrong ``--checkpoint-dir``. ``or_start``
+    (``--resume-or-start``): None instead, the run starts from step 0."""
+    skipped: list[str] = []
+    found = latest_checkpoint(root, note=skipped.append)
+    if found is not None or or_start:
+        for text in skipped:
+            (note or _note_on_stderr)(text)
+        return found
+    if not os.path.isdir(root):
+        why = "it does not exist"
+    elif skipped:
+        why = (f"{len(skipped)} incomplete: no {MANIFEST}, {'its save' if len(skipped) == 1 else 'their saves'} "
+               "did not finish")
+    else:
+        why = "it holds no step_N checkpoint"
+    raise HetplanError(f"--resume: no complete checkpoint in {root} ({why}); drop --resume to start from step 0, "
+                       "or use --resume-or-start, which starts from step 0 when there is none")
+
+
+def verify_here(path: str) -> None:
+    """:func:`verify` in this process alone (no process group): what ``hetplan
+    train`` checks before it starts any process, so a damaged checkpoint is one
+    line, not a failure inside every rank."""
+    verify(_ONE_PROCESS, path)
+
+
+class _OneProcess:
+    distributed = False
+
+
+_ONE_PROCESS = _OneProcess()

@@ -74,7 +74,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--checkpoint-dir", default="", help="save a DCP checkpoint here every --checkpoint-every steps")
     p.add_argument("--checkpoint-every", type=positive_int, default=None,
                    help="steps between checkpoints (needs --checkpoint-dir; default: one at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir (an error if there is none)")
+    p.add_argument("--resume-or-start", action="store_true",
+                   help="as --resume, but start from step 0 when --checkpoint-dir has no complete checkpoint "
+                   "(for a job scheduler's restart script)")
     p.add_argument("--load", dest="load_from", default="", help="start from this checkpoint (saved under any plan)")
     p.add_argument("--out", default="", help="write summary.json (and state.pt with --verify) here")
     p.add_argument("--timeout", type=finite_positive_float, default=None, metavar="SECONDS", help=_TIMEOUT_HELP)
@@ -127,13 +131,17 @@ def _check_writable_dir(flag: str, path: str) -> None:
 
 def check_train_flags(args: argparse.Namespace) -> None:
     """The flags of ``hetplan train`` together, before any work (the types checked each one)."""
-    if args.resume and not args.checkpoint_dir:
-        raise HetplanError("--resume needs --checkpoint-dir (the directory whose newest checkpoint to continue from)")
+    resume = "--resume" if args.resume else "--resume-or-start" if args.resume_or_start else ""
+    if args.resume and args.resume_or_start:
+        raise HetplanError("--resume and --resume-or-start exclude each other: --resume-or-start also starts from "
+                           "step 0 when there is no checkpoint; give one")
+    if resume and not args.checkpoint_dir:
+        raise HetplanError(f"{resume} needs --checkpoint-dir (the directory whose newest checkpoint to continue from)")
     if args.checkpoint_every is not None and not args.checkpoint_dir:
         raise HetplanError("--checkpoint-every needs --checkpoint-dir (where to save the checkpoints)")
-    if args.resume and args.load_from:
-        raise HetplanError("--resume and --load exclude each other: --load starts from one checkpoint, "
-                           "--resume from the newest in --checkpoint-dir; give one")
+    if resume and args.load_from:
+        raise HetplanError(f"{resume} and --load exclude each other: --load starts from one checkpoint, "
+                           f"{resume} from the newest in --checkpoint-dir; give one")
     if args.verify and args.load_from:
         raise HetplanError("--verify compares a run from step 0; drop --load (or --verify)")
     if args.verify and args.optimizer != "sgd":
@@ -166,6 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         meta = how.build()
     preflight(layout, spec, meta, how.example_inputs)
+    start_from = _start_checkpoint(args)  # verified before any process starts
     nodes = launch.plan_nodes(plan, cluster)
     n = layout.world_size
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
@@ -177,6 +186,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
               f"on this machine ({env['HETPLAN_DEVICE']}): the losses are the plan's, the speeds are not its GPUs' "
               f"(on the real cluster: 'hetplan run {args.plan} --print -- SCRIPT')", flush=True)
+    if start_from and start_from[1] is not None:
+        print(f"resuming from {start_from[0]} (step {start_from[1]})", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetplan-train-") as tmp:
         out = args.out or tmp
         worker_args = ["--plan", os.path.abspath(args.plan), "--steps", str(args.steps),
@@ -195,25 +206,72 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.checkpoint_dir:
             worker_args += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every",
                             str(args.checkpoint_every or args.steps)]
-        if args.resume:
-            worker_args.append("--resume")
-        if args.load_from:
-            worker_args += ["--load-from", args.load_from]
+        if start_from:  # --load, or the checkpoint --resume found: the one verified above
+            worker_args += ["--load-from", start_from[0]]
         if n == 1:
             from hetplan.runtime import trainer
 
             torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
             trainer.train(trainer.parse_args(worker_args))
-        else:
-            argv = launch.standalone_argv(n, ["-m", "hetplan.runtime.trainer", *worker_args])
-            code = subprocess.call(argv, env=env)
-            if code != 0:
-                print(f"hetplan: error: training failed (torchrun exit status {code}); see the messages above",
-                      file=sys.stderr)
-                return 1
+        elif not _run_ranks(n, worker_args, env, layout, args.out):
+            return 1
         if args.verify:
             return _verify(args, plan, spec, out, precision)
     return 0
+
+
+def _start_checkpoint(args: argparse.Namespace) -> tuple[str, int | None] | None:
+    """The checkpoint the run starts from, (path, step; None for ``--load``:
+    the trainer reads it from the checkpoint), verified in this
+    process before any rank starts (manifest, every file's size and sha256:
+    hetplan.runtime.checkpoint): ``--load``'s, or for ``--resume`` the newest
+    complete one in ``--checkpoint-dir`` (none: an error). None: step 0 (no such
+    flag, or ``--resume-or-start`` with no checkpoint, said in a note)."""
+    from hetplan.runtime import checkpoint as ck
+
+    if args.load_from:
+        ck.verify_here(args.load_from)
+        return args.load_from, None
+    if not (args.resume or args.resume_or_start):
+        return None
+    found = ck.resume_checkpoint(args.checkpoint_dir, args.resume_or_start)
+    if found is None:
+        print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 (--resume-or-start)",
+              file=sys.stderr, flush=True)
+        return None
+    ck.verify_here(found[0])
+    if args.verify:
+        raise HetplanError(f"--verify compares a run from step 0, and this one would resume from step {found[1]} "
+                           f"({found[0]}); drop --verify, or start from step 0 (drop --resume)")
+    return found
+
+
+def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any, out: str) -> bool:
+    """Run the trainer on ``n`` processes (torchrun). Each rank's stderr goes to
+    a log (``OUT/logs``, or a temporary directory kept when the run fails), so a
+    failed run ends in one line naming what stopped it, not the tracebacks of the
+    ranks that lost a peer (hetplan.runtime.launch.failure_line)."""
+    import shutil
+
+    from hetplan.runtime import launch
+    from hetplan.runtime.heartbeat import describe_rank
+
+    logs = os.path.join(out, "logs") if out else tempfile.mkdtemp(prefix="hetplan-train-logs-")
+    os.makedirs(logs, exist_ok=True)
+    argv = launch.reporting_argv(n, ["-m", "hetplan.runtime.trainer", *worker_args], logs)
+    code = subprocess.call(argv, env={**env, launch.RANK_LOG_ENV: logs})
+    if code == 0:
+        wrote = [r for r in range(n) if os.path.isfile(launch.rank_log(logs, r))
+                 and os.path.getsize(launch.rank_log(logs, r))]
+        if wrote:
+            print(f"note: rank(s) {', '.join(map(str, wrote))} wrote warnings to stderr: see {logs}", file=sys.stderr)
+        elif not out:
+            shutil.rmtree(logs, ignore_errors=True)
+        return True
+    line = launch.failure_line(launch.read_exits(logs), logs, lambda r: describe_rank(layout, r))
+    line = line or f"training failed (exit status {code}); see the messages above and the ranks' output in {logs}"
+    print(f"hetplan: error: {line}", file=sys.stderr, flush=True)
+    return False
 
 
 def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision: str) -> int:

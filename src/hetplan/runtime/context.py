@@ -46,7 +46,7 @@ from hetplan.runtime import heartbeat as hb
 from hetplan.runtime import microbatch
 from hetplan.runtime import precision as mp
 from hetplan.runtime import parallelize as par
-from hetplan.runtime.chain import check_chain, example_inputs as known_example_inputs
+from hetplan.runtime.chain import check_chain, example_call, example_inputs as known_example_inputs
 from hetplan.runtime.layout import PlanLayout, RankPosition
 from hetplan.runtime.support import check_runs, support_of
 
@@ -219,8 +219,10 @@ class RuntimeContext:
         With more than one stage the layers run chained, so the model's
         ``forward`` must be exactly that chain (hetplan.runtime.chain): it is
         checked on a meta copy with ``example_inputs`` (one micro-batch's
-        positional inputs) here, or else with the first ``train_step``'s
-        micro-batch, before any pipeline communication.
+        inputs: the first passed positionally, the rest by the names of
+        ``forward``'s parameters, as ``train_step(..., inputs=)`` passes them)
+        here, or else with the first ``train_step``'s micro-batch, before any
+        pipeline communication.
 
         ``compile=True`` compiles each layer with ``torch.compile`` (after TP
         and checkpointing, before FSDP; see ``parallelize.apply_compile``).
@@ -967,7 +969,9 @@ def _check_dropout(layout: PlanLayout, full: nn.Module) -> None:
 def _check_chain_early(full: nn.Module, names: list[str], spec: Any, inputs: Sequence[Any] | None) -> None:
     """The pipeline chain check before anything is split. Without the user's
     inputs, try the ones hetplan knows (token ids, an HF image); if the model
-    cannot run on those, the first ``train_step`` checks with the real batch."""
+    cannot run on those, the first ``train_step`` checks with the real batch.
+    The user's ``inputs`` are passed as ``train_step`` passes them: the first
+    positionally, the rest by the names of ``forward``'s parameters."""
     from hetplan.runtime.hf_stages import staged_forward
 
     if staged_forward(full, names) is not None:
@@ -975,8 +979,9 @@ def _check_chain_early(full: nn.Module, names: list[str], spec: Any, inputs: Seq
     if any(p.device.type != "meta" for p in full.parameters()):
         return  # a real model: parallelize checks its meta copy instead
     par.check_layer_names(full, names, getattr(spec, "name", ""))
-    if inputs is not None:
-        check_chain(full, names, tuple(inputs))
+    if inputs is not None:  # called as train_step calls the model: the first positional, the rest by name
+        args, kwargs = example_call(full, inputs, f"model {getattr(spec, 'name', '')!r}")
+        check_chain(full, names, args, kwargs)
         return
     guess = known_example_inputs(spec, getattr(full, "config", None))
     if guess is None:

@@ -45,6 +45,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from hetplan.runtime.launch import console
+
 DEFAULT_INTERVAL_S = 1.0
 EXIT_CODE = 3  # a peer stopped responding (1: the training failed, 2: a user mistake)
 MAX_WATCHED = 8
@@ -79,7 +81,7 @@ def describe_rank(layout: Any, rank: int) -> str:
 
 def _die(message: str) -> None:
     try:
-        os.write(2, (message + "\n").encode())  # not sys.stderr: the main thread may hold its lock
+        console(message)  # the terminal, also when hetplan train sends this rank's stderr to a log
     finally:
         os._exit(EXIT_CODE)
 

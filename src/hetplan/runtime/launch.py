@@ -79,8 +79,167 @@ def torchrun_commands(plan: Any, plan_path: str, script: Sequence[str], master_a
 
 def standalone_argv(num_processes: int, script: Sequence[str], python: str | None = None) -> list[str]:
     """argv for a single-node torchrun run."""
-    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={num_processes}", *script]
+    return [python or sys.executable, "-m", "torch.distributed.run", *_standalone_args(num_processes, script)]
+
+
+def _standalone_args(num_processes: int, script: Sequence[str]) -> list[str]:
+    return ["--standalone", f"--nproc-per-node={num_processes}", *script]
+
+
+# --- hetplan train's torchrun: a failed run said in one line --------------------------------------
+# hetplan train sets this: each rank sends its stderr to <dir>/rank<R>.log (log_stderr), so the
+# tracebacks of ranks that lost a peer do not bury what ended the run (failure_line says that).
+RANK_LOG_ENV = "HETPLAN_RANK_LOG_DIR"
+AGENT_LOG = "torchrun.log"  # torchrun's agent's own log lines, in the same directory
+EXITS = "exits.json"  # the ranks' exit codes and pids of a failed run (main writes it)
+# A rank that failed with one of these lost a peer (check_results, failure_line): what made
+# the peer go is the better message.
+PEER_LOST = ("Connection reset", "Connection closed", "killed by signal", "timed out")
+_console_fd = 2  # the terminal's stderr, also after log_stderr
+
+
+def console(line: str) -> None:
+    """Write one of hetplan's own messages (an error line) to the terminal's
+    stderr, also from a rank whose stderr goes to its log. ``os.write``, not
+    ``sys.stderr``: the heartbeat calls it while the main thread may hold that lock."""
+    os.write(_console_fd, (line.rstrip("\n") + "\n").encode(errors="replace"))
+
+
+def rank_log(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.log")
+
+
+def log_stderr(directory: str, rank: int) -> None:
+    """Send this process's stderr (file descriptor 2: Python tracebacks,
+    warnings, gloo's C++ messages) to ``rank_log(directory, rank)``;
+    :func:`console` still reaches the terminal."""
+    global _console_fd
+    sys.stderr.flush()
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(rank_log(directory, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    _console_fd = os.dup(2)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def reporting_argv(num_processes: int, script: Sequence[str], directory: str,
+                   python: str | None = None) -> list[str]:
+    """argv for ``hetplan train``'s single-node run: torchrun inside :func:`main`,
+    which writes the exits of a failed run to ``directory`` instead of
+    torchrun's report (a traceback around a table)."""
+    return [python or sys.executable, "-m", "hetplan.runtime.launch", "--report-dir", directory, "--",
+            *_standalone_args(num_processes, script)]
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank of a failed run ended: its exit code (negative: the signal that killed it) and pid."""
+
+    rank: int
+    exitcode: int
+    pid: int
+
+
+def read_exits(directory: str) -> list[RankExit]:
+    """The exits :func:`main` recorded, by rank ([] when it recorded none)."""
+    import json
+
+    try:
+        with open(os.path.join(directory, EXITS), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return sorted((RankExit(int(r), int(e["exitcode"]), int(e["pid"])) for r, e in data.items()),
+                  key=lambda e: e.rank)
+
+
+def failure_line(exits: Sequence[RankExit], directory: str, describe: Callable[[int], str]) -> str:
+    """What ended a failed ``hetplan train``, in one line naming the rank
+    (``describe(rank)``: where it sits in the plan); "" when a rank said it
+    already on the terminal (a hetplan error, exit 2; the heartbeat naming a
+    stopped rank, exit 3). A rank killed by a signal other than SIGTERM (torchrun
+    sends that to the others) comes first: the others then only lost a peer."""
+    from hetplan.argtypes import EXIT_USAGE
+    from hetplan.runtime.heartbeat import EXIT_CODE as HEARTBEAT_EXIT
+
+    if not exits or any(e.exitcode in (EXIT_USAGE, HEARTBEAT_EXIT) for e in exits):
+        return ""
+    killed = [e for e in exits if e.exitcode < 0 and -e.exitcode != signal.SIGTERM]
+    if killed:
+        e = killed[0]
+        return (f"{_who(e, describe)} stopped: killed by {_signal_name(e.exitcode)} without an error of its own "
+                "(kill -9, or the out-of-memory killer: see dmesg); the other ranks were stopped "
+                f"(their output: {directory})")
+    raised = [(e, _last_error(rank_log(directory, e.rank))) for e in exits if e.exitcode > 0]
+    if raised:
+        raised.sort(key=lambda item: any(s in item[1] for s in PEER_LOST))
+        e, error = raised[0]
+        return f"{_who(e, describe)} failed: {error or f'exit status {e.exitcode}'} (traceback: {rank_log(directory, e.rank)})"
+    e = exits[0]
+    return f"{_who(e, describe)} stopped: {_signal_name(e.exitcode)} from outside the run (their output: {directory})"
+
+
+def _who(e: RankExit, describe: Callable[[int], str]) -> str:
+    """'rank 1 (stage 1 of 2: ..., device 1; pid 4242 on node7)', as the heartbeat names a rank."""
+    try:
+        where = describe(e.rank)
+    except Exception:  # noqa: BLE001 - a description must never hide the report
+        where = ""
+    return f"rank {e.rank} ({where + '; ' if where else ''}pid {e.pid} on {socket.gethostname()})"
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _last_error(path: str, limit: int = 300) -> str:
+    """The last line of a rank's log (a traceback's exception line), without torch's ``[rankN]:`` prefix."""
+    import re
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [re.sub(r"^\[rank\d+\]:\s?", "", line).strip() for line in f]
+    except OSError:
+        return ""
+    last = next((line for line in reversed(lines) if line), "")
+    return last if len(last) <= limit else last[:limit] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hetplan.runtime.launch --report-dir DIR -- TORCHRUN_ARGS``:
+    torchrun (its agent in this process), but its agent logs to DIR/torchrun.log,
+    and a failed run writes each failed rank's exit code and pid to DIR/exits.json
+    (for :func:`failure_line`) instead of raising ChildFailedError's traceback."""
+    import json
+    import logging
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] != ["--report-dir"] or args[2:3] != ["--"]:
+        raise SystemExit("usage: python -m hetplan.runtime.launch --report-dir DIR -- TORCHRUN_ARGS")
+    directory, torchrun_args = args[1], args[3:]
+    os.makedirs(directory, exist_ok=True)
+    if os.path.exists(os.path.join(directory, EXITS)):  # an earlier run's (hetplan train --out reused)
+        os.remove(os.path.join(directory, EXITS))
+    agent = logging.getLogger("torch.distributed.elastic")
+    agent.propagate = False
+    agent.addHandler(logging.FileHandler(os.path.join(directory, AGENT_LOG), mode="w"))
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args))
+    except ChildFailedError as exc:
+        exits = {str(rank): {"exitcode": f.exitcode, "pid": f.pid} for rank, f in exc.failures.items()}
+        with open(os.path.join(directory, EXITS), "w", encoding="utf-8") as f:
+            json.dump(exits, f)
+        return 1
+    except SignalException as exc:  # this process was told to stop: torchrun stopped the ranks
+        return 128 + int(exc.sigval)
+    return 0
 
 
 # --- local fork-based launcher ------------------------------------------------------------------
@@ -198,8 +357,11 @@ def check_results(results: list[RankResult]) -> list[Any]:
     bad = [r for r in results if r.exitcode != 0 or r.error]
     if bad:
         # a rank that failed on its own explains more than one that lost its peer
-        secondary = ("Connection reset", "Connection closed", "killed by signal", "timed out")
-        bad.sort(key=lambda r: (any(s in r.error for s in secondary), not r.error, r.rank))
+        bad.sort(key=lambda r: (any(s in r.error for s in PEER_LOST), not r.error, r.rank))
         r = bad[0]
         raise AssertionError(f"rank {r.rank} failed (exit {r.exitcode}): {r.error}\n{r.traceback}")
     return [r.value for r in results]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

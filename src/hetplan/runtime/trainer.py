@@ -34,12 +34,13 @@ class TrainConfig:
     export: bool = False
     checkpoint_dir: str = ""  # save a DCP checkpoint here every checkpoint_every steps
     checkpoint_every: int = 0
-    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir (an error if none)
     load_from: str = ""  # start from this checkpoint (any plan)
     die_after: int = 0  # tests: SIGKILL every rank right after this step (and its checkpoint)
     quiet: bool = False
     compile: bool = False  # torch.compile each layer (RuntimeContext.parallelize)
     dropout: float = 0.0  # the built-in model's dropout (hetplan.runtime.dropout: plan-independent masks)
+    resume_or_start: bool = False  # as resume, but start from step 0 when checkpoint_dir has none
 
 
 def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
@@ -64,10 +65,11 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     start = 0
     if cfg.load_from:
         start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
-    elif cfg.resume and cfg.checkpoint_dir:
-        # newest checkpoint with a manifest (newer incomplete ones: a note on rank 0's stderr);
-        # ctx.load verifies its files on every rank before reading them
-        found = ck.latest_checkpoint(cfg.checkpoint_dir, note=lambda t: ctx.print(f"note: {t}", file=sys.stderr))
+    elif (cfg.resume or cfg.resume_or_start) and cfg.checkpoint_dir:
+        # newest checkpoint with a manifest (newer incomplete ones: a note on rank 0's stderr), none: an
+        # error unless resume_or_start; ctx.load verifies its files on every rank before reading them
+        found = ck.resume_checkpoint(cfg.checkpoint_dir, cfg.resume_or_start,
+                                     note=lambda t: ctx.print(f"note: {t}", file=sys.stderr))
         if found:
             start = int(ctx.load(found[0], model, opt).get("step", found[1]))
             if not cfg.quiet:
@@ -150,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--checkpoint-dir", default="")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume-or-start", action="store_true")
     p.add_argument("--load-from", default="")
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
@@ -158,12 +161,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     a = p.parse_args(argv)
     return TrainConfig(a.plan, a.model, a.steps, a.seed, a.lr, a.optimizer, a.clip, a.out, a.export,
                        a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet,
-                       a.compile, a.dropout)
+                       a.compile, a.dropout, resume_or_start=a.resume_or_start)
 
 
 def main(argv: list[str] | None = None) -> int:
     from hetplan.errors import HetplanError
+    from hetplan.runtime import launch
 
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get(launch.RANK_LOG_ENV):  # hetplan train: this rank's tracebacks and warnings go to its log
+        launch.log_stderr(os.environ[launch.RANK_LOG_ENV], int(rank))
     try:
         import torch
 
@@ -171,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         train(parse_args(argv))
         code = 0
     except HetplanError as exc:
-        rank = os.environ.get("RANK", "0")
-        print(f"hetplan: error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        launch.console(f"hetplan: error (rank {rank}): {exc}")
         code = 2
     sys.stdout.flush()
     sys.stderr.flush()

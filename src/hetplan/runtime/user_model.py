@@ -31,7 +31,6 @@ single-process reference see the same batch.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.runtime.chain import keyword_input_names
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ def user_model(spec: Any) -> UserModel:
     check_same_module(reference, module, spec)
     if targets is None and callable(getattr(module, "example_targets", None)):
         targets = module.example_targets()
-    bounds = _embedding_bounds(module, inputs)
+    names = keyword_input_names(module, len(inputs), f"model {reference!r}")
+    bounds = _embedding_bounds(module, inputs, names)
     draws = tuple(_draw_of(x, f"example input {k}", bounds.get(k), reference) for k, x in enumerate(inputs))
     target_draw = _draw_of(targets, "example targets", None, reference) if targets is not None else None
     rows = {int(t.shape[0]) for t in (*inputs, *(() if targets is None else (targets,)))}
@@ -132,7 +133,7 @@ def user_model(spec: Any) -> UserModel:
         raise HetplanError(f"model {reference!r}: the example inputs and targets differ in dim 0 ({sorted(rows)}); "
                            "dim 0 is the batch, the same for each")
     loss = getattr(module, "hetplan_loss", None)
-    return UserModel(reference, draws, _input_names(module, len(inputs), reference), target_draw,
+    return UserModel(reference, draws, names, target_draw,
                      loss if callable(loss) else default_loss, not any(True for _ in module.buffers()),
                      tuple(torch.empty(x.shape, dtype=x.dtype, device="meta") for x in inputs))
 
@@ -183,10 +184,11 @@ def _draw_of(example: Any, what: str, embedding_bound: int | None, reference: st
                        "reaching no embedding); make it with device='cpu' and values spanning the range to draw")
 
 
-def _embedding_bounds(module: nn.Module, inputs: tuple[Any, ...]) -> dict[int, int]:
-    """Positional input index -> the smallest ``num_embeddings`` of an embedding
-    whose indices derive from that input (through slicing, concatenation or any
-    other integer op), from one forward on the meta device."""
+def _embedding_bounds(module: nn.Module, inputs: tuple[Any, ...], names: tuple[str, ...]) -> dict[int, int]:
+    """Input index -> the smallest ``num_embeddings`` of an embedding whose
+    indices derive from that input (through slicing, concatenation or any other
+    integer op), from one forward on the meta device, called as ``train_step``
+    calls it (the inputs after the first by their ``names``)."""
     if not any(isinstance(x, torch.Tensor) and not x.is_floating_point() for x in inputs):
         return {}
     metas = [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
@@ -194,7 +196,7 @@ def _embedding_bounds(module: nn.Module, inputs: tuple[Any, ...]) -> dict[int, i
     tracer = _IndexOrigins({id(x): (x, frozenset([k])) for k, x in enumerate(metas) if isinstance(x, torch.Tensor)})
     try:
         with torch.no_grad(), tracer:
-            module.to("meta")(*metas)
+            module.to("meta")(metas[0], **dict(zip(names, metas[1:])))
     except Exception:  # noqa: BLE001 - user code; the chain check and training report real failures
         pass
     return tracer.bounds
@@ -231,15 +233,3 @@ class _IndexOrigins(torch.overrides.TorchFunctionMode):
                 if isinstance(t, torch.Tensor) and not t.is_floating_point():
                     self.origins[id(t)] = (t, source)
         return out
-
-
-def _input_names(module: nn.Module, count: int, reference: str) -> tuple[str, ...]:
-    """Names of ``forward``'s parameters for the inputs after the first (passed as keywords)."""
-    if count <= 1:
-        return ()
-    params = list(inspect.signature(module.forward).parameters.values())
-    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if len(named) < count:
-        raise HetplanError(f"model {reference!r}: forward takes {count} example inputs but names only {len(named)} "
-                           "parameters; hetplan train passes every input after the first by its name")
-    return tuple(named[1:count])
