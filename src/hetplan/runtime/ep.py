@@ -247,16 +247,17 @@ def adapt_hf_experts(model: nn.Module) -> int:
     return len(found)
 
 
-def hf_tp_refusal(name: str, hf_class: str, tp: int) -> str:
+def hf_tp_refusal(name: str, hf_class: str, tp: int | None) -> str:
     """Why the stage's tp cannot split these HF experts. Expert TP of HF's
     packed experts would give a TP rank the columns of its slice of the
     gate rows and of the up rows of ``gate_up_proj`` (gate above up): two
     pieces of the tensor, which a checkpoint cannot record (torch's DCP takes
     one offset per shard: saving such a ``_StridedShard`` fails with
     "overlapping chunks")."""
+    split = f"tp={tp}" if tp else "tensor parallelism"
     if hf_class not in HF_EXPERTS:
-        return (f"tp={tp} would split the experts of layer {name!r} ({hf_class}), which hetplan's expert tensor "
+        return (f"{split} would split the experts of layer {name!r} ({hf_class}), which hetplan's expert tensor "
                 "parallelism does not know; use tp=1 for that layer's stage")
-    return (f"tp={tp} would split the experts of layer {name!r} ({hf_class}) by width, but their packed "
+    return (f"{split} would split the experts of layer {name!r} ({hf_class}) by width, but their packed "
             "gate_up_proj gives each TP rank two pieces of the tensor, which checkpoints cannot record; use tp=1 "
             "for that layer's stage (split its experts with ep instead)")

@@ -177,6 +177,7 @@ def inspect_model(model: Any, spec: ModelSpec, pipeline: str = "") -> ModelSpec:
 
     names = [layer.name for layer in spec.layers]
     tensor_parallel, replicated = _tp_facts(model, names)
+    expert_parallel, expert_tp = _expert_facts(model, names)
     layers = [replace(layer, tp_replicated=layer.name in replicated) if layer.name in replicated else layer
               for layer in spec.layers]
     moe = any(layer.is_moe for layer in spec.layers)
@@ -184,17 +185,35 @@ def inspect_model(model: Any, spec: ModelSpec, pipeline: str = "") -> ModelSpec:
     sequence = _sequence_parallel_refusal(model, names, moe, hf, replicated)
     support = RuntimeSupport(
         pipeline=pipeline,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=tensor_parallel or expert_tp,
         sequence_parallel=sequence,
         context_parallel="" if callable(getattr(model, "set_context_parallel", None)) else (
             f"{type(model).__name__} does not declare context-parallel support (a set_context_parallel(shard) "
             "method; hetplan's GPT has one, see docs/runtime.md); plan with cp=1"),
-        expert_parallel="" if not moe or par.moe_modules(model) else (
-            f"hetplan's runtime has no expert parallelism for the mixture-of-experts layers of "
-            f"{type(model).__name__}; plan with ep=1"),
+        expert_parallel=expert_parallel if moe else "",
         selective_recompute=_selective_refusal(model, spec),
     )
     return replace(spec, layers=tuple(layers), runtime=support)
+
+
+def _expert_facts(model: Any, names: Sequence[str]) -> tuple[str, str]:
+    """(why the runtime cannot split the model's experts over EP ranks, why
+    not over TP ranks), by the rules of ``RuntimeContext._check_cp_ep``: its
+    own MoE modules split both ways; HF's fused experts of the classes it
+    adapts (``runtime.ep.HF_EXPERTS``) over EP ranks only."""
+    from hetplan.runtime import ep
+    from hetplan.runtime import parallelize as par
+
+    hf = ep.hf_fused_experts(model)
+    if not hf and not par.moe_modules(model):
+        return (f"hetplan's runtime has no expert parallelism for the mixture-of-experts layers of "
+                f"{type(model).__name__}; plan with ep=1"), ""
+    no_ep = next((why for why in (ep.hf_experts_refusal(fqn, m) for fqn, m in hf) if why), "")
+    no_tp = ""
+    if hf:
+        fqn, module = hf[0]
+        no_tp = ep.hf_tp_refusal(par.owner_layer(fqn, names) or fqn, type(module).__name__, None)
+    return no_ep, no_tp
 
 
 def _tp_facts(model: Any, names: Sequence[str]) -> tuple[str, set[str]]:
