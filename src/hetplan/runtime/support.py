@@ -36,13 +36,17 @@ from hetplan.model.spec import ModelSpec, RuntimeSupport
 from hetplan.plan import Plan
 
 BUILTIN_FAMILIES = ("gpt", "llama", "moe")  # runtime.models: GPT/Llama decoders, GShard-style MoE decoders
-MOE_SEQUENCE_PARALLEL = ("the runtime's mixture-of-experts blocks run without sequence parallelism "
-                         "(their router sees whole sequences); plan without sequence parallelism")
 HF_SEQUENCE_PARALLEL = ("hetplan's runtime splits a HF model from its config's TP plan, which has no sequence "
                         "parallelism; plan without sequence parallelism")
 
 
 # --- the facts -----------------------------------------------------------------------------------
+def moe_sequence_parallel(layer: str) -> str:
+    """The runtime's MoE blocks run their router on whole sequences (``runtime.tp``'s block plan)."""
+    return (f"sequence parallelism with the mixture-of-experts layer {layer!r} is not supported; "
+            "turn sequence_parallel off")
+
+
 def builtin_refusal(spec: ModelSpec) -> str:
     """Why the runtime's built-in model (``runtime.models.GPT``) cannot be
     ``spec`` ("" if its layer names and family are the built-in decoder's;
@@ -73,8 +77,8 @@ def support_of(spec: ModelSpec) -> RuntimeSupport:
     why = builtin_refusal(spec)
     if why:
         return RuntimeSupport(build=why)
-    moe = any(layer.is_moe for layer in spec.layers)
-    return RuntimeSupport(sequence_parallel=MOE_SEQUENCE_PARALLEL if moe else "")
+    moe = next((layer.name for layer in spec.layers if layer.is_moe), "")
+    return RuntimeSupport(sequence_parallel=moe_sequence_parallel(moe) if moe else "")
 
 
 # --- what a search may try --------------------------------------------------------------------------
@@ -180,7 +184,7 @@ def inspect_model(model: Any, spec: ModelSpec, pipeline: str = "") -> ModelSpec:
     expert_parallel, expert_tp = _expert_facts(model, names)
     layers = [replace(layer, tp_replicated=layer.name in replicated) if layer.name in replicated else layer
               for layer in spec.layers]
-    moe = any(layer.is_moe for layer in spec.layers)
+    moe = next((layer.name for layer in spec.layers if layer.is_moe), "")
     hf = bool(spec.meta.get("hf_class"))
     sequence = _sequence_parallel_refusal(model, names, moe, hf, replicated)
     support = RuntimeSupport(
@@ -234,13 +238,14 @@ def _tp_facts(model: Any, names: Sequence[str]) -> tuple[str, set[str]]:
     return "", replicated
 
 
-def _sequence_parallel_refusal(model: Any, names: Sequence[str], moe: bool, hf: bool, replicated: set[str]) -> str:
+def _sequence_parallel_refusal(model: Any, names: Sequence[str], moe: str, hf: bool, replicated: set[str]) -> str:
+    """Why the runtime cannot run ``model`` with sequence parallelism (``moe``: its first MoE layer, if any)."""
     if replicated:
         return (f"layer {sorted(replicated)[0]!r} has no TP plan, and with sequence parallelism it would see only a "
                 "slice of the sequence; register one with hetplan.runtime.register_tp_plan or plan without "
                 "sequence parallelism")
     if moe:
-        return MOE_SEQUENCE_PARALLEL
+        return moe_sequence_parallel(moe)
     from hetplan.runtime import tp as tpr
 
     tpr.ensure_builtins()

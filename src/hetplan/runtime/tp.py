@@ -139,6 +139,7 @@ def _register_builtins() -> None:
     )
 
     from hetplan.runtime import models as m
+    from hetplan.runtime.support import moe_sequence_parallel
 
     def embed_plan(module: m.Embed, s: TPSettings) -> dict[str, Any]:
         if module.tok.num_embeddings % s.tp:
@@ -155,8 +156,7 @@ def _register_builtins() -> None:
         _heads_check(s.name, module.attn.heads, module.attn.kv_heads, s.tp)
         moe = isinstance(module.mlp, m.MoE)  # router whole on every TP rank; experts split by parallelize.apply_ep
         if moe and s.sequence_parallel:
-            raise HetplanError(f"sequence parallelism with the mixture-of-experts layer {s.name!r} is not supported; "
-                               "turn sequence_parallel off")
+            raise HetplanError(moe_sequence_parallel(s.name))
         ffn = 0 if moe else module.mlp.fc.out_features
         if ffn % s.tp:
             raise HetplanError(f"tp={s.tp} does not divide the MLP width {ffn} of layer {s.name!r}")
