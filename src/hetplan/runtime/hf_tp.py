@@ -1,0 +1,350 @@
+"""Tensor-parallel plans for the HF families whose configs carry none: GPT-2, BERT, T5 and ViT.
+
+Llama, Mistral and Qwen configs name their own TP plan (``base_model_tp_plan``,
+read by :func:`hetplan.runtime.tp.hf_tp_plan`); ``GPT2LMHeadModel``,
+``BertForMaskedLM``, ``T5ForConditionalGeneration`` and
+``ViTForImageClassification`` have none, so these plans split them as the cost
+model charges a TP layer, Megatron-LM's way (Shoeybi et al. 2019, §3):
+
+* attention: the query/key/value projections column-parallel, so each TP rank
+  holds ``heads / tp`` whole heads and attends with them alone; the output
+  projection row-parallel, its partial outputs all-reduced. T5's relative
+  position bias (``relative_attention_bias``, one column per head) is split by
+  heads too. An attention module that reshapes by a stored head count (GPT-2's
+  ``split_size``, T5's ``n_heads``) is given this rank's count.
+* MLP: the first linear(s) column-parallel, the second row-parallel.
+* the token embedding vocabulary-parallel (output all-reduced) and the LM head
+  column-parallel over the vocabulary with its logits gathered for the loss,
+  as hetplan's own GPT (``runtime/tp.py``); both shard the tied weight alike.
+* what Megatron keeps whole stays whole on every TP rank, as the cost model
+  counts it: norms, position and token-type embeddings, BERT's prediction
+  transform; ViT's patch embedding and classifier (Megatron-LM's ViT backbone
+  and classification head are plain ``torch.nn.Linear`` layers).
+
+GPT-2's projections are ``Conv1D`` (weight ``[in, out]``) and its attention
+input projection ``c_attn`` is fused, ``[q | k | v]`` along the output: a
+plain column split would hand rank 0 all of q and half of k. It is split
+group by group instead (``_StridedShard(1, split_factor=3)``: rank r holds
+its heads of q, of k and of v, side by side), and the Conv1D modules compute
+on their local shards between Megatron's two TP collectives
+(:func:`hetplan.runtime.ep.expert_tp_input` / ``expert_tp_output``).
+
+Parameter names stay the model's and every parameter is a DTensor of the full
+shape, so initial values, ``full_state_dict``, checkpoints and ``--verify``
+work by name as for the other plans. Sequence parallelism is refused for these
+families (their staged forwards and post-norm blocks would need the sequence
+whole between layers); so are models with cross-attention added to a decoder
+or encoder (``add_cross_attention``). Tests: ``tests/distributed/test_hf_tp.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from hetplan.errors import HetplanError
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One module's style and the counts the TP degree must divide there ((what, count) pairs)."""
+
+    style: Any
+    needs: tuple[tuple[str, int], ...]
+
+
+# --- styles ------------------------------------------------------------------------------------------
+def _styles() -> Any:
+    """The DTensor parallel styles (imported on first use: torch.distributed.tensor is slow to import)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return ColwiseParallel, RowwiseParallel, Replicate
+
+
+def _colwise() -> Any:
+    return _styles()[0]()
+
+
+def _rowwise() -> Any:
+    return _styles()[1]()
+
+
+def _vocab_parallel() -> Any:
+    """A vocabulary-parallel embedding: rows split, lookups outside a rank's rows zero, output all-reduced."""
+    _, row, replicate = _styles()
+    return row(input_layouts=replicate(), output_layouts=replicate())
+
+
+def _gathered_head() -> Any:
+    """An LM head split over the vocabulary, its logits gathered whole for the loss."""
+    col, _, replicate = _styles()
+    return col(output_layouts=replicate())
+
+
+@functools.lru_cache(maxsize=1)
+def _style_classes() -> dict[str, type]:
+    """hetplan's own ParallelStyles (defined on first use, after torch.distributed.tensor is imported)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle as base
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hetplan.runtime.ep import expert_tp_input, expert_tp_output
+
+    def distribute(module: nn.Module, name: str, mesh: Any, placement: Any, src: int | None) -> None:
+        param = getattr(module, name)
+        d = distribute_tensor(param.data, mesh, [placement], src_data_rank=src)
+        module.register_parameter(name, nn.Parameter(d, requires_grad=param.requires_grad))
+
+    class Whole(base):  # type: ignore[misc, valid-type]
+        """Keep the module whole on every TP rank (what Megatron does not split)."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return module
+
+    class LocalHeads(base):  # type: ignore[misc, valid-type]
+        """Divide an attention module's stored head counts (and widths made of
+        heads) by tp: its forward reshapes by them, and sees this rank's heads."""
+
+        def __init__(self, attrs: tuple[str, ...]) -> None:
+            self.attrs = attrs
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            for attr in self.attrs:
+                setattr(module, attr, getattr(module, attr) // device_mesh.size())
+            return module
+
+    class ShardedBias(base):  # type: ignore[misc, valid-type]
+        """Split a module's own ``bias`` parameter over the vocabulary (BERT's
+        prediction bias, tied to the column-parallel decoder's bias)."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
+            return module
+
+    class Conv1DColwise(base):  # type: ignore[misc, valid-type]
+        """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight ``[in, out]``) split by
+        output columns; with ``groups`` > 1 (the fused ``[q | k | v]``) each of
+        the equal groups is split, and a rank's shard is its part of every group."""
+
+        def __init__(self, groups: int = 1) -> None:
+            self.groups = groups
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            g = self.groups
+            distribute(module, "weight", device_mesh, _StridedShard(1, split_factor=g) if g > 1 else Shard(1),
+                       self.src_data_rank)
+            distribute(module, "bias", device_mesh, _StridedShard(0, split_factor=g) if g > 1 else Shard(0),
+                       self.src_data_rank)
+            group = device_mesh.get_group()
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                w = module.weight.to_local()
+                x = expert_tp_input(x, group)  # input gradients summed over the TP ranks' columns
+                out = torch.addmm(module.bias.to_local(), x.reshape(-1, x.size(-1)), w)
+                return out.view(*x.shape[:-1], w.size(1))
+
+            module.forward = forward  # type: ignore[method-assign]
+            return module
+
+    class Conv1DRowwise(base):  # type: ignore[misc, valid-type]
+        """GPT-2's ``Conv1D`` split by input rows: each rank multiplies its slice of
+        the features, the partial products are all-reduced, then the (whole) bias added."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            distribute(module, "weight", device_mesh, Shard(0), self.src_data_rank)
+            distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
+            group = device_mesh.get_group()
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                w = module.weight.to_local()
+                out = expert_tp_output(x.reshape(-1, x.size(-1)) @ w, group)
+                return (out + module.bias.to_local()).view(*x.shape[:-1], w.size(1))
+
+            module.forward = forward  # type: ignore[method-assign]
+            return module
+
+    return {"Whole": Whole, "LocalHeads": LocalHeads, "ShardedBias": ShardedBias,
+            "Conv1DColwise": Conv1DColwise, "Conv1DRowwise": Conv1DRowwise}
+
+
+def _style(name: str, *args: Any) -> Any:
+    return _style_classes()[name](*args)
+
+
+# --- the modules of each family --------------------------------------------------------------------
+def _heads(n: int) -> tuple[tuple[str, int], ...]:
+    return (("attention heads", n),)
+
+
+def _width(n: int) -> tuple[tuple[str, int], ...]:
+    return (("MLP width", n),)
+
+
+def _linear_attention(path: str, heads: int, cols: tuple[str, ...], row: str, head_attrs: tuple[str, ...],
+                      holder: str = "") -> dict[str, _Entry]:
+    """Q/K/V column-parallel by heads, the output projection row-parallel; the
+    module ``holder`` (relative to ``path``) keeps the head counts ``head_attrs``."""
+    need = _heads(heads)
+    out = {f"{path}.{holder}" if holder else path: _Entry(_style("LocalHeads", head_attrs), need)}
+    out.update({f"{path}.{c}": _Entry(_colwise(), need) for c in cols})
+    out[f"{path}.{row}"] = _Entry(_rowwise(), need)
+    return out
+
+
+def _gpt2_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
+    if m.is_cross_attention:
+        raise HetplanError(f"hetplan's TP plan for GPT-2 has no cross-attention ({path!r}, add_cross_attention); "
+                           "use a plan with tp=1 for this model")
+    need = _heads(m.num_heads)
+    return {path: _Entry(_style("LocalHeads", ("num_heads", "embed_dim", "split_size")), need),
+            f"{path}.c_attn": _Entry(_style("Conv1DColwise", 3), need),
+            f"{path}.c_proj": _Entry(_style("Conv1DRowwise"), need)}
+
+
+def _gpt2_mlp(path: str, m: nn.Module) -> dict[str, _Entry]:
+    need = _width(m.c_fc.nf)
+    return {f"{path}.c_fc": _Entry(_style("Conv1DColwise"), need),
+            f"{path}.c_proj": _Entry(_style("Conv1DRowwise"), need)}
+
+
+def _bert_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
+    """``BertAttention``: ``self`` (query/key/value) and ``output.dense``."""
+    return _linear_attention(path, m.self.num_attention_heads, ("self.query", "self.key", "self.value"),
+                             "output.dense", ("num_attention_heads", "all_head_size"), holder="self")
+
+
+def _bert_layer(path: str, m: nn.Module) -> dict[str, _Entry]:
+    if getattr(m, "add_cross_attention", False):
+        raise HetplanError(f"hetplan's TP plan for BERT has no cross-attention ({path!r}, add_cross_attention); "
+                           "use a plan with tp=1 for this model")
+    need = _width(m.intermediate.dense.out_features)
+    return {**_bert_attention(f"{path}.attention", m.attention),
+            f"{path}.intermediate.dense": _Entry(_colwise(), need),
+            f"{path}.output.dense": _Entry(_rowwise(), need)}
+
+
+def _t5_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
+    out = _linear_attention(path, m.n_heads, ("q", "k", "v"), "o", ("n_heads", "inner_dim"))
+    if m.has_relative_attention_bias:  # Embedding(buckets, heads): one column per head, split with them
+        out[f"{path}.relative_attention_bias"] = _Entry(_colwise(), _heads(m.n_heads))
+    return out
+
+
+def _t5_mlp(path: str, m: nn.Module) -> dict[str, _Entry]:
+    """``T5DenseActDense`` (wi) and ``T5DenseGatedActDense`` (wi_0, wi_1), then wo."""
+    need = _width(m.wo.in_features)
+    cols = ("wi",) if hasattr(m, "wi") else ("wi_0", "wi_1")
+    return {**{f"{path}.{c}": _Entry(_colwise(), need) for c in cols}, f"{path}.wo": _Entry(_rowwise(), need)}
+
+
+def _vit_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
+    return _linear_attention(path, m.num_attention_heads, ("q_proj", "k_proj", "v_proj"), "o_proj",
+                             ("num_attention_heads",))
+
+
+def _vit_mlp(path: str, m: nn.Module) -> dict[str, _Entry]:
+    need = _width(m.fc1.out_features)
+    return {f"{path}.fc1": _Entry(_colwise(), need), f"{path}.fc2": _Entry(_rowwise(), need)}
+
+
+# module class name -> its entries; a match stops the walk below it
+_BLOCK_PARTS: dict[str, Callable[[str, nn.Module], dict[str, _Entry]]] = {
+    "GPT2Attention": _gpt2_attention,
+    "GPT2MLP": _gpt2_mlp,
+    "BertLayer": _bert_layer,
+    "T5Attention": _t5_attention,
+    "T5DenseActDense": _t5_mlp,
+    "T5DenseGatedActDense": _t5_mlp,
+    "ViTAttention": _vit_attention,
+    "ViTMLP": _vit_mlp,
+}
+
+
+def _vocab(model: nn.Module) -> tuple[tuple[str, int], ...]:
+    return (("vocabulary", int(model.config.vocab_size)),)
+
+
+def _ends(model: nn.Module) -> dict[str, _Entry]:
+    """The embedding and head entries of each family (module paths of the HF class)."""
+    name = type(model).__name__
+    vocab = _vocab(model) if name != "ViTForImageClassification" else ()
+    if name == "GPT2LMHeadModel":
+        return {"transformer.wte": _Entry(_vocab_parallel(), vocab), "lm_head": _Entry(_gathered_head(), vocab)}
+    if name == "BertForMaskedLM":
+        return {"bert.embeddings.word_embeddings": _Entry(_vocab_parallel(), vocab),
+                "cls.predictions": _Entry(_style("ShardedBias"), vocab),
+                "cls.predictions.decoder": _Entry(_gathered_head(), vocab)}
+    if name == "T5ForConditionalGeneration":  # `shared` is the same weight as both stacks' embed_tokens
+        return {**{p: _Entry(_vocab_parallel(), vocab) for p in ("shared", "encoder.embed_tokens",
+                                                                   "decoder.embed_tokens")},
+                "lm_head": _Entry(_gathered_head(), vocab)}
+    return {"vit.embeddings": _Entry(_style("Whole"), ()), "classifier": _Entry(_style("Whole"), ())}
+
+
+FAMILIES = ("GPT2LMHeadModel", "BertForMaskedLM", "T5ForConditionalGeneration", "ViTForImageClassification")
+
+
+def _entries(model: nn.Module) -> dict[str, _Entry] | None:
+    """Every module path of the model with its style and needs (None: not one of these families)."""
+    if type(model).__name__ not in FAMILIES:
+        return None
+    entries = _ends(model)
+    found = 0
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        path, module = stack.pop()
+        fn = _BLOCK_PARTS.get(type(module).__name__)
+        if fn is not None:
+            entries.update(fn(path, module))
+            found += 1
+            continue
+        stack += [(f"{path}.{n}" if path else n, c) for n, c in reversed(list(module.named_children()))]
+    missing = [p for p in entries if _lacks(model, p)]
+    if missing or not found:
+        raise HetplanError(f"{type(model).__name__} of this transformers release has no module "
+                           f"{missing[0] if missing else 'hetplan knows how to split'!r}, which hetplan's TP plan "
+                           "for it splits; use a plan with tp=1 or transformers 5.24")
+    return entries
+
+
+def _lacks(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return True
+    return False
+
+
+# --- the runtime's entry points ------------------------------------------------------------------------
+def family_tp_plan(model: nn.Module) -> dict[str, Any] | None:
+    """A whole-model ``parallelize_module`` plan (module path -> style) for a
+    GPT-2, BERT, T5 or ViT model of the classes in :data:`FAMILIES`; None for other models."""
+    entries = _entries(model)
+    return None if entries is None else {path: e.style for path, e in entries.items()}
+
+
+def check_family_tp(model: nn.Module, layer_tp: Mapping[str, int], sequence_parallel: bool) -> None:
+    """Refuse, in one line, a TP degree the family plan cannot split by (it must
+    divide the heads, MLP width and vocabulary of every layer it applies to)
+    and sequence parallelism. ``layer_tp``: the plan's layer names -> their tp."""
+    from hetplan.runtime.parallelize import owner_layer
+
+    entries = _entries(model)
+    if entries is None or max(layer_tp.values(), default=1) <= 1:
+        return
+    if sequence_parallel:
+        raise HetplanError(f"sequence parallelism is not supported for {type(model).__name__} (hetplan's TP plan "
+                           "for it splits heads and MLP widths only); turn sequence_parallel off")
+    names = list(layer_tp)
+    for path, entry in entries.items():
+        layer = path if path in layer_tp else owner_layer(path, names)
+        tp = layer_tp.get(layer, 1) if layer is not None else 1
+        for what, count in entry.needs:
+            if count % tp:
+                raise HetplanError(f"tp={tp} does not divide the {count} {what} of {path!r}; "
+                                   f"use a tp that divides {count}")
