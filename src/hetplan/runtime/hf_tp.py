@@ -128,24 +128,33 @@ def _style_classes() -> dict[str, type]:
 
     class Conv1DColwise(base):  # type: ignore[misc, valid-type]
         """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight ``[in, out]``) split by
-        output columns; with ``groups`` > 1 (the fused ``[q | k | v]``) each of
-        the equal groups is split, and a rank's shard is its part of every group."""
+        output columns. With ``groups`` > 1 (the fused ``[q | k | v]``) each of the
+        equal groups is split and a rank's shard is its part of every group
+        (``_StridedShard``); the bias then stays whole on every TP rank, each
+        rank adding its part and the gradient summed over the TP ranks: FSDP2
+        (ZeRO-2/3) cannot describe a strided 1-D shard split again along the
+        same dim, so its gathered values would be out of order."""
 
         def __init__(self, groups: int = 1) -> None:
             self.groups = groups
 
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            g = self.groups
+            g, tp, rank = self.groups, device_mesh.size(), device_mesh.get_local_rank()
             distribute(module, "weight", device_mesh, _StridedShard(1, split_factor=g) if g > 1 else Shard(1),
                        self.src_data_rank)
-            distribute(module, "bias", device_mesh, _StridedShard(0, split_factor=g) if g > 1 else Shard(0),
-                       self.src_data_rank)
+            distribute(module, "bias", device_mesh, Replicate() if g > 1 else Shard(0), self.src_data_rank)
             group = device_mesh.get_group()
+
+            def bias() -> torch.Tensor:
+                b = module.bias.to_local()
+                if g == 1:
+                    return b
+                return expert_tp_input(b, group).view(g, tp, -1)[:, rank].reshape(-1)
 
             def forward(x: torch.Tensor) -> torch.Tensor:
                 w = module.weight.to_local()
                 x = expert_tp_input(x, group)  # input gradients summed over the TP ranks' columns
-                out = torch.addmm(module.bias.to_local(), x.reshape(-1, x.size(-1)), w)
+                out = torch.addmm(bias(), x.reshape(-1, x.size(-1)), w)
                 return out.view(*x.shape[:-1], w.size(1))
 
             module.forward = forward  # type: ignore[method-assign]
@@ -293,7 +302,7 @@ def _entries(model: nn.Module) -> dict[str, _Entry] | None:
     """Every module path of the model with its style and needs (None: not one of these families)."""
     if type(model).__name__ not in FAMILIES:
         return None
-    entries = _ends(model)
+    entries: dict[str, _Entry] = {}  # the blocks first: a bad degree is named at its heads
     found = 0
     stack: list[tuple[str, nn.Module]] = [("", model)]
     while stack:
@@ -304,6 +313,7 @@ def _entries(model: nn.Module) -> dict[str, _Entry] | None:
             found += 1
             continue
         stack += [(f"{path}.{n}" if path else n, c) for n, c in reversed(list(module.named_children()))]
+    entries.update(_ends(model))
     missing = [p for p in entries if _lacks(model, p)]
     if missing or not found:
         raise HetplanError(f"{type(model).__name__} of this transformers release has no module "
