@@ -39,150 +39,125 @@ or encoder (``add_cross_attention``). Tests: ``tests/distributed/test_hf_tp.py``
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hetplan.errors import HetplanError
+from hetplan.runtime.ep import expert_tp_input, expert_tp_output
 
 
 @dataclass(frozen=True)
 class _Entry:
     """One module's style and the counts the TP degree must divide there ((what, count) pairs)."""
 
-    style: Any
+    style: ParallelStyle
     needs: tuple[tuple[str, int], ...]
 
 
 # --- styles ------------------------------------------------------------------------------------------
-def _styles() -> Any:
-    """The DTensor parallel styles (imported on first use: torch.distributed.tensor is slow to import)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return ColwiseParallel, RowwiseParallel, Replicate
-
-
-def _colwise() -> Any:
-    return _styles()[0]()
-
-
-def _rowwise() -> Any:
-    return _styles()[1]()
-
-
-def _vocab_parallel() -> Any:
+def _vocab_parallel() -> ParallelStyle:
     """A vocabulary-parallel embedding: rows split, lookups outside a rank's rows zero, output all-reduced."""
-    _, row, replicate = _styles()
-    return row(input_layouts=replicate(), output_layouts=replicate())
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
 
 
-def _gathered_head() -> Any:
+def _gathered_head() -> ParallelStyle:
     """An LM head split over the vocabulary, its logits gathered whole for the loss."""
-    col, _, replicate = _styles()
-    return col(output_layouts=replicate())
+    return ColwiseParallel(output_layouts=Replicate())
 
 
-@functools.lru_cache(maxsize=1)
-def _style_classes() -> dict[str, type]:
-    """hetplan's own ParallelStyles (defined on first use, after torch.distributed.tensor is imported)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ParallelStyle as base
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    from hetplan.runtime.ep import expert_tp_input, expert_tp_output
-
-    def distribute(module: nn.Module, name: str, mesh: Any, placement: Any, src: int | None) -> None:
-        param = getattr(module, name)
-        d = distribute_tensor(param.data, mesh, [placement], src_data_rank=src)
-        module.register_parameter(name, nn.Parameter(d, requires_grad=param.requires_grad))
-
-    class Whole(base):  # type: ignore[misc, valid-type]
-        """Keep the module whole on every TP rank (what Megatron does not split)."""
-
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            return module
-
-    class LocalHeads(base):  # type: ignore[misc, valid-type]
-        """Divide an attention module's stored head counts (and widths made of
-        heads) by tp: its forward reshapes by them, and sees this rank's heads."""
-
-        def __init__(self, attrs: tuple[str, ...]) -> None:
-            self.attrs = attrs
-
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            for attr in self.attrs:
-                setattr(module, attr, getattr(module, attr) // device_mesh.size())
-            return module
-
-    class ShardedBias(base):  # type: ignore[misc, valid-type]
-        """Split a module's own ``bias`` parameter over the vocabulary (BERT's
-        prediction bias, tied to the column-parallel decoder's bias)."""
-
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
-            return module
-
-    class Conv1DColwise(base):  # type: ignore[misc, valid-type]
-        """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight ``[in, out]``) split by
-        output columns. With ``groups`` > 1 (the fused ``[q | k | v]``) each of the
-        equal groups is split and a rank's shard is its part of every group
-        (``_StridedShard``); the bias then stays whole on every TP rank, each
-        rank adding its part and the gradient summed over the TP ranks: FSDP2
-        (ZeRO-2/3) cannot describe a strided 1-D shard split again along the
-        same dim, so its gathered values would be out of order."""
-
-        def __init__(self, groups: int = 1) -> None:
-            self.groups = groups
-
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            g, tp, rank = self.groups, device_mesh.size(), device_mesh.get_local_rank()
-            distribute(module, "weight", device_mesh, _StridedShard(1, split_factor=g) if g > 1 else Shard(1),
-                       self.src_data_rank)
-            distribute(module, "bias", device_mesh, Replicate() if g > 1 else Shard(0), self.src_data_rank)
-            group = device_mesh.get_group()
-
-            def bias() -> torch.Tensor:
-                b = module.bias.to_local()
-                if g == 1:
-                    return b
-                return expert_tp_input(b, group).view(g, tp, -1)[:, rank].reshape(-1)
-
-            def forward(x: torch.Tensor) -> torch.Tensor:
-                w = module.weight.to_local()
-                x = expert_tp_input(x, group)  # input gradients summed over the TP ranks' columns
-                out = torch.addmm(bias(), x.reshape(-1, x.size(-1)), w)
-                return out.view(*x.shape[:-1], w.size(1))
-
-            module.forward = forward  # type: ignore[method-assign]
-            return module
-
-    class Conv1DRowwise(base):  # type: ignore[misc, valid-type]
-        """GPT-2's ``Conv1D`` split by input rows: each rank multiplies its slice of
-        the features, the partial products are all-reduced, then the (whole) bias added."""
-
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            distribute(module, "weight", device_mesh, Shard(0), self.src_data_rank)
-            distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
-            group = device_mesh.get_group()
-
-            def forward(x: torch.Tensor) -> torch.Tensor:
-                w = module.weight.to_local()
-                out = expert_tp_output(x.reshape(-1, x.size(-1)) @ w, group)
-                return (out + module.bias.to_local()).view(*x.shape[:-1], w.size(1))
-
-            module.forward = forward  # type: ignore[method-assign]
-            return module
-
-    return {"Whole": Whole, "LocalHeads": LocalHeads, "ShardedBias": ShardedBias,
-            "Conv1DColwise": Conv1DColwise, "Conv1DRowwise": Conv1DRowwise}
+def _distribute(module: nn.Module, name: str, mesh: Any, placement: Any, src: int | None) -> None:
+    """Replace the module's parameter ``name`` by its DTensor with ``placement`` on ``mesh``."""
+    param = getattr(module, name)
+    d = distribute_tensor(param.data, mesh, [placement], src_data_rank=src)
+    module.register_parameter(name, nn.Parameter(d, requires_grad=param.requires_grad))
 
 
-def _style(name: str, *args: Any) -> Any:
-    return _style_classes()[name](*args)
+class Whole(ParallelStyle):
+    """Keep the module whole on every TP rank (what Megatron does not split)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return module
+
+
+class LocalHeads(ParallelStyle):
+    """Divide an attention module's stored head counts (and widths made of
+    heads) by tp: its forward reshapes by them, and sees this rank's heads."""
+
+    def __init__(self, attrs: tuple[str, ...]) -> None:
+        self.attrs = attrs
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for attr in self.attrs:
+            setattr(module, attr, getattr(module, attr) // device_mesh.size())
+        return module
+
+
+class ShardedBias(ParallelStyle):
+    """Split a module's own ``bias`` parameter over the vocabulary (BERT's
+    prediction bias, tied to the column-parallel decoder's bias)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        _distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
+        return module
+
+
+class Conv1DColwise(ParallelStyle):
+    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight ``[in, out]``) split by
+    output columns. With ``groups`` > 1 (the fused ``[q | k | v]``) each of the
+    equal groups is split and a rank's shard is its part of every group
+    (``_StridedShard``); the bias then stays whole on every TP rank, each rank
+    adding its part and the gradient summed over the TP ranks: FSDP2 (ZeRO-2/3)
+    cannot describe a strided 1-D shard split again along the same dim, so its
+    gathered values would be out of order."""
+
+    def __init__(self, groups: int = 1) -> None:
+        self.groups = groups
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        g, tp, rank = self.groups, device_mesh.size(), device_mesh.get_local_rank()
+        _distribute(module, "weight", device_mesh, _StridedShard(1, split_factor=g) if g > 1 else Shard(1),
+                    self.src_data_rank)
+        _distribute(module, "bias", device_mesh, Replicate() if g > 1 else Shard(0), self.src_data_rank)
+        group = device_mesh.get_group()
+
+        def bias() -> torch.Tensor:
+            b = module.bias.to_local()
+            if g == 1:
+                return b
+            return expert_tp_input(b, group).view(g, tp, -1)[:, rank].reshape(-1)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            w = module.weight.to_local()
+            x = expert_tp_input(x, group)  # input gradients summed over the TP ranks' columns
+            out = torch.addmm(bias(), x.reshape(-1, x.size(-1)), w)
+            return out.view(*x.shape[:-1], w.size(1))
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
+class Conv1DRowwise(ParallelStyle):
+    """GPT-2's ``Conv1D`` split by input rows: each rank multiplies its slice of
+    the features, the partial products are all-reduced, then the (whole) bias added."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        _distribute(module, "weight", device_mesh, Shard(0), self.src_data_rank)
+        _distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
+        group = device_mesh.get_group()
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            w = module.weight.to_local()
+            out = expert_tp_output(x.reshape(-1, x.size(-1)) @ w, group)
+            return (out + module.bias.to_local()).view(*x.shape[:-1], w.size(1))
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
 
 
 # --- the modules of each family --------------------------------------------------------------------
@@ -199,9 +174,9 @@ def _linear_attention(path: str, heads: int, cols: tuple[str, ...], row: str, he
     """Q/K/V column-parallel by heads, the output projection row-parallel; the
     module ``holder`` (relative to ``path``) keeps the head counts ``head_attrs``."""
     need = _heads(heads)
-    out = {f"{path}.{holder}" if holder else path: _Entry(_style("LocalHeads", head_attrs), need)}
-    out.update({f"{path}.{c}": _Entry(_colwise(), need) for c in cols})
-    out[f"{path}.{row}"] = _Entry(_rowwise(), need)
+    out = {f"{path}.{holder}" if holder else path: _Entry(LocalHeads(head_attrs), need)}
+    out.update({f"{path}.{c}": _Entry(ColwiseParallel(), need) for c in cols})
+    out[f"{path}.{row}"] = _Entry(RowwiseParallel(), need)
     return out
 
 
@@ -210,15 +185,15 @@ def _gpt2_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
         raise HetplanError(f"hetplan's TP plan for GPT-2 has no cross-attention ({path!r}, add_cross_attention); "
                            "use a plan with tp=1 for this model")
     need = _heads(m.num_heads)
-    return {path: _Entry(_style("LocalHeads", ("num_heads", "embed_dim", "split_size")), need),
-            f"{path}.c_attn": _Entry(_style("Conv1DColwise", 3), need),
-            f"{path}.c_proj": _Entry(_style("Conv1DRowwise"), need)}
+    return {path: _Entry(LocalHeads(("num_heads", "embed_dim", "split_size")), need),
+            f"{path}.c_attn": _Entry(Conv1DColwise(3), need),
+            f"{path}.c_proj": _Entry(Conv1DRowwise(), need)}
 
 
 def _gpt2_mlp(path: str, m: nn.Module) -> dict[str, _Entry]:
     need = _width(m.c_fc.nf)
-    return {f"{path}.c_fc": _Entry(_style("Conv1DColwise"), need),
-            f"{path}.c_proj": _Entry(_style("Conv1DRowwise"), need)}
+    return {f"{path}.c_fc": _Entry(Conv1DColwise(), need),
+            f"{path}.c_proj": _Entry(Conv1DRowwise(), need)}
 
 
 def _bert_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
@@ -233,14 +208,14 @@ def _bert_layer(path: str, m: nn.Module) -> dict[str, _Entry]:
                            "use a plan with tp=1 for this model")
     need = _width(m.intermediate.dense.out_features)
     return {**_bert_attention(f"{path}.attention", m.attention),
-            f"{path}.intermediate.dense": _Entry(_colwise(), need),
-            f"{path}.output.dense": _Entry(_rowwise(), need)}
+            f"{path}.intermediate.dense": _Entry(ColwiseParallel(), need),
+            f"{path}.output.dense": _Entry(RowwiseParallel(), need)}
 
 
 def _t5_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
     out = _linear_attention(path, m.n_heads, ("q", "k", "v"), "o", ("n_heads", "inner_dim"))
     if m.has_relative_attention_bias:  # Embedding(buckets, heads): one column per head, split with them
-        out[f"{path}.relative_attention_bias"] = _Entry(_colwise(), _heads(m.n_heads))
+        out[f"{path}.relative_attention_bias"] = _Entry(ColwiseParallel(), _heads(m.n_heads))
     return out
 
 
@@ -248,7 +223,9 @@ def _t5_mlp(path: str, m: nn.Module) -> dict[str, _Entry]:
     """``T5DenseActDense`` (wi) and ``T5DenseGatedActDense`` (wi_0, wi_1), then wo."""
     need = _width(m.wo.in_features)
     cols = ("wi",) if hasattr(m, "wi") else ("wi_0", "wi_1")
-    return {**{f"{path}.{c}": _Entry(_colwise(), need) for c in cols}, f"{path}.wo": _Entry(_rowwise(), need)}
+    out = {f"{path}.{c}": _Entry(ColwiseParallel(), need) for c in cols}
+    out[f"{path}.wo"] = _Entry(RowwiseParallel(), need)
+    return out
 
 
 def _vit_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
@@ -258,7 +235,7 @@ def _vit_attention(path: str, m: nn.Module) -> dict[str, _Entry]:
 
 def _vit_mlp(path: str, m: nn.Module) -> dict[str, _Entry]:
     need = _width(m.fc1.out_features)
-    return {f"{path}.fc1": _Entry(_colwise(), need), f"{path}.fc2": _Entry(_rowwise(), need)}
+    return {f"{path}.fc1": _Entry(ColwiseParallel(), need), f"{path}.fc2": _Entry(RowwiseParallel(), need)}
 
 
 # module class name -> its entries; a match stops the walk below it
@@ -286,48 +263,48 @@ def _ends(model: nn.Module) -> dict[str, _Entry]:
         return {"transformer.wte": _Entry(_vocab_parallel(), vocab), "lm_head": _Entry(_gathered_head(), vocab)}
     if name == "BertForMaskedLM":
         return {"bert.embeddings.word_embeddings": _Entry(_vocab_parallel(), vocab),
-                "cls.predictions": _Entry(_style("ShardedBias"), vocab),
+                "cls.predictions": _Entry(ShardedBias(), vocab),
                 "cls.predictions.decoder": _Entry(_gathered_head(), vocab)}
     if name == "T5ForConditionalGeneration":  # `shared` is the same weight as both stacks' embed_tokens
         return {**{p: _Entry(_vocab_parallel(), vocab) for p in ("shared", "encoder.embed_tokens",
                                                                    "decoder.embed_tokens")},
                 "lm_head": _Entry(_gathered_head(), vocab)}
-    return {"vit.embeddings": _Entry(_style("Whole"), ()), "classifier": _Entry(_style("Whole"), ())}
+    return {"vit.embeddings": _Entry(Whole(), ()), "classifier": _Entry(Whole(), ())}
 
 
-FAMILIES = ("GPT2LMHeadModel", "BertForMaskedLM", "T5ForConditionalGeneration", "ViTForImageClassification")
+# each family's model class -> the block parts (module class names, one of each group) its layers must have
+FAMILIES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "GPT2LMHeadModel": (("GPT2Attention",), ("GPT2MLP",)),
+    "BertForMaskedLM": (("BertLayer",),),
+    "T5ForConditionalGeneration": (("T5Attention",), ("T5DenseActDense", "T5DenseGatedActDense")),
+    "ViTForImageClassification": (("ViTAttention",), ("ViTMLP",)),
+}
 
 
 def _entries(model: nn.Module) -> dict[str, _Entry] | None:
     """Every module path of the model with its style and needs (None: not one of these families)."""
-    if type(model).__name__ not in FAMILIES:
+    family = FAMILIES.get(type(model).__name__)
+    if family is None:
         return None
     entries: dict[str, _Entry] = {}  # the blocks first: a bad degree is named at its heads
-    found = 0
+    found: set[str] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
     while stack:
         path, module = stack.pop()
         fn = _BLOCK_PARTS.get(type(module).__name__)
         if fn is not None:
             entries.update(fn(path, module))
-            found += 1
+            found.add(type(module).__name__)
             continue
         stack += [(f"{path}.{n}" if path else n, c) for n, c in reversed(list(module.named_children()))]
     entries.update(_ends(model))
-    missing = [p for p in entries if _lacks(model, p)]
-    if missing or not found:
-        raise HetplanError(f"{type(model).__name__} of this transformers release has no module "
-                           f"{missing[0] if missing else 'hetplan knows how to split'!r}, which hetplan's TP plan "
-                           "for it splits; use a plan with tp=1 or transformers 5.24")
+    modules = dict(model.named_modules())
+    absent = [" or ".join(group) for group in family if not found & set(group)]
+    absent += [repr(p) for p in entries if p not in modules]
+    if absent:
+        raise HetplanError(f"{type(model).__name__} of this transformers release has no module {absent[0]}, which "
+                           "hetplan's TP plan for it splits; use a plan with tp=1, or transformers 5.24")
     return entries
-
-
-def _lacks(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return True
-    return False
 
 
 # --- the runtime's entry points ------------------------------------------------------------------------
