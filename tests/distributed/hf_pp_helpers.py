@@ -35,9 +35,9 @@ def config(name: str) -> Any:
     if name == "qwen2":  # layer 0 full attention, layer 1 sliding-window
         return t.Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
                              max_window_layers=1)
-    if name == "gpt2":
-        return t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if name in ("gpt2", "gpt2-odd-vocab"):  # the second with a vocabulary no tp > 1 divides, as GPT-2's 50257
+        return t.GPT2Config(vocab_size=VOCAB + (name != "gpt2"), n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     if name == "bert":
         return t.BertConfig(**small, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if name == "t5":  # encoder-decoder, its shared embedding tied three ways (both stacks' inputs, lm_head)

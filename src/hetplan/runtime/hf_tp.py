@@ -14,7 +14,8 @@ model charges a TP layer, Megatron-LM's way (Shoeybi et al. 2019, §3):
   ``split_size``, T5's ``n_heads``) is given this rank's count.
 * MLP: the first linear(s) column-parallel, the second row-parallel.
 * the token embedding vocabulary-parallel (output all-reduced) and the LM head
-  column-parallel over the vocabulary with its logits gathered for the loss,
+  column-parallel over the vocabulary with its logits gathered for the loss
+  (a vocabulary tp does not divide, as GPT-2's 50257, split unevenly),
   as hetplan's own GPT (``runtime/tp.py``); both shard the tied weight alike.
 * what Megatron keeps whole stays whole on every TP rank, as the cost model
   counts it: norms, position and token-type embeddings, BERT's prediction
@@ -251,14 +252,13 @@ _BLOCK_PARTS: dict[str, Callable[[str, nn.Module], dict[str, _Entry]]] = {
 }
 
 
-def _vocab(model: nn.Module) -> tuple[tuple[str, int], ...]:
-    return (("vocabulary", int(model.config.vocab_size)),)
-
-
 def _ends(model: nn.Module) -> dict[str, _Entry]:
-    """The embedding and head entries of each family (module paths of the HF class)."""
+    """The embedding and head entries of each family (module paths of the HF class).
+    A vocabulary tp does not divide is split unevenly (DTensor's ``Shard``: the
+    last ranks hold fewer rows), GPT-2's 50257 included; Megatron pads it
+    instead, which would change the model's shapes here."""
     name = type(model).__name__
-    vocab = _vocab(model) if name != "ViTForImageClassification" else ()
+    vocab: tuple[tuple[str, int], ...] = ()  # no count tp must divide
     if name == "GPT2LMHeadModel":
         return {"transformer.wte": _Entry(_vocab_parallel(), vocab), "lm_head": _Entry(_gathered_head(), vocab)}
     if name == "BertForMaskedLM":
@@ -317,7 +317,7 @@ def family_tp_plan(model: nn.Module) -> dict[str, Any] | None:
 
 def check_family_tp(model: nn.Module, layer_tp: Mapping[str, int], sequence_parallel: bool) -> None:
     """Refuse, in one line, a TP degree the family plan cannot split by (it must
-    divide the heads, MLP width and vocabulary of every layer it applies to)
+    divide the heads and MLP width of every layer it applies to)
     and sequence parallelism. ``layer_tp``: the plan's layer names -> their tp."""
     from hetplan.runtime.parallelize import owner_layer
 
