@@ -40,6 +40,7 @@ SPLIT = {
              "cls.predictions.bias": 0},
     "t5": {"shared.weight": 0, "SelfAttention.q.weight": 0, "EncDecAttention.v.weight": 0,
            "SelfAttention.o.weight": 1, "relative_attention_bias.weight": 1, "wi.weight": 0, "wo.weight": 1},
+    "t5-gated": {"SelfAttention.q.weight": 0, "wi_0.weight": 0, "wi_1.weight": 0, "wo.weight": 1},
     "vit": {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1, "fc1.weight": 0,
             "fc2.weight": 1},
 }
@@ -67,7 +68,7 @@ def _assert_split_and_equal(name: str, results: list[dict]) -> None:
     cmp = compare(results[0]["losses"], ref_losses, results[0]["state"], ref_state)
     assert not cmp["missing"], cmp["missing"]
     assert cmp["loss_rel_diff"] <= TOL and cmp["param_rel_diff"] <= TOL, (name, cmp)
-    split = SPLIT[name.split("-")[0]]
+    split = SPLIT.get(name) or SPLIT[name.split("-")[0]]
     seen = set()
     for result in results:
         assert not any("replicated on each TP group" in note for note in result["notes"]), result["notes"]
@@ -139,18 +140,19 @@ def test_gpt2_bert_t5_vit_under_tp2_are_split_and_equal_their_own_forward(tmp_pa
 
 
 def test_gpt2_bert_t5_vit_under_pp2_x_tp2_and_gpt2_under_dp2_x_tp2_zero3_are_split_and_equal(tmp_path) -> None:
-    """pp2 x tp2 for each family; and GPT-2 at dp2 x tp2 with ZeRO-3, where FSDP2
-    splits the TP shards again (its fused c_attn bias stays whole on the TP ranks:
-    FSDP2 would gather a strided 1-D shard out of order)."""
+    """pp2 x tp2 for each family and for T5 with Flan-T5's gated MLP; and GPT-2 at
+    dp2 x tp2 with ZeRO-3, where FSDP2 splits the TP shards again (its fused c_attn
+    bias stays whole on the TP ranks: FSDP2 would gather a strided 1-D shard out of order)."""
     from dataclasses import replace
 
     zero3 = h.plan("gpt2", 1, 2, 2, micro=MICRO)
     zero3 = replace(zero3, stages=tuple(replace(s, strategies=tuple(replace(t, zero=3) for t in s.strategies))
                                         for s in zero3.stages))
     (tmp_path / "zero3").mkdir()
-    jobs = _jobs(tmp_path, pp=2) + [(write_plan(tmp_path / "zero3", zero3), "gpt2")]
+    names = FAMILIES + ("t5-gated",)
+    jobs = _jobs(tmp_path, pp=2, names=names) + [(write_plan(tmp_path / "zero3", zero3), "gpt2")]
     results = run(h.several_workers, 4, jobs)
-    for i, name in enumerate(FAMILIES + ("gpt2",)):
+    for i, name in enumerate(names + ("gpt2",)):
         _assert_split_and_equal(name, [r[i] for r in results])
 
 
