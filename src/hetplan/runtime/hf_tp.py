@@ -17,18 +17,21 @@ model charges a TP layer, Megatron-LM's way (Shoeybi et al. 2019, §3):
   column-parallel over the vocabulary with its logits gathered for the loss
   (a vocabulary tp does not divide, as GPT-2's 50257, split unevenly),
   as hetplan's own GPT (``runtime/tp.py``); both shard the tied weight alike.
-* what Megatron keeps whole stays whole on every TP rank, as the cost model
-  counts it: norms, position and token-type embeddings, BERT's prediction
-  transform; ViT's patch embedding and classifier (Megatron-LM's ViT backbone
-  and classification head are plain ``torch.nn.Linear`` layers).
+* what Megatron keeps whole stays whole on every TP rank: norms, position and
+  token-type embeddings, BERT's prediction transform, ViT's patch embedding and
+  classifier (Megatron-LM's ViT backbone and classification head are plain
+  ``torch.nn.Linear`` layers). The cost model counts the last three split
+  (docs/runtime.md, "Tensor-parallel plans", says by how much).
 
 GPT-2's projections are ``Conv1D`` (weight ``[in, out]``) and its attention
 input projection ``c_attn`` is fused, ``[q | k | v]`` along the output: a
 plain column split would hand rank 0 all of q and half of k. It is split
 group by group instead (``_StridedShard(1, split_factor=3)``: rank r holds
-its heads of q, of k and of v, side by side), and the Conv1D modules compute
-on their local shards between Megatron's two TP collectives
-(:func:`hetplan.runtime.ep.expert_tp_input` / ``expert_tp_output``).
+its heads of q, of k and of v, side by side; its 3h bias stays whole, see
+:class:`Conv1DColwise`), and the Conv1D modules compute on their local shards
+between Megatron's two TP collectives (:func:`hetplan.runtime.ep.expert_tp_input`
+/ ``expert_tp_output``). Checkpoints save such a tensor as plain ``Shard``
+blocks (``hetplan.runtime.checkpoint``).
 
 Parameter names stay the model's and every parameter is a DTensor of the full
 shape, so initial values, ``full_state_dict``, checkpoints and ``--verify``
@@ -51,6 +54,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hetplan.errors import HetplanError
 from hetplan.runtime.ep import expert_tp_input, expert_tp_output
+from hetplan.runtime.parallelize import owner_layer
 
 
 @dataclass(frozen=True)
@@ -317,10 +321,8 @@ def family_tp_plan(model: nn.Module) -> dict[str, Any] | None:
 
 def check_family_tp(model: nn.Module, layer_tp: Mapping[str, int], sequence_parallel: bool) -> None:
     """Refuse, in one line, a TP degree the family plan cannot split by (it must
-    divide the heads and MLP width of every layer it applies to)
-    and sequence parallelism. ``layer_tp``: the plan's layer names -> their tp."""
-    from hetplan.runtime.parallelize import owner_layer
-
+    divide the heads and MLP width of every layer it applies to) and sequence
+    parallelism. ``layer_tp``: the plan's layer names -> their tp."""
     entries = _entries(model)
     if entries is None or max(layer_tp.values(), default=1) <= 1:
         return
