@@ -46,14 +46,16 @@ def config(name: str) -> Any:
     if name == "qwen2":  # layer 0 full attention, layer 1 sliding-window
         return t.Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
                              max_window_layers=1)
-    if name == "gpt2":
-        return t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if name in ("gpt2", "gpt2-odd-vocab"):  # the second with a vocabulary no tp > 1 divides, as GPT-2's 50257
+        return t.GPT2Config(vocab_size=VOCAB + (name != "gpt2"), n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     if name == "bert":
         return t.BertConfig(**small, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    if name == "t5":  # encoder-decoder, its shared embedding tied three ways (both stacks' inputs, lm_head)
+    if name in ("t5", "t5-gated"):  # encoder-decoder, its shared embedding tied three ways (both stacks' inputs,
+        # lm_head); "t5-gated": T5 v1.1 / Flan-T5's layout, a gated GELU MLP (wi_0, wi_1), decoder output unscaled
+        gated = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False} if name == "t5-gated" else {}
         return t.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-                          num_heads=4, dropout_rate=0.0)
+                          num_heads=4, dropout_rate=0.0, **gated)
     if name == "vit":  # 32x32 images in 8x8 patches: 16 patches + CLS
         return t.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                            image_size=IMAGE, patch_size=8, num_labels=LABELS, hidden_dropout_prob=0.0,
@@ -113,7 +115,7 @@ def batch(step: int, gbs: int = 8, name: str = "") -> tuple[Any, Any, dict[str, 
     x, y = synthetic_batch(VOCAB, SEQ, gbs, step)
     valid = torch.randint(SEQ // 2, SEQ + 1, (gbs, 1), generator=g)
     mask = (torch.arange(SEQ)[None, :] < valid).long()
-    if name != "t5":
+    if not name.startswith("t5"):
         return x, y, {"attention_mask": mask}
     labels = y[:, :DEC_SEQ]
     dec_valid = torch.randint(DEC_SEQ // 2, DEC_SEQ + 1, (gbs, 1), generator=g)

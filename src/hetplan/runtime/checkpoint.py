@@ -268,6 +268,7 @@ def save(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
         state.update({OPTIM_PREFIX + k: v for k, v in _optim_sd(model, optimizer).items()})
     for k, v in extra.items():
         state[EXTRA_PREFIX + k] = torch.tensor(v) if isinstance(v, (int, float)) else v
+    state = {k: _contiguous(v) if _strided(v) else v for k, v in state.items()}
     error = None
     if _rank_world(ctx)[0] == 0:  # an old manifest must not vouch for files being rewritten
         try:
@@ -344,7 +345,13 @@ def load(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
         else:
             extra_state[k] = None
     to_load.update(extra_state)
+    strided = {k: v for k, v in to_load.items() if _strided(v)}
+    to_load.update({k: _contiguous(v) for k, v in strided.items()})
     dcp.load(to_load, checkpoint_id=path, no_dist=not ctx.distributed)
+    with torch.no_grad():
+        for k, v in strided.items():  # back into the tensors the model and optimizer hold
+            v.to_local().copy_(to_load[k].redistribute(v.device_mesh, v.placements).to_local())
+            to_load[k] = v
     loaded = {renamed.get(k, k): v for k, v in to_load.items()}
     set_model_state_dict(model, {k[len(MODEL_PREFIX):]: loaded[k] for k in state if k.startswith(MODEL_PREFIX)})
     if optimizer is not None:
@@ -359,6 +366,25 @@ def load(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
             v = v.item()
         out[k[len(EXTRA_PREFIX):]] = v
     return out
+
+
+def _strided(value: Any) -> bool:
+    """A DTensor split group by group (``_StridedShard``: GPT-2's fused q|k|v under
+    TP, hetplan.runtime.hf_tp): a rank's part is several blocks of the global
+    tensor, and DCP describes a rank's part of a DTensor as one block."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def _contiguous(value: Any) -> Any:
+    """The same DTensor laid out in plain ``Shard`` blocks, which DCP can write and read."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+    return value.redistribute(value.device_mesh, placements)
 
 
 def full_state_dict(ctx: Any, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -881,10 +881,14 @@ def preflight(layout: PlanLayout, spec: Any, full: nn.Module, example_inputs: Se
 
         tpr.ensure_builtins()
         model_plan = model_tp_plan(full)  # raises on styles hetplan cannot apply
-        for name in names:
-            tp = layout.stage_tp(layout.pp_index_of_layer(name))
+        layer_tp = {name: layout.stage_tp(layout.pp_index_of_layer(name)) for name in names}
+        for name, tp in layer_tp.items():
             if tp > 1:
                 _dry_run_tp(full.get_submodule(name), name, tp, layout.sequence_parallel)
+        if not callable(getattr(full, "hetplan_tp_plan", None)):
+            from hetplan.runtime.hf_tp import check_family_tp
+
+            check_family_tp(full, layer_tp, layout.sequence_parallel)
         config = getattr(full, "config", None)
         heads = getattr(config, "num_attention_heads", 0)
         kv = getattr(config, "num_key_value_heads", 0) or heads
@@ -1053,10 +1057,17 @@ def _tied_groups(spec: Any) -> list[list[str]]:
 
 def model_tp_plan(model: nn.Module) -> dict[str, Any] | None:
     """A whole-model TP plan: the model's ``hetplan_tp_plan()`` if it has one,
-    else its HF config's ``base_model_tp_plan`` (transformers models)."""
+    else hetplan's plan for the HF families whose configs have none (GPT-2,
+    BERT, T5, ViT: hetplan.runtime.hf_tp), else its HF config's
+    ``base_model_tp_plan`` (transformers models: Llama, Mistral, Qwen, ...)."""
     fn = getattr(model, "hetplan_tp_plan", None)
     if callable(fn):
         return fn()
+    from hetplan.runtime.hf_tp import family_tp_plan
+
+    family = family_tp_plan(model)
+    if family is not None:
+        return family
     config = getattr(model, "config", None)
     if getattr(config, "base_model_tp_plan", None):
         from hetplan.runtime.tp import hf_tp_plan

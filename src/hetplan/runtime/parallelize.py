@@ -192,6 +192,8 @@ def apply_tp(root: nn.Module, layer_names: Sequence[str], tp_mesh: Any, sequence
                 parallelize_module(layer, tp_mesh, sub, src_data_rank=None)
             if own is not None:
                 parallelize_module(layer, tp_mesh, own, src_data_rank=None)
+    if model_plan:
+        _apply_outside_layers(root, layer_names, model_plan, tp_mesh, parallelize_module)
     if unplanned:
         if sequence_parallel:
             raise HetplanError(
@@ -210,6 +212,22 @@ def has_tp_plan(layer: nn.Module, name: str, model_plan: dict[str, Any] | None) 
     costed so, ``hetplan.runtime.support``)."""
     tp_registry.ensure_builtins()
     return tp_registry.registered_plan_in(layer) or bool(model_plan and plan_inside(model_plan, name))
+
+
+def _apply_outside_layers(root: nn.Module, layer_names: Sequence[str], model_plan: dict[str, Any], tp_mesh: Any,
+                          parallelize_module: Any) -> None:
+    """Entries of a whole-model plan for a module ``root`` holds outside every
+    layer: T5's ``shared``, the embedding whose weight ``encoder.embed_tokens``
+    (the plan's layer) shares, must be split alike or the two cannot be re-tied."""
+    for path, style in model_plan.items():
+        if any(c in path for c in "*?[") or owner_layer(path, layer_names) is not None or any(
+                n == path or n.startswith(path + ".") for n in layer_names):
+            continue
+        try:
+            root.get_submodule(path)
+        except AttributeError:
+            continue  # on another pipeline stage
+        parallelize_module(root, tp_mesh, {path: style}, src_data_rank=None)
 
 
 def plan_inside(model_plan: dict[str, Any], name: str) -> dict[str, Any]:

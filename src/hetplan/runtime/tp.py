@@ -22,7 +22,8 @@ embedding vocabulary-parallel, the LM head column-parallel with its logits
 gathered); with ``sequence_parallel`` the norms run on sequence shards and the
 row-parallel outputs are reduce-scattered along the sequence (Korthikanti et
 al. 2022, as torchtitan does). HF transformers models can use their config's
-``base_model_tp_plan`` via :func:`hf_tp_plan`.
+``base_model_tp_plan`` via :func:`hf_tp_plan`; GPT-2, BERT, T5 and ViT, whose
+configs have none, get hetplan's plans (:mod:`hetplan.runtime.hf_tp`).
 
 A layer with parameters and no registered plan runs replicated on its TP
 group (correct, just not split); the runtime says so in its notes. With
