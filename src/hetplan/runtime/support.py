@@ -182,8 +182,8 @@ def inspect_model(model: Any, spec: ModelSpec, pipeline: str = "") -> ModelSpec:
     names = [layer.name for layer in spec.layers]
     tensor_parallel, replicated = _tp_facts(model, names)
     expert_parallel, expert_tp = _expert_facts(model, names)
-    layers = [replace(layer, tp_replicated=layer.name in replicated) if layer.name in replicated else layer
-              for layer in spec.layers]
+    whole = {} if tensor_parallel or expert_tp else measured_tp_whole(model, spec)
+    layers = [_as_tp_runs(layer, layer.name in replicated, whole.get(layer.name)) for layer in spec.layers]
     moe = next((layer.name for layer in spec.layers if layer.is_moe), "")
     hf = bool(spec.meta.get("hf_class"))
     sequence = _sequence_parallel_refusal(model, names, moe, hf, replicated)
@@ -198,6 +198,65 @@ def inspect_model(model: Any, spec: ModelSpec, pipeline: str = "") -> ModelSpec:
         selective_recompute=_selective_refusal(model, spec),
     )
     return replace(spec, layers=tuple(layers), runtime=support)
+
+
+def _as_tp_runs(layer: Any, unplanned: bool, whole: int | None) -> Any:
+    """``layer`` with what TP leaves whole as the runtime splits it: all of a
+    layer without TP plan, or ``whole`` parameters measured on the split model."""
+    if unplanned or (whole is not None and whole >= layer.params > 0):
+        return replace(layer, tp_replicated=True)
+    if whole is not None and whole != layer.params_tp_replicated:
+        return replace(layer, params_tp_replicated=whole)
+    return layer
+
+
+# TP degree of the measuring split: the smallest; every TP plan splits a tensor
+# evenly or (vocabularies) within one row of it (runtime.hf_tp), so what stays
+# whole is the same at any tp.
+MEASURE_TP = 2
+
+
+def measured_tp_whole(model: Any, spec: ModelSpec) -> dict[str, int]:
+    """Per layer, the parameters the runtime's TP plans leave whole on every TP
+    rank, counted on ``model`` (meta tensors) split by ``parallelize.apply_tp``
+    itself over a fake process group of ``MEASURE_TP`` ranks (torch's "fake"
+    backend: no communication, no memory): ``2 x held - all``. A norm, a
+    position table, a bias a row-parallel layer adds after its all-reduce, a
+    classifier a family's plan keeps whole -- whatever the plans do, counted,
+    not assumed. Empty where it cannot be measured here (a process group is
+    already up, a plan refuses tp=2): the analytic counts stand."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return {}
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hetplan.runtime import parallelize as par
+    from hetplan.runtime.context import model_tp_plan
+
+    modules = {k: list(v) for k, v in (spec.meta.get("layer_modules") or {}).items()}
+    names = [layer.name for layer in spec.layers]
+    with torch.device("meta"):
+        split = copy.deepcopy(model).to("meta")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=MEASURE_TP)
+    try:
+        mesh = DeviceMesh("cpu", torch.arange(MEASURE_TP), mesh_dim_names=("tp",))
+        par.apply_tp(split, names, mesh, False, [], model_tp_plan(split))
+    except (HetplanError, ValueError, RuntimeError):
+        return {}
+    finally:
+        dist.destroy_process_group()
+    out = {}
+    for name in names:
+        params = {id(p): p for path in modules.get(name) or [name] for p in split.get_submodule(path).parameters()}
+        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params.values())
+        total = sum(p.numel() for p in params.values())
+        out[name] = max(0, min(total, MEASURE_TP * held - (MEASURE_TP - 1) * total))
+    return out
 
 
 def _expert_facts(model: Any, names: Sequence[str]) -> tuple[str, str]:
