@@ -157,11 +157,13 @@ def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False, 
     return {"losses": losses, "state": state, "notes": notes, "parameters": layout}
 
 
-def reference(name: str, steps: int = 2, gbs: int = 8, accumulate: bool = False, mask: bool = True
-              ) -> tuple[list[float], dict[str, Any]]:
-    """The same training in one process on whole batches (the model's own forward)."""
+def reference(name: str, steps: int = 2, gbs: int = 8, accumulate: bool = False, mask: bool = True,
+              precision: str = "fp32") -> tuple[list[float], dict[str, Any]]:
+    """The same training in one process on whole batches (the model's own
+    forward, under autocast to ``precision`` as ``hetplan train --verify``'s reference)."""
     import torch
 
+    from hetplan.runtime.precision import autocast
     from hetplan.runtime.reference import make_optimizer
 
     torch.manual_seed(0)
@@ -172,7 +174,8 @@ def reference(name: str, steps: int = 2, gbs: int = 8, accumulate: bool = False,
         for k in ([2 * step, 2 * step + 1] if accumulate else [step]):
             x, y, inputs = batch(k, gbs, name)
             kept = {key: v for key, v in inputs.items() if mask or not key.endswith("attention_mask")}
-            value = loss(model(x, **kept), y)
+            with autocast(torch.device("cpu"), precision):
+                value = loss(model(x, **kept), y)
             value.backward()
             losses.append(float(value.detach()))
         opt.step()

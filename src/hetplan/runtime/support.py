@@ -244,7 +244,9 @@ def measured_tp_whole(model: Any, spec: ModelSpec) -> dict[str, int]:
         split = copy.deepcopy(model).to("meta")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=MEASURE_TP)
     try:
-        mesh = DeviceMesh("cpu", torch.arange(MEASURE_TP), mesh_dim_names=("tp",))
+        # a dim name no real mesh has: DTensor caches sharding decisions by mesh equality, and a
+        # real TP mesh equal to this one would reuse them -- with this fake group's no-op collectives
+        mesh = DeviceMesh("cpu", torch.arange(MEASURE_TP), mesh_dim_names=("hetplan-measure-tp",))
         par.apply_tp(split, names, mesh, False, [], model_tp_plan(split))
     except (HetplanError, ValueError, RuntimeError):
         return {}
