@@ -4,8 +4,8 @@ Every family the runtime trains, with full and selective recomputation at one
 pipeline stage (dp2) and at pp2, equals the single-process run of its own
 forward (loss and every parameter within 1e-5, fp32, 2 micro-batches): a
 recomputed layer replays without the model's KV cache, and selective
-checkpoints the attention core only -- the layers before and after it are
-not recomputed, and selective on a layer without attention recomputes nothing.
+checkpoints the attention core only -- the projections around it are not
+recomputed, and selective on a layer without attention recomputes nothing.
 """
 
 from __future__ import annotations
@@ -31,20 +31,20 @@ FAMILIES = ("llama", "qwen2", "mistral", "mixtral", "gpt2", "bert", "t5", "vit")
 
 
 def test_every_hf_family_with_full_and_selective_recompute_equals_its_own_forward(tmp_path) -> None:
-    """16 plans (8 families x {pp1 x dp2, pp2}) trained one after another in one pair of processes."""
-    jobs, cases = [], []
-    for name in FAMILIES:
-        for pp, dp in ((1, 2), (2, 1)):
-            directory = tmp_path / f"{name}-pp{pp}"
-            directory.mkdir()
-            jobs.append((write_plan(directory, h.recompute_plan(name, pp, dp)), name))
-            cases.append((name, pp))
+    """17 plans (8 families x {pp1 x dp2, pp2}, and Llama at tp2: the core of a
+    rank's heads) trained one after another in one pair of processes."""
+    cases = [(name, pp, dp, 1) for name in FAMILIES for pp, dp in ((1, 2), (2, 1))] + [("llama", 1, 1, 2)]
+    jobs = []
+    for name, pp, dp, tp in cases:
+        directory = tmp_path / f"{name}-pp{pp}-dp{dp}-tp{tp}"
+        directory.mkdir()
+        jobs.append((write_plan(directory, h.recompute_plan(name, pp, dp, tp)), name))
     results = run(h.several_workers, 2, jobs)
-    for (name, pp), result in zip(cases, results[0]):
-        ref = h.reference(name)
+    for case, result in zip(cases, results[0]):
+        ref = h.reference(case[0])
         cmp = compare(result["losses"], ref[0], result["state"], ref[1])
-        assert not cmp["missing"] and cmp["loss_rel_diff"] <= TOL and cmp["param_rel_diff"] <= TOL, (name, pp, cmp)
-        assert not [n for n in result["notes"] if "recompute" in n], (name, pp, result["notes"])  # nothing fell back
+        assert not cmp["missing"] and cmp["loss_rel_diff"] <= TOL and cmp["param_rel_diff"] <= TOL, (case, cmp)
+        assert not [n for n in result["notes"] if "recompute" in n], (case, result["notes"])  # nothing fell back
 
 
 # --- in one process: what selective recomputes and keeps ----------------------------------------------
@@ -92,17 +92,17 @@ def test_selective_recomputes_the_attention_core_and_not_the_projections(monkeyp
     selective (no attention: nothing to recompute). The attention function runs
     again in backward for both blocks; the projections and the head only for the
     full block."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import AttentionInterface
 
     ctx, model, _ = _one_process_model({1: "full", 2: "selective", 3: "selective"})
     core_calls: dict[int, int] = {}
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa = AttentionInterface._global_mapping["sdpa"]
 
     def counted(module: Any, *args: Any, **kwargs: Any) -> Any:
         core_calls[id(module)] = core_calls.get(id(module), 0) + 1
         return sdpa(module, *args, **kwargs)
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", counted)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", counted)
     full, selective = model.model.layers
     projections = [_calls(full.self_attn.q_proj), _calls(selective.self_attn.q_proj), _calls(selective.mlp.up_proj),
                    _calls(model.lm_head)]
@@ -160,9 +160,12 @@ def test_selective_drops_only_what_the_attention_core_saves(monkeypatch) -> None
     function saves without recomputation is at least the costed
     act_attention_core_bytes."""
     blocks = ["model.layers.0", "model.layers.1"]
-    plain = _saved_bytes(_one_process_model({}, "eager")[1], blocks, monkeypatch)
-    _, model, spec = _one_process_model({1: "full", 2: "selective"}, "eager")
+    ctx, model, _ = _one_process_model({}, "eager")
+    plain = _saved_bytes(model, blocks, monkeypatch)
+    ctx.close()
+    ctx, model, spec = _one_process_model({1: "full", 2: "selective"}, "eager")
     recomputed = _saved_bytes(model, blocks, monkeypatch)
+    ctx.close()
     full, selective = blocks
     assert recomputed[full] == spec.layers[1].input_bytes * 4 and recomputed[f"{full}:core"] == 0
     assert recomputed[f"{selective}:core"] == 0 and recomputed[selective] >= plain[selective]
@@ -183,11 +186,27 @@ def test_a_kv_cache_in_a_recomputed_layer_is_refused_with_one_line() -> None:
 
 
 @pytest.mark.usefixtures("_single_process")
-def test_selective_on_attention_computed_inline_is_refused_before_training() -> None:
-    """GPT-2 with eager attention and reorder_and_upcast_attn computes its core
-    outside the attention interface: selective cannot checkpoint it."""
+def test_hf_gradient_checkpointing_of_the_model_itself_is_refused() -> None:
+    """It would recompute every layer whatever the plan says."""
     import transformers
 
+    from hetplan.runtime.context import init
+
+    def build() -> Any:
+        model = transformers.LlamaForCausalLM(h.config("llama"))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    ctx = init(replace(h.plan("llama", 1), cluster="local-cpu-1"), h.spec("llama"))
+    with pytest.raises(HetplanError, match=r"^HF gradient checkpointing is on in 'model'; call "
+                                           r"gradient_checkpointing_disable\(\) on the model: the plan's"):
+        ctx.parallelize(build, meta_init=False)
+    ctx.close()
+
+
+def _gpt2_upcast(recompute: str) -> tuple[Any, Any, Any]:
+    """(ctx, config, spec): GPT-2 with eager attention and reorder_and_upcast_attn,
+    every layer recomputed as ``recompute``, on one device."""
     from hetplan.model.hf import model_from_hf_config
     from hetplan.runtime.context import init
 
@@ -196,15 +215,43 @@ def test_selective_on_attention_computed_inline_is_refused_before_training() -> 
     config._attn_implementation = "eager"
     spec = model_from_hf_config(config, seq_len=h.SEQ, dtype_bytes=4, name="gpt2")
     base = h.plan("gpt2", 1)
-    stage = replace(base.stages[0], strategies=tuple(LayerStrategy(recompute="selective") for _ in base.stages[0].layers))
-    ctx = init(replace(base, cluster="local-cpu-1", stages=(stage,)), spec)
+    stage = replace(base.stages[0], strategies=tuple(LayerStrategy(recompute=recompute) for _ in base.stages[0].layers))
+    return init(replace(base, cluster="local-cpu-1", stages=(stage,)), spec), config, spec
+
+
+@pytest.mark.usefixtures("_single_process")
+def test_selective_on_attention_computed_inline_is_refused_before_training() -> None:
+    """GPT-2 with eager attention and reorder_and_upcast_attn computes its core
+    outside the attention interface: selective cannot checkpoint it."""
+    import transformers
+
+    ctx, config, _ = _gpt2_upcast("selective")
     with pytest.raises(HetplanError, match=r"^selective recompute of layer 'transformer.h.0': GPT2Attention with eager "
                                            r"attention and reorder_and_upcast_attn computes its attention core inline"):
         ctx.parallelize(lambda: transformers.GPT2LMHeadModel(config), meta_init=False)
     ctx.close()
 
 
-# --- hetplan train --verify: the reference trains without the cache too -------------------------------
+@pytest.mark.usefixtures("_single_process")
+def test_a_core_that_bypasses_the_interface_is_refused_at_its_first_forward(monkeypatch) -> None:
+    """The same GPT-2 with the check before training skipped: its first forward
+    finds the core never reached the interface (so nothing was recomputed)."""
+    import transformers
+
+    from hetplan.runtime import hf_recompute
+
+    monkeypatch.setattr(hf_recompute, "inline_attention", lambda module: "")
+    ctx, config, _ = _gpt2_upcast("selective")
+    model = ctx.parallelize(lambda: transformers.GPT2LMHeadModel(config), meta_init=False)
+    x, _, inputs = h.batch(0, 4, "gpt2")
+    with pytest.raises(HetplanError, match=r"^selective recompute of layer 'transformer.h.0': GPT2Attention computed "
+                                           r"attention without transformers' attention interface, so nothing was "
+                                           r"recomputed; use recompute 'full' or 'none' for it$"):
+        model(x, **inputs)
+    ctx.close()
+
+
+# --- hetplan train --verify with recomputation (the reference: train_reference) ------------------------
 def test_hetplan_train_verify_a_llama_config_with_full_recompute(tmp_path, capsys) -> None:
     from hetplan.cli import main
 

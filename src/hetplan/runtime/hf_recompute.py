@@ -10,7 +10,7 @@ cached keys and lose their gradient). Training never reads the cache, so
 :func:`no_kv_cache` turns it off on every HF config of the model -- the runtime
 and the single-process reference (``reference.train_reference``) both -- and
 :func:`refuse_cache` refuses a recomputed layer that is handed one anyway
-(``use_cache=True`` or ``past_key_values`` among ``train_step``'s inputs).
+(the model called with ``use_cache=True`` or a ``past_key_values`` cache).
 
 Selective recomputation (Korthikanti et al. 2022 §5) drops what the attention
 core softmax(QK^T)V saves and recomputes it in the backward pass; the cost
@@ -83,9 +83,9 @@ def refuse_hf_checkpointing(model: nn.Module) -> None:
     recompute layers the plan keeps: refused."""
     for name, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", False) is True and is_hf_module(module):
-            raise HetplanError(f"{name or type(module).__name__} has HF gradient checkpointing on; call "
-                               "gradient_checkpointing_disable() on the model: the plan's recompute setting decides "
-                               "what is recomputed")
+            where = repr(name) if name else type(module).__name__
+            raise HetplanError(f"HF gradient checkpointing is on in {where}; call gradient_checkpointing_disable() "
+                               "on the model: the plan's recompute settings decide what is recomputed")
 
 
 def refuse_cache(layer: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
