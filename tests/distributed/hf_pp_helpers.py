@@ -88,6 +88,24 @@ def plan(name: str, pp: int = 2, dp: int = 1, tp: int = 1, gbs: int = 8, micro: 
     return Plan(s.name, f"local-cpu-{pp * dp * tp}", gbs, micro, gbs // micro, "1f1b", tuple(stages), planner="test")
 
 
+def recompute_plan(name: str, pp: int, dp: int = 1, tp: int = 1) -> Plan:
+    """``plan(name, pp, dp, tp)`` (2 micro-batches) with recomputation: the blocks
+    (layers with attention) alternate full and selective, the first full (at
+    pp2 the first stage holds a full block, the second a selective one); the
+    other layers (embeddings, head) selective, which recomputes nothing there."""
+    from dataclasses import replace
+
+    from hetplan.plan import LayerStrategy
+
+    layers = spec(name).layers
+    blocks = [i for i, layer in enumerate(layers) if layer.attention_flops > 0]
+    how = {i: "full" if blocks.index(i) % 2 == 0 else "selective" for i in blocks}
+    base = plan(name, pp, dp, tp, micro=4)  # 2 micro-batches of the global batch of 8
+    stages = tuple(replace(s, strategies=tuple(LayerStrategy(recompute=how.get(i, "selective")) for i in s.layers))
+                   for s in base.stages)
+    return replace(base, stages=stages)
+
+
 def hetero_plan(name: str, gbs: int = 8, cut: int = 0) -> Plan:
     """A Metis-style plan: stage 0 two replicas with a 3:1 split of each
     micro-batch of 4, stage 1 one replica on tp=2 (4 processes); split before

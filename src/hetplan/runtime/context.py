@@ -287,7 +287,8 @@ class RuntimeContext:
                 experts |= self._apply_ep(part, chunk_names, zero)
             elif self.stage_tp > 1:  # expert TP alone: the experts are TP-sharded weights like the dense ones
                 par.apply_ep(part, chunk_names, self.tp_mesh, None, self.tp_mesh.get_group())
-            par.apply_recompute(part, {n: recompute[n] for n in chunk_names}, notes)
+            par.apply_recompute(part, {n: recompute[n] for n in chunk_names}, notes,
+                                {layer.name for layer in self.spec.layers if layer.attention_flops > 0})
             if any(n in offloaded for n in chunk_names):
                 from hetplan.runtime.offload import apply_offload
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import functools
 import zlib
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -285,10 +285,12 @@ def _retie(root: nn.Module, aliases: dict[str, str]) -> None:
 
 
 # --- activation checkpointing ------------------------------------------------------------------
-def _checkpoint_forward(module: nn.Module) -> None:
+def _checkpoint_forward(module: nn.Module, layer: str = "") -> None:
+    """Run ``module.forward`` under non-reentrant checkpointing (``layer``: its
+    plan layer, for messages)."""
     from torch.utils.checkpoint import checkpoint
 
-    from hetplan.runtime import dropout
+    from hetplan.runtime import dropout, hf_recompute
 
     inner = module.forward
     if dropout.has_dropout(module):  # recompute under the forward's dropout scope: the same masks
@@ -298,37 +300,73 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        hf_recompute.refuse_cache(layer or type(module).__name__, args, kwargs)  # a replay writes a KV cache twice
         return checkpoint(inner, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
 
-def selective_targets(layer: nn.Module) -> list[nn.Module]:
-    """The submodules ``recompute="selective"`` checkpoints in ``layer`` (its attention core)."""
-    tp_registry.ensure_builtins()
-    return [m for m in layer.modules() if tp_registry.is_selective_target(m)]
-
-
-def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str]) -> None:
+def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str],
+                    core_layers: Collection[str]) -> None:
     """``full``: checkpoint the whole layer (keep only its input); ``selective``:
-    checkpoint only its registered attention-core submodules."""
+    checkpoint only its attention core (Korthikanti et al. 2022 §5): the
+    submodules registered with ``register_selective_recompute``, or in a HF
+    layer the attention function of each attention module
+    (hetplan.runtime.hf_recompute). ``core_layers``: the layers the cost model
+    charges an attention core for (``LayerSpec.attention_flops > 0``); selective
+    on any other layer recomputes nothing, as it is costed. A HF layer with a
+    costed core it cannot checkpoint is refused; another model's falls back to
+    full recomputation, with a note. HF models train without their KV cache."""
+    from hetplan.runtime import hf_recompute
+
     tp_registry.ensure_builtins()
+    hf_recompute.no_kv_cache(root)
+    hf_recompute.refuse_hf_checkpointing(root)
     fallback = []
     for name, how in recompute.items():
         if how == "none":
             continue
         layer = root.get_submodule(name)
         if how == "selective":
-            targets = selective_targets(layer)
-            if targets:
-                for t in targets:
-                    _checkpoint_forward(t)
+            if _checkpoint_core(layer, name) or name not in core_layers:
                 continue
+            if hf_recompute.is_hf_module(layer):
+                raise HetplanError(f"selective recompute of layer {name!r}: none of its modules computes attention "
+                                   "through transformers' attention interface; use recompute 'full' or 'none' for it")
             fallback.append(name)
-        _checkpoint_forward(layer)
+        _checkpoint_forward(layer, name)
     if fallback:
         notes.append(f"selective recompute: no attention core registered in {', '.join(fallback)}; "
                      "recomputing those layers fully (hetplan.runtime.register_selective_recompute)")
+
+
+def selective_refusal(layer: nn.Module, name: str) -> str:
+    """Why ``apply_recompute`` cannot recompute only the attention core of layer
+    ``name`` ("" if it can): no registered core and no HF attention module, or
+    a HF attention module that computes its core inline."""
+    from hetplan.runtime import hf_recompute
+
+    tp_registry.ensure_builtins()
+    if any(tp_registry.is_selective_target(m) for m in layer.modules()):
+        return ""
+    modules = hf_recompute.attention_modules(layer) if hf_recompute.is_hf_module(layer) else []
+    why = next((w for w in map(hf_recompute.inline_attention, modules) if w), "")
+    if modules and not why:
+        return ""
+    return (f"selective recompute of layer {name!r}: "
+            + (why if why else "hetplan's runtime finds no attention core to recompute alone (register one with "
+               "hetplan.runtime.register_selective_recompute)") + "; use recompute 'full' or 'none' for it")
+
+
+def _checkpoint_core(layer: nn.Module, name: str) -> bool:
+    """Checkpoint the layer's attention core (registered modules, else HF
+    attention functions); False if it has none."""
+    from hetplan.runtime import hf_recompute
+
+    targets = [m for m in layer.modules() if tp_registry.is_selective_target(m)]
+    for target in targets:
+        _checkpoint_forward(target, name)
+    return bool(targets) or (hf_recompute.is_hf_module(layer) and hf_recompute.checkpoint_attention_core(layer, name))
 
 
 # --- compilation ----------------------------------------------------------------------------------

@@ -135,11 +135,14 @@ def train_reference(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torc
     plan's precision (hetplan.runtime.precision; no loss scaling: in fp32
     gradients a power-of-two scale changes nothing); returns the losses.
     Dropout draws the runtime's plan-independent masks for ``seed`` and step
-    0, 1, ... (hetplan.runtime.dropout; ``seed`` as given to ``parallelize``)."""
-    from hetplan.runtime import dropout
+    0, 1, ... (hetplan.runtime.dropout; ``seed`` as given to ``parallelize``).
+    A HF model trains without its KV cache, as under ``parallelize``
+    (hetplan.runtime.hf_recompute)."""
+    from hetplan.runtime import dropout, hf_recompute
     from hetplan.runtime.precision import autocast
 
     dropout.prepare(model)
+    hf_recompute.no_kv_cache(model)
     losses = []
     for step, (x, y, *inputs) in enumerate(batches):  # (x, y) or (x, y, keyword inputs of the model)
         with autocast(x.device, precision), dropout.scope(seed, step, torch.arange(x.size(0))):

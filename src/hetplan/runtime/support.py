@@ -323,15 +323,14 @@ def _sequence_parallel_refusal(model: Any, names: Sequence[str], moe: str, hf: b
 
 
 def _selective_refusal(model: Any, spec: ModelSpec) -> str:
-    """Selective recomputation recomputes each attention layer's core; a layer
-    with attention and no core the runtime can checkpoint cannot run it."""
+    """Selective recomputation recomputes each attention layer's core; the
+    first layer with a costed core the runtime cannot checkpoint alone says why
+    (``parallelize.selective_refusal``, the rule ``apply_recompute`` follows)."""
     from hetplan.runtime import parallelize as par
 
     for layer in spec.layers:
-        if layer.attention_flops <= 0:
-            continue
-        if not par.selective_targets(model.get_submodule(layer.name)):
-            return (f"hetplan's runtime finds no attention core to recompute alone in layer {layer.name!r} "
-                    f"({type(model).__name__}); register one with hetplan.runtime.register_selective_recompute "
-                    "or plan with recompute none or full")
+        if layer.attention_flops > 0:
+            why = par.selective_refusal(model.get_submodule(layer.name), layer.name)
+            if why:
+                return why
     return ""

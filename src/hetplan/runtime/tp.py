@@ -31,8 +31,10 @@ sequence parallelism such a layer is an error, because it would see only a
 slice of the sequence.
 
 Also here: the registry of submodules that *selective* recomputation
-checkpoints (the attention core, Korthikanti §5); a layer without one falls
-back to full recomputation, and the runtime says so.
+checkpoints (the attention core, Korthikanti §5). HF layers need none (their
+attention function is checkpointed: hetplan.runtime.hf_recompute); another
+layer the cost model charges a core for but without one registered falls back
+to full recomputation, and the runtime says so (parallelize.apply_recompute).
 """
 
 from __future__ import annotations
