@@ -14,7 +14,8 @@ attention masks). Cells, each with two or more micro-batches per replica:
 * ``ep2``: two expert-parallel ranks (the MoE family).
 
 A cell either trains within ``hetplan train --verify``'s bound of the
-reference in the same precision (the model's own forward on whole batches),
+reference in the same precision (the model's own forward in one process on the
+same micro-batches, ``train_reference`` with ``row_groups``),
 or ``hetplan.runtime.support.runtime_refusal`` names why before any process
 starts -- and the runtime's ``init`` refuses with that line. Where TP splits a
 stage, each rank holds the parameters the cost model charges it. The cells of
@@ -80,9 +81,27 @@ def _write(tmp_path: Any, family: str, cell: str) -> str:
     return path
 
 
-@functools.lru_cache(maxsize=32)
-def _reference(family: str, precision: str) -> tuple[list[float], dict[str, Any]]:
-    return h.reference(family, gbs=GBS, precision=precision)
+@functools.lru_cache(maxsize=64)
+def _reference(family: str, precision: str, groups: tuple[tuple[int, ...], ...]) -> tuple[list[float], dict[str, Any]]:
+    """One process, the same micro-batches and replica shares (``row_groups``), the plan's precision."""
+    import torch
+
+    from hetplan.runtime.reference import make_optimizer, train_reference
+
+    torch.manual_seed(0)
+    model = h.build(family)
+    batches = [h.batch(step, GBS, family) for step in range(2)]
+    losses = train_reference(model, batches, h.loss, make_optimizer(model.parameters()), precision=precision,
+                             groups=groups)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _groups(family: str, cell: str) -> tuple[tuple[int, ...], ...]:
+    from hetplan.runtime.layout import PlanLayout
+    from hetplan.runtime.reference import row_groups
+
+    layout = PlanLayout.from_plan(make_plan(family, cell), [layer.name for layer in h.spec(family).layers])
+    return tuple(tuple(g) for g in row_groups(layout))
 
 
 def _numel(shape: Any) -> int:
@@ -141,7 +160,7 @@ def test_every_family_and_dimension_trains_as_one_process_or_is_refused_at_plan_
             held = [sum(_numel(local) for _, local, _ in rank[k]["parameters"].values()) for rank in per_rank]
             assert held == charged, (family, cell, held, charged)
         precision = CELLS[cell][5]
-        ref_losses, ref_state = _reference(family, precision)
+        ref_losses, ref_state = _reference(family, precision, _groups(family, cell))
         cmp = compare(result["losses"], ref_losses, result["state"], ref_state)
         worst = max(cmp["loss_rel_diff"], cmp["param_rel_diff"])
         if cmp["missing"] or worst > VERIFY_TOLERANCE[precision]:
