@@ -34,6 +34,7 @@ from typing import Any, Sequence
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec, RuntimeSupport
 from hetplan.plan import Plan
+from hetplan.runtime.layout import PlanLayout
 
 BUILTIN_FAMILIES = ("gpt", "llama", "moe")  # runtime.models: GPT/Llama decoders, GShard-style MoE decoders
 HF_SEQUENCE_PARALLEL = ("hetplan's runtime splits a HF model from its config's TP plan, which has no sequence "
@@ -87,7 +88,9 @@ class SearchLimits:
     """The dimensions a planner may use for a workload: all of them without a
     target; for hetplan's runtime only what it runs (``support_of`` its model)
     and never what its layout refuses in any plan (sequence parallelism in
-    stages of different (dp, tp) or with cp/ep, per-layer tp)."""
+    stages of different (dp, tp) or with cp/ep, uneven expert splits). A
+    layer's own tp inside a stage (Galvatron-BMW) is not limited here: the
+    plans the runtime refuses are dropped after the search (``hetplan.target``)."""
 
     pipeline: bool = True
     sequence_parallel: bool = True
@@ -97,7 +100,6 @@ class SearchLimits:
     mixed_stage_sequence_parallel: bool = True  # SP in a plan whose stages differ in (dp, tp)
     sequence_parallel_with_cp_ep: bool = True  # SP in a plan with context or expert parallelism
     uneven_experts: bool = True  # EP ranks holding different numbers of experts (by GPU speed)
-    layer_tp: bool = True  # a layer's own tp inside a stage (Galvatron-BMW)
 
     def recompute_choices(self, choices: Sequence[str]) -> tuple[str, ...]:
         return tuple(c for c in choices if c != "selective" or self.selective_recompute)
@@ -122,7 +124,7 @@ def search_limits(workload: Any) -> SearchLimits:
     return SearchLimits(pipeline=not support.pipeline, sequence_parallel=not support.sequence_parallel,
                         context_parallel=not support.context_parallel, expert_parallel=not support.expert_parallel,
                         selective_recompute=not support.selective_recompute, mixed_stage_sequence_parallel=False,
-                        sequence_parallel_with_cp_ep=False, uneven_experts=False, layer_tp=False)
+                        sequence_parallel_with_cp_ep=False, uneven_experts=False)
 
 
 # --- the check -----------------------------------------------------------------------------------
@@ -132,8 +134,6 @@ def runtime_refusal(plan: Plan, spec: ModelSpec) -> str:
     support = support_of(spec)
     if support.build:
         return support.build
-    from hetplan.runtime.layout import PlanLayout
-
     try:
         PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     except HetplanError as exc:
