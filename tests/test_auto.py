@@ -135,3 +135,18 @@ def test_a_plan_is_listed_once_whether_its_layers_write_out_their_tp_or_not() ->
 
     keys = [canonical(r.plan) for r in ranked]
     assert len(keys) == len(set(keys)), [r.plan.describe() for r in ranked]
+
+
+def test_a_model_whose_states_exceed_the_cluster_is_refused_before_any_search() -> None:
+    """DeepSeek-V3's weights, gradients and Adam states need 9.8 TiB; 64 H100 hold 5 TiB:
+    every planner says so at once (search.base.states_refusal), the auto planner solves nothing."""
+    from hetplan.errors import OutOfMemoryError
+
+    workload = Workload(get_model("deepseek-v3"), load_cluster("64xH100"), 512)
+    auto = AutoPlanner()
+    with pytest.raises(OutOfMemoryError, match="optimizer states alone, more than the 5.0 TiB of all 64 GPUs"):
+        auto.plan(workload, 1)
+    assert auto.stats.layouts == 0 and auto.stats.solves == 0
+    for name in ("metis", "galvatron", "megatron", "uniform", "amp"):
+        with pytest.raises(OutOfMemoryError, match="optimizer states alone"):
+            get_planner(name).plan(workload, 1)

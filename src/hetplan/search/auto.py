@@ -171,13 +171,15 @@ class _AutoSearch:
     # --- the steps -------------------------------------------------------------------------
     def run(self, top_k: int) -> list[RankedPlan]:
         stats = self.planner.stats
-        with Progress("auto planner", total=len(self.planner.sources) + 2) as progress:
+        with Progress("auto planner", total=len(self.planner.sources)) as progress:
             seeds = self.seed(progress, self.planner.sources)
-            progress.advance(note="exact layouts")
-            self.solve_all(self.layouts(seeds))
+            layouts = self.layouts(seeds)
+            progress.expect(len(layouts))  # one step per layout, those the bounds rule out at once
+            self.solve_all(layouts, progress)
             self.polish_best()
             if stats.budget_hit or stats.grid_uncertified or not self.pool:
                 stats.ran_contained = True
+                progress.expect(len(self.planner.contained))
                 self.seed(progress, self.planner.contained)
         return self.ranked(top_k)
 
@@ -245,14 +247,18 @@ class _AutoSearch:
                         # mixed GPUs: experts by speed too
                         yield Layout(by_speed, mbs, gbs // mbs, GRID)
 
-    def solve_all(self, layouts: list[Layout]) -> None:
+    def solve_all(self, layouts: list[Layout], progress: Progress | None = None) -> None:
         """Solve layouts cheapest bound first; stop when no bound can beat the best plan."""
         stats = self.planner.stats
         stats.layouts = len(layouts)
         bounded = sorted(((self.quick_bound(layout), i, layout) for i, layout in enumerate(layouts)),
                          key=lambda item: item[:2])
-        for bound, _, layout in bounded:
+        for seen, (bound, _, layout) in enumerate(bounded):
+            if progress is not None:
+                progress.advance(note=f"exact layouts, {stats.solves} solved")
             if bound >= self.best_s * (1 - 1e-12):
+                if progress is not None:  # the rest cannot beat the best plan: done with them
+                    progress.advance(len(bounded) - seen - 1)
                 break
             if self.pipeline_bound(layout) >= self.best_s * (1 - 1e-12):
                 continue

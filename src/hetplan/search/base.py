@@ -27,7 +27,12 @@ class Planner(Protocol):
 
 def cost_model_for(workload: Workload, cost: CostModel | None) -> CostModel:
     """A CostModel for ``workload``: ``cost`` itself if it is for it, one sharing
-    its kernel's tables if only the global batch differs, else a new one."""
+    its kernel's tables if only the global batch differs, else a new one.
+    Every planner starts here, so a workload no plan can fit (its model states
+    exceed all GPUs together: ``states_refusal``) is refused before any search."""
+    why = states_refusal(workload)
+    if why:
+        raise OutOfMemoryError(why)
     if cost is None or cost.workload.profile is not workload.profile:
         return CostModel(workload)
     if cost.workload is workload:
@@ -89,17 +94,25 @@ def rank_plans(cost_model: CostModel, plans: Iterable[Plan], top_k: int,
     return [RankedPlan(p, cost_model.estimate(p), key[1]) for key, p in scored[:top_k]]
 
 
+def states_refusal(workload: Workload) -> str:
+    """Why no plan can fit, by arithmetic alone ("" if one may): the model's
+    weights, gradients and optimizer states, sharded perfectly over every GPU,
+    already exceed their memory together (DeepSeek-V3 on 64 GPUs)."""
+    states = workload.model.total_params * sum(workload.state_bytes)
+    total = sum(workload.device_capacity_bytes(d.id) for d in workload.cluster.devices)
+    if states <= total:
+        return ""
+    return (f"model {workload.model.name!r} needs {format_bytes(states)} for weights, gradients and optimizer "
+            f"states alone, more than the {format_bytes(total)} of all {workload.cluster.num_devices} GPUs; "
+            "use a larger cluster or a smaller model")
+
+
 def no_fit_error(workload: Workload, ranked: list[RankedPlan]) -> OutOfMemoryError:
     """The error for "nothing fits": the model's states exceed the cluster, or
     the closest miss and what to change."""
-    states = workload.model.total_params * sum(workload.state_bytes)
-    total = sum(workload.device_capacity_bytes(d.id) for d in workload.cluster.devices)
-    if states > total:
-        return OutOfMemoryError(
-            f"model {workload.model.name!r} needs {format_bytes(states)} for weights, gradients and optimizer "
-            f"states alone, more than the {format_bytes(total)} of all {workload.cluster.num_devices} GPUs; "
-            "use a larger cluster or a smaller model"
-        )
+    why = states_refusal(workload)
+    if why:
+        return OutOfMemoryError(why)
     closest = min(ranked, key=lambda r: (-r.estimate.min_headroom_bytes, r.plan.describe()))
     est = closest.estimate
     worst = max(est.peak_memory_bytes, key=lambda d: est.peak_memory_bytes[d] - est.memory_capacity_bytes[d])
