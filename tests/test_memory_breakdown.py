@@ -76,7 +76,7 @@ def test_recompute_peak_is_the_backward_walk(pp):
     plan = uniform_plan(workload, 8 // pp, 1, pp, micro, 0, "full")
     cost = CostModel(workload)
     stored_all = cost.kernel.activation_bytes(1, "full", False) * micro
-    working_all = cost.kernel.recompute_working_bytes(1, "full", False) * micro
+    working_all = cost.kernel.backward_working_bytes(1, "full", False) * micro
     m = plan.num_micro_batches
     for j, stage in enumerate(plan.stages):
         stored, working = stored_all[list(stage.layers)], working_all[list(stage.layers)]

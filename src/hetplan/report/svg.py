@@ -32,7 +32,7 @@ TITLE_SIZE = 13
 # One colour per memory category (MEMORY_CATEGORIES), and for a peak a profile
 # measured as one number (not split by category).
 MEMORY_COLOURS = {"params": "#4C78A8", "grads": "#72B7B2", "optimizer": "#F58518", "activations": "#54A24B",
-                  "buffers": "#B279A2"}
+                  "loss": "#EECA3B", "buffers": "#B279A2"}
 UNSPLIT = ("peak (measured, not split)", "#9D9D9D")
 # The parts of the step time, in the order of report/text.py's breakdown table.
 TIME_PARTS = (("compute (bottleneck stage)", "compute_s", "#4C78A8"),
