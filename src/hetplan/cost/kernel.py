@@ -329,19 +329,21 @@ class CostKernel:
         a = self.memory_arrays
         return a.column("act_outside_bytes") / cp, a.column("working_bytes") / cp
 
-    def copy_bytes(self, tp: int, ep: int = 1) -> np.ndarray:
-        """Per layer: the 16-bit weight copies autocast makes in one
-        micro-batch's forward on one device, kept for its backward
-        (``LayerArrays.cast_params``; 0 without them)."""
+    def micro_batch_bytes(self, tp: int, ep: int = 1) -> np.ndarray:
+        """Per layer: what one device keeps for a micro-batch's backward
+        whatever its size (the code that trains: ``runtime_arrays``): the
+        16-bit weight copies autocast made in its forward (``cast_params``)
+        and indices or tables made once per micro-batch (``act_fixed_bytes``)."""
         a = self.memory_arrays
         if a.cast_params is None:
             return np.zeros(self.num_layers)
-        return self._cached(("copies", tp, ep), lambda: self.dtype_bytes * (
-            a.cast_params * a.tp_share(tp) + a.column("cast_expert_params") / (tp * ep)))
+        return self._cached(("permb", tp, ep), lambda: self.dtype_bytes * (
+            a.cast_params * a.tp_share(tp) + a.column("cast_expert_params") / (tp * ep))
+            + a.column("act_fixed_bytes"))
 
-    def copy_prefix(self, tp: int, ep: int = 1) -> np.ndarray:
-        """Prefix sums of ``copy_bytes``: a range's copies as a difference."""
-        return self._cached(("copyprefix", tp, ep), lambda: _prefix(self.copy_bytes(tp, ep)))
+    def micro_batch_prefix(self, tp: int, ep: int = 1) -> np.ndarray:
+        """Prefix sums of ``micro_batch_bytes``: a range's as a difference."""
+        return self._cached(("permbprefix", tp, ep), lambda: _prefix(self.micro_batch_bytes(tp, ep)))
 
     def largest_tensor(self, tp: int, ep: int = 1) -> np.ndarray:
         """Per layer: elements of the largest parameter tensor one device holds

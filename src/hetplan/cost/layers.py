@@ -62,6 +62,7 @@ class LayerArrays:
     act_outside_bytes: np.ndarray | None = None  # part of that a recomputed layer keeps too (its loss)
     working_bytes: np.ndarray | None = None  # transient bytes per sample its backward adds (the loss's gradients)
     cast_params: np.ndarray | None = None  # dense weights autocast copies per micro-batch (TP divides them)
+    act_fixed_bytes: np.ndarray | None = None  # kept once per micro-batch whatever its size (indices, tables)
     cast_expert_params: np.ndarray | None = None  # routed-expert weights copied alike (TP and EP divide them)
     largest_param: np.ndarray | None = None  # elements of the largest dense parameter tensor (TP divides it)
     largest_expert_param: np.ndarray | None = None  # elements of the stacked expert weights (TP and EP divide them)
@@ -175,7 +176,7 @@ def runtime_arrays(arrays: LayerArrays, memory: Sequence[LayerMemory]) -> LayerA
         act_attention_core_bytes=column("core"), input_bytes=column("boundary"),
         act_linear_input_bytes=None, act_linear_input_replicated_bytes=None,
         act_undivided_bytes=column("undivided"), act_outside_bytes=column("outside"),
-        working_bytes=column("working"), cast_params=column("cast_params"),
+        working_bytes=column("working"), cast_params=column("cast_params"), act_fixed_bytes=column("fixed"),
         cast_expert_params=column("cast_expert_params"), largest_param=column("largest_param"),
         largest_expert_param=column("largest_expert_param"),
     )

@@ -235,8 +235,9 @@ class _LayerMemory:
 
 
 def _layer_memory(kernel: CostKernel, stage: Stage, pos: int) -> tuple[_LayerMemory, float, float]:
-    """A layer's activations (``_LayerMemory``) and its weight copies: (kept per
-    micro-batch in flight, rebuilt while it runs backward)."""
+    """A layer's activations (``_LayerMemory``) and what it keeps per
+    micro-batch whatever its size (``CostKernel.micro_batch_bytes``): (kept
+    for every micro-batch in flight, rebuilt while it runs backward)."""
     tp = stage.layer_degrees(pos)[1]
     index, strategy = stage.layers[pos], stage.strategies[pos]
     # one CP rank's activations per sample of its replica (cp_ep.cp_activation_bytes)
@@ -245,12 +246,12 @@ def _layer_memory(kernel: CostKernel, stage: Stage, pos: int) -> tuple[_LayerMem
     if strategy.offload:  # kept on the host: only a working set stays (CostKernel.offload_working_bytes)
         act, work = 0.0, float(kernel.offload_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
     loss, transient = (float(x[index]) for x in kernel.loss_bytes(tp, stage.sequence_parallel, stage.cp))
-    copies = float(kernel.copy_bytes(tp, stage.ep)[index])
+    per_mb = float(kernel.micro_batch_bytes(tp, stage.ep)[index])
     if strategy.offload:
-        return _LayerMemory(tp, act, work, 0.0, transient), 0.0, OFFLOAD_RESIDENT_LAYERS * copies
+        return _LayerMemory(tp, act, work, 0.0, transient), 0.0, OFFLOAD_RESIDENT_LAYERS * per_mb
     if strategy.recompute == "full":
-        return _LayerMemory(tp, act, work, loss, transient), 0.0, copies
-    return _LayerMemory(tp, act, work, loss, transient), copies, 0.0
+        return _LayerMemory(tp, act, work, loss, transient), 0.0, per_mb
+    return _LayerMemory(tp, act, work, loss, transient), per_mb, 0.0
 
 
 def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float,
@@ -261,7 +262,7 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
     if stage.has_layer_degrees:
         check_uniform_cp_ep(stage)
     per_layer = []
-    weights = grads = optimizer = gathered = kept_copies = rebuilt_copies = reduce = largest = zero1 = 0.0
+    weights = grads = optimizer = gathered = kept_per_mb = rebuilt_per_mb = reduce = largest = zero1 = 0.0
     zero1_largest = 0.0
     experts = np.zeros(3)  # the routed experts' part of weights, grads, optimizer
     for pos, strategy in enumerate(stage.strategies):
@@ -272,7 +273,7 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         experts += expert_states(kernel, stage, pos, strategy.zero)
         layer, kept, rebuilt = _layer_memory(kernel, stage, pos)
         per_layer.append(layer)
-        kept_copies, rebuilt_copies = kept_copies + kept, max(rebuilt_copies, rebuilt)
+        kept_per_mb, rebuilt_per_mb = kept_per_mb + kept, max(rebuilt_per_mb, rebuilt)
         group = dp * stage.cp
         if strategy.zero >= 3 and group > 1:
             gathered = max(gathered, float(kernel.params_per_device(tp, stage.ep)[index]) * kernel.weight_bytes)
@@ -304,8 +305,8 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         loss_work = min(work, float(working_beyond_stored(
             stored, np.array([layer.transient * batch[layer.tp] for layer in per_layer]))))
         w, g, o = np.array([weights, grads, optimizer]) + (scales[i] - 1.0) * experts
-        one = float(stored.sum()) + kept_copies  # what one micro-batch in flight keeps
-        activations = one * in_flight + work + rebuilt_copies
+        one = float(stored.sum()) + kept_per_mb  # what one micro-batch in flight keeps
+        activations = one * in_flight + work + rebuilt_per_mb
         terms.append(PeakTerms(float(w) + ZERO3_GATHERED_LAYERS * gathered, float(g), float(o),
                                activations - loss_stored - loss_work, loss_stored + loss_work, reduce,
                                float(overhead[i]), step, first_backward and kernel.runtime, one))

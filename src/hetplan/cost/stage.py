@@ -37,11 +37,11 @@ class _MemoryLine(NamedTuple):
     batch``, the optimizer step's ``base + step``."""
 
     base: float  # kept throughout: states (gradients included), ZeRO-3's gathered layers, overhead
-    fixed: float  # what the backward peak holds whatever the batch: weight copies, reduce buffer
+    fixed: float  # what the backward peak holds whatever the batch: weight copies, indices, reduce buffer
     per_sample: float  # activations of the micro-batches in flight and the backward's working set, per sample
     step: float  # the optimizer step's temporaries
     grads: float  # the gradients, part of ``base``
-    micro_batch_fixed: float  # what one micro-batch in flight keeps whatever the batch (its weight copies)
+    micro_batch_fixed: float  # what one micro-batch in flight keeps whatever the batch (weight copies, indices)
     micro_batch_per_sample: float  # and per sample (its activations)
 
 
@@ -298,18 +298,19 @@ class StageCosts:
                              and not o.sequence_parallel and not o.offload and o.cp == 1 and o.ep == 1)
 
     def _build_runtime_memory(self) -> None:
-        """Range tables of what the batch does not scale: the weight copies kept
-        per micro-batch in flight (all of them: ``_copies``) or rebuilt one
-        layer at a time (recomputed or offloaded layers: ``_copies_max``), the
-        reduce buffer of the largest layer, and the largest tensor the
-        optimizer step updates (``_largest_max``). Empty (None) for code that
-        has none of them."""
+        """Range tables of what the batch does not scale: what each micro-batch
+        keeps whatever its size (``CostKernel.micro_batch_bytes``: weight
+        copies, indices), for every micro-batch in flight (``_per_mb``) or
+        for the one layer being rebuilt (recomputed or offloaded layers:
+        ``_per_mb_max``), the reduce buffer of the largest layer, and the
+        largest tensor the optimizer step updates (``_largest_max``). Empty
+        (None) for code that has none of them."""
         k, o = self.kernel, self.option
-        copies = k.copy_bytes(o.tp, o.ep)
+        per_mb = k.micro_batch_bytes(o.tp, o.ep)
         rebuilt = o.recompute == "full" or o.offload
-        self._copies = None if rebuilt or not copies.any() else k.copy_prefix(o.tp, o.ep)
-        self._copies_max = None if not rebuilt or not copies.any() else \
-            (OFFLOAD_RESIDENT_LAYERS if o.offload else 1) * k.range_max_matrix(copies, ("copies", o.tp, o.ep))
+        self._per_mb = None if rebuilt or not per_mb.any() else k.micro_batch_prefix(o.tp, o.ep)
+        self._per_mb_max = None if not rebuilt or not per_mb.any() else \
+            (OFFLOAD_RESIDENT_LAYERS if o.offload else 1) * k.range_max_matrix(per_mb, ("permb", o.tp, o.ep))
         buffers = k.reduce_buffer_bytes(o.tp, o.ep) if o.dp * o.cp > 1 else np.zeros(self.num_layers)
         self._reduce_max = k.range_max_matrix(buffers, ("reducebuf", o.tp, o.ep)) if buffers.any() else None
         largest = k.largest_tensor(o.tp, o.ep)
@@ -396,17 +397,17 @@ class StageCosts:
         work = float(self._work_max[a, b]) if self._work_max is not None else 0.0
         gathered = float(self._gathered_max[a, b]) if self._gathered_max is not None else 0.0
         act = self._act_list[b] - self._act_list[a]
-        copies = float(self._copies[b] - self._copies[a]) if self._copies is not None else 0.0
-        rebuilt = float(self._copies_max[a, b]) if self._copies_max is not None else 0.0
+        per_mb = float(self._per_mb[b] - self._per_mb[a]) if self._per_mb is not None else 0.0
+        rebuilt = float(self._per_mb_max[a, b]) if self._per_mb_max is not None else 0.0
         reduce = float(self._reduce_max[a, b]) if self._reduce_max is not None else 0.0
         largest = float(self._largest_max[a, b]) if self._largest_max is not None else 0.0
         grads = (held + (expert_scale - 1.0) * experts) * self._grad_per_param \
             + expert_scale * experts * self._expert_grad
         return _MemoryLine(base=float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead)),
-                           fixed=copies * in_flight + rebuilt + reduce,
+                           fixed=per_mb * in_flight + rebuilt + reduce,
                            per_sample=float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0)),
                            step=float(self._step_bytes(held, largest)), grads=grads,
-                           micro_batch_fixed=copies, micro_batch_per_sample=act)
+                           micro_batch_fixed=per_mb, micro_batch_per_sample=act)
 
     def host_bytes(self, a: int, b: int, batch: float, in_flight: float) -> float:
         """Offloaded activations one GPU keeps in host memory for layers [a, b):
@@ -558,10 +559,10 @@ class StageCosts:
         work = self._work_max[rows, cols] if self._work_max is not None else 0.0
         gathered = self._gathered_max[rows, cols] if self._gathered_max is not None else 0.0
         fixed: np.ndarray | float = 0.0
-        if self._copies is not None:
-            fixed = (self._copies[cols][None, :] - self._copies[rows][:, None]) * in_flight
-        if self._copies_max is not None:
-            fixed = fixed + self._copies_max[rows, cols]
+        if self._per_mb is not None:
+            fixed = (self._per_mb[cols][None, :] - self._per_mb[rows][:, None]) * in_flight
+        if self._per_mb_max is not None:
+            fixed = fixed + self._per_mb_max[rows, cols]
         if self._reduce_max is not None:
             fixed = fixed + self._reduce_max[rows, cols]
         step = self._step_bytes(held, self._largest_max[rows, cols] if self._largest_max is not None else 0.0)

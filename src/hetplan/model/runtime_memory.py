@@ -44,7 +44,7 @@ cast parameters (per micro-batch: a weight copy does not grow with the batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetplan.model.spec import LayerSpec, ModelSpec
 
@@ -76,6 +76,8 @@ class LayerMemory:
             (besides ``outside``); sequence parallelism divides it.
         working: transient bytes the layer's backward adds beyond ``saved``
             (the loss's gradient buffers); whole on every TP rank.
+        fixed: bytes kept once per micro-batch whatever its size (position
+            indices, a rotary table), whole on every rank.
         cast_params: dense weights autocast copies to 16 bits, kept for
             backward once per micro-batch (TP divides them).
         cast_expert_params: routed-expert weights copied alike (TP and EP divide them).
@@ -91,6 +93,7 @@ class LayerMemory:
     core: float = 0.0
     boundary: float = 0.0
     working: float = 0.0
+    fixed: float = 0.0
     cast_params: int = 0
     cast_expert_params: int = 0
     largest_param: int = 0
@@ -161,6 +164,7 @@ class _Tally:
     undivided: float = 0.0
     outside: float = 0.0
     core: float = 0.0
+    fixed: float = 0.0
     cast: int = 0
     cast_experts: int = 0
     largest: int = 0
@@ -170,7 +174,7 @@ class _Tally:
         replicated = self.replicated + self.undivided + self.outside
         return LayerMemory(saved=self.sharded + replicated, replicated=replicated,
                            undivided=self.undivided + self.outside, outside=self.outside, core=self.core,
-                           boundary=boundary, working=working, cast_params=self.cast,
+                           boundary=boundary, working=working, fixed=self.fixed, cast_params=self.cast,
                            cast_expert_params=self.cast_experts, largest_param=self.largest,
                            largest_expert_param=self.largest_expert)
 
@@ -209,9 +213,15 @@ def _attention(t: _Tally, shape: DecoderShape, c: int) -> None:
     if shape.mask:
         sdpa += c * s * s  # the mask SDPA converts to the query's dtype and keeps (broadcast over heads)
     t.sharded += sdpa
-    # what checkpointing the core keeps instead: its inputs (HF: the fp32 rotary outputs)
+    # the built-in model's rotary q (stack + flatten: heads-major) makes SDPA's output heads-major too, so
+    # the projection's reshape copies it (seen on CPU and CUDA); HF's and the unrotated q are sequence-major
+    copied = not shape.hf and shape.rope
+    if copied:
+        t.sharded += c * s * q
+        t.fixed += 2 * c * s * shape.head_dim  # _rope's cos and sin, for q and for k, once per micro-batch
+    # what checkpointing the core keeps instead: its inputs (HF: the fp32 rotary outputs) and its output
     rotary = FP32 if shape.hf and shape.rope and c < FP32 else c
-    kept = rotary * s * (q + kv) + c * s * kv + c * s * q  # q, k, v inputs; the output the projection keeps
+    kept = rotary * s * (q + kv) + c * s * kv + (0 if copied else c * s * q)
     t.core += sdpa - kept
     t.cast += h * q + 2 * h * kv + q * h  # q, k, v and output projection weights
     t.largest = max(t.largest, h * q)
@@ -266,13 +276,19 @@ def decoder_block(shape: DecoderShape, dtype_bytes: int) -> LayerMemory:
 
 
 def embedding(shape: DecoderShape) -> LayerMemory:
-    """Token (and position) embedding: ``nn.Embedding`` keeps only the token
-    ids; a HF decoder's rotary table (fp32 cos and sin, one per micro-batch,
-    counted per sample) is made here."""
+    """Token (and position) embedding: ``nn.Embedding`` keeps only its
+    indices, the token ids and, once per micro-batch, the learned positions'
+    ``arange``."""
     s = shape.seq
-    kept = INDEX_BYTES * s + (2 * FP32 * s * shape.head_dim if shape.hf and shape.rope else 0)
-    return LayerMemory(saved=kept, replicated=kept, boundary=INDEX_BYTES * s,
-                       largest_param=shape.vocab * shape.hidden)
+    return LayerMemory(saved=INDEX_BYTES * s, replicated=INDEX_BYTES * s, boundary=INDEX_BYTES * s,
+                       fixed=0 if shape.rope else INDEX_BYTES * s, largest_param=shape.vocab * shape.hidden)
+
+
+def rotary_table(shape: DecoderShape) -> float:
+    """A HF decoder's rotary table: fp32 cos and sin of every position, made
+    once per micro-batch (``LlamaRotaryEmbedding``) and kept by the blocks'
+    rotary products; counted with the first block."""
+    return 2 * FP32 * shape.seq * shape.head_dim if shape.hf and shape.rope else 0.0
 
 
 def head(shape: DecoderShape, dtype_bytes: int) -> LayerMemory:
@@ -306,7 +322,9 @@ def runtime_memory(spec: ModelSpec, cuda: bool = True) -> tuple[LayerMemory, ...
         elif layer.kind == "head":
             out.append(head(shape, spec.dtype_bytes))
         else:
-            out.append(decoder_block(_block_shape(shape, layer, spec), spec.dtype_bytes))
+            block = decoder_block(_block_shape(shape, layer, spec), spec.dtype_bytes)
+            first = len(out) == 1
+            out.append(replace(block, fixed=block.fixed + rotary_table(shape)) if first else block)
     return tuple(out)
 
 
@@ -315,8 +333,6 @@ def _block_shape(shape: DecoderShape, layer: LayerSpec, spec: ModelSpec) -> Deco
     experts of ``expert_ffn`` (the layer's own fields)."""
     if not layer.is_moe:
         return shape
-    from dataclasses import replace
-
     return replace(shape, experts=layer.num_experts, top_k=layer.top_k,
                    expert_ffn=layer.expert_ffn or shape.ffn)
 
