@@ -156,7 +156,7 @@ class DecoderShape:
 
 
 @dataclass
-class _Tally:
+class _Kept:
     """Bytes of one layer as its tensors are written out (``LayerMemory``'s fields)."""
 
     sharded: float = 0.0
@@ -179,7 +179,7 @@ class _Tally:
                            largest_expert_param=self.largest_expert)
 
 
-def _norm(t: _Tally, shape: DecoderShape, tokens: float) -> None:
+def _norm(t: _Kept, shape: DecoderShape, tokens: float) -> None:
     """A pre-norm on the fp32 residual stream: it keeps its input; LayerNorm
     its fp32 mean and rstd (``native_layer_norm``), an RMSNorm its rstd and,
     unless fused, the normalised tensor the weight multiplies."""
@@ -193,14 +193,14 @@ def _norm(t: _Tally, shape: DecoderShape, tokens: float) -> None:
         t.replicated += FP32 * tokens * h
 
 
-def _linear_inputs(t: _Tally, shape: DecoderShape, tokens: float, linears: int, c: int) -> None:
+def _linear_inputs(t: _Kept, shape: DecoderShape, tokens: float, linears: int, c: int) -> None:
     """The norm's fp32 output as its ``linears`` consumers keep it: one 16-bit
     copy each under autocast (``F.linear`` casts its own input), the fp32
     tensor once in fp32 training."""
     t.replicated += (linears * c if c < FP32 else FP32) * tokens * shape.hidden
 
 
-def _attention(t: _Tally, shape: DecoderShape, c: int) -> None:
+def _attention(t: _Kept, shape: DecoderShape, c: int) -> None:
     """Norm, q/k/v projections, SDPA and the output projection (per sample)."""
     s, h = shape.seq, shape.hidden
     q, kv = shape.q_width, shape.kv_width
@@ -227,7 +227,7 @@ def _attention(t: _Tally, shape: DecoderShape, c: int) -> None:
     t.largest = max(t.largest, h * q)
 
 
-def _mlp(t: _Tally, shape: DecoderShape, c: int) -> None:
+def _mlp(t: _Kept, shape: DecoderShape, c: int) -> None:
     """Norm, MLP (its inner activations kept by the activation function and the
     second linear) and the residual add, whose fp32 sum the next norm keeps."""
     s, h, f = shape.seq, shape.hidden, shape.ffn
@@ -240,7 +240,7 @@ def _mlp(t: _Tally, shape: DecoderShape, c: int) -> None:
     t.largest = max(t.largest, h * f)
 
 
-def _moe(t: _Tally, shape: DecoderShape, c: int) -> None:
+def _moe(t: _Kept, shape: DecoderShape, c: int) -> None:
     """The runtime's dropless MoE MLP (``runtime/models.py`` ``MoE``, ``Experts``;
     ``runtime/ep.py`` ``moe_dispatch_combine``): router and top-k in fp32, each
     expert's rows cast to 16 bits, expert biases fp32 (so an expert's first
@@ -267,7 +267,7 @@ def decoder_block(shape: DecoderShape, dtype_bytes: int) -> LayerMemory:
     """A pre-norm decoder block (attention + MLP or MoE), per sample. Its
     input is the fp32 residual stream, all a fully recomputed block keeps."""
     c = dtype_bytes
-    t = _Tally()
+    t = _Kept()
     _attention(t, shape, c)
     (_moe if shape.experts else _mlp)(t, shape, c)
     if c == FP32:
@@ -299,7 +299,7 @@ def head(shape: DecoderShape, dtype_bytes: int) -> LayerMemory:
     logits-sized gradients."""
     c = dtype_bytes
     s, h, v = shape.seq, shape.hidden, shape.vocab
-    t = _Tally()
+    t = _Kept()
     _norm(t, shape, s)
     t.undivided += (c if c < FP32 else FP32) * s * h  # the projection's (gathered) input
     t.outside += c * s * v + FP32 * s * v + INDEX_BYTES * s  # logits, log-softmax output, targets
