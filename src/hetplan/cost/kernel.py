@@ -321,11 +321,11 @@ class CostKernel:
                             lambda: OFFLOAD_RESIDENT_LAYERS * self.activation_bytes(tp, recompute, sequence_parallel)
                             + self.backward_working_bytes(tp, recompute, sequence_parallel))
 
-    def loss_bytes(self, tp: int, sequence_parallel: bool, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    def loss_bytes(self, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Per sample and layer, the loss's part of what a layer keeps (the
         logits and log-softmax the runtime holds: ``act_outside_bytes``) and of
-        its backward's working set (``working_bytes``), on one CP rank: the
-        "loss" category of ``memory_parts``."""
+        its backward's working set (``working_bytes``), on one CP rank (whole
+        on every TP rank): the "loss" category of ``memory.PeakTerms``."""
         a = self.memory_arrays
         return a.column("act_outside_bytes") / cp, a.column("working_bytes") / cp
 

@@ -70,7 +70,7 @@ def state_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
     at the step's peak: what it keeps between steps (``resident_bytes_split``)
     plus, for ZeRO-2 under FSDP2, the whole weights gathered from forward to
     backward (``fully_shard(reshard_after_forward=False)`` keeps its shard and
-    the unsharded copy). ZeRO-3's gathered layers are counted apart (``memory_parts``)."""
+    the unsharded copy). ZeRO-3's gathered layers are counted apart (``PeakTerms.weights``)."""
     weight, grad, opt = resident_bytes_split(zero, dp, state_bytes, implementation)
     if zero == 2 and implementation in FSDP_LIKE and dp > 1:
         weight += float(state_bytes[0])

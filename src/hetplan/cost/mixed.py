@@ -245,7 +245,7 @@ def _layer_memory(kernel: CostKernel, stage: Stage, pos: int) -> tuple[_LayerMem
     work = float(kernel.backward_working_bytes(tp, strategy.recompute, stage.sequence_parallel, stage.cp)[index])
     if strategy.offload:  # kept on the host: only a working set stays (CostKernel.offload_working_bytes)
         act, work = 0.0, float(kernel.offload_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
-    loss, transient = (float(x[index]) for x in kernel.loss_bytes(tp, stage.sequence_parallel, stage.cp))
+    loss, transient = (float(x[index]) for x in kernel.loss_bytes(stage.cp))
     per_mb = float(kernel.micro_batch_bytes(tp, stage.ep)[index])
     if strategy.offload:
         return _LayerMemory(tp, act, work, 0.0, transient), 0.0, OFFLOAD_RESIDENT_LAYERS * per_mb

@@ -86,9 +86,10 @@ class CostModel:
         return out
 
     def memory_breakdown(self, plan: Plan) -> dict[int, dict[str, int]]:
-        """Each device's peak by category (params, grads, optimizer, activations,
-        buffers; ``memory.memory_parts``); the categories add up to the peak of
-        ``estimate``. Empty where a profile gives measured memory (not split)."""
+        """Each device's peak by category (``memory.MEMORY_CATEGORIES``: params,
+        grads, optimizer, activations, loss, buffers; ``memory.PeakTerms.parts``);
+        the categories add up to the peak of ``estimate``. Empty where a profile
+        gives measured memory (not split)."""
         if self.kernel.memory_profile is not None:
             return {}
         out: dict[int, dict[str, int]] = {}

@@ -153,7 +153,7 @@ def _floor_log10(x: float) -> int:
 def memory_svg(plan: Plan, estimate: Estimate, workload: Workload, title: str = "",
                breakdown: dict[int, dict[str, int]] | None = None) -> str:
     """A bar per GPU, grouped by stage, stacked by category (params, grads,
-    optimizer, activations, buffers: ``CostModel.memory_breakdown``, computed
+    optimizer, activations, loss, buffers: ``CostModel.memory_breakdown``, computed
     here when not given) inside an outline of that GPU's capacity; the stage
     and its GPU type under each group. A peak a profile measured as one
     number is drawn unsplit. Each bar's segments carry ``data-category`` and
