@@ -14,7 +14,9 @@ import pytest
 from hetplan.cli import main
 from hetplan.cluster import load_cluster
 from hetplan.cost import CostModel, Workload
-from hetplan.cost.constants import FRAMEWORK_OVERHEAD_BYTES
+from hetplan.cost.constants import (
+    FRAMEWORK_OVERHEAD_BYTES, OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TEMPORARIES, RUNTIME_OPTIMIZER, RUNTIME_STATE_BYTES,
+)
 from hetplan.model import load_model
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.units import GIB
@@ -103,3 +105,10 @@ def test_best_llama_plan_fits(tmp_path, capsys):
     assert best["estimate"]["fits"]
     recompute = {s["recompute"] for s in stage["strategies"]}
     assert not (recompute == {"none"} and best["plan"]["micro_batch_size"] >= 8)
+
+
+def test_every_optimizer_names_a_runtime_optimizer():
+    """Any optimizer a plan names is costed as one the runtime runs (AdamW or
+    SGD with momentum), with its fp32 states."""
+    assert set(RUNTIME_OPTIMIZER) == set(OPTIMIZER_STATE_BYTES)
+    assert set(RUNTIME_OPTIMIZER.values()) == set(RUNTIME_STATE_BYTES) == set(OPTIMIZER_STEP_TEMPORARIES)

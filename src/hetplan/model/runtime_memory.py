@@ -211,7 +211,9 @@ def _attention(t: _Kept, shape: DecoderShape, c: int) -> None:
     kv_seen = q if shape.repeats_kv else kv  # K and V as SDPA gets them
     sdpa = c * s * (q + 2 * kv_seen) + c * s * q + FP32 * shape.heads * s  # q, k, v, output, log-sum-exp
     if shape.mask:
-        sdpa += c * s * s  # the mask SDPA converts to the query's dtype and keeps (broadcast over heads)
+        # the mask SDPA converts to the query's dtype and keeps, broadcast over the heads (each TP rank keeps
+        # it whole; counted with the heads TP divides: under TP a few percent of a layer short)
+        sdpa += c * s * s
     t.sharded += sdpa
     # the built-in model's rotary q (stack + flatten: heads-major) makes SDPA's output heads-major too, so
     # the projection's reshape copies it (seen on CPU and CUDA); HF's and the unrotated q are sequence-major
