@@ -32,9 +32,9 @@ from hetplan.cost.constants import (
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TORCHTITAN_VERSIONS
 from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
-from hetplan.profile import cli as profile_cli
 from hetplan.report import cli as report_cli
 from hetplan.runtime import cli as runtime_cli
+from hetplan.runtime.profiling import cli as profile_cli
 from hetplan import tune as tune_cli
 from hetplan.target import PLAN_TARGETS
 
