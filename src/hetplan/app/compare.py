@@ -16,7 +16,8 @@ from hetplan.plan import RankedPlan
 from hetplan.search import get_planner
 from hetplan.target import TargetResult, search_for_target
 
-BASELINE_PLANNER = "megatron"  # the others are measured against it, as the AMP paper measures its plans (docs/planners/amp.md)
+# The others' speed-up is against megatron's plan: the AMP paper's baseline (docs/planners/amp.md).
+BASELINE_PLANNER = "megatron"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ it. So the three cannot drift apart in what they compute."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hetplan.app.explain import explain, model_notes
@@ -20,13 +20,14 @@ from hetplan.planfile import PlanFile
 class PlanReport:
     """What a report of one plan says.
 
-    ``cost_model``: the one that costed ``chosen``; ``ranked``: the rows of the ranked table (``positions``: each row's number,
-    1.. unless some plans of a file could not be costed: ``problems``);
-    ``chosen``: the plan described; ``memory``: its peak memory per GPU by
-    category (``CostModel.memory_breakdown``); ``why``: ``explain``'s sentences;
-    ``training``: ``training_numbers`` for ``tokens`` at ``prices`` (per GPU-hour
-    by type, or "*"; None: the cluster file's or the defaults); ``plan_notes``: the planner's notes on the
-    plan; ``model_notes``: what qualifies the estimate for this model;
+    ``chosen``: the plan described, costed by ``cost_model``; ``ranked``: the
+    rows of the ranked table (``positions``: each row's number, 1.. unless some
+    plans of a file could not be costed: ``problems``); ``memory``: the chosen
+    plan's peak memory per GPU by category (``CostModel.memory_breakdown``);
+    ``why``: ``explain``'s sentences; ``training``: ``training_numbers`` for
+    ``tokens`` at ``prices`` (per GPU-hour by type or "*"; None: the cluster
+    file's, else the defaults); ``plan_notes``: the planner's notes on the plan;
+    ``model_notes``: what qualifies the estimate for this model;
     ``target_lines``: what the target restriction cost (``hetplan plan``);
     ``header_extra``: a last header line (the planner and its search time)."""
 
@@ -43,7 +44,7 @@ class PlanReport:
     model_notes: tuple[str, ...]
     target_lines: tuple[str, ...] = ()
     header_extra: str = ""
-    positions: tuple[int, ...] = field(default=())
+    positions: tuple[int, ...] = ()
     problems: tuple[str, ...] = ()
 
     @property
@@ -63,11 +64,13 @@ def plan_report(workload: Workload, cost_model: CostModel, ranked: Sequence[Rank
                 header_extra: str = "", positions: Sequence[int] = (), problems: Sequence[str] = ()) -> PlanReport:
     """The report of ``chosen`` (costed by ``cost_model``, of ``workload``) among ``ranked``."""
     plan, estimate = chosen.plan, chosen.estimate
-    numbers = training_numbers(plan, estimate, workload.cluster, workload.model.seq_len, tokens, prices)
-    return PlanReport(workload, cost_model, tuple(ranked), chosen, cost_model.memory_breakdown(plan),
-                      tuple(explain(plan, estimate, workload)), numbers, tokens, prices, tuple(n for n in plan.notes if n),
-                      model_notes(plan, workload.model), tuple(target_lines), header_extra,
-                      tuple(positions) or tuple(range(1, len(ranked) + 1)), tuple(problems))
+    return PlanReport(
+        workload=workload, cost_model=cost_model, ranked=tuple(ranked), chosen=chosen,
+        memory=cost_model.memory_breakdown(plan), why=tuple(explain(plan, estimate, workload)),
+        training=training_numbers(plan, estimate, workload.cluster, workload.model.seq_len, tokens, prices),
+        tokens=tokens, prices=prices, plan_notes=tuple(n for n in plan.notes if n),
+        model_notes=model_notes(plan, workload.model), target_lines=tuple(target_lines), header_extra=header_extra,
+        positions=tuple(positions) or tuple(range(1, len(ranked) + 1)), problems=tuple(problems))
 
 
 def file_report(plan_file: PlanFile, index: int, tokens: float | None = None,

@@ -15,7 +15,9 @@ from typing import Any
 from hetplan.cluster import load_cluster
 from hetplan.cost import Workload
 from hetplan.cost.calibration import effective_calibration, read_calibration
-from hetplan.cost.constants import DEFAULT_ATTENTION_KERNEL, EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, TOOL_ATTENTION_KERNEL
+from hetplan.cost.constants import (
+    DEFAULT_ATTENTION_KERNEL, EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, TOOL_ATTENTION_KERNEL,
+)
 from hetplan.model import load_model
 from hetplan.planfile import PlanFile, resolve_cluster, resolve_model
 from hetplan.profile import load_profile

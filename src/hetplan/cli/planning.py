@@ -34,11 +34,18 @@ from hetplan.search.smp import DEFAULT_ALPHA, SMPPlanner
 from hetplan.simulate import build_schedule, format_schedule, makespan, simulate_plan
 from hetplan.validate import validate_plan
 
-SCHEDULE_PRINT_LIMIT = 64  # estimate --simulate prints the schedule grid up to this many slots (stages x micro-batches): a wider one does not fit a terminal
+# estimate --simulate prints the schedule grid up to this many slots (stages x micro-batches):
+# a wider grid does not fit a terminal (the limit cli.py had).
+SCHEDULE_PRINT_LIMIT = 64
 
 
 def register(sub: Any) -> None:
     """Add ``plan``, ``compare``, ``estimate``, ``export`` and ``whatif`` to the hetplan CLI."""
+    for add in (_add_plan, _add_compare, _add_estimate, _add_export, _add_whatif):
+        add(sub)
+
+
+def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="find the best plans for a model on a cluster")
     add_workload_args(p)
     p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"planner (default {DEFAULT_PLANNER}); see 'hetplan planners'")
@@ -54,6 +61,8 @@ def register(sub: Any) -> None:
     add_target_args(p)
     p.set_defaults(func=cmd_plan)
 
+
+def _add_compare(sub: Any) -> None:
     p = sub.add_parser("compare", help="run several planners on the same inputs")
     add_workload_args(p)
     p.add_argument("--planners", default=None, help="comma-separated planner names (default: all)")
@@ -61,6 +70,8 @@ def register(sub: Any) -> None:
     add_target_args(p)
     p.set_defaults(func=cmd_compare)
 
+
+def _add_estimate(sub: Any) -> None:
     p = sub.add_parser("estimate", help="cost a plan file or one uniform dp/tp/pp setting")
     p.add_argument("plan_file", nargs="?", default=None, help="plan JSON from 'hetplan plan --json'")
     p.add_argument("--index", type=positive_int, default=1, help="which plan of a ranked file (1 = best)")
@@ -86,6 +97,8 @@ def register(sub: Any) -> None:
     add_target_args(p)
     p.set_defaults(func=cmd_estimate)
 
+
+def _add_export(sub: Any) -> None:
     p = sub.add_parser("export", help="write a plan as torchtitan/Megatron/DeepSpeed settings or module lists")
     p.add_argument("plan_file", help="plan JSON from 'hetplan plan --json'")
     p.add_argument("--format", required=True, choices=("modules", "torchtitan", "megatron", "deepspeed"))
@@ -98,6 +111,8 @@ def register(sub: Any) -> None:
                                                "beside it, as NAME.pipeline.py)")
     p.set_defaults(func=cmd_export)
 
+
+def _add_whatif(sub: Any) -> None:
     p = sub.add_parser("whatif", help="the best plan as the cluster or batch changes: one row per variant")
     add_workload_args(p, batch_auto=False)
     p.add_argument("--vary", required=True, metavar="WHAT=V1,V2,...",

@@ -63,8 +63,9 @@ def cmd_tune(args: argparse.Namespace, runner: TrialRunner | None = None) -> int
     ranked, search_s = tune_candidates(workload, planner, args.top_k)
     cost_model = CostModel(workload)
     n = len(select_plans(ranked, args.top_k))
-    print(workload_header(workload, f"planner  {planner.name}: searched in {search_s:.2f} s; trying {n} plan(s) on "
-                                    f"{device}, {args.warmup} warm-up + {args.steps} measured step(s) each"), flush=True)
+    extra = (f"planner  {planner.name}: searched in {search_s:.2f} s; trying {n} plan(s) on {device}, "
+             f"{args.warmup} warm-up + {args.steps} measured step(s) each")
+    print(workload_header(workload, extra), flush=True)
     result = tune(workload, ranked, runner, top_k=args.top_k, steps=args.steps, warmup=args.warmup,
                   timeout_s=args.trial_timeout, device=device, planner=planner.name, search_time_s=search_s,
                   entry=lambda r: ranked_record(r, cost_model, args.tokens, args.prices))
