@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import re
@@ -92,14 +93,65 @@ def one_line_refusal(plan: Plan, fmt: str, version: str = "0.3", *fragments: str
 tt_config = pytest.importorskip("torchtitan.config", reason="make installs torchtitan (pyproject's tools extra)")
 
 
-def run_torchtitan_python(text: str) -> types.SimpleNamespace:
-    """Run the exported module and its apply_plan on torchtitan's own config objects."""
-    from torchtitan.config import TrainingConfig
+# Modules torchtitan.trainer imports for training-time work that building and checking a Trainer.Config never
+# runs: data loading (torchdata, datasets), TensorBoard logging, MoE GPU kernels (triton). The `tools` extra does
+# not install them (they pull pyarrow, protobuf, triton: GPU-side or large), so the ones missing here are stood in
+# for while torchtitan imports; Trainer.Config, its __post_init__ checks, the model registries and ConfigManager
+# are torchtitan's own code.
+_TRAINING_ONLY = {"torchdata.stateful_dataloader": "torchdata", "torch.utils.tensorboard": "tensorboard",
+                  "datasets.distributed": "datasets", "torchtitan.distributed.minimal_async_ep.kernels": "triton"}
 
+
+def _stand_in(name: str) -> types.ModuleType:
+    """A module whose every public name is an empty class (a base class or a
+    decorator-free placeholder is all torchtitan's imports ask of it)."""
+    def placeholder(attr: str) -> type:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return type(attr, (), {})
+
+    module = types.ModuleType(name)
+    module.__path__ = []  # type: ignore[attr-defined]
+    module.__getattr__ = placeholder  # type: ignore[method-assign]
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def torchtitan_trainer() -> Any:
+    """torchtitan 0.3's Trainer (for Trainer.Config), imported with the
+    training-time modules this machine lacks stood in for (removed again from
+    sys.modules after the import, so nothing else sees them)."""
+    import importlib.util
+
+    added = []
+    for name, package in _TRAINING_ONLY.items():
+        if importlib.util.find_spec(package) is None:
+            for part in (name.rsplit(".", 1)[0], name) if "." in name and name.split(".")[0] == package else (name,):
+                if part not in sys.modules:
+                    sys.modules[part] = _stand_in(part)
+                    added.append(part)
+    try:
+        from torchtitan.config import ConfigManager  # noqa: F401
+        from torchtitan.models.llama3.config_registry import llama3_8b  # noqa: F401
+        from torchtitan.models.qwen3 import model_registry  # noqa: F401
+        from torchtitan.trainer import Trainer
+        import torchtitan.experiments  # noqa: F401
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+    return Trainer
+
+
+def run_torchtitan_python(text: str, config: Any = None) -> Any:
+    """Run the exported module's apply_plan on a real Trainer.Config
+    (``config`` or a default one): it returns a new Trainer.Config, whose
+    __post_init__ runs torchtitan's checks on the plan's values."""
+    trainer = torchtitan_trainer()
     module = types.ModuleType("hetplan_torchtitan_export")
     exec(compile(text, "export.py", "exec"), module.__dict__)
-    config = types.SimpleNamespace(parallelism=None, training=TrainingConfig(), activation_checkpoint="unset")
-    return module.apply_plan(config)
+    result = module.apply_plan(config if config is not None else trainer.Config())
+    assert type(result) is trainer.Config
+    return result
 
 
 def check_torchtitan_degrees(par: Any, world: int) -> None:
@@ -141,6 +193,8 @@ def test_torchtitan_03_python_config_loads(name: str, zero: int, recompute: str)
         assert training.global_batch_size // (training.local_batch_size * dp) == plan.num_micro_batches
     expected = {"none": type(None), "full": FullAC.Config, "selective": SelectiveAC.Config}[recompute]
     assert isinstance(config.activation_checkpoint, expected)
+    # Trainer.Config.__post_init__ refuses CUDA graphs with PP: the export turns them off there only
+    assert training.disable_cuda_graphs == (plan.pp > 1)
 
 
 def test_torchtitan_03_refuses_unknown_fields() -> None:
@@ -156,6 +210,9 @@ def test_torchtitan_03_refuses_unknown_fields() -> None:
         run_torchtitan_python(renamed("tensor_parallel_degree", "tensor_parallel_size"))
     with pytest.raises(AttributeError):  # TrainingConfig is a slots dataclass
         run_torchtitan_python(renamed("local_batch_size", "micro_batch_size"))
+    _, piped = export("dp2-tp2-pp2", "torchtitan", "0.3", zero=3)
+    with pytest.raises(ValueError, match="CUDA graphs do not support pipeline parallelism"):
+        run_torchtitan_python(piped.text.replace("'disable_cuda_graphs': True", "'disable_cuda_graphs': False"))
 
 
 def test_torchtitan_03_preset_registry_function() -> None:
@@ -686,9 +743,26 @@ def test_cp_ep_torchtitan_03(name: str) -> None:
         one_line_refusal(plan, "torchtitan", "0.3", "torchtitan 0.3", "tp")
         return
     result = render(plan, get_model(plan.model), "torchtitan", load_cluster(plan.cluster), "0.3")
-    par = run_torchtitan_python(result.text).parallelism
+    base = torchtitan_moe_config() if first.ep > 1 else None  # a MoE model: the dispatcher check runs
+    config = run_torchtitan_python(result.text, base)
+    par = config.parallelism
     check_torchtitan_degrees(par, plan.num_devices)  # ParallelDims: dp x cp x tp x pp = world
     assert (par.context_parallel_degree, par.expert_parallel_degree) == (first.cp, first.ep)
+    assert config.training.disable_cuda_graphs == (first.ep > 1 or plan.pp > 1)
+    if first.ep > 1:  # the check can fail: EP with CUDA graphs and torchtitan's default dispatcher
+        with pytest.raises(ValueError, match="token dispatcher"):
+            run_torchtitan_python(result.text.replace("'disable_cuda_graphs': True", "'disable_cuda_graphs': False"),
+                                  torchtitan_moe_config())
+
+
+def torchtitan_moe_config() -> Any:
+    """A Trainer.Config of a torchtitan MoE model (qwen3's debugmodel_moe,
+    its default all-to-all token dispatcher): Trainer.Config checks EP
+    against the model's dispatchers."""
+    torchtitan_trainer()
+    from torchtitan.models.qwen3 import model_registry
+
+    return torchtitan_trainer().Config(model_spec=model_registry("debugmodel_moe"))
 
 
 def test_cp_ep_torchtitan_02(tmp_path: Path) -> None:
