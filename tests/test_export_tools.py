@@ -500,15 +500,20 @@ DS_CASES = [("dp8", zero, rc) for zero in (0, 1, 2, 3) for rc in ("none", "selec
 PLANS["dp2-tp4"] = lambda **kw: make_plan("llama3-8b", [34], 2, 4, **kw)
 
 
-def deepspeed_config(config: dict[str, Any], dp: int, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """DeepSpeedConfig on ``dp`` data-parallel ranks (its batch-size checks use them)."""
+def deepspeed_config(config: dict[str, Any], plan: Plan, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """DeepSpeedConfig as deepspeed.initialize builds it (deepspeed/__init__.py:553-571, 0.19.8) on the plan's
+    GPUs: for a model given whole (AutoTP included, as its tutorial and HF Trainer call it) with no mpu, so it
+    counts every rank as data-parallel; for a PipelineModule with the module's mpu (its grid's data-parallel
+    size: the plan's dp)."""
     ds_config = pytest.importorskip("deepspeed.runtime.config")
 
-    class MPU:  # what DeepSpeedConfig asks of a model-parallel unit
+    class PipelineMPU:  # what DeepSpeedConfig asks of PipelineModule.mpu()
         def get_data_parallel_world_size(self) -> int:
-            return dp
+            return plan.stages[0].dp
 
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: plan.num_devices)
+    mpu = PipelineMPU() if plan.pp > 1 else None
 
     class Reads(dict):  # records the top-level keys DeepSpeed reads
         read: set[str]
@@ -527,7 +532,7 @@ def deepspeed_config(config: dict[str, Any], dp: int, monkeypatch: pytest.Monkey
 
     wrapped = Reads(config)
     wrapped.read = set()
-    parsed = ds_config.DeepSpeedConfig(wrapped, mpu=MPU())
+    parsed = ds_config.DeepSpeedConfig(wrapped, mpu=mpu)
     unread = set(config) - wrapped.read
     assert not unread, f"DeepSpeed ignores {unread}"
     return parsed
@@ -537,8 +542,9 @@ def deepspeed_config(config: dict[str, Any], dp: int, monkeypatch: pytest.Monkey
 def test_deepspeed_config_loads(name: str, zero: int, recompute: str, monkeypatch: pytest.MonkeyPatch) -> None:
     plan, result = export(name, "deepspeed", zero=zero, recompute=recompute)
     first = plan.stages[0]
-    parsed = deepspeed_config(result.data, first.dp, monkeypatch)
-    assert parsed.train_batch_size == plan.global_batch_size
+    parsed = deepspeed_config(result.data, plan, monkeypatch)
+    # DeepSpeed's train_batch_size counts an AutoTP group's ranks as data-parallel (no mpu): tp x the samples
+    assert parsed.train_batch_size == plan.global_batch_size * (first.tp if plan.pp == 1 else 1)
     assert parsed.train_micro_batch_size_per_gpu == first.dp_split[0]
     assert parsed.gradient_accumulation_steps == plan.num_micro_batches
     assert parsed.zero_optimization_stage == zero
@@ -555,13 +561,16 @@ def test_deepspeed_config_loads(name: str, zero: int, recompute: str, monkeypatc
 
 def test_deepspeed_rejects_what_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks can fail: an unknown key in a section, and a top-level key DeepSpeed ignores."""
-    _, result = export("dp8", "deepspeed", zero=1)
+    plan, result = export("dp8", "deepspeed", zero=1)
     with pytest.raises(Exception, match="(?i)extra"):
-        deepspeed_config({**result.data, "zero_optimization": {"stage": 1, "stages": 1}}, 8, monkeypatch)
+        deepspeed_config({**result.data, "zero_optimization": {"stage": 1, "stages": 1}}, plan, monkeypatch)
     with pytest.raises(AssertionError, match="ignores"):
-        deepspeed_config({**result.data, "zero_optimisation": {"stage": 1}}, 8, monkeypatch)
+        deepspeed_config({**result.data, "zero_optimisation": {"stage": 1}}, plan, monkeypatch)
     with pytest.raises(AssertionError):  # batch sizes that do not add up
-        deepspeed_config({**result.data, "train_batch_size": 7}, 8, monkeypatch)
+        deepspeed_config({**result.data, "train_batch_size": 7}, plan, monkeypatch)
+    _, autotp = export("dp2-tp4", "deepspeed", zero=1)  # the batch the plan trains, as DeepSpeed counts it without an mpu
+    with pytest.raises(AssertionError, match="8 != 1 \\* 4 \\* 8"):
+        deepspeed_config({**autotp.data, "train_batch_size": 8}, PLANS["dp2-tp4"](zero=1), monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["pp4-uneven", "gpt2-dp4-pp2"])
@@ -857,7 +866,7 @@ def test_offload_deepspeed_cpu_checkpointing(monkeypatch: pytest.MonkeyPatch) ->
     plan = with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full"))
     result = render(plan, get_model(plan.model), "deepspeed", load_cluster(plan.cluster))
     assert result.data["activation_checkpointing"]["cpu_checkpointing"] is True
-    parsed = deepspeed_config(result.data, 8, monkeypatch)
+    parsed = deepspeed_config(result.data, plan, monkeypatch)
     assert parsed.activation_checkpointing_config.cpu_checkpointing is True
     assert any("cpu_checkpointing keeps" in n for n in result.notes)
     assert any("keep their activations on the GPU" in n for n in result.notes)  # embedding and head offloaded
@@ -872,3 +881,150 @@ def test_offload_deepspeed_cpu_checkpointing(monkeypatch: pytest.MonkeyPatch) ->
                 with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full"),
                              first_only=True)):  # nothing but the embedding: the blocks keep theirs
         one_line_refusal(bad, "deepspeed", "0.3", "cpu_checkpointing", "--offload never")
+
+
+# --------------------------------------------------------------------------- launch scripts and placement
+
+MIXED = None  # built once: an H100 node (GPUs 0-3) and an A100 node (GPUs 4-7)
+
+
+def mixed_cluster() -> Any:
+    from hetplan.cluster import ClusterSpec, NodeSpec
+
+    return ClusterSpec("h100-a100", (NodeSpec("H100", 4, 900), NodeSpec("A100-80GB", 4, 600)), 200)
+
+
+def mixed_plan(dp: int, tp: int, zero: int) -> Plan:
+    """Two stages of llama3-8b on the mixed cluster: the short first stage
+    (embedding + 6 blocks) on the A100 node, the long one on the H100 node,
+    so rank 0 is on node 1."""
+    first = uniform_stage(range(0, 7), range(4, 8), dp, tp, dp, zero)
+    second = uniform_stage(range(7, 34), range(0, 4), dp, tp, dp, zero)
+    return Plan("llama3-8b", "h100-a100", 4 * dp, dp, 4, "1f1b", (first, second))
+
+
+# tool, torchtitan version, plan: every launcher (torchrun for torchtitan and Megatron, DeepSpeed's own)
+LAUNCH_CASES = [("torchtitan", "0.3", lambda: mixed_plan(2, 2, 3)), ("megatron", "0.3", lambda: mixed_plan(2, 2, 1)),
+                ("deepspeed", "0.3", lambda: mixed_plan(4, 1, 1))]
+SHOW_ENV = ("import json, os, sys\n"
+            "info = {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'CUDA_VISIBLE_DEVICES', 'GPU')}\n"
+            "path = os.path.join(os.environ['RANKINFO_DIR'], 'rank' + os.environ['RANK'] + '.json')\n"
+            "open(path, 'w').write(json.dumps(info | {'argv': sys.argv[1:]}))\n")
+
+
+def write_export(result: Any, folder: Path, main: str) -> Path:
+    """What ``hetplan export --out folder/x<main>`` writes."""
+    (folder / f"x{main}").write_text(result.text)
+    for suffix, text in result.files.items():
+        (folder / f"x{suffix}").write_text(text)
+    return folder / "x.launch.sh"
+
+
+def machine(tmp: Path, gpu: str) -> dict[str, str]:
+    """The environment of a node with ``gpu`` GPUs: an nvidia-smi that says
+    so, the tools' launchers (torchrun, deepspeed) of this venv."""
+    bin_dir = tmp / f"bin-{gpu.replace(' ', '_')}"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nfor i in 0 1 2 3; do echo 'NVIDIA {gpu}'; done\n")
+    smi.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "MASTER_ADDR": "127.0.0.1"}
+
+
+def fake_programs(tmp: Path) -> dict[str, str]:
+    """Stand-ins for what the scripts start (torchtitan.train, pretrain_gpt.py,
+    the user's DeepSpeed script): each process prints its rank and GPUs."""
+    package = tmp / "fake" / "torchtitan"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(SHOW_ENV)
+    (tmp / "fake" / "pretrain_gpt.py").write_text(SHOW_ENV)
+    (tmp / "ranks").mkdir(exist_ok=True)
+    return {"PYTHONPATH": str(tmp / "fake"), "MEGATRON_LM": str(tmp / "fake"),
+            "TRAIN_SCRIPT": str(tmp / "fake" / "pretrain_gpt.py"), "RANKINFO_DIR": str(tmp / "ranks")}
+
+
+def run_nodes(script: Path, nodes: list[tuple[int, dict[str, str]]]) -> list[dict[str, Any]]:
+    """Run the launch script for each (node rank, node environment) at once
+    (torchrun's agents meet at MASTER_ADDR); each process's rank and GPUs."""
+    port = 29500 + os.getpid() % 2000
+    procs = [subprocess.Popen(["bash", str(script), str(rank)], env={**env, "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, env in nodes]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return [json.loads(path.read_text()) for path in sorted(Path(nodes[0][1]["RANKINFO_DIR"]).glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("tool, version, build", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
+def test_launch_puts_each_stage_on_the_plans_gpus(tool: str, version: str, build: Any, tmp_path: Path) -> None:
+    """The launch scripts, run on an H100 and an A100 machine with the tools'
+    real launchers (torchrun; DeepSpeed's runner), start every rank on the
+    plan's GPU: the stage the plan gives the A100 node runs there. Run on a
+    machine of the wrong GPU type, a node rank refuses to start."""
+    if tool == "deepspeed":
+        pytest.importorskip("deepspeed.launcher.runner")
+    plan, cluster = build(), mixed_cluster()
+    result = render(plan, get_model(plan.model), tool, cluster, version)
+    script = write_export(result, tmp_path, {"torchtitan": ".py", "megatron": ".txt", "deepspeed": ".json"}[tool])
+    for text in [result.files[".launch.sh"], result.files[".sbatch"]]:
+        path = tmp_path / "check.sh"
+        path.write_text(text)
+        done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    programs = fake_programs(tmp_path)
+    h100, a100 = ({**machine(tmp_path, name), **programs, "GPU": gpu}
+                  for name, gpu in (("H100 80GB HBM3", "H100"), ("A100-SXM4-80GB", "A100-80GB")))
+    got = run_nodes(script, [(0, a100), (1, h100)])  # node rank 0: the A100 node, as the script's plan says
+    order = [d for stage in plan.stages for d in stage.devices]
+    assert sorted(int(p["RANK"]) for p in got) == list(range(plan.num_devices))
+    for p in got:
+        rank = int(p["RANK"])
+        device = cluster.devices[order[rank]]
+        local = int(p["CUDA_VISIBLE_DEVICES"].split(",")[int(p["LOCAL_RANK"])])
+        assert (p["GPU"], local) == (device.gpu.name, device.local_rank), (rank, p)
+        assert p["WORLD_SIZE"] == str(plan.num_devices)
+    stage0 = {int(p["RANK"]) for p in got if p["GPU"] == "A100-80GB"}
+    assert stage0 == set(range(len(plan.stages[0].devices)))  # the plan's first stage, on the A100s
+    if tool == "torchtitan":
+        assert got[0]["argv"] == ["--module", "x", "--config", "hetplan_llama3_8b"]
+    wrong = subprocess.run(["bash", str(script), "0"], env=h100, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "must run on A100 GPUs" in wrong.stderr, wrong.stderr
+
+
+def test_sbatch_asks_for_each_gpu_type_in_rank_order() -> None:
+    """On the mixed cluster the Slurm job is heterogeneous: first the A100
+    node (node rank 0), then the H100 node, one task per node."""
+    plan = mixed_plan(2, 2, 1)
+    text = render(plan, get_model(plan.model), "megatron", mixed_cluster()).files[".sbatch"]
+    directives = [line.split(None, 1)[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert directives == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--exclusive",
+                          "--constraint=A100", "hetjob", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4",
+                          "--exclusive", "--constraint=H100"]
+    assert 'srun --het-group=0-1 --ntasks-per-node=1 --kill-on-bad-exit=1 bash "$LAUNCH"' in text
+    homogeneous = render(PLANS["dp2-tp2-pp2"](zero=1), get_model("llama3-8b"), "megatron").files[".sbatch"]
+    assert "hetjob" not in homogeneous and "--constraint" not in homogeneous
+
+
+def test_deepspeed_hostfile_lists_nodes_in_rank_order() -> None:
+    """DeepSpeed's own hostfile parser reads the hostfile; its hosts come in
+    the plan's rank order (the A100 node first)."""
+    runner = pytest.importorskip("deepspeed.launcher.runner")
+    plan = mixed_plan(4, 1, 1)
+    files = render(plan, get_model(plan.model), "deepspeed", mixed_cluster()).files
+    pool = runner._parse_hostfile(files[".hostfile"].splitlines())
+    assert list(pool.items()) == [("node1", 4), ("node0", 4)]
+
+
+def test_deepspeed_refuses_a_rank_order_its_launcher_cannot_give() -> None:
+    """DeepSpeed's launcher sorts a host's slots: a stage on GPUs 3..0 of a node cannot be placed."""
+    plan = mixed_plan(4, 1, 1)
+    reversed_first = replace(plan.stages[0], devices=(7, 6, 5, 4))
+    plan = plan.with_changes(stages=(reversed_first, plan.stages[1]))
+    with pytest.raises(HetplanError, match="DeepSpeed's launcher puts rank 0 on GPU 0 of node 1") as info:
+        render(plan, get_model(plan.model), "deepspeed", mixed_cluster())
+    assert "\n" not in str(info.value)
+    # torchrun (torchtitan, Megatron) takes any order through CUDA_VISIBLE_DEVICES
+    text = render(plan, get_model(plan.model), "megatron", mixed_cluster()).files[".launch.sh"]
+    assert "0) NPROC=4; GPUS=3,2,1,0; FIRST_RANK=0; check_gpu A100" in text
