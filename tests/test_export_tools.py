@@ -1028,3 +1028,97 @@ def test_deepspeed_refuses_a_rank_order_its_launcher_cannot_give() -> None:
     # torchrun (torchtitan, Megatron) takes any order through CUDA_VISIBLE_DEVICES
     text = render(plan, get_model(plan.model), "megatron", mixed_cluster()).files[".launch.sh"]
     assert "0) NPROC=4; GPUS=3,2,1,0; FIRST_RANK=0; check_gpu A100" in text
+
+
+# --------------------------------------------------------------------------- the README flow, real Llama 3 configs
+
+# HF config.json values of the public model cards (meta-llama Llama-3.1-8B / -70B): hidden, layers, heads, ffn.
+LLAMA3_SHAPES = {"8b": (4096, 32, 32, 14336), "70b": (8192, 80, 64, 28672)}
+
+
+def llama3_config(size: str, folder: Path) -> Path:
+    hidden, layers, heads, ffn = LLAMA3_SHAPES[size]
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 8,
+              "intermediate_size": ffn, "vocab_size": 128256, "rope_theta": 500000.0,
+              "max_position_embeddings": 131072, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+              "hidden_act": "silu", "torch_dtype": "bfloat16"}
+    path = folder / f"llama3-{size}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def readme_flow(size: str, tool: str, folder: Path, out: str) -> tuple[Any, Path]:
+    """hetplan plan --target TOOL on 64xH100, then hetplan export of the plan
+    it ranks first (the one it marks for the tool): the plan and --out."""
+    from hetplan.cli import main
+    from hetplan.planfile import read_plan_file
+
+    pytest.importorskip("transformers")
+    model = llama3_config(size, folder)
+    plans = folder / "plans.json"
+    assert main(["plan", "--model", str(model), "--cluster", "64xH100", "--global-batch", "256", "--target", tool,
+                 "--top", "1", "--quiet", "--json", str(plans)]) == 0
+    assert main(["export", str(plans), "--format", tool, "--out", str(folder / out)]) == 0
+    return read_plan_file(str(plans)).plan(1), folder / out
+
+
+@pytest.mark.parametrize("size", LLAMA3_SHAPES)
+def test_readme_flow_torchtitan(size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's ConfigManager loads the export as its launch script runs
+    it (--module x --config hetplan_llama3_*: tyro builds Trainer.Config,
+    whose __post_init__ checks it), and the config passes the checks
+    Trainer.__init__ makes before it touches a GPU (trainer.py:297-306,
+    412-435): ParallelDims, sequence length, batch sizes."""
+    torchtitan_trainer()
+    from torchtitan.config import ConfigManager
+
+    name = f"hetplan_readme_{size}"  # a module name of its own: Python caches imported modules
+    plan, out = readme_flow(size, "torchtitan", tmp_path, f"{name}.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ConfigManager().parse_args(["--module", name, "--config", f"hetplan_llama3_{size}"])
+    par, training = config.parallelism, config.training
+    check_torchtitan_degrees(par, plan.num_devices)
+    assert (config.model_spec.name, config.model_spec.flavor) == ("llama3", size.upper())
+    batch_degree = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+    assert training.global_batch_size == plan.global_batch_size
+    assert training.global_batch_size % (training.local_batch_size * batch_degree) == 0
+    divisor = (par.tensor_parallel_degree if par.enable_sequence_parallel else 1) * \
+        (2 * par.context_parallel_degree if par.context_parallel_degree > 1 else 1)
+    assert training.seq_len % divisor == 0
+    assert "--config hetplan_llama3_" + size in (tmp_path / f"{name}.launch.sh").read_text()
+
+
+@pytest.mark.parametrize("size", LLAMA3_SHAPES)
+def test_readme_flow_megatron(size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-LM's parser (its real parse_args + validate_args when its
+    training code is on the path) and megatron-core's TransformerConfig take
+    the launch script's pretrain_gpt.py arguments."""
+    pytest.importorskip("megatron.core", reason="make installs megatron-core (pyproject's tools extra)")
+    plan, _ = readme_flow(size, "megatron", tmp_path, "x.txt")
+    script = (tmp_path / "x.launch.sh").read_text()
+    args = megatron_args(script.splitlines()[-1].replace('"$MEGATRON_LM/pretrain_gpt.py"', "pretrain_gpt.py"))
+    a = check_megatron(args, plan.num_devices)
+    assert (a.num_layers, a.hidden_size) == (LLAMA3_SHAPES[size][1], LLAMA3_SHAPES[size][0])
+    assert a.global_batch_size == plan.global_batch_size
+    try:
+        import megatron.training.arguments as arguments
+    except ImportError:
+        return
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)  # no GPU here: say Hopper
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args])
+    monkeypatch.setenv("WORLD_SIZE", str(plan.num_devices))
+    monkeypatch.setenv("RANK", "0")
+    arguments.validate_args(arguments.parse_args(ignore_unknown_args=False), {})
+
+
+@pytest.mark.parametrize("size", LLAMA3_SHAPES)
+def test_readme_flow_deepspeed(size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeedConfig as deepspeed.initialize builds it takes the exported
+    config (AutoTP plans without an mpu, as its tutorial initialises)."""
+    plan, out = readme_flow(size, "deepspeed", tmp_path, "x.json")
+    parsed = deepspeed_config(json.loads(out.read_text()), plan, monkeypatch)
+    first = plan.stages[0]
+    assert parsed.train_micro_batch_size_per_gpu * parsed.gradient_accumulation_steps * first.dp == \
+        plan.global_batch_size
