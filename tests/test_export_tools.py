@@ -225,6 +225,24 @@ def test_torchtitan_03_preset_registry_function() -> None:
     assert "def llama3_8b() -> Trainer.Config:" in source.read_text()
 
 
+def test_torchtitan_presets_are_torchtitans_models() -> None:
+    """The shapes export matches a model to torchtitan's presets by are the
+    installed torchtitan's own (model_registry of each flavor)."""
+    from hetplan.export import TORCHTITAN_PRESETS
+
+    torchtitan_trainer()
+    for preset in TORCHTITAN_PRESETS.values():
+        registry = __import__(f"torchtitan.models.{preset.module}", fromlist=["model_registry"]).model_registry
+        model = registry(preset.flavor).model
+        attention, ffn = model.layers[0].attention, model.layers[0].feed_forward
+        shape = (model.dim, len(model.layers), attention.n_heads, attention.n_kv_heads, ffn.w1.out_features,
+                 model.vocab_size, float(attention.rope.theta))
+        assert shape == (preset.hidden, preset.blocks, preset.heads, preset.kv_heads, preset.ffn, preset.vocab,
+                         preset.rope_theta), preset
+        config_registry = __import__(f"torchtitan.models.{preset.module}.config_registry", fromlist=["x"])
+        assert getattr(config_registry, preset.function)().model_spec.flavor == preset.flavor
+
+
 # --------------------------------------------------------------------------- torchtitan 0.2.x (TOML)
 
 TORCHTITAN_02_CHECK = r'''
@@ -1027,7 +1045,7 @@ def test_deepspeed_refuses_a_rank_order_its_launcher_cannot_give() -> None:
     assert "\n" not in str(info.value)
     # torchrun (torchtitan, Megatron) takes any order through CUDA_VISIBLE_DEVICES
     text = render(plan, get_model(plan.model), "megatron", mixed_cluster()).files[".launch.sh"]
-    assert "0) NPROC=4; GPUS=3,2,1,0; FIRST_RANK=0; check_gpu A100" in text
+    assert "0) NPROC=4; GPUS=3,2,1,0; check_gpu A100 ;;" in text
 
 
 # --------------------------------------------------------------------------- the README flow, real Llama 3 configs

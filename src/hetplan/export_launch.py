@@ -26,6 +26,7 @@ Written per export (``Export.files``, beside ``hetplan export --out``):
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -130,15 +131,15 @@ _CHECK_GPU = r'''check_gpu() {  # the GPU type the plan gives this node rank; an
 }'''
 
 
-def launch_script(tool: str, title: str, plan: Plan, cluster: Any, runs: Sequence[NodeRun], setup: Sequence[str],
+def launch_script(title: str, plan: Plan, cluster: Any, runs: Sequence[NodeRun], setup: Sequence[str],
                   per_node: str, usage: Sequence[str] = ()) -> str:
     """A bash script run on each node with its node rank (argument,
     ``NODE_RANK`` or Slurm's ``SLURM_PROCID``): ``setup`` lines, then per
-    node rank the variables ``NPROC``, ``GPUS`` (local ids in rank order)
-    and ``FIRST_RANK``, then the ``per_node`` command."""
+    node rank the variables ``NPROC`` and ``GPUS`` (local ids in rank
+    order), then the ``per_node`` command."""
     mixed = _mixed(cluster, runs)
-    lines = ["#!/usr/bin/env bash", f"# {title}", f"# {tool} launch for the hetplan plan {plan.describe()!r}",
-             f"# on cluster {cluster.name!r}: {len(runs)} node(s), {sum(len(r.devices) for r in runs)} processes.",
+    lines = ["#!/usr/bin/env bash", f"# {title}: the launch of a hetplan plan (hetplan export) on cluster "
+             f"{cluster.name!r}: {len(runs)} node(s), {sum(len(r.devices) for r in runs)} processes.",
              "# Run on every node: bash THIS_FILE NODE_RANK (the .sbatch file does, with Slurm), with MASTER_ADDR",
              "# set to node rank 0's address (MASTER_PORT: default 29500).", *(f"# {u}" for u in usage),
              "# Placement (rank r runs on the plan's r-th GPU):",
@@ -153,9 +154,9 @@ def launch_script(tool: str, title: str, plan: Plan, cluster: Any, runs: Sequenc
     lines.append('case "$NODE_RANK" in')
     for run in runs:
         node = cluster.nodes[run.node]
-        check = f"; check_gpu {_quote(gpu_token(node.gpu_type))}" if mixed else ""
+        check = f"; check_gpu {shlex.quote(gpu_token(node.gpu_type))}" if mixed else ""
         lines.append(f"    {run.node_rank}) NPROC={len(run.devices)}; GPUS={','.join(map(str, local_ids(cluster, run)))}"
-                     f"; FIRST_RANK={run.first_rank}{check} ;;  # cluster node {run.node} ({node.gpu_type})")
+                     f"{check} ;;  # cluster node {run.node} ({node.gpu_type}), ranks {_span(run.ranks)}")
     lines += [f'    *) echo "usage: bash $0 NODE_RANK (0 to {len(runs) - 1})" >&2; exit 2 ;;', "esac",
               ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node rank 0}"', per_node]
     return "\n".join(lines) + "\n"
@@ -168,12 +169,6 @@ def torchrun_command(runs: Sequence[NodeRun], program: Sequence[str]) -> str:
     return 'export CUDA_VISIBLE_DEVICES="$GPUS"\n' + " ".join(["exec torchrun", f"--nnodes={len(runs)}",
                      '--node-rank="$NODE_RANK"', '--nproc-per-node="$NPROC"', '--master-addr="$MASTER_ADDR"',
                      '--master-port="$MASTER_PORT"', *program])
-
-
-def _quote(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
 
 
 def _components(cluster: Any, runs: Sequence[NodeRun]) -> list[tuple[str, int, int]]:
@@ -198,7 +193,7 @@ def sbatch_script(tool: str, plan: Plan, cluster: Any, runs: Sequence[NodeRun]) 
     order (Slurm numbers a heterogeneous step's tasks component by component)."""
     parts = _components(cluster, runs)
     hetero = len(parts) > 1
-    lines = ["#!/bin/bash", f"# Slurm job for the hetplan plan {plan.describe()!r} ({tool}) on cluster {cluster.name!r}.",
+    lines = ["#!/bin/bash", f"# Slurm job for a hetplan plan's {tool} export on cluster {cluster.name!r}.",
              "# Submit: sbatch THIS_FILE (it runs NAME.launch.sh, beside it, once per node).",
              *(f"#   {line}" for line in placement_lines(plan, cluster, runs))]
     if hetero:
@@ -226,7 +221,7 @@ def sbatch_script(tool: str, plan: Plan, cluster: Any, runs: Sequence[NodeRun]) 
 def launch_files(tool: str, title: str, plan: Plan, cluster: Any, runs: Sequence[NodeRun], setup: Sequence[str],
                  per_node: str, usage: Sequence[str] = ()) -> dict[str, str]:
     """``.launch.sh`` and ``.sbatch`` for the export's ``files``."""
-    return {".launch.sh": launch_script(tool, title, plan, cluster, runs, setup, per_node, usage),
+    return {".launch.sh": launch_script(title, plan, cluster, runs, setup, per_node, usage),
             ".sbatch": sbatch_script(tool, plan, cluster, runs)}
 
 
@@ -266,7 +261,7 @@ def deepspeed_hostfile(plan: Plan, cluster: Any, runs: Sequence[NodeRun]) -> str
     """One ``HOST slots=N`` line per node in rank order; placeholder host
     names ``nodeK`` (cluster node K), which the user replaces (ssh names)
     keeping the order; comments say what each node must be."""
-    lines = [f"# DeepSpeed hostfile for the hetplan plan {plan.describe()!r} on cluster {cluster.name!r}.",
+    lines = [f"# DeepSpeed hostfile for a hetplan plan's export on cluster {cluster.name!r}.",
              "# One line per node, in rank order: replace each name with the host that has those GPUs (its ssh name)",
              "# and keep the order; NAME.launch.sh reads the names from here.",
              *(f"# {line}" for line in placement_lines(plan, cluster, runs))]
@@ -296,5 +291,5 @@ def deepspeed_launch_script(plan: Plan, cluster: Any, runs: Sequence[NodeRun]) -
     per_node = 'exec "${RUN[@]}" --no_ssh --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" "${PROGRAM[@]}"'
     usage = ["Or from node 0 without NODE_RANK: DeepSpeed's launcher starts every node over ssh (the hostfile's names).",
              "DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES to each host's --include slots."]
-    return launch_script("DeepSpeed", "DeepSpeed launcher (TRAIN_SCRIPT: your script)", plan, cluster, runs, setup,
+    return launch_script("DeepSpeed's launcher (TRAIN_SCRIPT: your script)", plan, cluster, runs, setup,
                          per_node, usage)
