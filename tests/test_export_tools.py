@@ -1,11 +1,12 @@
 """hetplan's exports, loaded by the tools' own code at the versions they were
 checked against (docs/exports.md; installed by `make`: pyproject's `tools`).
 
-* torchtitan 0.3.0: the exported Python module runs against torchtitan's
-  config dataclasses (ParallelismConfig, TrainingConfig, the AC configs:
-  slots dataclasses that refuse unknown fields) and ParallelDims checks the
-  degrees against the world size; the pipeline module names are compared
-  with torchtitan's own name generator.
+* torchtitan 0.3.0: the exported Python module's apply_plan runs on a real
+  Trainer.Config, whose __post_init__ checks it (CUDA graphs with PP/EP, the
+  pipeline micro-batch); its config dataclasses refuse unknown fields;
+  ParallelDims checks the degrees against the world size; the pipeline module
+  names are compared with torchtitan's own name generator; ConfigManager
+  loads it with --module/--config as the launch script runs it.
 * torchtitan 0.2.2: its ConfigManager parses the TOML job file (it refuses
   unknown fields: "Invalid field names"), in a subprocess with 0.2.2 on the
   path (.venv/tools/torchtitan-0.2.2).
@@ -15,9 +16,14 @@ checked against (docs/exports.md; installed by `make`: pyproject's `tools`).
   the parsed values build megatron-core 0.16.1's TransformerConfig, which
   checks the shape, TP/PP, recompute and pipeline layout. With Megatron-LM on
   the path, its real parse_args + validate_args run too.
-* DeepSpeed 0.19.8: DeepSpeedConfig(config) with the plan's data-parallel
-  size; every top-level key must be one DeepSpeedConfig reads (it ignores
-  unknown ones); the PipelineModule code runs against the real class.
+* DeepSpeed 0.19.8: DeepSpeedConfig as deepspeed.initialize builds it (no
+  mpu for a model given whole, AutoTP included); every top-level key must be
+  one DeepSpeedConfig reads (it ignores unknown ones); the PipelineModule
+  code runs against the real class.
+* Launch scripts: run per node on fake H100/A100 machines with the real
+  torchrun and DeepSpeed launcher, every rank lands on the plan's GPU.
+* The README flow: real Llama-3-8B/70B configs on 64xH100, plan --target,
+  export, and the tool's config code takes it.
 """
 
 from __future__ import annotations
@@ -586,7 +592,8 @@ def test_deepspeed_rejects_what_it_does_not_know(monkeypatch: pytest.MonkeyPatch
         deepspeed_config({**result.data, "zero_optimisation": {"stage": 1}}, plan, monkeypatch)
     with pytest.raises(AssertionError):  # batch sizes that do not add up
         deepspeed_config({**result.data, "train_batch_size": 7}, plan, monkeypatch)
-    _, autotp = export("dp2-tp4", "deepspeed", zero=1)  # the batch the plan trains, as DeepSpeed counts it without an mpu
+    # the plan's batch as train_batch_size: DeepSpeed without an mpu counts the AutoTP ranks as data-parallel
+    _, autotp = export("dp2-tp4", "deepspeed", zero=1)
     with pytest.raises(AssertionError, match="8 != 1 \\* 4 \\* 8"):
         deepspeed_config({**autotp.data, "train_batch_size": 8}, PLANS["dp2-tp4"](zero=1), monkeypatch)
 
@@ -903,10 +910,8 @@ def test_offload_deepspeed_cpu_checkpointing(monkeypatch: pytest.MonkeyPatch) ->
 
 # --------------------------------------------------------------------------- launch scripts and placement
 
-MIXED = None  # built once: an H100 node (GPUs 0-3) and an A100 node (GPUs 4-7)
-
-
 def mixed_cluster() -> Any:
+    """An H100 node (GPUs 0-3) and an A100 node (GPUs 4-7)."""
     from hetplan.cluster import ClusterSpec, NodeSpec
 
     return ClusterSpec("h100-a100", (NodeSpec("H100", 4, 900), NodeSpec("A100-80GB", 4, 600)), 200)
@@ -925,7 +930,8 @@ def mixed_plan(dp: int, tp: int, zero: int) -> Plan:
 LAUNCH_CASES = [("torchtitan", "0.3", lambda: mixed_plan(2, 2, 3)), ("megatron", "0.3", lambda: mixed_plan(2, 2, 1)),
                 ("deepspeed", "0.3", lambda: mixed_plan(4, 1, 1))]
 SHOW_ENV = ("import json, os, sys\n"
-            "info = {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'CUDA_VISIBLE_DEVICES', 'GPU')}\n"
+            "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'CUDA_VISIBLE_DEVICES', 'GPU')\n"
+            "info = {k: os.environ.get(k) for k in keys}\n"
             "path = os.path.join(os.environ['RANKINFO_DIR'], 'rank' + os.environ['RANK'] + '.json')\n"
             "open(path, 'w').write(json.dumps(info | {'argv': sys.argv[1:]}))\n")
 

@@ -570,23 +570,23 @@ def torchtitan_launch_files(plan: Plan, model: ModelSpec, cluster: Any, version:
     reads the exported module (``--module NAME --config hetplan_<preset>``),
     0.2 the TOML (``--job.config_file``). For a model torchtitan has no preset
     of, the user names torchtitan's model (0.2: ``TORCHTITAN_MODEL``) or a
-    config function of theirs (0.3: ``TORCHTITAN_CONFIG``): the script never
-    starts torchtitan's default model in its place."""
+    config function of theirs (0.3: ``TORCHTITAN_MODULE``/``TORCHTITAN_CONFIG``):
+    the script never starts torchtitan's default model in its place."""
     runs = node_runs(plan, cluster, "torchtitan")
     preset = torchtitan_preset(model)
     if version == "0.2":
         setup = ['CONFIG="$HERE/$NAME.toml"']
         program = ["-m", "torchtitan.train", '--job.config_file "$CONFIG"']
         if preset is None:
-            setup.append(': "${TORCHTITAN_MODEL:?set TORCHTITAN_MODEL to --model.name NAME --model.flavor FLAVOR of the '
-                         'torchtitan model of this shape}"')
+            setup.append(': "${TORCHTITAN_MODEL:?set TORCHTITAN_MODEL to --model.name NAME --model.flavor FLAVOR '
+                         'of the torchtitan model of this shape}"')
             program.append("$TORCHTITAN_MODEL")
     else:
         setup = ['CONFIG="$HERE/$NAME.py"', 'export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"']
-        config = f"hetplan_{preset.function}" if preset else (
-            '"${TORCHTITAN_CONFIG:?set TORCHTITAN_CONFIG to a function in $NAME.py returning apply_plan(your '
-            'Trainer.Config of this model)}"')
-        program = ["-m", "torchtitan.train", '--module "$NAME"', f"--config {config}"]
+        module, config = ('"$NAME"', f"hetplan_{preset.function}") if preset else (
+            '"${TORCHTITAN_MODULE:-$NAME}"', '"${TORCHTITAN_CONFIG:?set TORCHTITAN_CONFIG (in TORCHTITAN_MODULE, '
+            'default this export) to a function returning apply_plan of your Trainer.Config of this model}"')
+        program = ["-m", "torchtitan.train", f"--module {module}", f"--config {config}"]
     setup.append('[ -f "$CONFIG" ] || { echo "no $CONFIG: write the export with --out $(basename "$CONFIG")" >&2; '
                  "exit 2; }")
     title = f"torchtitan {VALIDATED['torchtitan'][version]} (-m torchtitan.train)"

@@ -67,9 +67,9 @@ def node_runs(plan: Plan, cluster: Any, tool: str) -> list[NodeRun]:
         if runs and runs[-1][0] == node:
             runs[-1][1].append(device)
         elif any(n == node for n, _ in runs):
-            raise HetplanError(f"{tool} gives each node consecutive ranks (TP fastest, then DP, then PP), but this plan "
-                               f"puts GPUs of node {node} at ranks apart (GPU {device} is rank {rank}); use the hetplan "
-                               "runtime for this plan")
+            raise HetplanError(f"{tool} gives each node consecutive ranks (TP fastest, then DP, then PP), but this "
+                               f"plan puts GPUs of node {node} at ranks apart (GPU {device} is rank {rank}); use the "
+                               "hetplan runtime for this plan")
         else:
             runs.append((node, [device]))
     result, first = [], 0
@@ -155,7 +155,8 @@ def launch_script(title: str, plan: Plan, cluster: Any, runs: Sequence[NodeRun],
     for run in runs:
         node = cluster.nodes[run.node]
         check = f"; check_gpu {shlex.quote(gpu_token(node.gpu_type))}" if mixed else ""
-        lines.append(f"    {run.node_rank}) NPROC={len(run.devices)}; GPUS={','.join(map(str, local_ids(cluster, run)))}"
+        gpus = ",".join(map(str, local_ids(cluster, run)))
+        lines.append(f"    {run.node_rank}) NPROC={len(run.devices)}; GPUS={gpus}"
                      f"{check} ;;  # cluster node {run.node} ({node.gpu_type}), ranks {_span(run.ranks)}")
     lines += [f'    *) echo "usage: bash $0 NODE_RANK (0 to {len(runs) - 1})" >&2; exit 2 ;;', "esac",
               ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node rank 0}"', per_node]
@@ -210,7 +211,8 @@ def sbatch_script(tool: str, plan: Plan, cluster: Any, runs: Sequence[NodeRun]) 
     lines += ["set -euo pipefail",
               'SCRIPT="$(scontrol show job "$SLURM_JOB_ID" | sed -n \'s/^ *Command=//p\' | head -n 1)"',
               'LAUNCH="${SCRIPT%.sbatch}.launch.sh"',
-              '[ -f "$LAUNCH" ] || { echo "no $LAUNCH beside $SCRIPT (hetplan export --out writes both)" >&2; exit 2; }',
+              '[ -f "$LAUNCH" ] || { echo "no $LAUNCH beside $SCRIPT (hetplan export --out writes both)" >&2; '
+              'exit 2; }',
               'MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}" '
               '| head -n 1)"',
               f'export MASTER_ADDR MASTER_PORT="${{MASTER_PORT:-{DEFAULT_MASTER_PORT}}}"',
@@ -228,7 +230,8 @@ def launch_files(tool: str, title: str, plan: Plan, cluster: Any, runs: Sequence
 def launch_note(main_suffix: str = "", extra: str = "") -> str:
     """The export's note naming its launch files (written beside ``--out``;
     ``main_suffix``: the name the launch script expects the export under)."""
-    out = f"write the export with --out NAME{main_suffix}" if main_suffix else "hetplan export --out NAME.EXT writes them"
+    out = (f"write the export with --out NAME{main_suffix}" if main_suffix else
+           "hetplan export --out NAME.EXT writes them")
     return (f"launch: NAME.launch.sh (bash NAME.launch.sh NODE_RANK on each node, MASTER_ADDR set) and NAME.sbatch "
             f"(Slurm) start the plan's ranks on its GPUs; {out}{extra}")
 
@@ -251,9 +254,9 @@ def deepspeed_runs(plan: Plan, cluster: Any) -> list[NodeRun]:
             got = slots[rank % len(slots)]
             if got != want:
                 raise HetplanError(f"DeepSpeed's launcher puts rank {rank} on GPU {got} of node {run.node} (the "
-                                   f"(rank mod {len(slots)})-th of its sorted --include slots), but the plan puts it on "
-                                   f"GPU {want}; export for torchtitan or Megatron-LM (torchrun), or use the hetplan "
-                                   "runtime")
+                                   f"(rank mod {len(slots)})-th of its sorted --include slots), but the plan puts it "
+                                   f"on GPU {want}; export for torchtitan or Megatron-LM (torchrun), or use the "
+                                   "hetplan runtime")
     return runs
 
 
@@ -289,7 +292,8 @@ def deepspeed_launch_script(plan: Plan, cluster: Any, runs: Sequence[NodeRun]) -
              '    exec "${RUN[@]}" ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"} "${PROGRAM[@]}"',
              "fi"]
     per_node = 'exec "${RUN[@]}" --no_ssh --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" "${PROGRAM[@]}"'
-    usage = ["Or from node 0 without NODE_RANK: DeepSpeed's launcher starts every node over ssh (the hostfile's names).",
+    usage = ["Or from node 0 without NODE_RANK: DeepSpeed's launcher starts every node over ssh (the hostfile's "
+             "names).",
              "DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES to each host's --include slots."]
     return launch_script("DeepSpeed's launcher (TRAIN_SCRIPT: your script)", plan, cluster, runs, setup,
                          per_node, usage)
