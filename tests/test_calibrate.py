@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hetplan.calibrate import Observation, fit, load_observations, predict_step_s
+from hetplan.app.calibrate import Observation, fit, load_observations, predict_step_s
 from hetplan.cluster import cluster_from_dict, cluster_to_dict, load_cluster_yaml
 from hetplan.cluster.presets import homogeneous_cluster
 from hetplan.cost.calibration import Calibration, read_calibration

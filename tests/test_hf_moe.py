@@ -327,7 +327,7 @@ def test_fine_grained_experts_get_a_fidelity_note(tmp_path: Path, capsys: pytest
     fast: ``hetplan estimate`` says so. Mixtral's experts (14336 > 4096) and
     dense models get no such note."""
     from hetplan.cli import main
-    from hetplan.report.text import fine_grained_moe_note
+    from hetplan.app.explain import fine_grained_moe_note
 
     data = json.loads((Path(__file__).parents[1] / "benchmarks/data/megatron_bridge_h100.json").read_text())
     qwen = model_from_hf_config(data["hf_configs"]["qwen3-30b-a3b"], seq_len=4096)

@@ -15,10 +15,11 @@ from hetplan.cluster import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.model import get_model
 from hetplan.profile import load_profile
-from hetplan.profile.collectives import bus_factor, fit_alpha_beta, message_sizes
 from hetplan.profile.db import (ChainPoint, CollectiveFit, CollectivePoint, DataParallelPoint, ProfileDB,
                                 ProfileEntry, Unsupported)
-from hetplan.profile.job import ProfileJob, batch_sizes, chain_layers, data_parallel_measurements, distinct_layers
+from hetplan.runtime.profiling.collectives import bus_factor, fit_alpha_beta, message_sizes
+from hetplan.runtime.profiling.job import (ProfileJob, batch_sizes, chain_layers, data_parallel_measurements,
+                                           distinct_layers)
 
 MODEL = "tiny-gpt"
 
@@ -141,7 +142,7 @@ def test_nccl_tests_conventions() -> None:
 # --- saved activations ------------------------------------------------------------------------------------
 def test_saved_activation_bytes_match_a_hand_count() -> None:
     torch = pytest.importorskip("torch")
-    from hetplan.profile.measure import SavedBytes
+    from hetplan.runtime.profiling.measure import SavedBytes
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
     for batch in (1, 2, 5):
@@ -157,7 +158,7 @@ def test_saved_activation_bytes_match_a_hand_count() -> None:
 @pytest.fixture(scope="module")
 def measured() -> ProfileDB:
     pytest.importorskip("torch")
-    from hetplan.profile.measure import local_worker
+    from hetplan.runtime.profiling.measure import local_worker
     from hetplan.runtime.launch import check_results, run_local
 
     job = ProfileJob(get_model(MODEL), load_cluster("local-cpu-2"), (1, 2), (1, 2, 4), warmup=1, repeats=2,

@@ -28,7 +28,8 @@ from hetplan.model import get_model
 from hetplan.planfile import read_plan_file
 from hetplan.report.html import SECTIONS, report_html, stage_labels
 from hetplan.report.svg import MEMORY_COLOURS, memory_svg, text_width, timeline_svg
-from hetplan.report.whatif import run_whatif, whatif_table
+from hetplan.app.whatif import run_whatif
+from hetplan.report.whatif import whatif_table
 from hetplan.search import get_planner
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.simulate import makespan, simulate_plan

@@ -31,7 +31,7 @@ def no_work(monkeypatch) -> None:
     def start() -> None:
         raise Started
 
-    monkeypatch.setattr(runtime_cli, "_require_torch", start)
+    monkeypatch.setattr(runtime_cli, "require_torch", start)
 
 
 def _error(capsys, plan: str, *flags: str) -> str:

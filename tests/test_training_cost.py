@@ -88,7 +88,7 @@ def test_whatif_refuses_to_resize_a_mixed_cluster(capsys):
 def _numbers(cluster, prices=None):  # type: ignore[no-untyped-def]
     from hetplan.cost import CostModel, Workload
     from hetplan.model import get_model
-    from hetplan.report.training import training_numbers
+    from hetplan.app.training import training_numbers
     from hetplan.search.baselines.uniform import uniform_plan
 
     workload = Workload(get_model("gpt3-1.3b"), cluster, 64)
@@ -98,7 +98,8 @@ def _numbers(cluster, prices=None):  # type: ignore[no-untyped-def]
 
 def test_default_prices_are_named_and_used_only_for_their_gpus() -> None:
     from hetplan.cluster import load_cluster
-    from hetplan.report.training import DEFAULT_PRICES_PER_GPU_HOUR, DEFAULT_PRICE_SOURCE, training_lines
+    from hetplan.app.training import DEFAULT_PRICES_PER_GPU_HOUR, DEFAULT_PRICE_SOURCE
+    from hetplan.report.training import training_lines
 
     n = _numbers(load_cluster("8xH100"))
     assert n["usd_per_hour"] == pytest.approx(8 * DEFAULT_PRICES_PER_GPU_HOUR["H100"])

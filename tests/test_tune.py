@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 
 from hetplan.cli import build_parser, main
+from hetplan.cli.tune import cmd_tune
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan, uniform_stage
 from hetplan.planfile import read_plan_file
-from hetplan.tune import (
+from hetplan.app.tune import (
     Measurement,
     TrialFailed,
     TrialRequest,
-    cmd_tune,
     failure_reason,
     parse_measurements,
     plan_kind,

@@ -20,7 +20,7 @@ def _hetplan(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_tune_measures_the_top_plans_and_writes_the_fastest(tmp_path) -> None:
     from hetplan.planfile import read_plan_file
-    from hetplan.tune import read_measurements
+    from hetplan.app.tune import read_measurements
 
     out = str(tmp_path / "best.json")
     proc = _hetplan("tune", "--model", "tiny-gpt", "--cluster", "local-cpu-2", "--top-k", "2", "--steps", "2",

@@ -22,7 +22,7 @@ hold, at other rates. A calibration scales those rates, never a run's result:
 
 A calibration is fitted on step times of whole plans (AMP §3.3's real trials
 give them); which parameters the plans can tell apart is reported by the fit
-(``hetplan.calibrate``). File format (JSON)::
+(``hetplan.app.calibrate``). File format (JSON)::
 
     {"format": "hetplan-calibration", "version": 1,
      "compute_scale": {"A100-80GB": 1.12}, "bandwidth_scale": {"intra": 0.9, "inter": 0.7},

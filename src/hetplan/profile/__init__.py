@@ -1,7 +1,9 @@
-"""Measured layer costs: the ProfileDB format, Metis's profiling scheme, and the loader.
+"""Measured layer costs as the planner reads them: the ProfileDB format,
+Metis's profiling scheme, and the loader.
 
-Measuring (``hetplan profile``: ``measure``, ``collectives``, ``cli``) needs
-torch and is imported only by that command; this package imports without it.
+File formats only, torch-free: the measuring half (``hetplan profile``) is
+``hetplan.runtime.profiling``, which writes these files; nothing here imports
+the runtime.
 """
 
 import os

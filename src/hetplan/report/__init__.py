@@ -1,1 +1,1 @@
-"""Text tables and JSON for plans, estimates and comparisons."""
+"""Rendering: text tables, the HTML page and SVG pictures of what ``hetplan.app`` computes."""

@@ -29,7 +29,16 @@ from __future__ import annotations
 from html import escape
 from typing import Any, Sequence
 
-from hetplan.report.whatif import WhatIfResult
+from hetplan import __version__
+from hetplan.app.report import PlanReport, file_report
+from hetplan.app.whatif import WhatIfResult
+from hetplan.planfile import PlanFile
+from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
+from hetplan.report.text import breakdown, ranked_table, report_memory_table, workload_header
+from hetplan.report.training import training_lines
+from hetplan.report.whatif import whatif_table
+from hetplan.simulate import makespan, simulate_plan
+from hetplan.units import format_time
 
 CSS = """
 body { font-family: sans-serif; margin: 24px auto; max-width: 1240px; padding: 0 16px; color: #222;
@@ -76,117 +85,97 @@ def stage_labels(plan: Any, workload: Any) -> list[str]:
     return labels
 
 
-def report_html(plan_file: Any, index: int = 1, tokens: float | None = None,
+def report_html(plan_file: PlanFile, index: int = 1, tokens: float | None = None,
                 prices: dict[str, float] | None = None, whatif: Sequence[WhatIfResult] | None = None,
                 whatif_planner: str = "") -> str:
-    """The page for plan ``index`` of ``plan_file`` (a ``planfile.PlanFile``).
+    """The page for plan ``index`` of ``plan_file``.
     ``tokens`` / ``prices``: as ``hetplan plan --tokens / --price-per-gpu-hour``;
-    ``whatif``: ``report.whatif.run_whatif``'s results, made by ``whatif_planner``."""
-    from hetplan import __version__
-    from hetplan.cli import _header
-    from hetplan.cost import CostModel
-    from hetplan.errors import HetplanError
-    from hetplan.plan import RankedPlan
-    from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
-    from hetplan.report.text import breakdown, explain, memory_table, ranked_table, runtime_pipeline_note
-    from hetplan.report.training import training_lines, training_numbers
-    from hetplan.report.whatif import whatif_table
-    from hetplan.simulate import makespan, simulate_plan
-    from hetplan.units import format_time
+    ``whatif``: ``hetplan.app.whatif.run_whatif``'s results, made by ``whatif_planner``."""
+    return report_page(file_report(plan_file, index, tokens, prices), plan_file.path, index, len(plan_file.plans),
+                       whatif, whatif_planner)
 
-    plan = plan_file.plan(index)
-    workload = plan_file.workload(index)
-    cost_model = CostModel(workload)
-    estimate = cost_model.estimate(plan)
-    parts = cost_model.memory_breakdown(plan)
-    model, cluster = workload.model, workload.cluster
 
-    # every plan of the file, re-estimated with the workload it was made for
-    ranked, problems = [], []
-    models = {workload.global_batch_size: cost_model}
-    for k in range(1, len(plan_file.plans) + 1):
-        try:
-            p, w = plan_file.plan(k), plan_file.workload(k)
-            cm = models.setdefault(w.global_batch_size, CostModel(w))
-            ranked.append((k, RankedPlan(p, cm.estimate(p))))
-        except HetplanError as exc:
-            problems.append(f"plan {k}: {exc}")
-    chosen_row = next((i for i, (k, _) in enumerate(ranked) if k == index), None)
-
-    events = simulate_plan(cost_model, plan, estimate)
-    simulated = makespan(events)
-    pipeline = estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
-    numbers = training_numbers(plan, estimate, cluster, model.seq_len, tokens, prices)
-
-    title = f"hetplan report: {model.name} on {cluster.name}"
+def report_page(report: PlanReport, path: str, index: int, count: int,
+                whatif: Sequence[WhatIfResult] | None = None, whatif_planner: str = "") -> str:
+    """The page of ``report`` (plan ``index`` of the ``count`` in the file at ``path``)."""
+    workload, plan, estimate = report.workload, report.chosen.plan, report.chosen.estimate
+    title = f"hetplan report: {workload.model.name} on {workload.cluster.name}"
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>{escape(title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>",
            f"<h1>{escape(title)}</h1>",
-           f'<p class="sub">plan {index} of {len(plan_file.plans)} in {escape(plan_file.path)}: '
+           f'<p class="sub">plan {index} of {count} in {escape(path)}: '
            f"{escape(format_time(estimate.iteration_time_s))} per step, "
            f"{estimate.tokens_per_s:,.0f} tokens/s, {'fits' if estimate.fits else 'OUT OF MEMORY'}</p>",
            "<nav>" + "".join(f'<a href="#{sid}">{name}</a>' for sid, name in SECTIONS
                              if sid != "whatif" or whatif is not None) + "</nav>"]
-
-    out += ['<section id="workload">', "<h2>Workload</h2>", _pre(_header(workload)), "</section>"]
-
-    why = [*explain(plan, estimate, workload)]
-    notes = [*plan.notes, runtime_pipeline_note(plan, model)]
-    out += ['<section id="plan">', "<h2>Chosen plan</h2>", _pre(plan.describe()),
-            "<p>Why this plan:</p>", _items(why)]
-    if any(notes):
-        out += ['<p class="note">Notes:</p>', _items([n for n in notes if n], "note")]
-    out.append("</section>")
-
-    out += ['<section id="alternatives">', "<h2>Plans in the file</h2>",
-            f"<p>Every plan of the file, re-estimated with the model, cluster and settings it embeds "
-            f"(# = its place in the file; the highlighted row is plan {index}, which this page describes).</p>"]
-    if ranked:
-        table = ranked_table([r for _, r in ranked])
-        if [k for k, _ in ranked] != list(range(1, len(ranked) + 1)):  # a skipped plan shifts the numbering
-            table += "\n(file positions: " + ", ".join(str(k) for k, _ in ranked) + ")"
-        out.append(_pre(table, None if chosen_row is None else 2 + chosen_row))
-    if problems:
-        out.append(_items(problems, "error"))
-    out.append("</section>")
-
+    out += ['<section id="workload">', "<h2>Workload</h2>", _pre(workload_header(workload)), "</section>"]
+    out += _plan_section(report)
+    out += _alternatives_section(report, index)
     out += ['<section id="time">', "<h2>Where the step time goes</h2>",
             '<div class="chart">' + breakdown_svg(estimate, "step time by part (they add up to the total)")
-            + "</div>", _pre(breakdown(estimate)), "</section>"]
+            + "</div>", _pre(breakdown(estimate, report.cp_ep)), "</section>"]
+    out += _timeline_section(report)
+    out += ['<section id="memory">', "<h2>Memory per GPU</h2>",
+            '<p class="note">Peak memory of each GPU by category, inside the outline of its capacity; '
+            "stages left to right, the GPU type under each.</p>",
+            '<div class="chart">' + memory_svg(plan, estimate, workload, "peak memory per GPU", report.memory)
+            + "</div>", _pre(report_memory_table(report)), "</section>"]
+    out += ['<section id="training">', "<h2>Time and cost to train</h2>", _items(training_lines(report.training))]
+    if not (report.tokens and report.prices is not None):  # say how to add them
+        out.append(_items(["add --tokens N (e.g. 300B) for days and GPU-hours, --price-per-gpu-hour for the cost"],
+                          "note"))
+    out.append("</section>")
+    if whatif is not None:
+        out += _whatif_section(whatif, whatif_planner, report.tokens)
+    out += [f"<footer>hetplan {escape(__version__)} report of {escape(path)}</footer>", "</body>", "</html>", ""]
+    return "\n".join(out)
 
-    out += ['<section id="timeline">', "<h2>Pipeline timeline</h2>",
+
+def _plan_section(report: PlanReport) -> list[str]:
+    out = ['<section id="plan">', "<h2>Chosen plan</h2>", _pre(report.chosen.plan.describe()),
+           "<p>Why this plan:</p>", _items(report.why)]
+    notes = [*report.plan_notes, *report.model_notes]
+    if notes:
+        out += ['<p class="note">Notes:</p>', _items(notes, "note")]
+    return out + ["</section>"]
+
+
+def _alternatives_section(report: PlanReport, index: int) -> list[str]:
+    out = ['<section id="alternatives">', "<h2>Plans in the file</h2>",
+           f"<p>Every plan of the file, re-estimated with the model, cluster and settings it embeds "
+           f"(# = its place in the file; the highlighted row is plan {index}, which this page describes).</p>"]
+    if report.ranked:
+        table = ranked_table(report.ranked)
+        if list(report.positions) != list(range(1, len(report.ranked) + 1)):  # a skipped plan shifts the numbering
+            table += "\n(file positions: " + ", ".join(str(k) for k in report.positions) + ")"
+        row = report.chosen_row
+        out.append(_pre(table, None if row is None else 2 + row))
+    if report.problems:
+        out.append(_items(report.problems, "error"))
+    return out + ["</section>"]
+
+
+def _timeline_section(report: PlanReport) -> list[str]:
+    workload, plan, estimate = report.workload, report.chosen.plan, report.chosen.estimate
+    events = simulate_plan(report.cost_model, plan, estimate)
+    pipeline = estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
+    return ['<section id="timeline">', "<h2>Pipeline timeline</h2>",
             f'<p class="note">The schedule replayed event by event with the cost model\'s stage times '
             f"(blue forward, orange backward, numbers are micro-batches). Simulated pipeline "
-            f"{escape(format_time(simulated))}, closed form {escape(format_time(pipeline))}; the step time in "
-            f"the tables ({escape(format_time(estimate.iteration_time_s))}, dashed line) is the closed form plus "
+            f"{escape(format_time(makespan(events)))}, closed form {escape(format_time(pipeline))}; the step time "
+            f"in the tables ({escape(format_time(estimate.iteration_time_s))}, dashed line) is the closed form plus "
             f"the exposed data-parallel sync and the optimizer step.</p>",
             '<div class="chart">' + timeline_svg(events, stage_labels(plan, workload), plan.describe(),
                                                  estimate.iteration_time_s) + "</div>", "</section>"]
 
-    out += ['<section id="memory">', "<h2>Memory per GPU</h2>",
-            '<p class="note">Peak memory of each GPU by category, inside the outline of its capacity; '
-            "stages left to right, the GPU type under each.</p>",
-            '<div class="chart">' + memory_svg(plan, estimate, workload, "peak memory per GPU", parts) + "</div>",
-            _pre(memory_table(plan, estimate, workload, parts)), "</section>"]
 
-    hint = [] if tokens and prices is not None else [
-        "add --tokens N (e.g. 300B) for days and GPU-hours, --price-per-gpu-hour for the cost"]
-    out += ['<section id="training">', "<h2>Time and cost to train</h2>", _items(training_lines(numbers))]
-    if hint:
-        out.append(_items(hint, "note"))
-    out.append("</section>")
-
-    if whatif is not None:
-        what = whatif[0].label.split("=")[0] if whatif else ""
-        out += ['<section id="whatif">', "<h2>What if</h2>",
-                f"<p>The best plan ({escape(whatif_planner or 'planner')}) of the same model as {escape(what)} "
-                "changes; everything else as in the file.</p>", _pre(whatif_table(whatif, tokens))]
-        errors = [f"{r.label}: {r.error}" for r in whatif if r.error]
-        if errors:
-            out.append(_items(errors, "error"))
-        out.append("</section>")
-
-    out += [f"<footer>hetplan {escape(__version__)} report of {escape(plan_file.path)}</footer>",
-            "</body>", "</html>", ""]
-    return "\n".join(out)
+def _whatif_section(whatif: Sequence[WhatIfResult], planner: str, tokens: float | None) -> list[str]:
+    what = whatif[0].label.split("=")[0] if whatif else ""
+    out = ['<section id="whatif">', "<h2>What if</h2>",
+           f"<p>The best plan ({escape(planner or 'planner')}) of the same model as {escape(what)} "
+           "changes; everything else as in the file.</p>", _pre(whatif_table(whatif, tokens))]
+    errors = [f"{r.label}: {r.error}" for r in whatif if r.error]
+    if errors:
+        out.append(_items(errors, "error"))
+    return out + ["</section>"]

@@ -18,6 +18,7 @@ from html import escape
 from typing import Sequence
 
 from hetplan.cost.memory import MEMORY_CATEGORIES
+from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.plan import Estimate, Plan
 from hetplan.simulate.events import Event
@@ -159,8 +160,6 @@ def memory_svg(plan: Plan, estimate: Estimate, workload: Workload, title: str = 
     number is drawn unsplit. Each bar's segments carry ``data-category`` and
     ``data-bytes``; they add up to the estimate's peak."""
     if breakdown is None:
-        from hetplan.cost.model import CostModel
-
         breakdown = CostModel(workload).memory_breakdown(plan)
     devices = [d for s in plan.stages for d in s.devices]
     cap_max = max(estimate.memory_capacity_bytes[d] for d in devices)

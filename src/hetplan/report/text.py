@@ -1,14 +1,19 @@
-"""Plain-text tables: ranked plans, an estimate's breakdown, memory per GPU."""
+"""Plain text: tables (ranked plans, an estimate's breakdown, memory per GPU),
+the workload header, and one plan's report (``hetplan.app.report.PlanReport``)
+as ``hetplan plan`` and ``hetplan estimate`` print it (``plan_text``,
+``estimate_text``; the HTML page, ``report/html.py``, renders the same report)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from hetplan.app.report import PlanReport
+from hetplan.cost.constants import DEFAULT_ATTENTION_KERNEL
 from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.cost.workload import Workload
-from hetplan.model.spec import ModelSpec
 from hetplan.plan import Estimate, Plan, RankedPlan
-from hetplan.units import format_bytes, format_time
+from hetplan.report.training import training_lines
+from hetplan.units import format_bytes, format_count, format_time
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], align_right: Sequence[bool] | None = None) -> str:
@@ -131,63 +136,58 @@ def host_memory_table(plan: Plan, estimate: Estimate, workload: Workload) -> str
                  [True, False, False, True, True, True, False])
 
 
-def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
-    """Said with a pipelined plan whose model hetplan's own runtime cannot split
-    (hetplan.runtime.chain): the plan is still valid for other tools."""
-    from hetplan.runtime.support import support_of
-
-    blocker = support_of(model).pipeline
-    if plan.pp > 1 and not blocker:  # the model splits; this plan's split points may not (hetplan.model.hf)
-        from hetplan.model.hf import tied_span_refusal
-
-        blocker = tied_span_refusal(model, {model.layers[i].name: j % plan.pp for j, stage in enumerate(plan.stages)
-                                            for i in stage.layers if i < len(model.layers)})
-    if plan.pp == 1 or not blocker or blocker.startswith("unchecked"):
-        return ""
-    return (f"hetplan.runtime would refuse this plan's {plan.pp} pipeline stages for this model: {blocker} "
-            "(exports to Megatron-LM, DeepSpeed and torchtitan are not affected)")
-
-
-def fine_grained_moe_note(model: ModelSpec) -> str:
-    """Said for a model whose routed experts are narrower than its hidden size
-    (fine-grained experts, DeepSeekMoE §3.1): the one kind of model whose
-    published runs hetplan is known to cost far too fast (docs/cost-model.md,
-    "Validation against the frameworks' own published runs")."""
-    narrow = [layer for layer in model.layers if layer.is_moe and 0 < layer.expert_ffn < model.hidden_size]
-    if not narrow:
-        return ""
-    return (f"this model's routed experts are fine-grained (width {narrow[0].expert_ffn} < hidden "
-            f"{model.hidden_size}); the estimate is likely optimistic: per-expert kernel launches, token "
-            "permutation and the dispatcher's host synchronisation are not costed, and published Qwen3-30B-A3B "
-            "runs on H100 trained 1.6-2.8x slower than hetplan estimates them. Measure your GPUs with "
-            "'hetplan profile' and pass --profile")
+def workload_header(workload: Workload, extra: str = "") -> str:
+    """The lines every command starts with: model, cluster, batch and settings,
+    measured or calibrated costs, and ``extra`` (a last line)."""
+    m, c = workload.model, workload.cluster
+    seq = f"seq {m.seq_len}" + (" (default; set --seq-len)" if m.meta.get("seq_len_default") else "")
+    lines = [f"model    {m.name}: {m.num_layers} layers, {format_count(m.total_params)} params, {seq}",
+             f"cluster  {c.name}: {c.summary()}",
+             f"batch    {workload.global_batch_size} samples/step, {workload.precision}, optimizer {workload.optimizer}"
+             + (", FP8 matmuls" if workload.fp8 else "")
+             + (", DeepSpeed ZeRO collectives" if workload.zero_implementation == "deepspeed" else "")
+             + (f", {workload.attention_kernel} attention" if workload.attention_kernel != DEFAULT_ATTENTION_KERNEL
+                else "")
+             + (", TP communication overlapped" if workload.tp_comm_overlap else "")
+             + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
+    if workload.profile is not None:
+        measured_dp = len(getattr(workload.profile, "data_parallel", ()))
+        lines.append(f"costs    measured layer times ({len(workload.profile)} profile entries)"
+                     + (f" and data-parallel wrappers ({measured_dp} points)" if measured_dp else "")
+                     + " where the profile has them, the analytic model elsewhere")
+    if workload.calibration is not None:
+        lines.append(f"rates    calibrated: {workload.calibration.describe()}")
+    if extra:
+        lines.append(extra)
+    return "\n".join(lines)
 
 
-def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:
-    """A few plain sentences on why this plan is fast and where it loses time."""
-    lines = []
-    e = estimate
-    biggest = max(
-        [("the pipeline bubble", e.bubble_s), ("data-parallel gradient sync", e.dp_sync_s),
-         ("tensor-parallel communication", e.tp_comm_s), ("pipeline transfers", e.p2p_s),
-         ("recomputation", e.recompute_s)], key=lambda x: x[1])
-    lines.append(f"{100 * e.compute_s / e.iteration_time_s:.0f}% of the step is useful compute on the slowest "
-                 f"stage; the largest overhead is {biggest[0]} ({format_time(biggest[1])}).")
-    if plan.pp > 1:
-        lines.append(f"{plan.pp} pipeline stages with {plan.num_micro_batches} micro-batches: bubble "
-                     f"{100 * e.bubble_s / e.iteration_time_s:.0f}% of the step.")
-    types = {workload.cluster.devices[d].gpu.name for s in plan.stages for d in s.devices}
-    if len(types) > 1:
-        layers_by_type: dict[str, list[int]] = {}
-        for s in plan.stages:
-            key = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
-            layers_by_type.setdefault(key, []).append(s.num_layers)
-        per_type = [f"{key} stages run {sum(c)} layers ({len(c)} stage{'s' if len(c) > 1 else ''})"
-                    for key, c in layers_by_type.items()]
-        lines.append("heterogeneous GPUs: " + "; ".join(per_type) + ".")
-    lines.append(f"tightest GPU has {format_bytes(e.min_headroom_bytes)} of memory to spare.")
-    if e.bound_gap is not None:
-        lines.append(f"within {e.bound_gap:.0%} of the lower bound {format_time(e.lower_bound_s)}: no plan of "
-                     "this workload can be faster (all compute spread over every GPU at its best, plus the "
-                     "optimizer step; communication, bubble and memory limits make real plans slower).")
-    return lines
+def report_memory_table(report: PlanReport) -> str:
+    """``memory_table`` of the report's chosen plan."""
+    return memory_table(report.chosen.plan, report.chosen.estimate, report.workload, report.memory)
+
+
+def plan_text(report: PlanReport, quiet: bool = False) -> str:
+    """What ``hetplan plan`` prints: the header, the ranked plans, what the
+    target cost, and (not ``quiet``) where the best plan's time and memory go,
+    why, the time to train and the notes."""
+    blocks = [workload_header(report.workload, report.header_extra), ranked_table(report.ranked)]
+    if report.target_lines:
+        blocks.append("\n".join(report.target_lines))
+    if not quiet:
+        best = report.chosen
+        blocks += [f"best plan: {best.plan.describe()}\n{breakdown(best.estimate, report.cp_ep)}",
+                   report_memory_table(report),
+                   "\n".join([*(f"- {line}" for line in (*report.why, *training_lines(report.training))),
+                              *(f"- note: {note}" for note in (*report.plan_notes, *report.model_notes))])]
+    return "\n\n".join(blocks)
+
+
+def estimate_text(report: PlanReport) -> str:
+    """What ``hetplan estimate`` prints: the header, the plan's row, where its
+    time and memory go, the time to train and the notes on the model."""
+    lines = [*(f"- {line}" for line in training_lines(report.training)),
+             *(f"note: {note}" for note in report.model_notes)]
+    return "\n\n".join([workload_header(report.workload), ranked_table([report.chosen]),
+                         breakdown(report.chosen.estimate, report.cp_ep), report_memory_table(report),
+                         "\n".join(lines)])

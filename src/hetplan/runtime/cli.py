@@ -99,14 +99,17 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_run)
 
 
-def _require_torch() -> None:
+def require_torch() -> None:
+    """The runtime's commands (and ``hetplan tune``'s trials) need torch: say how to install it."""
     try:
         import torch  # noqa: F401
     except ImportError:
         raise HetplanError("the runtime needs torch: pip install 'hetplan[torch]'") from None
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """The environment of a process the runtime starts: this hetplan first on its
+    path, one thread per process unless the user set it (the processes share the cores)."""
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -163,7 +166,7 @@ def check_train_flags(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     check_train_flags(args)
-    _require_torch()
+    require_torch()
     import torch
 
     from hetplan.runtime import launch
@@ -184,7 +187,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
           f"{plan.global_batch_size} samples, {precision}, {n} process{'es' if n > 1 else ''}", flush=True)
     print(f"plan: {layout.describe()}", flush=True)
-    env = {**_child_env(), **_timeout_env(args)}
+    env = {**child_env(), **_timeout_env(args)}
     if len(nodes) > 1:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
         env.update(HETPLAN_ONE_MACHINE="1", HETPLAN_DEVICE=env.get("HETPLAN_DEVICE", "cpu"))
         print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
@@ -362,9 +365,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"# node {node} (GPUs {', '.join(map(str, devs))})")
             print(cmd)
         return 0
-    _require_torch()
+    require_torch()
     n = len(nodes[0][1])
-    env = {**_child_env(), **_timeout_env(args)}
+    env = {**child_env(), **_timeout_env(args)}
     env["HETPLAN_PLAN"] = os.path.abspath(args.plan_file)
     argv = launch.standalone_argv(n, script)
     return subprocess.call(argv, env=env)

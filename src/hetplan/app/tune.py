@@ -26,7 +26,6 @@ The planner's choice never depends on timing; only the measured re-ranking does.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -40,10 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TextIO
 
 from hetplan import fields
-from hetplan.argtypes import at_most, finite_positive_float, zero_or_at_most
+from hetplan.app.planning import run_planner
 from hetplan.errors import HetplanError
-from hetplan.userfiles import check_writable_file
-from hetplan.plan import Plan
+from hetplan.plan import Plan, RankedPlan
+from hetplan.planfile import plan_file_from_data, workload_record
+from hetplan.runtime import launch
+from hetplan.runtime.cli import child_env
+from hetplan.target import RUNTIME, search_for_target
+from hetplan.userfiles import read_json
 
 MEASUREMENTS_FORMAT = "hetplan-measurements"
 MEASUREMENTS_VERSION = 1
@@ -195,8 +198,6 @@ def tune(workload: Any, ranked: Sequence[Any], runner: TrialRunner | None = None
     first) with ``runner`` (default ``run_trial_subprocess``) and rank them by
     measured step time. ``entry(ranked_plan)``: the plan-file entry to store
     (default ``RankedPlan.to_dict``). A failing trial is recorded, never raised."""
-    from hetplan.planfile import workload_record
-
     runner = runner or run_trial_subprocess
     entry = entry or (lambda r: r.to_dict())
     log = log or sys.stderr
@@ -258,14 +259,11 @@ def _failed(plan_file: dict[str, Any], predicted: tuple[float, int], reason: str
 def run_trial_subprocess(request: TrialRequest) -> Measurement:
     """Train the plan with ``hetplan.runtime.trainer`` under torchrun
     (standalone, ``request.num_processes`` processes) and read its summary."""
-    from hetplan.runtime import launch
-    from hetplan.runtime.cli import _child_env
-
     out = os.path.join(request.work_dir, "out")
     worker = ["-m", "hetplan.runtime.trainer", "--plan", request.plan_path,
               "--steps", str(request.warmup + request.steps), "--optimizer", request.optimizer,
               "--out", out, "--quiet"]
-    env = {**_child_env(), "HETPLAN_PG_TIMEOUT_S": repr(max(1.0, 0.8 * request.timeout_s))}
+    env = {**child_env(), "HETPLAN_PG_TIMEOUT_S": repr(max(1.0, 0.8 * request.timeout_s))}
     if request.device == "cpu":
         env["HETPLAN_DEVICE"] = "cpu"
     stderr_path = os.path.join(request.work_dir, "stderr.txt")
@@ -408,8 +406,6 @@ def measurements_dict(trials: Sequence[Trial]) -> dict[str, Any]:
 def read_measurements(path: str | os.PathLike[str]) -> list[Trial]:
     """The trials of a ``hetplan tune`` measurements file, every field checked
     (a malformed file is one HetplanError line naming the field)."""
-    from hetplan.userfiles import read_json
-
     path = os.fspath(path)
     data = read_json(path, "measurements file", "regenerate it with 'hetplan tune'")
     try:
@@ -466,8 +462,6 @@ def _optional(where: str, value: Any, read: Callable[[str, Any], Any]) -> Any:
 
 def _check_plan_file(where: str, data: Any) -> None:
     """A complete plan file with exactly one plan, valid on its model and cluster."""
-    from hetplan.planfile import plan_file_from_data
-
     pf = plan_file_from_data(where, data)
     if len(pf.plans) != 1:
         raise HetplanError(f"{where} must hold one plan, got {len(pf.plans)}")
@@ -476,121 +470,27 @@ def _check_plan_file(where: str, data: Any) -> None:
     pf.plan(1)
 
 
-# --- the command ---------------------------------------------------------------------------------
-def register(subparsers: Any) -> None:
-    """Add ``tune`` to the hetplan CLI (its workload options are ``hetplan plan``'s)."""
-    from hetplan.cli import DEFAULT_PLANNER, _add_workload_args
-
-    p = subparsers.add_parser("tune", help="train the top plans for a few steps here and keep the fastest measured")
-    _add_workload_args(p, batch_auto=False)
-    p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"planner (default {DEFAULT_PLANNER})")
-    p.add_argument("--top-k", type=at_most(MAX_TOP_K), default=DEFAULT_TOP_K,
-                   help=f"plans to try, of different kinds where possible (default {DEFAULT_TOP_K}, "
-                   f"at most {MAX_TOP_K})")
-    p.add_argument("--steps", type=at_most(MAX_STEPS), default=DEFAULT_STEPS,
-                   help=f"measured steps per plan (default {DEFAULT_STEPS}; the median counts)")
-    p.add_argument("--warmup", type=zero_or_at_most(MAX_WARMUP), default=DEFAULT_WARMUP,
-                   help=f"steps before them, not measured (default {DEFAULT_WARMUP})")
-    p.add_argument("--trial-timeout", type=finite_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
-                   help=f"seconds before a trial is killed and marked failed (default {DEFAULT_TRIAL_TIMEOUT_S:g})")
-    p.add_argument("-o", "--out", required=True,
-                   help="write the plans that ran, fastest measured first, here (a plan file: estimate/export/train)")
-    p.add_argument("--measurements", default=None,
-                   help="write every trial here (default: next to --out, <stem>.measurements.json)")
-    p.set_defaults(func=cmd_tune)
+# --- planning and results ----------------------------------------------------------------------
+def tune_candidates(workload: Any, planner: Any, top_k: int) -> tuple[list[RankedPlan], float]:
+    """The planner's best plans to choose ``top_k`` trials from (room for
+    different kinds: ``CANDIDATES_PER_TRIAL`` per trial), only plans hetplan's
+    runtime runs as costed (``hetplan.runtime.support``: the trials train them);
+    and the search time."""
+    start = time.perf_counter()
+    ranked, _ = search_for_target(lambda k: run_planner(planner, workload, k, False), workload, RUNTIME,
+                                  top_k * CANDIDATES_PER_TRIAL, planner.name)
+    return ranked, time.perf_counter() - start
 
 
 def measurements_path(out: str, given: str | None) -> str:
+    """Where the measurements go: ``given``, else beside ``out`` as <stem>.measurements.json."""
     return given or os.path.splitext(out)[0] + ".measurements.json"
 
 
-def cmd_tune(args: argparse.Namespace, runner: TrialRunner | None = None) -> int:
-    """Plan, try the top plans, print and write the measured ranking."""
-    from hetplan.cli import _header, _ranked_json, _run_planner, _write_json, load_workload
-    from hetplan.cost import CostModel
-    from hetplan.search import get_planner
-    from hetplan.target import RUNTIME, search_for_target
-
-    measurements = measurements_path(args.out, args.measurements)
-    if os.path.abspath(measurements) == os.path.abspath(args.out):
-        raise HetplanError("--measurements and -o/--out name the same file; give two")
-    check_writable_file("-o/--out", args.out)
-    check_writable_file("--measurements", measurements)
-    workload = load_workload(args)
-    device = trial_device(workload.cluster)
-    if runner is None:
-        from hetplan.runtime.cli import _require_torch
-
-        _require_torch()
-    planner = get_planner(args.planner)
-    start = time.perf_counter()
-    # only plans hetplan's runtime runs as costed (hetplan.runtime.support); the trials train them
-    ranked, _ = search_for_target(lambda k: _run_planner(planner, workload, k, False), workload, RUNTIME,
-                                  args.top_k * CANDIDATES_PER_TRIAL, planner.name)
-    search_s = time.perf_counter() - start
-    cost_model = CostModel(workload)
-    n = len(select_plans(ranked, args.top_k))
-    print(_header(workload, f"planner  {planner.name}: searched in {search_s:.2f} s; trying {n} plan(s) on {device}, "
-                            f"{args.warmup} warm-up + {args.steps} measured step(s) each"), flush=True)
-    result = tune(workload, ranked, runner, top_k=args.top_k, steps=args.steps, warmup=args.warmup,
-                  timeout_s=args.trial_timeout, device=device, planner=planner.name, search_time_s=search_s,
-                  entry=lambda r: _ranked_json(r, cost_model, args))
-    print()
-    print(result_table(result))
-    print(verdict(result))
-    _write_json(measurements, measurements_dict(result.trials))
-    _write_json(args.json_path, result_json(result))
-    if result.best is None:
-        print(f"hetplan: error: every trial failed (see the status column); nothing written to {args.out}",
-              file=sys.stderr)
-        return 1
-    ok = [t for t in result.trials if t.ok]
-    _write_json(args.out, {**result.workload_record, "planner": result.planner, "search_time_s": result.search_time_s,
-                           "plans": [t.plan_file["plans"][0] for t in ok]})
-    return 0
-
-
-# --- reporting -------------------------------------------------------------------------------------
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
-def result_table(result: TuneResult) -> str:
-    """The trials by measured step time, with the predictions beside them."""
-    from hetplan.report.text import table
-    from hetplan.units import format_bytes
-
-    rows = []
-    for i, (t, rank) in enumerate(zip(result.trials, result.planner_ranks), 1):
-        error = t.error
-        rows.append([i if t.ok else "-", t.plan.describe(), rank, _seconds(t.predicted_step_s),
-                     _seconds(t.measured_step_s), "-" if error is None else f"{100 * error:+.1f}%",
-                     format_bytes(t.predicted_peak_memory_bytes),
-                     "-" if t.measured_peak_memory_bytes is None else format_bytes(t.measured_peak_memory_bytes)
-                     + (" RSS" if t.device == "cpu" else ""),
-                     t.status if len(t.status) <= 70 else t.status[:67] + "..."])
-    headers = ["#", "plan", "planner #", "predicted step (s)", "measured step (s)", "error", "predicted peak/GPU",
-               "measured peak", "status"]
-    return table(headers, rows, [True, False, True, True, True, True, True, True, False])
-
-
-def verdict(result: TuneResult) -> str:
-    """Which plan measured fastest, and whether the planner's #1 agreed."""
-    best = result.best
-    if best is None:
-        return "no plan finished: no measured best"
-    rank = result.planner_ranks[0]
-    text = f"best by measurement: {best.plan.describe()} ({best.measured_step_s:.4g} s/step, the planner's #{rank})"
-    if rank == 1:
-        return text + "; the planner's own #1 agreed"
-    first = next((t for t, r in zip(result.trials, result.planner_ranks) if r == 1), None)
-    if first is None:
-        return text + "; the planner's #1 was not tried"
-    if not first.ok:
-        return text + f"; the planner's #1 {first.status}"
-    slower = 100 * (first.measured_step_s / best.measured_step_s - 1)  # type: ignore[operator]
-    return text + f"; the planner's #1 ({first.plan.describe()}) measured {first.measured_step_s:.4g} s/step, " \
-                  f"{slower:.1f}% slower"
+def tuned_plan_file(result: TuneResult) -> dict[str, Any]:
+    """The plan file of the plans that ran, fastest measured first (``hetplan tune -o``)."""
+    return {**result.workload_record, "planner": result.planner, "search_time_s": result.search_time_s,
+            "plans": [t.plan_file["plans"][0] for t in result.trials if t.ok]}
 
 
 def result_json(result: TuneResult) -> dict[str, Any]:

@@ -38,15 +38,21 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import LayerSpec, ModelSpec
-from hetplan.profile import collectives as coll
 from hetplan.profile.db import ChainPoint, DataParallelPoint, ProfileDB, ProfileEntry
-from hetplan.profile.job import (ProfileJob, chain_layers, chain_measurements, collective_group_sizes,
-                                 data_parallel_measurements, distinct_layers, link_class, measurements)
-from hetplan.profile.timing import Stopwatch, iqr, median
+from hetplan.runtime.context import gpu_matches
+from hetplan.runtime.models import GPT, config_from_spec
+from hetplan.runtime.parallelize import InitialValues, PipelinePart, apply_dp, apply_tp, materialize
+from hetplan.runtime.precision import autocast, precision_of
+from hetplan.runtime.profiling import collectives as coll
+from hetplan.runtime.profiling.job import (ProfileJob, chain_layers, chain_measurements, collective_group_sizes,
+                                           data_parallel_measurements, distinct_layers, link_class, measurements)
+from hetplan.runtime.profiling.timing import Stopwatch, iqr, median
 
 # _c10d_functional ops (what DTensor's redistributions call) -> collectives.OPS
 _FUNCTIONAL_OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
@@ -59,9 +65,6 @@ def build_layer(spec: ModelSpec, name: str | Sequence[str], tp_mesh: Any, device
     """The runtime's module ``name`` alone (at its path in the model), or the
     chain of modules ``name`` lists, TP-sharded over ``tp_mesh`` when given,
     on ``device`` with the runtime's initial values."""
-    from hetplan.runtime.models import GPT, config_from_spec
-    from hetplan.runtime.parallelize import InitialValues, PipelinePart, apply_tp, materialize
-
     names = [name] if isinstance(name, str) else list(name)
     with torch.device("meta"):
         full = GPT(config_from_spec(spec))
@@ -75,8 +78,6 @@ def build_layer(spec: ModelSpec, name: str | Sequence[str], tp_mesh: Any, device
 def layer_inputs(spec: ModelSpec, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of each layer's input for ``batch`` samples, from one
     forward of the whole model on the meta device (no memory, no time)."""
-    from hetplan.runtime.models import GPT, config_from_spec
-
     with torch.device("meta"):
         full = GPT(config_from_spec(spec))
     found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -93,8 +94,6 @@ def layer_inputs(spec: ModelSpec, batch: int) -> dict[str, tuple[tuple[int, ...]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -184,8 +183,6 @@ class LayerBench:
         return torch.randint(0, max(1, self.vocab), self.shape, device=self.device, dtype=self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from hetplan.runtime.precision import autocast
-
         with autocast(self.device, self.precision):
             out = self.module(x)
         if self.grad is None:
@@ -309,8 +306,6 @@ def pick_device(job: ProfileJob, rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise HetplanError(f"cluster {job.cluster.name!r} has {gpu.name} GPUs but this process sees no CUDA "
                            "device; run the commands 'hetplan profile' prints on the cluster's nodes")
-    from hetplan.runtime.context import gpu_matches
-
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if local >= torch.cuda.device_count():
         raise HetplanError(f"process {rank} should use GPU {local} of its node, but it has "
@@ -338,16 +333,12 @@ def _start_group(job: ProfileJob, device: torch.device) -> None:
 
 
 def _tp_mesh(device: torch.device, tp: int) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = dist.get_world_size()
     return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
 
 
 def measure_layers(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[LayerRecord]:
     """This process's records of every (layer, tp, batch) of the job."""
-    from hetplan.runtime.precision import precision_of
-
     rank = dist.get_rank()
     gpu = job.cluster.devices[rank].gpu.name
     precision = precision_of({}, job.spec.dtype_bytes)
@@ -380,8 +371,6 @@ def measure_chains(job: ProfileJob, device: torch.device, progress: ProgressLine
     (``chain_layers``: each layer kind, a repeated one twice), for each TP
     degree and batch: what the layers take together, without a barrier
     between them, against what they took one by one."""
-    from hetplan.runtime.precision import precision_of
-
     gpu = job.cluster.devices[dist.get_rank()].gpu.name
     precision = precision_of({}, job.spec.dtype_bytes)
     stopwatch = Stopwatch(device)
@@ -419,11 +408,6 @@ def measure_data_parallel(job: ProfileJob, device: torch.device, progress: Progr
     group busy at once: the plain layer timed once, right before its wrapped
     runs, at the smallest batch, with gradients synchronised on every backward
     as on a step's last micro-batch (ZeRO-3: on every one)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from hetplan.runtime.precision import precision_of
-    from hetplan.runtime.parallelize import apply_dp
-
     gpu = job.cluster.devices[dist.get_rank()].gpu.name
     precision = precision_of({}, job.spec.dtype_bytes)
     stopwatch = Stopwatch(device)
@@ -538,8 +522,6 @@ def _cpu_name() -> str:
 
 
 def settings_info(job: ProfileJob, stopwatch: Stopwatch) -> dict[str, Any]:
-    from hetplan.runtime.precision import precision_of
-
     return {"model": job.spec.name, "seq_len": job.spec.seq_len, "cluster": job.cluster.name,
             "precision": precision_of({}, job.spec.dtype_bytes), "tp": list(job.tps), "batches": list(job.batches),
             "warmup": job.warmup, "repeats": job.repeats, "comm_max_bytes": job.comm_max_bytes,

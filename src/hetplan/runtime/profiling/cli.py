@@ -22,9 +22,18 @@ import time
 from typing import Any, Sequence
 
 from hetplan.argtypes import at_most, finite_positive_float, positive_int, zero_or_at_most
+from hetplan.cluster import load_cluster
+from hetplan.cluster.presets import local_cpu_cluster
 from hetplan.errors import HetplanError
-from hetplan.userfiles import check_writable_file
 from hetplan.limits import MAX_GLOBAL_BATCH
+from hetplan.model import load_model
+from hetplan.profile.db import ProfileDB
+from hetplan.report.text import table
+from hetplan.runtime.launch import run_local
+from hetplan.runtime.profiling.collectives import MIN_BYTES
+from hetplan.runtime.profiling.job import ProfileJob, batch_sizes
+from hetplan.units import format_bytes, parse_byte_size
+from hetplan.userfiles import check_writable_file
 
 DEFAULT_MAX_MICRO_BATCH = 4
 DEFAULT_REPEATS = 5
@@ -46,9 +55,6 @@ def _tp_list(text: str) -> tuple[int, ...]:
 
 def _byte_size(text: str) -> int:
     """A message size: '64MiB', '1GiB', 0 (no collectives); else between 1 KiB and 64 GiB."""
-    from hetplan.profile.collectives import MIN_BYTES
-    from hetplan.units import parse_byte_size
-
     try:
         size = parse_byte_size(text)
     except HetplanError as exc:
@@ -89,8 +95,6 @@ def register(subparsers: Any) -> None:
 # --- the job ---------------------------------------------------------------------------------------------
 def is_local(cluster: Any) -> bool:
     """A local-cpu-N cluster: measured by processes on this machine."""
-    from hetplan.cluster.presets import local_cpu_cluster
-
     name = cluster.name
     return name.startswith("local-cpu-") and cluster == local_cpu_cluster(cluster.num_devices)
 
@@ -110,10 +114,9 @@ def tp_problem(spec: Any, tp: int) -> str:
             return f"layer {layer.name!r} supports TP degrees up to {layer.tp_max} dividing it, not {tp}"
     if not _torch_available():
         return ""
-    import torch
+    import torch  # torch-optional: the command prints launch commands on machines without torch
 
     from hetplan.runtime import tp as tpr
-    from hetplan.runtime.context import _dry_run_tp
     from hetplan.runtime.models import GPT, config_from_spec
 
     tpr.ensure_builtins()
@@ -125,7 +128,7 @@ def tp_problem(spec: Any, tp: int) -> str:
             continue
         seen.add(layer.profile_key)
         try:
-            _dry_run_tp(full.get_submodule(layer.name), layer.name, tp, False)
+            tpr.dry_run(full.get_submodule(layer.name), layer.name, tp, False)
         except HetplanError as exc:
             return str(exc)
     return ""
@@ -163,17 +166,13 @@ def check_tps(tps: Sequence[int], spec: Any, cluster: Any, local: bool) -> None:
 def build_job(args: argparse.Namespace) -> tuple[Any, bool]:
     """The ProfileJob the flags ask for (every check before any process
     starts) and whether it runs here (local-cpu-N)."""
-    from hetplan.cluster import load_cluster
-    from hetplan.model import load_model
-    from hetplan.profile.job import ProfileJob, batch_sizes
-
     spec = load_model(args.model, seq_len=args.seq_len)
     cluster = load_cluster(args.cluster)
     local = is_local(cluster)
     if local and not _torch_available():
         raise HetplanError("hetplan profile measures with torch: pip install 'hetplan[torch]'")
     if _torch_available():
-        from hetplan.runtime.models import config_from_spec
+        from hetplan.runtime.models import config_from_spec  # torch-optional (see _torch_available)
 
         try:
             config_from_spec(spec)  # what is measured is the runtime's own module
@@ -206,8 +205,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _run_here(job: Any) -> int:
     """Measure with one process per device of local-cpu-N, write the file."""
-    from hetplan.profile.measure import local_worker
-    from hetplan.runtime.launch import run_local
+    from hetplan.runtime.profiling.measure import local_worker  # torch-optional: build_job refused a run without it
 
     start = time.perf_counter()
     env = {"HETPLAN_NUM_THREADS": os.environ.get("HETPLAN_NUM_THREADS", "1")}
@@ -234,9 +232,9 @@ def _raise_first_failure(results: Sequence[Any]) -> None:
 
 def _run_worker(args: argparse.Namespace) -> int:
     """One process of a torchrun launch (the printed commands); rank 0 writes the file."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-optional: a worker is a process torchrun started
 
-    from hetplan.profile.measure import run_profile
+    from hetplan.runtime.profiling.measure import run_profile
 
     start = time.perf_counter()
     job, _ = build_job(args)
@@ -251,8 +249,6 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def _write(job: Any, data: dict[str, Any], seconds: float) -> None:
-    from hetplan.profile.db import ProfileDB
-
     db = ProfileDB.from_dict(data, "measured profile")  # the file will load: it passed the loader's checks
     text = db.to_json()
     try:
@@ -268,9 +264,6 @@ def _write(job: Any, data: dict[str, Any], seconds: float) -> None:
 
 def summary(db: Any, spec: Any) -> str:
     """The measured numbers as tables."""
-    from hetplan.report.text import table
-    from hetplan.units import format_bytes
-
     names: dict[str, str] = {}
     for layer in spec.layers:
         names.setdefault(layer.profile_key, layer.name)

@@ -28,11 +28,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hetplan.app.tune import read_measurements
 from hetplan.cost.calibration import LINK_CLASSES, SCALE_RANGE, Calibration
 from hetplan.cost.model import CostModel
 from hetplan.cost.workload import Workload
 from hetplan.errors import HetplanError
+from hetplan.fields import listing, number, text, whole
 from hetplan.plan import Plan
+from hetplan.planfile import plan_file_from_data, read_plan_file
+from hetplan.userfiles import read_json, read_text
 
 # Weight of the pull of each log factor towards 0 (factor 1), relative to one
 # plan's squared log error: small enough that a factor the measurements
@@ -201,17 +205,12 @@ def load_observations(paths: Sequence[str], profile: Any = None) -> list[Observa
 
 
 def _observation(name: str, plan_file: Any, step_s: Any, peak: Any = None) -> Observation:
-    from hetplan.fields import number, whole
-
     step = number(f"{name}: measured step time", step_s)
     memory = whole(f"{name}: measured peak memory", peak, 0) if peak is not None else None
     return Observation(name, plan_file.workload(), plan_file.plan(), step, memory)
 
 
 def _from_csv(path: str) -> list[Observation]:
-    from hetplan.planfile import read_plan_file
-    from hetplan.userfiles import read_text
-
     rows = list(csv.DictReader(read_text(path, "measurements CSV").splitlines()))
     if rows and ("plan" not in rows[0] or "measured_step_s" not in rows[0]):
         raise HetplanError(f"measurements CSV {path}: needs columns plan,measured_step_s "
@@ -232,14 +231,8 @@ def _from_csv(path: str) -> list[Observation]:
 
 
 def _from_json(path: str) -> list[Observation]:
-    from hetplan.userfiles import read_json
-
     data = read_json(path, "measurements")
     if isinstance(data, dict) and data.get("format") == "hetplan-measurements":
-        from hetplan.tune import read_measurements
-
-        from hetplan.planfile import plan_file_from_data
-
         return [_observation(f"{path} trial {k + 1}", plan_file_from_data(f"{path} trial {k + 1}", t.plan_file),
                              t.measured_step_s, t.measured_peak_memory_bytes)
                 for k, t in enumerate(read_measurements(path)) if t.ok]
@@ -251,9 +244,6 @@ def _from_json(path: str) -> list[Observation]:
 
 def _from_summary(path: str, data: dict[str, Any]) -> Observation:
     """A ``hetplan train`` summary: its plan file and the median step after the first (warm-up)."""
-    from hetplan.fields import listing, number, text
-    from hetplan.planfile import read_plan_file
-
     times = [number(f"{path} step_times_s", t) for t in listing(f"{path} step_times_s", data["step_times_s"])]
     if len(times) < 2:
         raise HetplanError(f"{path}: needs at least 2 steps (the first is warm-up); train with --steps 3 or more")
@@ -262,23 +252,10 @@ def _from_summary(path: str, data: dict[str, Any]) -> Observation:
                         data.get("peak_memory_bytes"))
 
 
-# --- report ------------------------------------------------------------------------------
-def fit_report(result: FitResult, observations: Sequence[Observation]) -> list[str]:
-    """The fitted factors and, per plan, the error before and after."""
-    lines = ["Fitted factors (measured / modelled rate or time):"]
-    for p, ok in zip(result.parameters, result.identifiable):
-        value = {"compute": result.calibration.compute(p.key), "bandwidth": result.calibration.bandwidth(p.key),
-                 "latency": result.calibration.latency_scale}[p.kind]
-        lines.append(f"  {p.label:<28} {value:8.3f}" if ok else
-                     f"  {p.label:<28} {'1':>8}  (no measured plan depends on it: not fitted)")
-    before, after = result.errors(observations, False), result.errors(observations, True)
-    lines += ["", f"{'plan':<44} {'measured':>10} {'before':>10} {'error':>8} {'after':>10} {'error':>8}"]
-    for o, b, a, eb, ea in zip(observations, result.before_s, result.after_s, before, after):
-        lines.append(f"{_short(o.name):<44} {o.measured_step_s:10.4g} {b:10.4g} {eb:+8.1%} {a:10.4g} {ea:+8.1%}")
-    lines.append(f"{'median |error|':<44} {'':>10} {'':>10} {statistics.median(map(abs, before)):8.1%} "
-                 f"{'':>10} {statistics.median(map(abs, after)):8.1%}")
-    return lines
-
-
-def _short(name: str) -> str:
-    return name if len(name) <= 44 else "..." + name[-41:]
+def fit_record(result: FitResult, observations: Sequence[Observation]) -> dict[str, Any]:
+    """The fit as JSON (``hetplan calibrate --json``): the calibration, which
+    factors the plans determined, and each plan's prediction before and after."""
+    return {"calibration": result.calibration.to_dict(),
+            "parameters": [{"name": p.label, "fitted": ok} for p, ok in zip(result.parameters, result.identifiable)],
+            "plans": [{"name": o.name, "measured_step_s": o.measured_step_s, "before_s": b, "after_s": a}
+                      for o, b, a in zip(observations, result.before_s, result.after_s)]}

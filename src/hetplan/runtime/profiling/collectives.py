@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hetplan.profile.db import CollectiveFit, CollectivePoint, Unsupported
-from hetplan.profile.timing import Stopwatch, median
+from hetplan.runtime.profiling.timing import Stopwatch, median
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
 MIN_BYTES = 1024

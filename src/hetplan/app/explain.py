@@ -1,0 +1,77 @@
+"""What a plan's report says in words besides its numbers: why the plan is
+fast (``explain``) and the notes that qualify an estimate for this model
+(``model_notes``: hetplan's runtime cannot pipeline it; its experts are
+fine-grained). Computed once for ``hetplan.app.report.PlanReport``; the text
+and HTML renderers print them."""
+
+from __future__ import annotations
+
+from hetplan.cost.workload import Workload
+from hetplan.model.hf import tied_span_refusal
+from hetplan.model.spec import ModelSpec
+from hetplan.plan import Estimate, Plan
+from hetplan.runtime.support import support_of
+from hetplan.units import format_bytes, format_time
+
+
+def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
+    """Said with a pipelined plan whose model hetplan's own runtime cannot split
+    (hetplan.runtime.chain): the plan is still valid for other tools."""
+    blocker = support_of(model).pipeline
+    if plan.pp > 1 and not blocker:  # the model splits; this plan's split points may not (hetplan.model.hf)
+        blocker = tied_span_refusal(model, {model.layers[i].name: j % plan.pp for j, stage in enumerate(plan.stages)
+                                            for i in stage.layers if i < len(model.layers)})
+    if plan.pp == 1 or not blocker or blocker.startswith("unchecked"):
+        return ""
+    return (f"hetplan.runtime would refuse this plan's {plan.pp} pipeline stages for this model: {blocker} "
+            "(exports to Megatron-LM, DeepSpeed and torchtitan are not affected)")
+
+
+def model_notes(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
+    """The notes that qualify ``plan``'s estimate for ``model`` (none: an empty tuple)."""
+    return tuple(n for n in (runtime_pipeline_note(plan, model), fine_grained_moe_note(model)) if n)
+
+
+def fine_grained_moe_note(model: ModelSpec) -> str:
+    """Said for a model whose routed experts are narrower than its hidden size
+    (fine-grained experts, DeepSeekMoE §3.1): the one kind of model whose
+    published runs hetplan is known to cost far too fast (docs/cost-model.md,
+    "Validation against the frameworks' own published runs")."""
+    narrow = [layer for layer in model.layers if layer.is_moe and 0 < layer.expert_ffn < model.hidden_size]
+    if not narrow:
+        return ""
+    return (f"this model's routed experts are fine-grained (width {narrow[0].expert_ffn} < hidden "
+            f"{model.hidden_size}); the estimate is likely optimistic: per-expert kernel launches, token "
+            "permutation and the dispatcher's host synchronisation are not costed, and published Qwen3-30B-A3B "
+            "runs on H100 trained 1.6-2.8x slower than hetplan estimates them. Measure your GPUs with "
+            "'hetplan profile' and pass --profile")
+
+
+def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:
+    """A few plain sentences on why this plan is fast and where it loses time."""
+    lines = []
+    e = estimate
+    biggest = max(
+        [("the pipeline bubble", e.bubble_s), ("data-parallel gradient sync", e.dp_sync_s),
+         ("tensor-parallel communication", e.tp_comm_s), ("pipeline transfers", e.p2p_s),
+         ("recomputation", e.recompute_s)], key=lambda x: x[1])
+    lines.append(f"{100 * e.compute_s / e.iteration_time_s:.0f}% of the step is useful compute on the slowest "
+                 f"stage; the largest overhead is {biggest[0]} ({format_time(biggest[1])}).")
+    if plan.pp > 1:
+        lines.append(f"{plan.pp} pipeline stages with {plan.num_micro_batches} micro-batches: bubble "
+                     f"{100 * e.bubble_s / e.iteration_time_s:.0f}% of the step.")
+    types = {workload.cluster.devices[d].gpu.name for s in plan.stages for d in s.devices}
+    if len(types) > 1:
+        layers_by_type: dict[str, list[int]] = {}
+        for s in plan.stages:
+            key = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
+            layers_by_type.setdefault(key, []).append(s.num_layers)
+        per_type = [f"{key} stages run {sum(c)} layers ({len(c)} stage{'s' if len(c) > 1 else ''})"
+                    for key, c in layers_by_type.items()]
+        lines.append("heterogeneous GPUs: " + "; ".join(per_type) + ".")
+    lines.append(f"tightest GPU has {format_bytes(e.min_headroom_bytes)} of memory to spare.")
+    if e.bound_gap is not None:
+        lines.append(f"within {e.bound_gap:.0%} of the lower bound {format_time(e.lower_bound_s)}: no plan of "
+                     "this workload can be faster (all compute spread over every GPU at its best, plus the "
+                     "optimizer step; communication, bubble and memory limits make real plans slower).")
+    return lines
