@@ -396,5 +396,5 @@ def test_fp8_keeps_linear_inputs_in_one_byte(tp: int, sequence_parallel: bool) -
     k8, k16 = CostModel(workload).kernel, CostModel(plain).kernel
     assert k8.activation_bytes(tp, "full", sequence_parallel)[0] == k16.activation_bytes(tp, "full",
                                                                                           sequence_parallel)[0]
-    assert (k16.recompute_working_bytes(tp, "full", sequence_parallel)[0]
-            - k8.recompute_working_bytes(tp, "full", sequence_parallel)[0]) == pytest.approx(expected)
+    assert (k16.backward_working_bytes(tp, "full", sequence_parallel)[0]
+            - k8.backward_working_bytes(tp, "full", sequence_parallel)[0]) == pytest.approx(expected)

@@ -5,6 +5,7 @@ moves the way its physical cause says."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,7 @@ from hetplan.cli import main
 from hetplan.cluster import load_cluster
 from hetplan.cost import CostModel, Workload
 from hetplan.cost.memory import MEMORY_CATEGORIES
+from hetplan.cost.mixed import stage_memory_parts
 from hetplan.model import get_model
 from hetplan.search import get_planner
 from hetplan.search.baselines.uniform import uniform_plan
@@ -76,7 +78,7 @@ def test_recompute_peak_is_the_backward_walk(pp):
     plan = uniform_plan(workload, 8 // pp, 1, pp, micro, 0, "full")
     cost = CostModel(workload)
     stored_all = cost.kernel.activation_bytes(1, "full", False) * micro
-    working_all = cost.kernel.recompute_working_bytes(1, "full", False) * micro
+    working_all = cost.kernel.backward_working_bytes(1, "full", False) * micro
     m = plan.num_micro_batches
     for j, stage in enumerate(plan.stages):
         stored, working = stored_all[list(stage.layers)], working_all[list(stage.layers)]
@@ -91,3 +93,52 @@ def test_recompute_peak_is_the_backward_walk(pp):
             assert parts["activations"] == pytest.approx(old_count - stored[-1], rel=1e-9)
         else:
             assert parts["activations"] == pytest.approx(old_count, rel=1e-9)
+
+
+RUNTIME_PLANS = [  # (model, dp, tp, pp, micro-batch, zero, recompute, schedule, sequence parallel, offload)
+    ("gpt3-1.3b", 8, 1, 1, 2, 0, "none", "1f1b", False, False),
+    ("gpt3-1.3b", 8, 1, 1, 1, 1, "none", "1f1b", False, False),
+    ("gpt3-1.3b", 8, 1, 1, 2, 2, "selective", "1f1b", False, False),
+    ("gpt3-1.3b", 8, 1, 1, 8, 3, "full", "1f1b", False, False),
+    ("gpt3-1.3b", 4, 2, 1, 2, 0, "none", "1f1b", True, False),
+    ("gpt3-1.3b", 2, 2, 2, 4, 1, "full", "gpipe", False, False),
+    ("gpt3-1.3b", 2, 1, 4, 1, 0, "none", "1f1b", False, False),
+    ("llama2-7b", 4, 2, 1, 1, 3, "none", "1f1b", False, True),
+    ("tiny-moe", 4, 1, 2, 2, 2, "none", "1f1b", False, False),
+]
+
+
+@pytest.mark.parametrize("case", RUNTIME_PLANS, ids=[f"{c[0]}-z{c[5]}-{c[6]}-{c[7]}-pp{c[3]}" for c in RUNTIME_PLANS])
+def test_runtime_categories_add_up(case):
+    """For hetplan's runtime the categories add up to the peak every plan kind
+    is ranked by: the per-layer sum (``mixed.stage_peak_terms``) and the
+    stage tables (``StageCosts``) agree at every moment of the peak (a first
+    backward without gradients, the optimizer step, a later backward); a
+    stage whose layers run differently adds up too."""
+    name, dp, tp, pp, micro, zero, recompute, schedule, sp, offload = case
+    workload = Workload(get_model(name), load_cluster("8xA100-80GB"), 64, target="hetplan")
+    plan = uniform_plan(workload, dp, tp, pp, micro, zero, recompute, schedule, sp, offload=offload)
+    cost = CostModel(workload)
+    estimate, parts = cost.estimate(plan), cost.memory_breakdown(plan)
+    for device, peak in estimate.peak_memory_bytes.items():
+        assert tuple(parts[device]) == MEMORY_CATEGORIES
+        assert sum(parts[device].values()) == pytest.approx(peak, abs=8)
+    stage = plan.stages[0]
+    half = stage.num_layers // 2
+    mixed = replace(stage, strategies=tuple(replace(s, recompute="full" if i < half else s.recompute)
+                                            for i, s in enumerate(stage.strategies)))
+    memory = cost.device_memory(mixed, plan.micro_batch_size, 1.0)
+    summed = stage_memory_parts(cost.kernel, mixed, plan.micro_batch_size, 1.0)
+    assert [int(sum(p.values())) for p in summed] == pytest.approx(memory, abs=8)
+
+
+def test_runtime_first_backward_holds_no_gradients():
+    """One micro-batch: its backward starts before any gradient exists, so the
+    peak is the states without gradients plus the activations; with two, the
+    second backward holds the gradients and one micro-batch."""
+    workload = Workload(get_model("gpt3-1.3b"), load_cluster("1xH100"), 16, target="hetplan")
+    cost = CostModel(workload)
+    one = cost.memory_breakdown(uniform_plan(workload, 1, 1, 1, 16, recompute="full"))[0]
+    two = cost.memory_breakdown(uniform_plan(workload, 1, 1, 1, 8, recompute="full"))[0]
+    assert one["grads"] == 0 and two["grads"] > 0
+    assert one["optimizer"] == two["optimizer"] and one["loss"] == pytest.approx(2 * two["loss"], rel=1e-9)

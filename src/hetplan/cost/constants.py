@@ -223,6 +223,47 @@ OPTIMIZER_STATE_BYTES = {
     "sgd-fp32": (4, 4, 4),
 }
 
+# What hetplan's runtime holds per parameter, (weight, gradient, optimizer
+# state) bytes, in every precision: fp32 master weights and gradients
+# (runtime/precision.py: autocast over fp32 parameters; FSDP2 reduces fp32
+# gradients) and the optimizer's fp32 states: AdamW's exp_avg and exp_avg_sq
+# (torch/optim/adam.py, Adam._init_group: torch.zeros_like(p) twice), SGD's
+# momentum buffer (torch/optim/sgd.py, _single_tensor_sgd: grad.clone()).
+# ``hetplan train --optimizer adamw|sgd`` (runtime/reference.make_optimizer).
+RUNTIME_STATE_BYTES = {"adamw": (4, 4, 8), "sgd": (4, 4, 4)}
+# The runtime's optimizer a Workload.optimizer name stands for under target
+# "hetplan": every Adam variant is its AdamW, SGD its SGD with momentum.
+RUNTIME_OPTIMIZER = {"adam-mixed": "adamw", "adam-mixed-fp32-grads": "adamw", "adam-bf16-deepspeed": "adamw",
+                     "adam-fp32": "adamw", "sgd-fp32": "sgd"}
+# Temporaries of one parameter's update, in tensors of that parameter's size:
+# the for-loop AdamW the runtime makes (foreach=False) computes
+# ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: the sqrt
+# and the quotient both live (torch/optim/adam.py, _single_tensor_adam, line
+# 544 in torch 2.13); SGD with momentum updates in place (torch/optim/sgd.py,
+# _single_tensor_sgd: buf.mul_().add_(), param.add_()).
+OPTIMIZER_STEP_TEMPORARIES = {"adamw": 2, "sgd": 0}
+# The runtime's ZeRO-1 optimizer (runtime/zero1.py) steps an fp32 copy of this
+# rank's 1/dp slice of each parameter (_Slice.shard, kept: counted with the
+# optimizer states), and after the step gathers every rank's slices into one
+# fp32 buffer of the stage's parameters (gather_slices: ``mine`` and
+# ``gathered``) and one whole parameter at a time (_Slice.assign:
+# torch.cat(parts)): fp32 bytes per ZeRO-1 parameter, and of the largest one.
+ZERO1_SLICE_COPY_BYTES = 4
+ZERO1_GATHER_BYTES = 4
+# FSDP2 reduces one layer's gradients at a time: it copies the layer's fp32
+# gradients into a flat buffer of their size, frees them, and keeps the
+# buffer until its reduce-scatter (or replicate's all-reduce) has run
+# (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce:
+# reduce_scatter_input, lines 597-606 in torch 2.13): one layer's gradients
+# beyond the (sharded) ones kept, during the backward pass.
+FSDP_REDUCE_BUFFER_LAYERS = 1
+# Memory a GPU reports to CUDA programs, over what the catalog lists: an H100
+# 80GB HBM3 reported 79.18 GiB total (torch.cuda.get_device_properties(0).
+# total_memory = 79.1787109375 GiB: benchmarks/data/h100/runtime-runs.json;
+# the rest is the driver's). Plans for hetplan's runtime must fit in this;
+# other GPUs are taken to keep the same share (no measurement of theirs here).
+DEVICE_REPORTED_FRACTION = 79.1787109375 / 80
+
 # Bytes the Adam update reads and writes per parameter (fp32 master, m, v read
 # and written, gradient read, 16-bit weight written): a memory-bound kernel.
 OPTIMIZER_STEP_BYTES_PER_PARAM = 32

@@ -51,6 +51,7 @@ from hetplan.cost.constants import (
     CP_KV_PASSES,
     EP_ALLTOALL_PASSES,
     DEFAULT_HOST_LINK,
+    FSDP_REDUCE_BUFFER_LAYERS,
     GPU_HOST_LINK,
     HOST_LINK_BYTES_PER_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
@@ -58,12 +59,13 @@ from hetplan.cost.constants import (
     OPTIMIZER_STEP_BYTES_PER_PARAM,
     TP_COMM_PASSES,
 )
+from hetplan.model.runtime_memory import runtime_memory
 from hetplan.cost.groups import ClusterArrays, first_appearance
-from hetplan.cost.layers import LayerArrays, layer_arrays
+from hetplan.cost.layers import LayerArrays, layer_arrays, runtime_arrays
 from hetplan.cost.pipeline import overlap_slowdown, overlapped_exposure
 from hetplan.cost.memory import (
-    activation_bytes, fp8_linear_input_scale, framework_overhead_bytes, host_offload_capacity_bytes,
-    recompute_working_bytes,
+    activation_bytes, backward_working_bytes, fp8_linear_input_scale, framework_overhead_bytes,
+    host_offload_capacity_bytes,
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
 from hetplan.cost.workload import Workload
@@ -184,6 +186,13 @@ class CostKernel:
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes
+        # the code that trains: hetplan's runtime (its tensors: model.runtime_memory), or what the model counts
+        self.runtime = workload.target == "hetplan"
+        memory = runtime_memory(workload.model, cuda=any(d.gpu.name != "CPU" for d in self.cluster.devices)) \
+            if self.runtime else None
+        self.memory_arrays: LayerArrays = self.arrays if memory is None else runtime_arrays(self.arrays, memory)
+        # how ZeRO shards are kept: the runtime's own ways (cost.memory.resident_bytes_split), else the workload's
+        self.state_implementation = "hetplan" if self.runtime else workload.zero_implementation
         # the size a linear layer's saved input keeps (FP8 training: one byte an element)
         self.linear_input_scale = fp8_linear_input_scale(workload.fp8, self.dtype_bytes)
         self.weight_bytes, held_grad_bytes, _ = workload.state_bytes
@@ -272,9 +281,9 @@ class CostKernel:
         return self._cached(("tied", tp), lambda: self.arrays.tied_share_per_device(tp))
 
     def activation_bytes(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
-        """Per sample and layer, kept for backward."""
+        """Per sample and layer, kept for backward (by the code that trains: ``memory_arrays``)."""
         return self._cached(("act", tp, recompute, sequence_parallel),
-                            lambda: activation_bytes(self.arrays, tp, recompute, sequence_parallel,
+                            lambda: activation_bytes(self.memory_arrays, tp, recompute, sequence_parallel,
                                                      self.linear_input_scale))
 
     def rank_activation_bytes(self, tp: int, recompute: str, sequence_parallel: bool, cp: int) -> np.ndarray:
@@ -288,27 +297,71 @@ class CostKernel:
                             lambda: cp_activation_bytes(self.activation_bytes(tp, recompute, sequence_parallel),
                                                         kv, cp))
 
-    def recompute_working_bytes(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
-        """Per sample and layer, what a checkpointed layer rebuilds on one CP
-        rank beyond its kept input (``memory.recompute_working_bytes``)."""
+    def backward_working_bytes(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
+        """Per sample and layer, what a layer's backward holds on one CP rank
+        beyond what it stored (``memory.backward_working_bytes``: the loss's
+        gradients, a checkpointed layer's rebuilt activations)."""
         if cp <= 1:
             return self._cached(("work", tp, recompute, sequence_parallel),
-                                lambda: recompute_working_bytes(self.arrays, tp, recompute, sequence_parallel,
-                                                                self.linear_input_scale))
+                                lambda: backward_working_bytes(self.memory_arrays, tp, recompute, sequence_parallel,
+                                                               self.linear_input_scale))
+        transient = self.memory_arrays.column("working_bytes") / cp  # the rank's 1/cp of the tokens
         if recompute != "full":
-            return np.zeros(self.num_layers)
+            return transient
         return self._cached(("workcp", tp, sequence_parallel, cp), lambda: np.maximum(
             self.rank_activation_bytes(tp, "none", sequence_parallel, cp)
-            - self.rank_activation_bytes(tp, "full", sequence_parallel, cp), 0.0))
+            - self.rank_activation_bytes(tp, "full", sequence_parallel, cp), 0.0) + transient)
 
     def offload_working_bytes(self, tp: int, recompute: str, sequence_parallel: bool) -> np.ndarray:
         """Per sample: what an offloaded layer still holds on the GPU, paid once
         per stage (not per micro-batch in flight): its own activations while it
         runs and the next one's fetched back ahead of backward
-        (``OFFLOAD_RESIDENT_LAYERS``), plus a checkpointed layer's rebuilt ones."""
+        (``OFFLOAD_RESIDENT_LAYERS``), plus its backward's working set."""
         return self._cached(("offwork", tp, recompute, sequence_parallel),
                             lambda: OFFLOAD_RESIDENT_LAYERS * self.activation_bytes(tp, recompute, sequence_parallel)
-                            + self.recompute_working_bytes(tp, recompute, sequence_parallel))
+                            + self.backward_working_bytes(tp, recompute, sequence_parallel))
+
+    def loss_bytes(self, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Per sample and layer, the loss's part of what a layer keeps (the
+        logits and log-softmax the runtime holds: ``act_outside_bytes``) and of
+        its backward's working set (``working_bytes``), on one CP rank (whole
+        on every TP rank): the "loss" category of ``memory.PeakTerms``."""
+        a = self.memory_arrays
+        return a.column("act_outside_bytes") / cp, a.column("working_bytes") / cp
+
+    def micro_batch_bytes(self, tp: int, ep: int = 1) -> np.ndarray:
+        """Per layer: what one device keeps for a micro-batch's backward
+        whatever its size (the code that trains: ``runtime_arrays``): the
+        16-bit weight copies autocast made in its forward (``cast_params``)
+        and indices or tables made once per micro-batch (``act_fixed_bytes``)."""
+        a = self.memory_arrays
+        if a.cast_params is None:
+            return np.zeros(self.num_layers)
+        return self._cached(("permb", tp, ep), lambda: self.dtype_bytes * (
+            a.cast_params * a.tp_share(tp) + a.column("cast_expert_params") / (tp * ep))
+            + a.column("act_fixed_bytes"))
+
+    def micro_batch_prefix(self, tp: int, ep: int = 1) -> np.ndarray:
+        """Prefix sums of ``micro_batch_bytes``: a range's as a difference."""
+        return self._cached(("permbprefix", tp, ep), lambda: _prefix(self.micro_batch_bytes(tp, ep)))
+
+    def largest_tensor(self, tp: int, ep: int = 1) -> np.ndarray:
+        """Per layer: elements of the largest parameter tensor one device holds
+        (``LayerArrays.largest_param``; 0 where the code that trains is not known)."""
+        a = self.memory_arrays
+        if a.largest_param is None:
+            return np.zeros(self.num_layers)
+        return self._cached(("largest", tp, ep), lambda: np.maximum(
+            a.largest_param * a.tp_share(tp), a.column("largest_expert_param") / (tp * ep)))
+
+    def reduce_buffer_bytes(self, tp: int, ep: int = 1) -> np.ndarray:
+        """Per layer: the buffer FSDP2 reduces the layer's gradients through
+        under data parallelism (``FSDP_REDUCE_BUFFER_LAYERS`` of its fp32
+        gradients); 0 for code other than hetplan's runtime."""
+        if not self.runtime:
+            return np.zeros(self.num_layers)
+        return self._cached(("reducebuf", tp, ep), lambda: FSDP_REDUCE_BUFFER_LAYERS * self.grad_bytes
+                            * self.params_per_device(tp, ep))
 
     def host_link_rate(self, gpu: GPUSpec) -> float:
         """Bytes/s one GPU copies to or from host memory (``GPU_HOST_LINK``); a
@@ -923,14 +976,14 @@ class CostKernel:
         return found
 
     def recompute_peak_matrix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
-        """``[a, b]``: per sample, what the recompute working sets of a stage of
+        """``[a, b]``: per sample, what the backward working sets of a stage of
         layers ``[a, b)`` add to one micro-batch's stored activations
         (``memory.working_beyond_stored`` over the range, from the prefix sums
         ``P``: ``max_{a≤i<b} (P[i+1] + working_i) − P[b]``)."""
 
         def build() -> np.ndarray:
             prefix = self.activation_prefix(tp, recompute, sequence_parallel, cp)
-            reach = prefix[1:] + self.recompute_working_bytes(tp, recompute, sequence_parallel, cp)
+            reach = prefix[1:] + self.backward_working_bytes(tp, recompute, sequence_parallel, cp)
             return np.triu(np.maximum(_range_max(reach) - prefix[None, :], 0.0), 1)
 
         return self._cached(("recpeak", tp, recompute, sequence_parallel, cp), build)

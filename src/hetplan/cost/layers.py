@@ -14,11 +14,13 @@ owns, and ``tied_previous`` names that nearest earlier layer, so "does layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 import numpy as np
 
 from hetplan.model.layers import CAUSAL_KINDS
+from hetplan.model.runtime_memory import LayerMemory
 from hetplan.model.spec import LayerSpec, ModelSpec
 
 
@@ -55,6 +57,15 @@ class LayerArrays:
     act_linear_input_bytes: np.ndarray | None = None  # linear layers' saved inputs (FP8 under FP8 training)
     act_linear_input_replicated_bytes: np.ndarray | None = None  # the part TP does not divide
     tp_replicated: np.ndarray | None = None  # bool: the layer runs whole on every TP rank (LayerSpec.tp_replicated)
+    # what the code that trains keeps beyond a ModelSpec's columns (``runtime_arrays``; None: nothing)
+    act_undivided_bytes: np.ndarray | None = None  # part of act_tp_replicated_bytes sequence parallelism keeps whole
+    act_outside_bytes: np.ndarray | None = None  # part of that a recomputed layer keeps too (its loss)
+    working_bytes: np.ndarray | None = None  # transient bytes per sample its backward adds (the loss's gradients)
+    cast_params: np.ndarray | None = None  # dense weights autocast copies per micro-batch (TP divides them)
+    act_fixed_bytes: np.ndarray | None = None  # kept once per micro-batch whatever its size (indices, tables)
+    cast_expert_params: np.ndarray | None = None  # routed-expert weights copied alike (TP and EP divide them)
+    largest_param: np.ndarray | None = None  # elements of the largest dense parameter tensor (TP divides it)
+    largest_expert_param: np.ndarray | None = None  # elements of the stacked expert weights (TP and EP divide them)
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
@@ -146,6 +157,28 @@ def layer_arrays(model: ModelSpec) -> LayerArrays:
         act_linear_input_replicated_bytes=whole_where_replicated("act_linear_input_replicated_bytes",
                                                                  "act_linear_input_bytes"),
         tp_replicated=replicated if replicated.any() else None,
+    )
+
+
+def runtime_arrays(arrays: LayerArrays, memory: Sequence[LayerMemory]) -> LayerArrays:
+    """``arrays`` with the activation columns of what the training code keeps
+    (``hetplan.model.runtime_memory``) in place of the ModelSpec's: saved
+    bytes and their TP/SP/recompute parts, the layer inputs a fully
+    recomputed layer keeps, the loss's working set and the weights autocast
+    copies. Layers that run whole on every TP rank keep all of it whole."""
+    def column(name: str) -> np.ndarray:
+        return np.array([float(getattr(m, name)) for m in memory])
+
+    saved = column("saved")
+    whole = arrays.tp_replicated if arrays.tp_replicated is not None else np.zeros(arrays.num_layers, bool)
+    return replace(
+        arrays, act_bytes=saved, act_tp_replicated_bytes=np.where(whole, saved, column("replicated")),
+        act_attention_core_bytes=column("core"), input_bytes=column("boundary"),
+        act_linear_input_bytes=None, act_linear_input_replicated_bytes=None,
+        act_undivided_bytes=column("undivided"), act_outside_bytes=column("outside"),
+        working_bytes=column("working"), cast_params=column("cast_params"), act_fixed_bytes=column("fixed"),
+        cast_expert_params=column("cast_expert_params"), largest_param=column("largest_param"),
+        largest_expert_param=column("largest_expert_param"),
     )
 
 

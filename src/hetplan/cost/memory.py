@@ -4,10 +4,20 @@ of one GPU.
 peak = model states (weights, gradients, optimizer states; divided by TP, and
        by dp according to the ZeRO stage)
      + ZeRO-3 working set (gathered parameters of the running and next layer)
-     + activations of one micro-batch × micro-batches in flight
-     + recompute working set (a checkpointed layer's rebuilt activations, less
-       what the layers after it have freed: ``working_beyond_stored``)
-     + framework overhead.
+     + framework overhead
+     + the larger of
+       - the backward pass: activations of one micro-batch × micro-batches in
+         flight, plus the backward's working set (a checkpointed layer's
+         rebuilt activations, the loss's gradient buffers, less what the
+         layers after it have freed: ``working_beyond_stored``), plus what
+         the code that trains holds whatever the batch (hetplan's runtime:
+         the 16-bit weight copies autocast keeps per micro-batch in flight,
+         FSDP2's gradient reduction buffer)
+       - the optimizer step: its temporaries (``step_temporary_bytes``).
+
+Under target "hetplan" the activations and copies are what hetplan's runtime
+keeps (``hetplan.model.runtime_memory``), the states its fp32 ones
+(``RUNTIME_STATE_BYTES``); ``PeakTerms`` holds the terms of one device.
 
 Micro-batches in flight (Narayanan et al. 2021 §2.2; Galvatron-BMW §IV-B):
 GPipe keeps all ``m``; 1F1B keeps ``min(pp − j, m)`` on stage ``j`` (0-based),
@@ -18,19 +28,26 @@ by ``1 + (pp − 1)/(pp·v)`` (Narayanan et al. 2021 §2.2.2).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hetplan.cost.constants import (
     CPU_FRAMEWORK_OVERHEAD_BYTES, DEFAULT_HOST_MEMORY_PER_GPU_MEMORY, FRAMEWORK_OVERHEAD_BYTES,
-    GPUS_PER_REFERENCE_SERVER, HOST_MEMORY_GIB_PER_SERVER, HOST_MEMORY_RESERVE_FRACTION, ZERO3_GATHERED_LAYERS,
+    GPUS_PER_REFERENCE_SERVER, HOST_MEMORY_GIB_PER_SERVER, HOST_MEMORY_RESERVE_FRACTION, OPTIMIZER_STEP_TEMPORARIES,
+    ZERO1_GATHER_BYTES, ZERO1_SLICE_COPY_BYTES, ZERO3_GATHERED_LAYERS,
 )
 from hetplan.cost.layers import LayerArrays
 from hetplan.units import GIB
 
 if TYPE_CHECKING:
     from hetplan.cluster.spec import NodeSpec
+
+# Implementations that keep ZeRO-2's weights sharded between steps: FSDP2, and
+# hetplan's runtime (FSDP2 plus its own ZeRO-1: ``resident_bytes_split``).
+FSDP_LIKE = ("fsdp", "hetplan")
+FP32_BYTES = 4  # the optimizer's update runs on fp32 tensors (master weights and states)
 
 
 def model_state_bytes(params: np.ndarray | float, zero: int, dp: int, state_bytes: tuple[int, int, int],
@@ -53,9 +70,9 @@ def state_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
     at the step's peak: what it keeps between steps (``resident_bytes_split``)
     plus, for ZeRO-2 under FSDP2, the whole weights gathered from forward to
     backward (``fully_shard(reshard_after_forward=False)`` keeps its shard and
-    the unsharded copy). ZeRO-3's gathered layers are counted apart (``memory_parts``)."""
+    the unsharded copy). ZeRO-3's gathered layers are counted apart (``PeakTerms.weights``)."""
     weight, grad, opt = resident_bytes_split(zero, dp, state_bytes, implementation)
-    if zero == 2 and implementation == "fsdp" and dp > 1:
+    if zero == 2 and implementation in FSDP_LIKE and dp > 1:
         weight += float(state_bytes[0])
     return weight, grad, opt
 
@@ -66,24 +83,51 @@ def resident_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
     between steps (after the optimizer step; gradients after backward). ZeRO-1
     shards the optimizer states, ZeRO-2 also the gradients, ZeRO-3 also the
     weights (Rajbhandari et al. 2020 §5.1); FSDP2 (hetplan's runtime) keeps
-    ZeRO-2's weights sharded too, DeepSpeed keeps them whole."""
+    ZeRO-2's weights sharded too, DeepSpeed keeps them whole. hetplan's
+    runtime's ZeRO-1 also keeps the fp32 slice of each parameter its
+    optimizer steps (``ZERO1_SLICE_COPY_BYTES``), with the optimizer states."""
     weight, grad, opt = (float(x) for x in state_bytes)
     if zero >= 1:
         opt = opt / dp
+    if zero == 1 and implementation == "hetplan" and dp > 1:
+        opt += ZERO1_SLICE_COPY_BYTES / dp
     if zero >= 2:
         grad = grad / dp
-    if zero >= 3 or (zero == 2 and implementation == "fsdp"):
+    if zero >= 3 or (zero == 2 and implementation in FSDP_LIKE):
         weight = weight / dp
     return weight, grad, opt
+
+
+def step_temporary_bytes(optimizer: str, largest_shard: np.ndarray | float) -> np.ndarray | float:
+    """Bytes the optimizer step of hetplan's runtime adds on one device while
+    it updates the largest parameter (shard) it holds, ``largest_shard``
+    elements (activations are gone by then): ``OPTIMIZER_STEP_TEMPORARIES``
+    fp32 tensors of its size."""
+    return OPTIMIZER_STEP_TEMPORARIES[optimizer] * FP32_BYTES * largest_shard
+
+
+def zero1_gather_bytes(params: np.ndarray | float, dp: int, largest: np.ndarray | float) -> np.ndarray | float:
+    """Bytes hetplan's runtime's ZeRO-1 adds after its optimizer step to gather
+    the updated slices of ``params`` parameters over ``dp`` ranks (``ZERO1_GATHER_BYTES``:
+    the rank's slices, every rank's, then one whole parameter at a time, the
+    largest of ``largest`` elements)."""
+    if dp <= 1:
+        return 0.0
+    return ZERO1_GATHER_BYTES * (params * (1.0 + 1.0 / dp) + largest)
 
 
 def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool,
                      linear_input_scale: float = 1.0) -> np.ndarray:
     """Activation bytes one TP rank keeps for backward, per sample and layer
     (Korthikanti et al. 2022, Table 2). ``linear_input_scale``: the size a
-    linear layer's saved input keeps (``fp8_linear_input_scale``)."""
+    linear layer's saved input keeps (``fp8_linear_input_scale``). What the
+    training code keeps whole on every rank (``LayerArrays.act_undivided_bytes``:
+    hetplan's gathered logits and loss) no parallelism divides, and what a
+    layer's loss holds outside its forward (``act_outside_bytes``)
+    recomputation does not drop."""
+    outside = arrays.column("act_outside_bytes")
     if recompute == "full":
-        return arrays.input_bytes / tp if sequence_parallel else arrays.input_bytes.copy()
+        return (arrays.input_bytes / tp if sequence_parallel else arrays.input_bytes) + outside
     saved = 1.0 - linear_input_scale
     linear, linear_replicated = arrays.column("act_linear_input_bytes"), \
         arrays.column("act_linear_input_replicated_bytes")
@@ -94,7 +138,8 @@ def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_para
         replicated = replicated - np.where(whole, arrays.act_attention_core_bytes, 0.0)
         sharded = sharded - np.where(whole, 0.0, arrays.act_attention_core_bytes)
     if sequence_parallel:
-        return (replicated + sharded) / tp
+        undivided = arrays.column("act_undivided_bytes")
+        return (replicated - undivided + sharded) / tp + undivided
     return replicated + sharded / tp
 
 
@@ -106,18 +151,22 @@ def fp8_linear_input_scale(fp8: bool, dtype_bytes: int) -> float:
     return 1.0 / dtype_bytes if fp8 else 1.0
 
 
-def recompute_working_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool,
-                            linear_input_scale: float = 1.0) -> np.ndarray:
-    """Per sample: a checkpointed layer rebuilds its full activations during its
-    backward pass; the stage pays the largest such layer once. The layer's
-    input is not rebuilt: the recomputed forward reads (and its first op saves)
-    the checkpoint tensor itself, already counted among the micro-batches in
-    flight (torch.utils.checkpoint keeps the input; Korthikanti et al. 2022
-    Table 2 counts it inside the layer's 34·sbh), so only the rest is extra."""
+def backward_working_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool,
+                           linear_input_scale: float = 1.0) -> np.ndarray:
+    """Per sample: what a layer's backward holds beyond what it stored, paid
+    once per stage at its peak (``working_beyond_stored``): the transient
+    buffers of its backward (``LayerArrays.working_bytes``: the loss's
+    gradients) and, for a checkpointed layer, the activations it rebuilds.
+    The layer's input is not rebuilt: the recomputed forward reads (and its
+    first op saves) the checkpoint tensor itself, already counted among the
+    micro-batches in flight (torch.utils.checkpoint keeps the input;
+    Korthikanti et al. 2022 Table 2 counts it inside the layer's 34·sbh), so
+    only the rest is extra."""
+    transient = arrays.column("working_bytes")
     if recompute != "full":
-        return np.zeros(arrays.num_layers)
+        return transient.copy()
     full = activation_bytes(arrays, tp, "none", sequence_parallel, linear_input_scale)
-    return np.maximum(full - activation_bytes(arrays, tp, "full", sequence_parallel), 0.0)
+    return np.maximum(full - activation_bytes(arrays, tp, "full", sequence_parallel), 0.0) + transient
 
 
 def working_beyond_stored(stored: np.ndarray, working: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -173,30 +222,76 @@ def host_offload_capacity_bytes(node: NodeSpec) -> float:
     return float(math.floor(node_host_memory_bytes(node) / node.num_gpus * (1.0 - HOST_MEMORY_RESERVE_FRACTION)))
 
 
-MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "loss", "buffers")
 
 
-def memory_parts(weights: Any, grads: Any, optimizer: Any, activations_per_micro_batch: Any, in_flight: float,
-                 recompute_working: Any, largest_gathered: Any, overhead: Any) -> dict[str, Any]:
-    """The peak of one GPU by category (``MEMORY_CATEGORIES``), the formula of
-    the module docstring: parameters (its shard plus ZeRO-3's gathered
-    layers), gradients, optimizer states, activations (micro-batches in flight
-    plus the recompute working set) and buffers (framework overhead)."""
-    return {
-        "params": weights + ZERO3_GATHERED_LAYERS * largest_gathered,
-        "grads": grads,
-        "optimizer": optimizer,
-        "activations": activations_per_micro_batch * in_flight + recompute_working,
-        "buffers": overhead,
-    }
+@dataclass(frozen=True)
+class PeakTerms:
+    """One device's memory, in the terms of its peaks: the backward pass of
+    its micro-batches in flight (their activations, the loss's buffers,
+    FSDP's reduce buffer) and the optimizer step (its temporaries). What the
+    device keeps throughout (its states, ZeRO-3's gathered layers, the
+    framework's overhead) is under both. See the module docstring.
+
+    ``first_backward``: every micro-batch of the step is in flight before the
+    stage's first backward (one micro-batch, GPipe, 1F1B with no more
+    micro-batches than stages after it) and the code that trains makes its
+    gradients in backward (hetplan's runtime: FSDP2 and autograd allocate them
+    there; ``zero_grad(set_to_none=True)`` frees them after each step): the
+    first backward holds no gradients yet, the second one micro-batch
+    (``micro_batch``: what one keeps) less and all of them."""
+
+    weights: float  # its parameter shards and ZeRO-3's gathered layers
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward, micro-batches in flight, working sets, weight copies; less the loss
+    loss: float  # logits and log-softmax held, and the loss's gradients
+    reduce_buffer: float  # FSDP2's gradient reduction buffer, during backward
+    overhead: float  # CUDA context, workspaces, allocator (framework_overhead_bytes)
+    step: float = 0.0  # the optimizer step's temporaries
+    first_backward: bool = False
+    micro_batch: float = 0.0  # what one micro-batch in flight keeps (activations, copies, loss)
+
+    @property
+    def backward(self) -> float:
+        return self.activations + self.loss + self.reduce_buffer
+
+    @property
+    def moment(self) -> str:
+        """When the peak is: "step", "first" (a backward with no gradients yet) or "backward"."""
+        later = self.backward - self.micro_batch if self.first_backward else self.backward
+        if self.step > later and (not self.first_backward or self.grads + self.step > self.backward):
+            return "step"
+        return "first" if self.first_backward and self.backward > self.grads + later else "backward"
+
+    @property
+    def peak(self) -> float:
+        return sum(self.parts().values())
+
+    def parts(self) -> dict[str, float]:
+        """The peak by category (``MEMORY_CATEGORIES``) at its moment (``moment``):
+        the step's temporaries count with the optimizer; a backward before any
+        gradient has none; the next holds one micro-batch less."""
+        moment = self.moment
+        kept = {"params": self.weights, "grads": 0.0 if moment == "first" else self.grads,
+                "optimizer": self.optimizer + (self.step if moment == "step" else 0.0)}
+        if moment == "step":
+            return {**kept, "activations": 0.0, "loss": 0.0, "buffers": self.overhead}
+        fewer = self.micro_batch if self.first_backward and moment == "backward" else 0.0
+        share = fewer / (self.activations + self.loss) if self.activations + self.loss > 0 else 0.0
+        return {**kept, "activations": self.activations * (1.0 - share), "loss": self.loss * (1.0 - share),
+                "buffers": self.reduce_buffer + self.overhead}
 
 
 def peak_memory_bytes(states: np.ndarray | float, activations_per_micro_batch: np.ndarray | float,
                       in_flight: float, recompute_working: np.ndarray | float, largest_gathered: np.ndarray | float,
-                      overhead: float) -> np.ndarray | float:
-    """Peak bytes on one GPU from its stage's sums and maxima: the sum of
-    ``memory_parts`` with the model states in one sum, written out because the
-    searches call it in their inner loops (tests/test_memory_breakdown.py checks
-    the two agree on every device of every ranked plan)."""
-    return (states + ZERO3_GATHERED_LAYERS * largest_gathered + activations_per_micro_batch * in_flight
-            + recompute_working + overhead)
+                      overhead: float | np.ndarray, backward_fixed: np.ndarray | float = 0.0,
+                      step: np.ndarray | float = 0.0) -> np.ndarray | float:
+    """Peak bytes on one GPU from its stage's sums and maxima: ``PeakTerms.peak``
+    with the model states in one sum (``backward_fixed``: what the backward
+    peak holds whatever the batch, the weight copies and reduce buffer;
+    ``step``: the optimizer step's temporaries), written out because the
+    searches call it in their inner loops (tests/test_memory_breakdown.py
+    checks the two agree on every device of every ranked plan)."""
+    backward = activations_per_micro_batch * in_flight + recompute_working + backward_fixed
+    return states + ZERO3_GATHERED_LAYERS * largest_gathered + overhead + np.maximum(backward, step)

@@ -13,14 +13,19 @@ TP group, forward and backward). Gradient traffic is grouped by the layers'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
-from hetplan.cost.constants import TRANSFORM_PASSES
+from hetplan.cost.constants import OFFLOAD_RESIDENT_LAYERS, TRANSFORM_PASSES, ZERO1_GATHER_BYTES, ZERO3_GATHERED_LAYERS
 from hetplan.cost.groups import first_appearance
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
-from hetplan.cost.memory import memory_parts, resident_bytes_split, state_bytes_split, working_beyond_stored
+from hetplan.cost.memory import (
+    PeakTerms, resident_bytes_split, state_bytes_split, step_temporary_bytes, working_beyond_stored,
+    zero1_gather_bytes,
+)
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.errors import HetplanError
 from hetplan.plan import Stage
@@ -76,7 +81,7 @@ def state_split(kernel: CostKernel, stage: Stage, position: int, zero: int, resi
     dp = stage.layer_degrees(position)[0] * stage.cp
     split = resident_bytes_split if resident else state_bytes_split
     held, experts = held_params(kernel, stage, position), expert_share(kernel, stage, position)
-    state, implementation = kernel.workload.state_bytes, kernel.workload.zero_implementation
+    state, implementation = kernel.workload.state_bytes, kernel.state_implementation
     dense = split(zero, dp, state, implementation)
     if not experts:
         return tuple(held * x for x in dense)  # type: ignore[return-value]
@@ -90,7 +95,7 @@ def expert_states(kernel: CostKernel, stage: Stage, position: int, zero: int) ->
     if not experts:
         return 0.0, 0.0, 0.0
     dp = stage.layer_degrees(position)[0] * stage.cp
-    split = state_bytes_split(zero, dp // stage.ep, kernel.workload.state_bytes, kernel.workload.zero_implementation)
+    split = state_bytes_split(zero, dp // stage.ep, kernel.workload.state_bytes, kernel.state_implementation)
     return experts * split[0], experts * split[1], experts * split[2]
 
 
@@ -206,19 +211,59 @@ def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) 
     return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer)
 
 
-def mixed_stage_memory(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float) -> list[int]:
+def mixed_stage_memory(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float,
+                       first_backward: bool = False) -> list[int]:
     """Peak bytes of each device of a stage with per-layer strategies."""
-    return [int(sum(parts.values())) for parts in stage_memory_parts(kernel, stage, micro_batch_size, in_flight)]
+    return [int(terms.peak) for terms in stage_peak_terms(kernel, stage, micro_batch_size, in_flight, first_backward)]
 
 
-def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
-                       in_flight: float) -> list[dict[str, float]]:
-    """Each device's peak by category (``memory.memory_parts``), for any stage:
-    per-layer strategies summed layer by layer."""
+def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float,
+                       first_backward: bool = False) -> list[dict[str, float]]:
+    """Each device's peak by category (``memory.PeakTerms.parts``), for any stage."""
+    return [terms.parts() for terms in stage_peak_terms(kernel, stage, micro_batch_size, in_flight, first_backward)]
+
+
+@dataclass
+class _LayerMemory:
+    """One layer's part of its stage's memory (``stage_peak_terms``), per sample or per micro-batch."""
+
+    tp: int
+    act: float  # stored per sample
+    work: float  # backward working set per sample
+    loss: float  # the loss's part of ``act``
+    transient: float  # the loss's part of ``work``
+
+
+def _layer_memory(kernel: CostKernel, stage: Stage, pos: int) -> tuple[_LayerMemory, float, float]:
+    """A layer's activations (``_LayerMemory``) and what it keeps per
+    micro-batch whatever its size (``CostKernel.micro_batch_bytes``): (kept
+    for every micro-batch in flight, rebuilt while it runs backward)."""
+    tp = stage.layer_degrees(pos)[1]
+    index, strategy = stage.layers[pos], stage.strategies[pos]
+    # one CP rank's activations per sample of its replica (cp_ep.cp_activation_bytes)
+    act = float(kernel.rank_activation_bytes(tp, strategy.recompute, stage.sequence_parallel, stage.cp)[index])
+    work = float(kernel.backward_working_bytes(tp, strategy.recompute, stage.sequence_parallel, stage.cp)[index])
+    if strategy.offload:  # kept on the host: only a working set stays (CostKernel.offload_working_bytes)
+        act, work = 0.0, float(kernel.offload_working_bytes(tp, strategy.recompute, stage.sequence_parallel)[index])
+    loss, transient = (float(x[index]) for x in kernel.loss_bytes(stage.cp))
+    per_mb = float(kernel.micro_batch_bytes(tp, stage.ep)[index])
+    if strategy.offload:
+        return _LayerMemory(tp, act, work, 0.0, transient), 0.0, OFFLOAD_RESIDENT_LAYERS * per_mb
+    if strategy.recompute == "full":
+        return _LayerMemory(tp, act, work, loss, transient), 0.0, per_mb
+    return _LayerMemory(tp, act, work, loss, transient), per_mb, 0.0
+
+
+def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float,
+                     first_backward: bool = False) -> list[PeakTerms]:
+    """Each device's memory terms (``memory.PeakTerms``; ``first_backward`` as
+    there, for the code that trains), for any stage: per-layer strategies
+    summed layer by layer."""
     if stage.has_layer_degrees:
         check_uniform_cp_ep(stage)
     per_layer = []
-    weights = grads = optimizer = gathered = 0.0
+    weights = grads = optimizer = gathered = kept_per_mb = rebuilt_per_mb = reduce = largest = zero1 = 0.0
+    zero1_largest = 0.0
     experts = np.zeros(3)  # the routed experts' part of weights, grads, optimizer
     for pos, strategy in enumerate(stage.strategies):
         dp, tp = stage.layer_degrees(pos)
@@ -226,17 +271,22 @@ def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
         w, g, o = state_split(kernel, stage, pos, strategy.zero)
         weights, grads, optimizer = weights + w, grads + g, optimizer + o
         experts += expert_states(kernel, stage, pos, strategy.zero)
-        # one CP rank's activations per sample of its replica (cp_ep.cp_activation_bytes)
-        act = float(kernel.rank_activation_bytes(tp, strategy.recompute, stage.sequence_parallel, stage.cp)[index])
-        work = float(kernel.recompute_working_bytes(tp, strategy.recompute, stage.sequence_parallel,
-                                                    stage.cp)[index]) if strategy.recompute == "full" else 0.0
-        if strategy.offload:  # kept on the host: only a working set stays (CostKernel.offload_working_bytes)
-            act, work = 0.0, float(kernel.offload_working_bytes(tp, strategy.recompute,
-                                                                stage.sequence_parallel)[index])
-        if strategy.zero >= 3 and dp * stage.cp > 1:
+        layer, kept, rebuilt = _layer_memory(kernel, stage, pos)
+        per_layer.append(layer)
+        kept_per_mb, rebuilt_per_mb = kept_per_mb + kept, max(rebuilt_per_mb, rebuilt)
+        group = dp * stage.cp
+        if strategy.zero >= 3 and group > 1:
             gathered = max(gathered, float(kernel.params_per_device(tp, stage.ep)[index]) * kernel.weight_bytes)
-        per_layer.append((tp, act, work))
-    positions = {tp: pos for pos, (tp, _, _) in enumerate(per_layer)}  # one layer of each TP degree
+        if group > 1:
+            reduce = max(reduce, float(kernel.reduce_buffer_bytes(tp, stage.ep)[index]))
+        tensor = float(kernel.largest_tensor(tp, stage.ep)[index])
+        largest = max(largest, tensor / group if strategy.zero >= 1 else tensor)
+        if strategy.zero == 1 and group > 1 and kernel.runtime:  # memory.zero1_gather_bytes, layer by layer
+            zero1 += zero1_gather_bytes(held_params(kernel, stage, pos), group, 0.0)
+            zero1_largest = max(zero1_largest, ZERO1_GATHER_BYTES * tensor)
+    step = float(step_temporary_bytes(kernel.workload.runtime_optimizer, largest)) + zero1 \
+        + (zero1_largest if zero1 else 0.0)
+    positions = {layer.tp: pos for pos, layer in enumerate(per_layer)}  # one layer of each TP degree
     shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
               for tp, pos in positions.items()}  # a replica's share of a micro-batch, per TP degree
     # devices with the same shares and overhead have the same parts: one dict per class of them
@@ -246,15 +296,21 @@ def stage_memory_parts(kernel: CostKernel, stage: Stage, micro_batch_size: int,
     scales = expert_scales(stage)
     keys = np.stack([per_device[tp] for tp in sorted(per_device)] + [overhead.astype(np.float64), scales], axis=1)
     firsts, classes = first_appearance(keys)
-    parts = []
+    terms = []
     for i in firsts.tolist():
         batch = {tp: float(column[i]) for tp, column in per_device.items()}
-        stored = np.array([a * batch[tp] for tp, a, _ in per_layer])
-        act = float(stored.sum())
-        work = float(working_beyond_stored(stored, np.array([w * batch[tp] for tp, _, w in per_layer])))
+        stored = np.array([layer.act * batch[layer.tp] for layer in per_layer])
+        work = float(working_beyond_stored(stored, np.array([layer.work * batch[layer.tp] for layer in per_layer])))
+        loss_stored = sum(layer.loss * batch[layer.tp] for layer in per_layer) * in_flight
+        loss_work = min(work, float(working_beyond_stored(
+            stored, np.array([layer.transient * batch[layer.tp] for layer in per_layer]))))
         w, g, o = np.array([weights, grads, optimizer]) + (scales[i] - 1.0) * experts
-        parts.append(memory_parts(float(w), float(g), float(o), act, in_flight, work, gathered, int(overhead[i])))
-    return [parts[c] for c in classes.tolist()]
+        one = float(stored.sum()) + kept_per_mb  # what one micro-batch in flight keeps
+        activations = one * in_flight + work + rebuilt_per_mb
+        terms.append(PeakTerms(float(w) + ZERO3_GATHERED_LAYERS * gathered, float(g), float(o),
+                               activations - loss_stored - loss_work, loss_stored + loss_work, reduce,
+                               float(overhead[i]), step, first_backward and kernel.runtime, one))
+    return [terms[c] for c in classes.tolist()]
 
 
 def stage_host_bytes(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float) -> list[float]:

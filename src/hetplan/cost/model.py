@@ -51,14 +51,19 @@ class CostModel:
         """Peak bytes on each device of stage ``stage_index`` (in its device order)."""
         in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
                                             plan.virtual_stages)
-        return self.device_memory(plan.stages[stage_index], plan.micro_batch_size, in_flight)
+        return self.device_memory(plan.stages[stage_index], plan.micro_batch_size, in_flight,
+                                  in_flight >= plan.num_micro_batches)
 
-    def device_memory(self, stage: Stage, micro_batch_size: int, in_flight: float) -> list[int]:
-        """Peak bytes on each device of ``stage`` holding ``in_flight`` micro-batches."""
+    def device_memory(self, stage: Stage, micro_batch_size: int, in_flight: float,
+                      first_backward: bool = False) -> list[int]:
+        """Peak bytes on each device of ``stage`` holding ``in_flight`` micro-batches
+        (``first_backward``: all of the step's, before its first backward:
+        ``memory.PeakTerms``; without it gradients count at every backward, never less)."""
         option = StageOption.of_stage(stage)
         if option is None:
-            return mixed_stage_memory(self.kernel, stage, micro_batch_size, in_flight)
-        return self.kernel.stage(option).device_memory(stage.layers[0], stage.layers[-1] + 1, in_flight)
+            return mixed_stage_memory(self.kernel, stage, micro_batch_size, in_flight, first_backward)
+        return self.kernel.stage(option).device_memory(stage.layers[0], stage.layers[-1] + 1, in_flight,
+                                                       first_backward)
 
     def device_host_bytes(self, stage: Stage, micro_batch_size: int, in_flight: float) -> list[int]:
         """Offloaded activations each device of ``stage`` keeps in host memory
@@ -81,16 +86,18 @@ class CostModel:
         return out
 
     def memory_breakdown(self, plan: Plan) -> dict[int, dict[str, int]]:
-        """Each device's peak by category (params, grads, optimizer, activations,
-        buffers; ``memory.memory_parts``); the categories add up to the peak of
-        ``estimate``. Empty where a profile gives measured memory (not split)."""
+        """Each device's peak by category (``memory.MEMORY_CATEGORIES``: params,
+        grads, optimizer, activations, loss, buffers; ``memory.PeakTerms.parts``);
+        the categories add up to the peak of ``estimate``. Empty where a profile
+        gives measured memory (not split)."""
         if self.kernel.memory_profile is not None:
             return {}
         out: dict[int, dict[str, int]] = {}
         for j, stage in enumerate(plan.stages):
             in_flight = in_flight_micro_batches(plan.schedule, j, plan.pp, plan.num_micro_batches,
                                                 plan.virtual_stages)
-            parts = stage_memory_parts(self.kernel, stage, plan.micro_batch_size, in_flight)
+            parts = stage_memory_parts(self.kernel, stage, plan.micro_batch_size, in_flight,
+                                       in_flight >= plan.num_micro_batches)
             for device, p in zip(stage.devices, parts):
                 out[device] = {k: int(v) for k, v in p.items()}
         return out
@@ -120,15 +127,14 @@ class CostModel:
         """Every GPU of the stage within its capacity (cheaper than ``stage_memory``)."""
         stage = plan.stages[stage_index]
         option = StageOption.of_stage(stage)
+        in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
+                                            plan.virtual_stages)
         if option is None:
-            in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
-                                                plan.virtual_stages)
             host = self.device_host_bytes(stage, plan.micro_batch_size, in_flight)
             return all(m <= self.workload.device_capacity_bytes(d) and h <= self.kernel.host_capacity_bytes(d)
                        for d, m, h in zip(stage.devices, self.stage_memory(plan, stage_index), host))
-        in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
-                                            plan.virtual_stages)
-        return self.kernel.stage(option).fits(stage.layers[0], stage.layers[-1] + 1, in_flight)
+        return self.kernel.stage(option).fits(stage.layers[0], stage.layers[-1] + 1, in_flight,
+                                              in_flight >= plan.num_micro_batches)
 
     # --- whole plan ---------------------------------------------------------------
     def _step(self, plan: Plan) -> tuple[list[SegmentTiming], list[float], IterationTime]:

@@ -15,17 +15,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
-from hetplan.cost.memory import peak_memory_bytes, state_bytes_per_param
+from hetplan.cost.constants import OFFLOAD_RESIDENT_LAYERS
+from hetplan.cost.memory import (
+    peak_memory_bytes, state_bytes_per_param, state_bytes_split, step_temporary_bytes, zero1_gather_bytes,
+)
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.errors import HetplanError
 from hetplan.plan import LayerStrategy, Stage
 
 if TYPE_CHECKING:  # the kernel builds StageCosts; this module only needs its type
     from hetplan.cost.kernel import CostKernel
+
+
+class _MemoryLine(NamedTuple):
+    """One GPU's analytic memory for a range of layers, in its replica's samples
+    (``memory.PeakTerms``): the backward peak is ``base + fixed + per_sample ·
+    batch``, the optimizer step's ``base + step``."""
+
+    base: float  # kept throughout: states (gradients included), ZeRO-3's gathered layers, overhead
+    fixed: float  # what the backward peak holds whatever the batch: weight copies, indices, reduce buffer
+    per_sample: float  # activations of the micro-batches in flight and the backward's working set, per sample
+    step: float  # the optimizer step's temporaries
+    grads: float  # the gradients, part of ``base``
+    micro_batch_fixed: float  # what one micro-batch in flight keeps whatever the batch (weight copies, indices)
+    micro_batch_per_sample: float  # and per sample (its activations)
 
 
 def zero12_gradient_collective(zero: int) -> str:
@@ -165,7 +182,7 @@ class StageCosts:
         self._layout = kernel.layout(option.devices, option.dp, option.tp, option.split, option.cp, option.ep,
                                      option.ep_split)
         self._layer_totals: np.ndarray | None = None
-        self._fits: dict[tuple[int, int, float], bool] = {}
+        self._fits: dict[tuple[int, int, float, bool], bool] = {}
         self._time_classes: list[Any] | None = None  # built on first use: a fit check needs none
         self._build_comm()
         self._build_memory()
@@ -240,14 +257,19 @@ class StageCosts:
 
     def _build_memory(self) -> None:
         """Per-sample activation prefix sums and, per range of layers, the
-        recompute working set at its peak (``CostKernel.recompute_peak_matrix``)."""
+        backward working set at its peak (``CostKernel.recompute_peak_matrix``);
+        the per-micro-batch weight copies, the reduce buffer and the optimizer
+        step's temporaries of the code that trains (``memory.PeakTerms``)."""
         k, o = self.kernel, self.option
-        self._state_per_param = state_bytes_per_param(o.zero, o.dp * o.cp, k.workload.state_bytes,
-                                                      k.workload.zero_implementation)
+        implementation = k.state_implementation
+        self._state_per_param = state_bytes_per_param(o.zero, o.dp * o.cp, k.workload.state_bytes, implementation)
+        self._grad_per_param = state_bytes_split(o.zero, o.dp * o.cp, k.workload.state_bytes, implementation)[1]
         # routed experts shard their states over the dp·cp/ep devices holding the same experts
-        self._expert_state = 0.0 if o.ep == 1 else state_bytes_per_param(
-            o.zero, o.dp * o.cp // o.ep, k.workload.state_bytes, k.workload.zero_implementation) \
-            - self._state_per_param
+        self._expert_state = self._expert_grad = 0.0
+        if o.ep > 1:
+            dense = (self._state_per_param, self._grad_per_param)
+            experts = state_bytes_split(o.zero, o.dp * o.cp // o.ep, k.workload.state_bytes, implementation)
+            self._expert_state, self._expert_grad = sum(experts) - dense[0], experts[1] - dense[1]
         # offloaded: what would be kept per micro-batch in flight goes to host memory
         self._host_act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp) if o.offload else None
         if o.offload:  # nothing kept per micro-batch in flight; a working set once (kernel.offload_working_bytes)
@@ -255,8 +277,9 @@ class StageCosts:
             self._work = k.offload_working_bytes(o.tp, o.recompute, o.sequence_parallel)
         else:
             self._act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp)
-            self._work = k.recompute_working_bytes(o.tp, o.recompute, o.sequence_parallel, o.cp) \
-                if o.recompute == "full" else None
+            self._work = k.backward_working_bytes(o.tp, o.recompute, o.sequence_parallel, o.cp)
+        if not self._work.any():
+            self._work = None
         self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes if o.zero >= 3 and o.dp * o.cp > 1 \
             else None
         self._act_list = self._act.tolist()  # scalar lookups (one range) are faster on lists
@@ -268,10 +291,42 @@ class StageCosts:
             self._work_max = k.recompute_peak_matrix(o.tp, o.recompute, o.sequence_parallel, o.cp)
         self._gathered_max = None if self._gathered is None else \
             k.range_max_matrix(self._gathered, ("gathered", o.tp, o.ep))
+        self._build_runtime_memory()
         self._memory_classes = self._layout.memory_classes
         self._device_class = self._layout.device_class
         self._use_profile = (k.memory_profile is not None and o.zero == 0 and o.recompute == "none"
                              and not o.sequence_parallel and not o.offload and o.cp == 1 and o.ep == 1)
+
+    def _build_runtime_memory(self) -> None:
+        """Range tables of what the batch does not scale: what each micro-batch
+        keeps whatever its size (``CostKernel.micro_batch_bytes``: weight
+        copies, indices), for every micro-batch in flight (``_per_mb``) or
+        for the one layer being rebuilt (recomputed or offloaded layers:
+        ``_per_mb_max``), the reduce buffer of the largest layer, and the
+        largest tensor the optimizer step updates (``_largest_max``). Empty
+        (None) for code that has none of them."""
+        k, o = self.kernel, self.option
+        per_mb = k.micro_batch_bytes(o.tp, o.ep)
+        rebuilt = o.recompute == "full" or o.offload
+        self._per_mb = None if rebuilt or not per_mb.any() else k.micro_batch_prefix(o.tp, o.ep)
+        self._per_mb_max = None if not rebuilt or not per_mb.any() else \
+            (OFFLOAD_RESIDENT_LAYERS if o.offload else 1) * k.range_max_matrix(per_mb, ("permb", o.tp, o.ep))
+        buffers = k.reduce_buffer_bytes(o.tp, o.ep) if o.dp * o.cp > 1 else np.zeros(self.num_layers)
+        self._reduce_max = k.range_max_matrix(buffers, ("reducebuf", o.tp, o.ep)) if buffers.any() else None
+        largest = k.largest_tensor(o.tp, o.ep)
+        self._largest_max = k.range_max_matrix(largest, ("largest", o.tp, o.ep)) if largest.any() else None
+
+    def _step_bytes(self, held: np.ndarray | float, largest: np.ndarray | float) -> np.ndarray | float:
+        """The optimizer step's temporaries for ``held`` parameters whose largest
+        tensor has ``largest`` elements (``memory.step_temporary_bytes``; under
+        ZeRO each rank updates its 1/dp shard, and the runtime's ZeRO-1 gathers
+        the slices after: ``memory.zero1_gather_bytes``)."""
+        o, k = self.option, self.kernel
+        dp = o.dp * o.cp
+        step = step_temporary_bytes(k.workload.runtime_optimizer, largest / dp if o.zero >= 1 else largest)
+        if o.zero == 1 and k.runtime:
+            step = step + zero1_gather_bytes(held, dp, largest)
+        return step
 
     # --- one range -----------------------------------------------------------------------------
     def timing(self, a: int, b: int) -> SegmentTiming:
@@ -308,32 +363,51 @@ class StageCosts:
             self._layer_totals = np.diff(worst.total)
         return self._layer_totals
 
-    def class_memory(self, a: int, b: int, in_flight: float) -> list[float]:
-        """Peak bytes of a GPU of each memory class for layers [a, b)."""
-        return [self.peak_bytes(a, b, c.batch, in_flight, c.overhead, c.expert_scale) for c in self._memory_classes]
+    def class_memory(self, a: int, b: int, in_flight: float, first_backward: bool = False) -> list[float]:
+        """Peak bytes of a GPU of each memory class for layers [a, b)
+        (``first_backward``: as ``memory.PeakTerms``)."""
+        return [self.peak_bytes(a, b, c.batch, in_flight, c.overhead, c.expert_scale, first_backward)
+                for c in self._memory_classes]
 
     def peak_bytes(self, a: int, b: int, batch: float, in_flight: float, overhead: float,
-                   expert_scale: float = 1.0) -> float:
+                   expert_scale: float = 1.0, first_backward: bool = False) -> float:
         """Peak bytes of one GPU of this stage whose replica gets ``batch`` samples
         per micro-batch, for layers [a, b) (``expert_scale``: its routed experts
-        over an even 1/ep share, ``Stage.ep_split``)."""
+        over an even 1/ep share, ``Stage.ep_split``; ``first_backward``: every
+        micro-batch is in flight before the first backward, and the code that
+        trains makes its gradients then: ``memory.PeakTerms``). Searches ask
+        without ``first_backward``, which counts the gradients at every
+        backward: never less."""
         measured = self._profiled_memory(a, b, batch, in_flight)
         if measured is not None:
             return measured + overhead
-        fixed, per_sample = self._memory_line(a, b, in_flight, overhead, expert_scale)
-        return fixed + per_sample * batch
+        line = self._memory_line(a, b, in_flight, overhead, expert_scale)
+        backward = line.fixed + line.per_sample * batch
+        if not (first_backward and self.kernel.runtime):
+            return line.base + max(backward, line.step)
+        one = line.micro_batch_fixed + line.micro_batch_per_sample * batch
+        return line.base - line.grads + max(backward, line.grads + backward - one, line.grads + line.step)
 
     def _memory_line(self, a: int, b: int, in_flight: float, overhead: float,
-                     expert_scale: float = 1.0) -> tuple[float, float]:
-        """The analytic peak is linear in the replica's samples: (bytes at 0, bytes per sample)."""
+                     expert_scale: float = 1.0) -> _MemoryLine:
+        """The analytic memory of layers [a, b) in the replica's samples (``_MemoryLine``)."""
         held, experts = self._held(a, b)
         states = held * self._state_per_param + experts * self._expert_state
         states += (expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
         work = float(self._work_max[a, b]) if self._work_max is not None else 0.0
         gathered = float(self._gathered_max[a, b]) if self._gathered_max is not None else 0.0
         act = self._act_list[b] - self._act_list[a]
-        fixed = float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead))
-        return fixed, float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0))
+        per_mb = float(self._per_mb[b] - self._per_mb[a]) if self._per_mb is not None else 0.0
+        rebuilt = float(self._per_mb_max[a, b]) if self._per_mb_max is not None else 0.0
+        reduce = float(self._reduce_max[a, b]) if self._reduce_max is not None else 0.0
+        largest = float(self._largest_max[a, b]) if self._largest_max is not None else 0.0
+        grads = (held + (expert_scale - 1.0) * experts) * self._grad_per_param \
+            + expert_scale * experts * self._expert_grad
+        return _MemoryLine(base=float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead)),
+                           fixed=per_mb * in_flight + rebuilt + reduce,
+                           per_sample=float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0)),
+                           step=float(self._step_bytes(held, largest)), grads=grads,
+                           micro_batch_fixed=per_mb, micro_batch_per_sample=act)
 
     def host_bytes(self, a: int, b: int, batch: float, in_flight: float) -> float:
         """Offloaded activations one GPU keeps in host memory for layers [a, b):
@@ -360,8 +434,9 @@ class StageCosts:
             if limit == 0:
                 return 0
         if self._profiled_memory(a, b, 1, in_flight) is None:
-            fixed, per_sample = self._memory_line(a, b, in_flight, overhead)
-            if fixed + per_sample > capacity:
+            line = self._memory_line(a, b, in_flight, overhead)
+            fixed, per_sample = line.base + line.fixed, line.per_sample
+            if fixed + per_sample > capacity or line.base + line.step > capacity:
                 return 0
             if per_sample <= 0:
                 return limit
@@ -385,20 +460,20 @@ class StageCosts:
             return None
         return self.kernel.memory_profile.stage_memory(a, b, self.option.tp, batch, in_flight)  # type: ignore[union-attr]
 
-    def device_memory(self, a: int, b: int, in_flight: float) -> list[int]:
+    def device_memory(self, a: int, b: int, in_flight: float, first_backward: bool = False) -> list[int]:
         """Peak bytes of each device of the stage (in its device order)."""
-        per_class = np.array([int(m) for m in self.class_memory(a, b, in_flight)], dtype=np.int64)
+        per_class = np.array([int(m) for m in self.class_memory(a, b, in_flight, first_backward)], dtype=np.int64)
         return per_class[self._device_class].tolist()
 
-    def fits(self, a: int, b: int, in_flight: float) -> bool:
+    def fits(self, a: int, b: int, in_flight: float, first_backward: bool = False) -> bool:
         """Every GPU of the stage holds layers [a, b) and its micro-batches
         (memoised: searches such as Metis's DFS ask about the same ranges again)."""
-        key = (a, b, in_flight)
+        key = (a, b, in_flight, first_backward)
         found = self._fits.get(key)
         if found is None:
             found = self._fits[key] = all(
                 m <= c.capacity and self.host_bytes(a, b, c.batch, in_flight) <= c.host_capacity
-                for m, c in zip(self.class_memory(a, b, in_flight), self._memory_classes))
+                for m, c in zip(self.class_memory(a, b, in_flight, first_backward), self._memory_classes))
         return found
 
     # --- every range at once ----------------------------------------------------------------------
@@ -483,9 +558,18 @@ class StageCosts:
         act = self._act[cols][None, :] - self._act[rows][:, None]
         work = self._work_max[rows, cols] if self._work_max is not None else 0.0
         gathered = self._gathered_max[rows, cols] if self._gathered_max is not None else 0.0
+        fixed: np.ndarray | float = 0.0
+        if self._per_mb is not None:
+            fixed = (self._per_mb[cols][None, :] - self._per_mb[rows][:, None]) * in_flight
+        if self._per_mb_max is not None:
+            fixed = fixed + self._per_mb_max[rows, cols]
+        if self._reduce_max is not None:
+            fixed = fixed + self._reduce_max[rows, cols]
+        step = self._step_bytes(held, self._largest_max[rows, cols] if self._largest_max is not None else 0.0)
         for c in self._memory_classes:
             held_states = states + (c.expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
-            peak = peak_memory_bytes(held_states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead)
+            peak = peak_memory_bytes(held_states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead,
+                                     fixed, step)
             ok &= peak <= c.capacity
         if self._host_act is not None:  # offloaded activations within each GPU's host share (``host_bytes``)
             host = self._host_act[cols][None, :] - self._host_act[rows][:, None]

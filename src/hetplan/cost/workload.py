@@ -10,8 +10,11 @@ from hetplan.cost.constants import (
     ATTENTION_KERNELS,
     DEFAULT_ATTENTION_KERNEL,
     EXPERT_LOAD_IMBALANCE,
+    DEVICE_REPORTED_FRACTION,
     OPTIMIZER_STATE_BYTES,
     PRECISION_BYTES,
+    RUNTIME_OPTIMIZER,
+    RUNTIME_STATE_BYTES,
     ZERO_IMPLEMENTATIONS,
 )
 from hetplan.errors import HetplanError
@@ -31,7 +34,12 @@ class Workload:
         model, cluster: the ModelSpec and ClusterSpec.
         global_batch_size: samples per optimizer step.
         optimizer: key of ``OPTIMIZER_STATE_BYTES`` ("adam-mixed" for 16-bit
-            models, "adam-fp32" for fp32 ones by default).
+            models, "adam-fp32" for fp32 ones by default). For target
+            "hetplan" it names the runtime's optimizer (``RUNTIME_OPTIMIZER``:
+            Adam variants are its AdamW, the default, since that is what
+            models are trained with; ``hetplan train``'s own default, SGD with
+            momentum, holds 4 bytes less per parameter, so a plan that fits
+            with AdamW fits with it).
         memory_limit_bytes: cap on usable memory per GPU (Galvatron's budgets);
             0 means each GPU's own capacity.
         overlap_grad_sync: overlap gradient sync with the last backward pass
@@ -127,12 +135,25 @@ class Workload:
             )
 
     @property
+    def runtime_optimizer(self) -> str:
+        """The runtime's optimizer ("adamw" or "sgd") this workload's optimizer stands for."""
+        return RUNTIME_OPTIMIZER[self.optimizer]
+
+    @property
     def state_bytes(self) -> tuple[int, int, int]:
-        """(weight, gradient, optimizer-state) bytes per parameter."""
+        """(weight, gradient, optimizer-state) bytes per parameter: the
+        optimizer's, or what hetplan's runtime holds for it (``RUNTIME_STATE_BYTES``)."""
+        if self.target == "hetplan":
+            return RUNTIME_STATE_BYTES[self.runtime_optimizer]
         return OPTIMIZER_STATE_BYTES[self.optimizer]
 
     def device_capacity_bytes(self, device: int) -> int:
-        capacity = self.cluster.devices[device].memory_bytes
+        """A device's memory, capped by ``memory_limit_bytes``; for hetplan's
+        runtime what a GPU reports to CUDA (``DEVICE_REPORTED_FRACTION``)."""
+        spec = self.cluster.devices[device]
+        capacity = spec.memory_bytes
+        if self.target == "hetplan" and spec.gpu.name != "CPU":
+            capacity = int(capacity * DEVICE_REPORTED_FRACTION)
         if self.memory_limit_bytes:
             capacity = min(capacity, self.memory_limit_bytes)
         return capacity

@@ -33,7 +33,7 @@ TITLE_SIZE = 13
 # One colour per memory category (MEMORY_CATEGORIES), and for a peak a profile
 # measured as one number (not split by category).
 MEMORY_COLOURS = {"params": "#4C78A8", "grads": "#72B7B2", "optimizer": "#F58518", "activations": "#54A24B",
-                  "buffers": "#B279A2"}
+                  "loss": "#EECA3B", "buffers": "#B279A2"}
 UNSPLIT = ("peak (measured, not split)", "#9D9D9D")
 # The parts of the step time, in the order of report/text.py's breakdown table.
 TIME_PARTS = (("compute (bottleneck stage)", "compute_s", "#4C78A8"),
@@ -154,7 +154,7 @@ def _floor_log10(x: float) -> int:
 def memory_svg(plan: Plan, estimate: Estimate, workload: Workload, title: str = "",
                breakdown: dict[int, dict[str, int]] | None = None) -> str:
     """A bar per GPU, grouped by stage, stacked by category (params, grads,
-    optimizer, activations, buffers: ``CostModel.memory_breakdown``, computed
+    optimizer, activations, loss, buffers: ``CostModel.memory_breakdown``, computed
     here when not given) inside an outline of that GPU's capacity; the stage
     and its GPU type under each group. A peak a profile measured as one
     number is drawn unsplit. Each bar's segments carry ``data-category`` and

@@ -205,7 +205,7 @@ class GalvatronCosts:
             "states": model_state_bytes(params, zero, s.dp, self.workload.state_bytes,
                                         self.workload.zero_implementation),
             "act": k.activation_bytes(s.tp, recompute, False) * batch,
-            "bwd": k.recompute_working_bytes(s.tp, recompute, False) * batch,
+            "bwd": k.backward_working_bytes(s.tp, recompute, False) * batch,
             "gathered": k.params_per_device(s.tp) * k.weight_bytes if zero else np.zeros(n),
             "f": f, "bp": bp, "tpc": tpc, "g": g, "sc": sc, "ar": ar, "opt": opt,
         }
