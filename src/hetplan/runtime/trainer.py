@@ -167,10 +167,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     from hetplan.errors import HetplanError
     from hetplan.runtime import launch
+    from hetplan.runtime.console import console, log_stderr
 
     rank = os.environ.get("RANK", "0")
     if os.environ.get(launch.RANK_LOG_ENV):  # hetplan train: this rank's tracebacks and warnings go to its log
-        launch.log_stderr(os.environ[launch.RANK_LOG_ENV], int(rank))
+        log_stderr(os.environ[launch.RANK_LOG_ENV], int(rank))
     try:
         import torch
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         train(parse_args(argv))
         code = 0
     except HetplanError as exc:
-        launch.console(f"hetplan: error (rank {rank}): {exc}")
+        console(f"hetplan: error (rank {rank}): {exc}")
         code = 2
     sys.stdout.flush()
     sys.stderr.flush()
