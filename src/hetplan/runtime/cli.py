@@ -171,7 +171,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from hetplan.runtime import launch
     from hetplan.runtime.context import check_plan_precision, preflight
-    from hetplan.runtime.models import model_build
+    from hetplan.runtime.build import model_build
 
     plan, spec, cluster, layout, precision = check_plan_precision(args.plan, args.model)
     if args.precision and args.precision != precision:
@@ -286,7 +286,7 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
 
     import torch
 
-    from hetplan.runtime.models import model_build
+    from hetplan.runtime.build import model_build
     from hetplan.runtime.layout import PlanLayout
     from hetplan.runtime.reference import (
         build_reference,

@@ -181,7 +181,7 @@ class RuntimeContext:
         hetplan.runtime.models): ``build``, ``loss``, and for a ``pkg.mod:build``
         plan ``batch(batch_size, step, seed)``, the synthetic data of ``hetplan train``."""
         if getattr(self, "_model_build", None) is None:
-            from hetplan.runtime.models import model_build
+            from hetplan.runtime.build import model_build
 
             self._model_build = model_build(self.spec)
         return self._model_build
@@ -880,7 +880,6 @@ def preflight(layout: PlanLayout, spec: Any, full: nn.Module, example_inputs: Se
     if layout.max_tp > 1:
         from hetplan.runtime import tp as tpr
 
-        tpr.ensure_builtins()
         model_plan = model_tp_plan(full)  # raises on styles hetplan cannot apply
         layer_tp = {name: layout.stage_tp(layout.pp_index_of_layer(name)) for name in names}
         for name, tp in layer_tp.items():

@@ -175,7 +175,6 @@ def apply_tp(root: nn.Module, layer_names: Sequence[str], tp_mesh: Any, sequence
     plan with ``*`` wildcards, e.g. from an HF config) that fall inside it."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tp_registry.ensure_builtins()
     tp = tp_mesh.size()
     aliases = param_aliases(root)
     unplanned = []
@@ -210,7 +209,6 @@ def has_tp_plan(layer: nn.Module, name: str, model_plan: dict[str, Any] | None) 
     it, else entries of the whole-model plan inside it. A layer with parameters
     and neither runs whole on every TP rank (``LayerSpec.tp_replicated``:
     costed so, ``hetplan.runtime.support``)."""
-    tp_registry.ensure_builtins()
     return tp_registry.registered_plan_in(layer) or bool(model_plan and plan_inside(model_plan, name))
 
 
@@ -319,7 +317,6 @@ def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str]
     full recomputation, with a note. HF models train without their KV cache."""
     from hetplan.runtime import hf_recompute
 
-    tp_registry.ensure_builtins()
     hf_recompute.no_kv_cache(root)
     hf_recompute.refuse_hf_checkpointing(root)
     fallback = []
@@ -346,7 +343,6 @@ def selective_refusal(layer: nn.Module, name: str) -> str:
     a HF attention module that computes its core inline."""
     from hetplan.runtime import hf_recompute
 
-    tp_registry.ensure_builtins()
     if any(tp_registry.is_selective_target(m) for m in layer.modules()):
         return ""
     modules = hf_recompute.attention_modules(layer) if hf_recompute.is_hf_module(layer) else []

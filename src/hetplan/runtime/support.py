@@ -43,7 +43,7 @@ HF_SEQUENCE_PARALLEL = ("hetplan's runtime splits a HF model from its config's T
 
 # --- the facts -----------------------------------------------------------------------------------
 def moe_sequence_parallel(layer: str) -> str:
-    """The runtime's MoE blocks run their router on whole sequences (``runtime.tp``'s block plan)."""
+    """The runtime's MoE blocks run their router on whole sequences (``runtime.models.block_tp_plan``)."""
     return (f"sequence parallelism with the mixture-of-experts layer {layer!r} is not supported; "
             "turn sequence_parallel off")
 
@@ -309,7 +309,6 @@ def _sequence_parallel_refusal(model: Any, names: Sequence[str], moe: str, hf: b
         return moe_sequence_parallel(moe)
     from hetplan.runtime import tp as tpr
 
-    tpr.ensure_builtins()
     for name in names:
         layer = model.get_submodule(name)
         if tpr.registered_plan_in(layer):

@@ -50,7 +50,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
 
     from hetplan.runtime import checkpoint as ck
     from hetplan.runtime.context import init
-    from hetplan.runtime.models import model_build
+    from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import make_optimizer, training_batch
 
     ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None))
