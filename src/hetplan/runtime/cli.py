@@ -170,8 +170,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from hetplan.runtime import launch
-    from hetplan.runtime.context import check_plan_precision, preflight
     from hetplan.runtime.build import model_build
+    from hetplan.runtime.preflight import preflight
+    from hetplan.runtime.setup import check_plan_precision
 
     plan, spec, cluster, layout, precision = check_plan_precision(args.plan, args.model)
     if args.precision and args.precision != precision:
