@@ -1,11 +1,12 @@
 """hetplan's exports, loaded by the tools' own code at the versions they were
 checked against (docs/exports.md; installed by `make`: pyproject's `tools`).
 
-* torchtitan 0.3.0: the exported Python module runs against torchtitan's
-  config dataclasses (ParallelismConfig, TrainingConfig, the AC configs:
-  slots dataclasses that refuse unknown fields) and ParallelDims checks the
-  degrees against the world size; the pipeline module names are compared
-  with torchtitan's own name generator.
+* torchtitan 0.3.0: the exported Python module's apply_plan runs on a real
+  Trainer.Config, whose __post_init__ checks it (CUDA graphs with PP/EP, the
+  pipeline micro-batch); its config dataclasses refuse unknown fields;
+  ParallelDims checks the degrees against the world size; the pipeline module
+  names are compared with torchtitan's own name generator; ConfigManager
+  loads it with --module/--config as the launch script runs it.
 * torchtitan 0.2.2: its ConfigManager parses the TOML job file (it refuses
   unknown fields: "Invalid field names"), in a subprocess with 0.2.2 on the
   path (.venv/tools/torchtitan-0.2.2).
@@ -15,15 +16,21 @@ checked against (docs/exports.md; installed by `make`: pyproject's `tools`).
   the parsed values build megatron-core 0.16.1's TransformerConfig, which
   checks the shape, TP/PP, recompute and pipeline layout. With Megatron-LM on
   the path, its real parse_args + validate_args run too.
-* DeepSpeed 0.19.8: DeepSpeedConfig(config) with the plan's data-parallel
-  size; every top-level key must be one DeepSpeedConfig reads (it ignores
-  unknown ones); the PipelineModule code runs against the real class.
+* DeepSpeed 0.19.8: DeepSpeedConfig as deepspeed.initialize builds it (no
+  mpu for a model given whole, AutoTP included); every top-level key must be
+  one DeepSpeedConfig reads (it ignores unknown ones); the PipelineModule
+  code runs against the real class.
+* Launch scripts: run per node on fake H100/A100 machines with the real
+  torchrun and DeepSpeed launcher, every rank lands on the plan's GPU.
+* The README flow: real Llama-3-8B/70B configs on 64xH100, plan --target,
+  export, and the tool's config code takes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import re
@@ -92,14 +99,65 @@ def one_line_refusal(plan: Plan, fmt: str, version: str = "0.3", *fragments: str
 tt_config = pytest.importorskip("torchtitan.config", reason="make installs torchtitan (pyproject's tools extra)")
 
 
-def run_torchtitan_python(text: str) -> types.SimpleNamespace:
-    """Run the exported module and its apply_plan on torchtitan's own config objects."""
-    from torchtitan.config import TrainingConfig
+# Modules torchtitan.trainer imports for training-time work that building and checking a Trainer.Config never
+# runs: data loading (torchdata, datasets), TensorBoard logging, MoE GPU kernels (triton). The `tools` extra does
+# not install them (they pull pyarrow, protobuf, triton: GPU-side or large), so the ones missing here are stood in
+# for while torchtitan imports; Trainer.Config, its __post_init__ checks, the model registries and ConfigManager
+# are torchtitan's own code.
+_TRAINING_ONLY = {"torchdata.stateful_dataloader": "torchdata", "torch.utils.tensorboard": "tensorboard",
+                  "datasets.distributed": "datasets", "torchtitan.distributed.minimal_async_ep.kernels": "triton"}
 
+
+def _stand_in(name: str) -> types.ModuleType:
+    """A module whose every public name is an empty class (a base class or a
+    decorator-free placeholder is all torchtitan's imports ask of it)."""
+    def placeholder(attr: str) -> type:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return type(attr, (), {})
+
+    module = types.ModuleType(name)
+    module.__path__ = []  # type: ignore[attr-defined]
+    module.__getattr__ = placeholder  # type: ignore[method-assign]
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def torchtitan_trainer() -> Any:
+    """torchtitan 0.3's Trainer (for Trainer.Config), imported with the
+    training-time modules this machine lacks stood in for (removed again from
+    sys.modules after the import, so nothing else sees them)."""
+    import importlib.util
+
+    added = []
+    for name, package in _TRAINING_ONLY.items():
+        if importlib.util.find_spec(package) is None:
+            for part in (name.rsplit(".", 1)[0], name) if "." in name and name.split(".")[0] == package else (name,):
+                if part not in sys.modules:
+                    sys.modules[part] = _stand_in(part)
+                    added.append(part)
+    try:
+        from torchtitan.config import ConfigManager  # noqa: F401
+        from torchtitan.models.llama3.config_registry import llama3_8b  # noqa: F401
+        from torchtitan.models.qwen3 import model_registry  # noqa: F401
+        from torchtitan.trainer import Trainer
+        import torchtitan.experiments  # noqa: F401
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+    return Trainer
+
+
+def run_torchtitan_python(text: str, config: Any = None) -> Any:
+    """Run the exported module's apply_plan on a real Trainer.Config
+    (``config`` or a default one): it returns a new Trainer.Config, whose
+    __post_init__ runs torchtitan's checks on the plan's values."""
+    trainer = torchtitan_trainer()
     module = types.ModuleType("hetplan_torchtitan_export")
     exec(compile(text, "export.py", "exec"), module.__dict__)
-    config = types.SimpleNamespace(parallelism=None, training=TrainingConfig(), activation_checkpoint="unset")
-    return module.apply_plan(config)
+    result = module.apply_plan(config if config is not None else trainer.Config())
+    assert type(result) is trainer.Config
+    return result
 
 
 def check_torchtitan_degrees(par: Any, world: int) -> None:
@@ -141,6 +199,8 @@ def test_torchtitan_03_python_config_loads(name: str, zero: int, recompute: str)
         assert training.global_batch_size // (training.local_batch_size * dp) == plan.num_micro_batches
     expected = {"none": type(None), "full": FullAC.Config, "selective": SelectiveAC.Config}[recompute]
     assert isinstance(config.activation_checkpoint, expected)
+    # Trainer.Config.__post_init__ refuses CUDA graphs with PP: the export turns them off there only
+    assert training.disable_cuda_graphs == (plan.pp > 1)
 
 
 def test_torchtitan_03_refuses_unknown_fields() -> None:
@@ -156,6 +216,9 @@ def test_torchtitan_03_refuses_unknown_fields() -> None:
         run_torchtitan_python(renamed("tensor_parallel_degree", "tensor_parallel_size"))
     with pytest.raises(AttributeError):  # TrainingConfig is a slots dataclass
         run_torchtitan_python(renamed("local_batch_size", "micro_batch_size"))
+    _, piped = export("dp2-tp2-pp2", "torchtitan", "0.3", zero=3)
+    with pytest.raises(ValueError, match="CUDA graphs do not support pipeline parallelism"):
+        run_torchtitan_python(piped.text.replace("'disable_cuda_graphs': True", "'disable_cuda_graphs': False"))
 
 
 def test_torchtitan_03_preset_registry_function() -> None:
@@ -166,6 +229,24 @@ def test_torchtitan_03_preset_registry_function() -> None:
     assert "from torchtitan.models.llama3.config_registry import llama3_8b" in result.text
     source = Path(sys.modules["torchtitan.config"].__file__).parents[1] / "models/llama3/config_registry.py"
     assert "def llama3_8b() -> Trainer.Config:" in source.read_text()
+
+
+def test_torchtitan_presets_are_torchtitans_models() -> None:
+    """The shapes export matches a model to torchtitan's presets by are the
+    installed torchtitan's own (model_registry of each flavor)."""
+    from hetplan.export import TORCHTITAN_PRESETS
+
+    torchtitan_trainer()
+    for preset in TORCHTITAN_PRESETS.values():
+        registry = __import__(f"torchtitan.models.{preset.module}", fromlist=["model_registry"]).model_registry
+        model = registry(preset.flavor).model
+        attention, ffn = model.layers[0].attention, model.layers[0].feed_forward
+        shape = (model.dim, len(model.layers), attention.n_heads, attention.n_kv_heads, ffn.w1.out_features,
+                 model.vocab_size, float(attention.rope.theta))
+        assert shape == (preset.hidden, preset.blocks, preset.heads, preset.kv_heads, preset.ffn, preset.vocab,
+                         preset.rope_theta), preset
+        config_registry = __import__(f"torchtitan.models.{preset.module}.config_registry", fromlist=["x"])
+        assert getattr(config_registry, preset.function)().model_spec.flavor == preset.flavor
 
 
 # --------------------------------------------------------------------------- torchtitan 0.2.x (TOML)
@@ -443,15 +524,20 @@ DS_CASES = [("dp8", zero, rc) for zero in (0, 1, 2, 3) for rc in ("none", "selec
 PLANS["dp2-tp4"] = lambda **kw: make_plan("llama3-8b", [34], 2, 4, **kw)
 
 
-def deepspeed_config(config: dict[str, Any], dp: int, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """DeepSpeedConfig on ``dp`` data-parallel ranks (its batch-size checks use them)."""
+def deepspeed_config(config: dict[str, Any], plan: Plan, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """DeepSpeedConfig as deepspeed.initialize builds it (deepspeed/__init__.py:553-571, 0.19.8) on the plan's
+    GPUs: for a model given whole (AutoTP included, as its tutorial and HF Trainer call it) with no mpu, so it
+    counts every rank as data-parallel; for a PipelineModule with the module's mpu (its grid's data-parallel
+    size: the plan's dp)."""
     ds_config = pytest.importorskip("deepspeed.runtime.config")
 
-    class MPU:  # what DeepSpeedConfig asks of a model-parallel unit
+    class PipelineMPU:  # what DeepSpeedConfig asks of PipelineModule.mpu()
         def get_data_parallel_world_size(self) -> int:
-            return dp
+            return plan.stages[0].dp
 
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: plan.num_devices)
+    mpu = PipelineMPU() if plan.pp > 1 else None
 
     class Reads(dict):  # records the top-level keys DeepSpeed reads
         read: set[str]
@@ -470,7 +556,7 @@ def deepspeed_config(config: dict[str, Any], dp: int, monkeypatch: pytest.Monkey
 
     wrapped = Reads(config)
     wrapped.read = set()
-    parsed = ds_config.DeepSpeedConfig(wrapped, mpu=MPU())
+    parsed = ds_config.DeepSpeedConfig(wrapped, mpu=mpu)
     unread = set(config) - wrapped.read
     assert not unread, f"DeepSpeed ignores {unread}"
     return parsed
@@ -480,8 +566,9 @@ def deepspeed_config(config: dict[str, Any], dp: int, monkeypatch: pytest.Monkey
 def test_deepspeed_config_loads(name: str, zero: int, recompute: str, monkeypatch: pytest.MonkeyPatch) -> None:
     plan, result = export(name, "deepspeed", zero=zero, recompute=recompute)
     first = plan.stages[0]
-    parsed = deepspeed_config(result.data, first.dp, monkeypatch)
-    assert parsed.train_batch_size == plan.global_batch_size
+    parsed = deepspeed_config(result.data, plan, monkeypatch)
+    # DeepSpeed's train_batch_size counts an AutoTP group's ranks as data-parallel (no mpu): tp x the samples
+    assert parsed.train_batch_size == plan.global_batch_size * (first.tp if plan.pp == 1 else 1)
     assert parsed.train_micro_batch_size_per_gpu == first.dp_split[0]
     assert parsed.gradient_accumulation_steps == plan.num_micro_batches
     assert parsed.zero_optimization_stage == zero
@@ -498,13 +585,17 @@ def test_deepspeed_config_loads(name: str, zero: int, recompute: str, monkeypatc
 
 def test_deepspeed_rejects_what_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks can fail: an unknown key in a section, and a top-level key DeepSpeed ignores."""
-    _, result = export("dp8", "deepspeed", zero=1)
+    plan, result = export("dp8", "deepspeed", zero=1)
     with pytest.raises(Exception, match="(?i)extra"):
-        deepspeed_config({**result.data, "zero_optimization": {"stage": 1, "stages": 1}}, 8, monkeypatch)
+        deepspeed_config({**result.data, "zero_optimization": {"stage": 1, "stages": 1}}, plan, monkeypatch)
     with pytest.raises(AssertionError, match="ignores"):
-        deepspeed_config({**result.data, "zero_optimisation": {"stage": 1}}, 8, monkeypatch)
+        deepspeed_config({**result.data, "zero_optimisation": {"stage": 1}}, plan, monkeypatch)
     with pytest.raises(AssertionError):  # batch sizes that do not add up
-        deepspeed_config({**result.data, "train_batch_size": 7}, 8, monkeypatch)
+        deepspeed_config({**result.data, "train_batch_size": 7}, plan, monkeypatch)
+    # the plan's batch as train_batch_size: DeepSpeed without an mpu counts the AutoTP ranks as data-parallel
+    _, autotp = export("dp2-tp4", "deepspeed", zero=1)
+    with pytest.raises(AssertionError, match="8 != 1 \\* 4 \\* 8"):
+        deepspeed_config({**autotp.data, "train_batch_size": 8}, PLANS["dp2-tp4"](zero=1), monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["pp4-uneven", "gpt2-dp4-pp2"])
@@ -686,9 +777,26 @@ def test_cp_ep_torchtitan_03(name: str) -> None:
         one_line_refusal(plan, "torchtitan", "0.3", "torchtitan 0.3", "tp")
         return
     result = render(plan, get_model(plan.model), "torchtitan", load_cluster(plan.cluster), "0.3")
-    par = run_torchtitan_python(result.text).parallelism
+    base = torchtitan_moe_config() if first.ep > 1 else None  # a MoE model: the dispatcher check runs
+    config = run_torchtitan_python(result.text, base)
+    par = config.parallelism
     check_torchtitan_degrees(par, plan.num_devices)  # ParallelDims: dp x cp x tp x pp = world
     assert (par.context_parallel_degree, par.expert_parallel_degree) == (first.cp, first.ep)
+    assert config.training.disable_cuda_graphs == (first.ep > 1 or plan.pp > 1)
+    if first.ep > 1:  # the check can fail: EP with CUDA graphs and torchtitan's default dispatcher
+        with pytest.raises(ValueError, match="token dispatcher"):
+            run_torchtitan_python(result.text.replace("'disable_cuda_graphs': True", "'disable_cuda_graphs': False"),
+                                  torchtitan_moe_config())
+
+
+def torchtitan_moe_config() -> Any:
+    """A Trainer.Config of a torchtitan MoE model (qwen3's debugmodel_moe,
+    its default all-to-all token dispatcher): Trainer.Config checks EP
+    against the model's dispatchers."""
+    torchtitan_trainer()
+    from torchtitan.models.qwen3 import model_registry
+
+    return torchtitan_trainer().Config(model_spec=model_registry("debugmodel_moe"))
 
 
 def test_cp_ep_torchtitan_02(tmp_path: Path) -> None:
@@ -783,7 +891,7 @@ def test_offload_deepspeed_cpu_checkpointing(monkeypatch: pytest.MonkeyPatch) ->
     plan = with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full"))
     result = render(plan, get_model(plan.model), "deepspeed", load_cluster(plan.cluster))
     assert result.data["activation_checkpointing"]["cpu_checkpointing"] is True
-    parsed = deepspeed_config(result.data, 8, monkeypatch)
+    parsed = deepspeed_config(result.data, plan, monkeypatch)
     assert parsed.activation_checkpointing_config.cpu_checkpointing is True
     assert any("cpu_checkpointing keeps" in n for n in result.notes)
     assert any("keep their activations on the GPU" in n for n in result.notes)  # embedding and head offloaded
@@ -798,3 +906,243 @@ def test_offload_deepspeed_cpu_checkpointing(monkeypatch: pytest.MonkeyPatch) ->
                 with_offload(make_plan("llama3-8b", [34], 8, 1, zero=1, recompute="full"),
                              first_only=True)):  # nothing but the embedding: the blocks keep theirs
         one_line_refusal(bad, "deepspeed", "0.3", "cpu_checkpointing", "--offload never")
+
+
+# --------------------------------------------------------------------------- launch scripts and placement
+
+def mixed_cluster() -> Any:
+    """An H100 node (GPUs 0-3) and an A100 node (GPUs 4-7)."""
+    from hetplan.cluster import ClusterSpec, NodeSpec
+
+    return ClusterSpec("h100-a100", (NodeSpec("H100", 4, 900), NodeSpec("A100-80GB", 4, 600)), 200)
+
+
+def mixed_plan(dp: int, tp: int, zero: int) -> Plan:
+    """Two stages of llama3-8b on the mixed cluster: the short first stage
+    (embedding + 6 blocks) on the A100 node, the long one on the H100 node,
+    so rank 0 is on node 1."""
+    first = uniform_stage(range(0, 7), range(4, 8), dp, tp, dp, zero)
+    second = uniform_stage(range(7, 34), range(0, 4), dp, tp, dp, zero)
+    return Plan("llama3-8b", "h100-a100", 4 * dp, dp, 4, "1f1b", (first, second))
+
+
+# tool, torchtitan version, plan: every launcher (torchrun for torchtitan and Megatron, DeepSpeed's own)
+LAUNCH_CASES = [("torchtitan", "0.3", lambda: mixed_plan(2, 2, 3)), ("megatron", "0.3", lambda: mixed_plan(2, 2, 1)),
+                ("deepspeed", "0.3", lambda: mixed_plan(4, 1, 1))]
+SHOW_ENV = ("import json, os, sys\n"
+            "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'CUDA_VISIBLE_DEVICES', 'GPU')\n"
+            "info = {k: os.environ.get(k) for k in keys}\n"
+            "path = os.path.join(os.environ['RANKINFO_DIR'], 'rank' + os.environ['RANK'] + '.json')\n"
+            "open(path, 'w').write(json.dumps(info | {'argv': sys.argv[1:]}))\n")
+
+
+def write_export(result: Any, folder: Path, main: str) -> Path:
+    """What ``hetplan export --out folder/x<main>`` writes."""
+    (folder / f"x{main}").write_text(result.text)
+    for suffix, text in result.files.items():
+        (folder / f"x{suffix}").write_text(text)
+    return folder / "x.launch.sh"
+
+
+def machine(tmp: Path, gpu: str) -> dict[str, str]:
+    """The environment of a node with ``gpu`` GPUs: an nvidia-smi that says
+    so, the tools' launchers (torchrun, deepspeed) of this venv."""
+    bin_dir = tmp / f"bin-{gpu.replace(' ', '_')}"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nfor i in 0 1 2 3; do echo 'NVIDIA {gpu}'; done\n")
+    smi.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "MASTER_ADDR": "127.0.0.1"}
+
+
+def fake_programs(tmp: Path) -> dict[str, str]:
+    """Stand-ins for what the scripts start (torchtitan.train, pretrain_gpt.py,
+    the user's DeepSpeed script): each process prints its rank and GPUs."""
+    package = tmp / "fake" / "torchtitan"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(SHOW_ENV)
+    (tmp / "fake" / "pretrain_gpt.py").write_text(SHOW_ENV)
+    (tmp / "ranks").mkdir(exist_ok=True)
+    return {"PYTHONPATH": str(tmp / "fake"), "MEGATRON_LM": str(tmp / "fake"),
+            "TRAIN_SCRIPT": str(tmp / "fake" / "pretrain_gpt.py"), "RANKINFO_DIR": str(tmp / "ranks")}
+
+
+def run_nodes(script: Path, nodes: list[tuple[int, dict[str, str]]]) -> list[dict[str, Any]]:
+    """Run the launch script for each (node rank, node environment) at once
+    (torchrun's agents meet at MASTER_ADDR); each process's rank and GPUs."""
+    port = 29500 + os.getpid() % 2000
+    procs = [subprocess.Popen(["bash", str(script), str(rank)], env={**env, "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, env in nodes]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return [json.loads(path.read_text()) for path in sorted(Path(nodes[0][1]["RANKINFO_DIR"]).glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("tool, version, build", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
+def test_launch_puts_each_stage_on_the_plans_gpus(tool: str, version: str, build: Any, tmp_path: Path) -> None:
+    """The launch scripts, run on an H100 and an A100 machine with the tools'
+    real launchers (torchrun; DeepSpeed's runner), start every rank on the
+    plan's GPU: the stage the plan gives the A100 node runs there. Run on a
+    machine of the wrong GPU type, a node rank refuses to start."""
+    if tool == "deepspeed":
+        pytest.importorskip("deepspeed.launcher.runner")
+    plan, cluster = build(), mixed_cluster()
+    result = render(plan, get_model(plan.model), tool, cluster, version)
+    script = write_export(result, tmp_path, {"torchtitan": ".py", "megatron": ".txt", "deepspeed": ".json"}[tool])
+    for text in [result.files[".launch.sh"], result.files[".sbatch"]]:
+        path = tmp_path / "check.sh"
+        path.write_text(text)
+        done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    programs = fake_programs(tmp_path)
+    h100, a100 = ({**machine(tmp_path, name), **programs, "GPU": gpu}
+                  for name, gpu in (("H100 80GB HBM3", "H100"), ("A100-SXM4-80GB", "A100-80GB")))
+    got = run_nodes(script, [(0, a100), (1, h100)])  # node rank 0: the A100 node, as the script's plan says
+    order = [d for stage in plan.stages for d in stage.devices]
+    assert sorted(int(p["RANK"]) for p in got) == list(range(plan.num_devices))
+    for p in got:
+        rank = int(p["RANK"])
+        device = cluster.devices[order[rank]]
+        local = int(p["CUDA_VISIBLE_DEVICES"].split(",")[int(p["LOCAL_RANK"])])
+        assert (p["GPU"], local) == (device.gpu.name, device.local_rank), (rank, p)
+        assert p["WORLD_SIZE"] == str(plan.num_devices)
+    stage0 = {int(p["RANK"]) for p in got if p["GPU"] == "A100-80GB"}
+    assert stage0 == set(range(len(plan.stages[0].devices)))  # the plan's first stage, on the A100s
+    if tool == "torchtitan":
+        assert got[0]["argv"] == ["--module", "x", "--config", "hetplan_llama3_8b"]
+    wrong = subprocess.run(["bash", str(script), "0"], env=h100, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "must run on A100 GPUs" in wrong.stderr, wrong.stderr
+
+
+def test_sbatch_asks_for_each_gpu_type_in_rank_order() -> None:
+    """On the mixed cluster the Slurm job is heterogeneous: first the A100
+    node (node rank 0), then the H100 node, one task per node."""
+    plan = mixed_plan(2, 2, 1)
+    text = render(plan, get_model(plan.model), "megatron", mixed_cluster()).files[".sbatch"]
+    directives = [line.split(None, 1)[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert directives == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--exclusive",
+                          "--constraint=A100", "hetjob", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4",
+                          "--exclusive", "--constraint=H100"]
+    assert 'srun --het-group=0-1 --ntasks-per-node=1 --kill-on-bad-exit=1 bash "$LAUNCH"' in text
+    homogeneous = render(PLANS["dp2-tp2-pp2"](zero=1), get_model("llama3-8b"), "megatron").files[".sbatch"]
+    assert "hetjob" not in homogeneous and "--constraint" not in homogeneous
+
+
+def test_deepspeed_hostfile_lists_nodes_in_rank_order() -> None:
+    """DeepSpeed's own hostfile parser reads the hostfile; its hosts come in
+    the plan's rank order (the A100 node first)."""
+    runner = pytest.importorskip("deepspeed.launcher.runner")
+    plan = mixed_plan(4, 1, 1)
+    files = render(plan, get_model(plan.model), "deepspeed", mixed_cluster()).files
+    pool = runner._parse_hostfile(files[".hostfile"].splitlines())
+    assert list(pool.items()) == [("node1", 4), ("node0", 4)]
+
+
+def test_deepspeed_refuses_a_rank_order_its_launcher_cannot_give() -> None:
+    """DeepSpeed's launcher sorts a host's slots: a stage on GPUs 3..0 of a node cannot be placed."""
+    plan = mixed_plan(4, 1, 1)
+    reversed_first = replace(plan.stages[0], devices=(7, 6, 5, 4))
+    plan = plan.with_changes(stages=(reversed_first, plan.stages[1]))
+    with pytest.raises(HetplanError, match="DeepSpeed's launcher puts rank 0 on GPU 0 of node 1") as info:
+        render(plan, get_model(plan.model), "deepspeed", mixed_cluster())
+    assert "\n" not in str(info.value)
+    # torchrun (torchtitan, Megatron) takes any order through CUDA_VISIBLE_DEVICES
+    text = render(plan, get_model(plan.model), "megatron", mixed_cluster()).files[".launch.sh"]
+    assert "0) NPROC=4; GPUS=3,2,1,0; check_gpu A100 ;;" in text
+
+
+# --------------------------------------------------------------------------- the README flow, real Llama 3 configs
+
+# HF config.json values of the public model cards (meta-llama Llama-3.1-8B / -70B): hidden, layers, heads, ffn.
+LLAMA3_SHAPES = {"8b": (4096, 32, 32, 14336), "70b": (8192, 80, 64, 28672)}
+
+
+def llama3_config(size: str, folder: Path) -> Path:
+    hidden, layers, heads, ffn = LLAMA3_SHAPES[size]
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 8,
+              "intermediate_size": ffn, "vocab_size": 128256, "rope_theta": 500000.0,
+              "max_position_embeddings": 131072, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+              "hidden_act": "silu", "torch_dtype": "bfloat16"}
+    path = folder / f"llama3-{size}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def readme_flow(size: str, tool: str, folder: Path, out: str) -> tuple[Any, Path]:
+    """hetplan plan --target TOOL on 64xH100, then hetplan export of the plan
+    it ranks first (the one it marks for the tool): the plan and --out."""
+    from hetplan.cli import main
+    from hetplan.planfile import read_plan_file
+
+    pytest.importorskip("transformers")
+    model = llama3_config(size, folder)
+    plans = folder / "plans.json"
+    assert main(["plan", "--model", str(model), "--cluster", "64xH100", "--global-batch", "256", "--target", tool,
+                 "--top", "1", "--quiet", "--json", str(plans)]) == 0
+    assert main(["export", str(plans), "--format", tool, "--out", str(folder / out)]) == 0
+    return read_plan_file(str(plans)).plan(1), folder / out
+
+
+@pytest.mark.parametrize("size", LLAMA3_SHAPES)
+def test_readme_flow_torchtitan(size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's ConfigManager loads the export as its launch script runs
+    it (--module x --config hetplan_llama3_*: tyro builds Trainer.Config,
+    whose __post_init__ checks it), and the config passes the checks
+    Trainer.__init__ makes before it touches a GPU (trainer.py:297-306,
+    412-435): ParallelDims, sequence length, batch sizes."""
+    torchtitan_trainer()
+    from torchtitan.config import ConfigManager
+
+    name = f"hetplan_readme_{size}"  # a module name of its own: Python caches imported modules
+    plan, out = readme_flow(size, "torchtitan", tmp_path, f"{name}.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ConfigManager().parse_args(["--module", name, "--config", f"hetplan_llama3_{size}"])
+    par, training = config.parallelism, config.training
+    check_torchtitan_degrees(par, plan.num_devices)
+    assert (config.model_spec.name, config.model_spec.flavor) == ("llama3", size.upper())
+    batch_degree = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+    assert training.global_batch_size == plan.global_batch_size
+    assert training.global_batch_size % (training.local_batch_size * batch_degree) == 0
+    divisor = (par.tensor_parallel_degree if par.enable_sequence_parallel else 1) * \
+        (2 * par.context_parallel_degree if par.context_parallel_degree > 1 else 1)
+    assert training.seq_len % divisor == 0
+    assert "--config hetplan_llama3_" + size in (tmp_path / f"{name}.launch.sh").read_text()
+
+
+@pytest.mark.parametrize("size", LLAMA3_SHAPES)
+def test_readme_flow_megatron(size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-LM's parser (its real parse_args + validate_args when its
+    training code is on the path) and megatron-core's TransformerConfig take
+    the launch script's pretrain_gpt.py arguments."""
+    pytest.importorskip("megatron.core", reason="make installs megatron-core (pyproject's tools extra)")
+    plan, _ = readme_flow(size, "megatron", tmp_path, "x.txt")
+    script = (tmp_path / "x.launch.sh").read_text()
+    args = megatron_args(script.splitlines()[-1].replace('"$MEGATRON_LM/pretrain_gpt.py"', "pretrain_gpt.py"))
+    a = check_megatron(args, plan.num_devices)
+    assert (a.num_layers, a.hidden_size) == (LLAMA3_SHAPES[size][1], LLAMA3_SHAPES[size][0])
+    assert a.global_batch_size == plan.global_batch_size
+    try:
+        import megatron.training.arguments as arguments
+    except ImportError:
+        return
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)  # no GPU here: say Hopper
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args])
+    monkeypatch.setenv("WORLD_SIZE", str(plan.num_devices))
+    monkeypatch.setenv("RANK", "0")
+    arguments.validate_args(arguments.parse_args(ignore_unknown_args=False), {})
+
+
+@pytest.mark.parametrize("size", LLAMA3_SHAPES)
+def test_readme_flow_deepspeed(size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeedConfig as deepspeed.initialize builds it takes the exported
+    config (AutoTP plans without an mpu, as its tutorial initialises)."""
+    plan, out = readme_flow(size, "deepspeed", tmp_path, "x.json")
+    parsed = deepspeed_config(json.loads(out.read_text()), plan, monkeypatch)
+    first = plan.stages[0]
+    assert parsed.train_micro_batch_size_per_gpu * parsed.gradient_accumulation_steps * first.dp == \
+        plan.global_batch_size

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
+from hetplan.export_launch import (DEFAULT_MASTER_PORT, NodeRun, deepspeed_hostfile, deepspeed_launch_script,
+                                   deepspeed_runs, launch_files, launch_note, local_ids, node_runs, sbatch_script,
+                                   torchrun_command)
 from hetplan.model.spec import ModelSpec
 from hetplan.plan import Plan
 
@@ -321,8 +324,56 @@ def architecture(model: ModelSpec, tool: str) -> Architecture:
 
 # --------------------------------------------------------------------------- torchtitan
 
-# hetplan's layer -> torchtitan's module names, for the model families torchtitan has.
-_TORCHTITAN_FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B")}
+
+@dataclass(frozen=True)
+class TorchtitanPreset:
+    """A torchtitan model (``torchtitan.models.<module>``, ``flavor``; 0.3's
+    ``config_registry.<function>``) and its shape."""
+
+    module: str
+    flavor: str
+    function: str
+    hidden: int
+    blocks: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    rope_theta: float
+
+
+# torchtitan's Llama 3 flavors: torchtitan 0.3.0 torchtitan/models/llama3/__init__.py:236-310 (8B: dim 4096,
+# 32 layers, 32 heads, 8 KV heads, ffn compute_ffn_hidden_dim(4096, multiple_of=1024, ffn_dim_multiplier=1.3)
+# = 14336; 70B: 8192, 80, 64, 8, multiple_of=4096 -> 28672; vocab 128256, RoPE theta 500000), the same shapes
+# as 0.2.2's llama3_args; checked against the installed torchtitan by tests/test_export_tools.py.
+TORCHTITAN_PRESETS = {
+    "llama3-8b": TorchtitanPreset("llama3", "8B", "llama3_8b", 4096, 32, 32, 8, 14336, 128256, 500000.0),
+    "llama3-70b": TorchtitanPreset("llama3", "70B", "llama3_70b", 8192, 80, 64, 8, 28672, 128256, 500000.0),
+}
+
+
+def torchtitan_preset(model: ModelSpec) -> TorchtitanPreset | None:
+    """torchtitan's own model for ``model``: hetplan's preset of that name,
+    or a Llama model of the same shape (an HF Llama-3 config.json); None if
+    torchtitan has none."""
+    if model.name in TORCHTITAN_PRESETS:
+        return TORCHTITAN_PRESETS[model.name]
+    if model.family != "llama":
+        return None
+    try:
+        arch = architecture(model, "torchtitan")
+    except HetplanError:
+        return None
+    llama = (arch.gated_mlp and arch.norm == "rmsnorm" and arch.positions == "rope" and not arch.bias and
+             not arch.tied_embeddings and not arch.qkv_bias and arch.kv_channels in (0, model.hidden_size //
+                                                                                     model.num_heads))
+    shape = (model.hidden_size, arch.num_layers, model.num_heads, arch.kv_heads, arch.ffn, model.vocab_size,
+             float(arch.rope_theta))
+    for preset in TORCHTITAN_PRESETS.values():
+        if llama and shape == (preset.hidden, preset.blocks, preset.heads, preset.kv_heads, preset.ffn, preset.vocab,
+                               preset.rope_theta):
+            return preset
+    return None
 
 
 def torchtitan_module_names(plan: Plan, model: ModelSpec,
@@ -409,6 +460,13 @@ def _torchtitan(plan: Plan, model: ModelSpec, version: str) -> tuple[dict[str, A
     training: dict[str, Any] = {"local_batch_size": local, "global_batch_size": plan.global_batch_size,
                                 "seq_len": model.seq_len,
                                 "mixed_precision_param": "bfloat16" if model.dtype_bytes == 2 else "float32"}
+    if version == "0.3" and (plan.pp > 1 or u.ep > 1):
+        # Trainer.Config's __post_init__ (_validate_cuda_graphs, torchtitan 0.3.0 trainer.py:179-212) refuses
+        # CUDA graphs with pipeline parallelism, and with EP unless the token dispatcher never waits on the CPU
+        # (MinimalAsyncEP, or HybridEP with non_blocking_capacity_factor); the default dispatchers do.
+        training["disable_cuda_graphs"] = True
+        notes.append("CUDA graphs off (training.disable_cuda_graphs): torchtitan 0.3 refuses them with "
+                     f"{'pipeline parallelism' if plan.pp > 1 else 'expert parallelism and its default dispatcher'}")
     if version == "0.2":
         ac: dict[str, Any] = {"mode": u.recompute}
         if u.recompute == "selective":
@@ -416,12 +474,15 @@ def _torchtitan(plan: Plan, model: ModelSpec, version: str) -> tuple[dict[str, A
     else:
         ac = {"config": {"none": None, "selective": "SelectiveAC", "full": "FullAC"}[u.recompute]}
     data: dict[str, Any] = {}
-    family = _TORCHTITAN_FLAVORS.get(model.name)
-    if family is not None and version == "0.2":
-        data["model"] = {"name": family[0], "flavor": family[1]}
-    elif family is None:
+    preset = torchtitan_preset(model)
+    if preset is not None and version == "0.2":
+        data["model"] = {"name": preset.module, "flavor": preset.flavor}
+    if preset is None:
         notes.append(f"torchtitan has no preset for {model.name!r}: pick a torchtitan model of its shape "
                      f"({'[model] name/flavor' if version == '0.2' else 'the config_registry function apply_plan gets'})")
+    elif model.name not in TORCHTITAN_PRESETS:
+        notes.append(f"torchtitan builds its {preset.module} {preset.flavor}, which has the shape of {model.name!r} "
+                     "(torchtitan's Llama 3 applies Llama 3.1's RoPE frequency scaling)")
     data.update({"parallelism": parallelism, "training": training, "activation_checkpoint": ac})
     if u.recompute == "selective":
         notes.append("torchtitan's selective AC is per-op (saves matmul and attention outputs, recomputes the rest), "
@@ -476,29 +537,60 @@ def torchtitan_python(plan: Plan, model: ModelSpec, data: dict[str, Any], notes:
         f'"""torchtitan {VALIDATED["torchtitan"]["0.3"]} config for the hetplan plan {plan.describe()!r}',
         f"of model {model.name!r} (hetplan export --format torchtitan --torchtitan-version 0.3).",
         "",
-        "Put this file on PYTHONPATH and call apply_plan(config) on your Trainer.Config, or run",
-        "torchtitan with --module <this module> --config <a function below>.",
+        "Put this file on PYTHONPATH and use config = apply_plan(config) on your Trainer.Config, or run",
+        "torchtitan with --module <this module> --config <a function below> (the .launch.sh file beside it does).",
     ]
     lines += ["", "Notes:", *(f"- {n}" for n in notes)] if notes else []
-    lines += ['"""', "", "from torchtitan.config import ParallelismConfig"]
+    lines += ['"""', "", "import dataclasses", "", "from torchtitan.config import ParallelismConfig"]
     if ac:
         lines.append(f"from torchtitan.distributed.activation_checkpoint import {ac}")
     lines += ["", f"PARALLELISM = {_py(data['parallelism'])}", f"TRAINING = {_py(data['training'])}", "", "",
               "def apply_plan(config):",
-              '    """The plan\'s parallelism, batch sizes and activation checkpointing on a Trainer.Config."""',
+              '    """The plan\'s parallelism, batch sizes and activation checkpointing on a Trainer.Config,',
+              '    checked by torchtitan (Trainer.Config.__post_init__)."""',
               "    config.parallelism = ParallelismConfig(**PARALLELISM)",
               "    for name, value in TRAINING.items():",
               "        setattr(config.training, name, value)  # a slots dataclass: an unknown name raises",
               f"    config.activation_checkpoint = {f'{ac}.Config()' if ac else 'None'}",
-              "    return config"]
-    preset = _TORCHTITAN_FLAVORS.get(model.name)
+              "    # a new Trainer.Config of these values: its __post_init__ runs torchtitan's checks on them",
+              "    return dataclasses.replace(config)"]
+    preset = torchtitan_preset(model)
     if preset is not None:
-        fn = f"{preset[0]}_{preset[1].lower()}"
+        fn = preset.function
         lines += ["", "", f"def hetplan_{fn}():",
                   f'    """torchtitan\'s {fn} with the plan: --config hetplan_{fn}"""',
-                  f"    from torchtitan.models.{preset[0]}.config_registry import {fn}", "",
+                  f"    from torchtitan.models.{preset.module}.config_registry import {fn}", "",
                   f"    return apply_plan({fn}())"]
     return "\n".join(lines) + "\n"
+
+
+def torchtitan_launch_files(plan: Plan, model: ModelSpec, cluster: Any, version: str) -> dict[str, str]:
+    """torchtitan's per-node torchrun (``-m torchtitan.train``, its
+    run_train.sh's entry point) as a launch script and an sbatch job. 0.3
+    reads the exported module (``--module NAME --config hetplan_<preset>``),
+    0.2 the TOML (``--job.config_file``). For a model torchtitan has no preset
+    of, the user names torchtitan's model (0.2: ``TORCHTITAN_MODEL``) or a
+    config function of theirs (0.3: ``TORCHTITAN_MODULE``/``TORCHTITAN_CONFIG``):
+    the script never starts torchtitan's default model in its place."""
+    runs = node_runs(plan, cluster, "torchtitan")
+    preset = torchtitan_preset(model)
+    if version == "0.2":
+        setup = ['CONFIG="$HERE/$NAME.toml"']
+        program = ["-m", "torchtitan.train", '--job.config_file "$CONFIG"']
+        if preset is None:
+            setup.append(': "${TORCHTITAN_MODEL:?set TORCHTITAN_MODEL to --model.name NAME --model.flavor FLAVOR '
+                         'of the torchtitan model of this shape}"')
+            program.append("$TORCHTITAN_MODEL")
+    else:
+        setup = ['CONFIG="$HERE/$NAME.py"', 'export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"']
+        module, config = ('"$NAME"', f"hetplan_{preset.function}") if preset else (
+            '"${TORCHTITAN_MODULE:-$NAME}"', '"${TORCHTITAN_CONFIG:?set TORCHTITAN_CONFIG (in TORCHTITAN_MODULE, '
+            'default this export) to a function returning apply_plan of your Trainer.Config of this model}"')
+        program = ["-m", "torchtitan.train", f"--module {module}", f"--config {config}"]
+    setup.append('[ -f "$CONFIG" ] || { echo "no $CONFIG: write the export with --out $(basename "$CONFIG")" >&2; '
+                 "exit 2; }")
+    title = f"torchtitan {VALIDATED['torchtitan'][version]} (-m torchtitan.train)"
+    return launch_files("torchtitan", title, plan, cluster, runs, setup, torchrun_command(runs, program))
 
 
 def _py(value: Any) -> str:
@@ -619,38 +711,46 @@ def _megatron_split(plan: Plan, model: ModelSpec) -> list[str]:
 
 
 def megatron_commands(plan: Plan, model: ModelSpec, cluster: Any, master_addr: str = "NODE0_ADDRESS",
-                      master_port: int = 29500) -> tuple[list[tuple[int, str]], list[str]]:
+                      master_port: int = DEFAULT_MASTER_PORT) -> tuple[list[tuple[int, str]], list[str]]:
     """One ``torchrun ... pretrain_gpt.py`` command per node as (cluster node,
     command), and notes. Megatron numbers ranks TP fastest, then DP, then PP
     (order tp-cp-ep-dp-pp), and torchrun gives a node's processes consecutive
-    ranks: each node must hold one run of the plan's devices in that order.
-    ``CUDA_VISIBLE_DEVICES`` puts each rank on the plan's GPU."""
+    ranks: each node must hold one run of the plan's devices in that order
+    (``export_launch.node_runs``). ``CUDA_VISIBLE_DEVICES`` puts each rank on
+    the plan's GPU."""
     args, notes = _megatron(plan, model)
-    order = [d for stage in plan.stages for d in stage.devices]  # rank order: pp, then dp replica, then tp
-    runs: list[tuple[int, list[int]]] = []
-    for rank, device in enumerate(order):
-        if device >= cluster.num_devices:
-            raise HetplanError(f"the plan uses GPU {device}, but cluster {cluster.name!r} has {cluster.num_devices}")
-        node = cluster.devices[device].node
-        if runs and runs[-1][0] == node:
-            runs[-1][1].append(device)
-        elif any(n == node for n, _ in runs):
-            raise HetplanError(f"Megatron-LM gives each node consecutive ranks (TP fastest, then DP, then PP), but "
-                               f"this plan puts GPUs of node {node} at ranks apart (GPU {device} is rank {rank}); "
-                               "use the hetplan runtime for this plan")
-        else:
-            runs.append((node, [device]))
+    runs = node_runs(plan, cluster, "Megatron-LM")
+    return _megatron_node_commands(args, runs, cluster, master_addr, master_port), notes + _uneven_note(runs)
+
+
+def _megatron_node_commands(args: Sequence[str], runs: Sequence[NodeRun], cluster: Any, master_addr: str,
+                            master_port: int) -> list[tuple[int, str]]:
     commands = []
-    for k, (node, devices) in enumerate(runs):
-        local = ",".join(str(cluster.devices[d].local_rank) for d in devices)
-        parts = [f"CUDA_VISIBLE_DEVICES={local}", "torchrun", f"--nnodes={len(runs)}", f"--node-rank={k}",
-                 f"--nproc-per-node={len(devices)}", f"--master-addr={master_addr}", f"--master-port={master_port}",
+    for run in runs:
+        local = ",".join(map(str, local_ids(cluster, run)))
+        parts = [f"CUDA_VISIBLE_DEVICES={local}", "torchrun", f"--nnodes={len(runs)}", f"--node-rank={run.node_rank}",
+                 f"--nproc-per-node={len(run.devices)}", f"--master-addr={master_addr}", f"--master-port={master_port}",
                  "pretrain_gpt.py", *(shlex.quote(a) for a in args)]
-        commands.append((node, " ".join(parts)))
-    if len({len(d) for _, d in runs}) > 1:
-        notes.append("nodes run different numbers of processes (--nproc-per-node per node); torchrun numbers "
-                     "ranks node by node")
-    return commands, notes
+        commands.append((run.node, " ".join(parts)))
+    return commands
+
+
+def _uneven_note(runs: Sequence[NodeRun]) -> list[str]:
+    if len({len(r.devices) for r in runs}) > 1:
+        return ["nodes run different numbers of processes (--nproc-per-node per node); torchrun numbers ranks node "
+                "by node"]
+    return []
+
+
+def megatron_launch_files(plan: Plan, args: Sequence[str], runs: Sequence[NodeRun], cluster: Any) -> dict[str, str]:
+    """Megatron-LM's per-node torchrun as a launch script and an sbatch job
+    (``MEGATRON_LM``: the checkout holding pretrain_gpt.py)."""
+    setup = ['MEGATRON_LM="${MEGATRON_LM:-$PWD}"',
+             '[ -f "$MEGATRON_LM/pretrain_gpt.py" ] || { echo "set MEGATRON_LM to your Megatron-LM checkout '
+             '(no pretrain_gpt.py in $MEGATRON_LM)" >&2; exit 2; }']
+    command = torchrun_command(runs, ['"$MEGATRON_LM/pretrain_gpt.py"', *(shlex.quote(a) for a in args)])
+    return launch_files("Megatron-LM", f"Megatron-LM {VALIDATED['megatron']} pretrain_gpt.py", plan, cluster, runs,
+                        setup, command, ["MEGATRON_LM: your Megatron-LM checkout (default: the current directory)."])
 
 
 # --------------------------------------------------------------------------- DeepSpeed
@@ -710,6 +810,15 @@ def _deepspeed(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], list[str]]
                          "deepspeed.checkpointing.configure(None, deepspeed_config=CONFIG)")
     if u.tp > 1:
         config["tensor_parallel"] = {"autotp_size": u.tp}
+        # deepspeed.initialize builds DeepSpeedConfig before AutoTP's groups: without an mpu (its AutoTP tutorial,
+        # HF Trainer) it counts every rank as data-parallel (runtime/config.py:467-471, deepspeed/__init__.py:554)
+        # and asserts train_batch_size == micro x grad-accum x that count (runtime/config.py:602). Left out, it
+        # derives it from the two (runtime/config.py:631-635): right with an mpu or without.
+        del config["train_batch_size"]
+        notes.append(f"train_batch_size left out: DeepSpeed derives it from the micro-batch and gradient accumulation "
+                     f"(with AutoTP and no mpu it counts the tp={u.tp} ranks of a group as data-parallel, "
+                     f"{u.tp}x the plan's {plan.global_batch_size}); each TP group reads one micro-batch, so a step "
+                     f"trains {plan.global_batch_size} samples")
     return config, notes
 
 
@@ -807,35 +916,48 @@ def export_plan(plan: Plan, model: ModelSpec, fmt: str, torchtitan_version: str 
 
 def render(plan: Plan, model: ModelSpec, fmt: str, cluster: Any = None,
            torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> Export:
-    """The export as the text the tool reads, with notes and extra files."""
+    """The export as the text the tool reads, with notes and extra files:
+    the launch script and sbatch job (and DeepSpeed's hostfile) that put the
+    plan's ranks on its GPUs (``export_launch``). ``cluster``: the plan's;
+    loaded by name if not given."""
     if fmt == "modules":
         names = stage_module_names(plan, model)
         return Export(json.dumps(names, indent=2), names)
+    if fmt not in FORMATS:
+        raise HetplanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if cluster is None:
+        from hetplan.cluster import load_cluster
+
+        cluster = load_cluster(plan.cluster)
     if fmt == "torchtitan":
         data, notes = _torchtitan(plan, model, torchtitan_version)
+        files = torchtitan_launch_files(plan, model, cluster, torchtitan_version)
+        notes.append(launch_note(".toml" if torchtitan_version == "0.2" else ".py"))
         if torchtitan_version == "0.2":
             header = [f"torchtitan {VALIDATED['torchtitan']['0.2']} job config for the hetplan plan "
                       f"{plan.describe()!r} of model {model.name!r}", *(f"note: {n}" for n in notes)]
-            return Export(to_toml(data, header), data, tuple(notes))
-        return Export(torchtitan_python(plan, model, data, notes), data, tuple(notes))
+            return Export(to_toml(data, header), data, tuple(notes), files)
+        return Export(torchtitan_python(plan, model, data, notes), data, tuple(notes), files)
     if fmt == "megatron":
-        if cluster is None:
-            from hetplan.cluster import load_cluster
-
-            cluster = load_cluster(plan.cluster)
-        commands, notes = megatron_commands(plan, model, cluster)
+        args, notes = _megatron(plan, model)
+        runs = node_runs(plan, cluster, "Megatron-LM")
+        commands = _megatron_node_commands(args, runs, cluster, "NODE0_ADDRESS", DEFAULT_MASTER_PORT)
         lines = []
         for node, command in commands:
             lines += [f"# node {node}", command]
-        return Export("\n".join(lines), commands, tuple(notes))
-    if fmt == "deepspeed":
-        config, notes = _deepspeed(plan, model)
-        files = {}
-        if plan.pp > 1:
-            files[".pipeline.py"] = deepspeed_pipeline_code(plan, model)
-            notes.append(deepspeed_pipeline_note(plan))
-        return Export(json.dumps(config, indent=2), config, tuple(notes), files)
-    raise HetplanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        notes += [*_uneven_note(runs), launch_note()]
+        return Export("\n".join(lines), commands, tuple(notes), megatron_launch_files(plan, args, runs, cluster))
+    config, notes = _deepspeed(plan, model)
+    runs = deepspeed_runs(plan, cluster)
+    files = {".hostfile": deepspeed_hostfile(plan, cluster, runs),
+             ".launch.sh": deepspeed_launch_script(plan, cluster, runs),
+             ".sbatch": sbatch_script("DeepSpeed", plan, cluster, runs)}
+    if plan.pp > 1:
+        files[".pipeline.py"] = deepspeed_pipeline_code(plan, model)
+        notes.append(deepspeed_pipeline_note(plan))
+    notes.append(launch_note(".json", "; NAME.hostfile lists the nodes in rank order (replace the names with your "
+                             "hosts'); set TRAIN_SCRIPT to your script"))
+    return Export(json.dumps(config, indent=2), config, tuple(notes), files)
 
 
 # How each tool turns on what a plan file's settings assumed when it was costed
