@@ -13,7 +13,8 @@ from hetplan.model import get_model
 torch = pytest.importorskip("torch")
 
 from hetplan.runtime import dropout as rng  # noqa: E402
-from hetplan.runtime.models import GPT, GPTConfig, check_dropout, cross_entropy_loss  # noqa: E402
+from hetplan.runtime.build import check_dropout  # noqa: E402
+from hetplan.runtime.models import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 
 M32 = 0xFFFFFFFF
 

@@ -69,7 +69,7 @@ def test_estimate_and_export_work_from_the_file_alone(made, capsys):
 
 def test_runtime_check_plan_from_the_file_alone(made):
     pytest.importorskip("torch")
-    from hetplan.runtime.context import check_plan
+    from hetplan.runtime.setup import check_plan
 
     path, _ = made
     plan, spec, cluster, layout = check_plan(str(path))

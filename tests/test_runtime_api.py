@@ -66,6 +66,19 @@ def test_one_process_plan_equals_plain_training():
     assert cmp["loss_rel_diff"] < 1e-6 and cmp["param_rel_diff"] < 1e-6, cmp
 
 
+def test_model_info_is_what_parallelize_recorded():
+    """The public record checkpoints read (ctx.model_info): the model parallelize
+    returned, also through a torch.compile wrapper of it; None for another model."""
+    ctx = init(one_device_plan(), SPEC)
+    model = ctx.parallelize(lambda: build_preset_model(SPEC))
+    info = ctx.model_info(model)
+    assert info is not None and info.model is model and info.parts == [model]
+    assert info.aliases["head.proj.weight"] == "embed.tok.weight"
+    assert ctx.model_info(torch.compile(model)) is info
+    assert ctx.model_info(build_preset_model(SPEC)) is None
+    ctx.close()
+
+
 def _count_calls(module):
     calls = []
     module.register_forward_hook(lambda *a: calls.append(1))
@@ -174,7 +187,7 @@ def test_hf_tp_plan_translation():
 def test_processes_must_run_where_the_plan_puts_them(monkeypatch):
     """On several nodes, torchrun's node rank / local rank must match the plan's GPUs."""
     from hetplan.cluster import load_cluster
-    from hetplan.runtime.context import _check_node_placement
+    from hetplan.runtime.setup import check_node_placement
     from hetplan.runtime.layout import PlanLayout
 
     cluster = load_cluster("amp-heterogeneous")  # nodes of 4 GPUs
@@ -185,15 +198,15 @@ def test_processes_must_run_where_the_plan_puts_them(monkeypatch):
         monkeypatch.setenv("GROUP_RANK", str(node))
         monkeypatch.setenv("LOCAL_RANK", str(local))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        _check_node_placement(layout, cluster, rank)
+        check_node_placement(layout, cluster, rank)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 processes started on a node where the plan uses 2 GPUs
     with pytest.raises(HetplanError, match="rank 2 runs as process 0 of 4 on launcher node 1"):
-        _check_node_placement(layout, cluster, 2)
+        check_node_placement(layout, cluster, 2)
 
 
 def test_gpu_names_match_the_catalog():
-    from hetplan.runtime.context import gpu_matches
+    from hetplan.runtime.setup import gpu_matches
 
     for catalog, cuda in (("RTX-TITAN", "NVIDIA TITAN RTX"), ("A100-80GB", "NVIDIA A100-SXM4-80GB"),
                           ("T4", "Tesla T4"), ("RTX-3090", "NVIDIA GeForce RTX 3090"), ("H100", "NVIDIA H100 80GB HBM3")):

@@ -239,12 +239,12 @@ def test_example_inputs_after_the_first_are_passed_by_name():
     ``model(x, mask=mask)``, so a mask handed on to each block is a chain
     (passed positionally it looked derived, and pp > 1 was refused)."""
     from hetplan.model.source import module_spec
-    from hetplan.runtime.context import _check_chain_early
+    from hetplan.runtime.preflight import check_chain_early
 
     mask = torch.ones(2, 8)
     spec = module_spec(Masked(), (X, mask), name="masked")
     assert "pipeline_blocker" not in spec.meta and [layer.name for layer in spec.layers] == NAMES
-    _check_chain_early(meta(Masked), NAMES, spec, (X, mask))
+    check_chain_early(meta(Masked), NAMES, spec, (X, mask))
 
 
 def test_example_inputs_without_forward_parameter_names_are_refused():

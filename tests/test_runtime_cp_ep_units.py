@@ -173,7 +173,7 @@ def test_layout_refuses_cp_ep_it_cannot_run() -> None:
 def test_preflight_refuses_a_model_without_cp_support() -> None:
     from torch import nn
 
-    from hetplan.runtime.context import preflight
+    from hetplan.runtime.preflight import preflight
     from hetplan.runtime.layout import PlanLayout
     from hetplan.runtime.models import build_preset_model
 

@@ -118,7 +118,7 @@ def test_preflight_refuses_a_heterogeneous_t5_plan_split_inside_the_encoder():
     """What `hetplan train` runs before it starts any process (and parallelize on every rank)."""
     import transformers
 
-    from hetplan.runtime.context import preflight
+    from hetplan.runtime.preflight import preflight
     from hetplan.runtime.layout import PlanLayout
 
     spec = h.spec("t5")
@@ -146,7 +146,7 @@ def test_t5s_three_way_tie_is_summed_once_between_two_stages():
     """encoder.embed_tokens, decoder.embed_tokens and lm_head are one tensor (with
     ``shared``): split inside the encoder, the second stage holds two copies of one
     tensor, so one pair (one all-reduce) per pair of stages."""
-    from hetplan.runtime.context import _one_pair_per_stage_pair
+    from hetplan.runtime.spine import one_pair_per_stage_pair
     from hetplan.runtime.layout import PlanLayout
     from hetplan.runtime.parallelize import tied_layer_pairs
 
@@ -156,9 +156,9 @@ def test_t5s_three_way_tie_is_summed_once_between_two_stages():
     assert pairs == [("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"),
                      ("encoder.embed_tokens.weight", "lm_head.weight")]
     inside_encoder = PlanLayout.from_plan(h.plan("t5", cut=2), names)
-    assert _one_pair_per_stage_pair(pairs, inside_encoder) == pairs[:1]
+    assert one_pair_per_stage_pair(pairs, inside_encoder) == pairs[:1]
     inside_decoder = PlanLayout.from_plan(h.plan("t5", cut=5), names)  # both embeddings on stage 0: one pair crosses
-    kept = _one_pair_per_stage_pair(pairs, inside_decoder)
+    kept = one_pair_per_stage_pair(pairs, inside_decoder)
     stage = inside_decoder.pp_index_of_layer
     assert [(c, a) for c, a in kept if stage(c.rpartition(".")[0]) != stage(a.rpartition(".")[0])] == pairs[1:]
 
@@ -209,26 +209,26 @@ def test_estimate_gives_no_refusal_note_for_a_pipelined_llama(tmp_path, capsys):
 
 
 def test_a_keyword_input_the_stages_do_not_take_is_refused_before_the_pipeline():
-    from hetplan.runtime.context import _check_staged_inputs
+    from hetplan.runtime.step import check_staged_inputs
 
     names = [layer.name for layer in h.spec("llama").layers]
     model = _model("llama")
     part = PipelinePart(model, names[:2], h.spec("llama").meta["layer_modules"],
                         hf_stages.staged_forward(model, names))
-    _check_staged_inputs(part, {"attention_mask": torch.ones(2, 4)})
+    check_staged_inputs(part, {"attention_mask": torch.ones(2, 4)})
     with pytest.raises(HetplanError, match="keyword input 'token_type_ids' does not reach the pipeline stages of "
                                            "LlamaForCausalLM, which take attention_mask"):
-        _check_staged_inputs(part, {"attention_mask": torch.ones(2, 4), "token_type_ids": torch.ones(2, 4)})
+        check_staged_inputs(part, {"attention_mask": torch.ones(2, 4), "token_type_ids": torch.ones(2, 4)})
 
 
 def test_t5_stages_without_decoder_inputs_are_refused_before_the_pipeline():
-    from hetplan.runtime.context import _check_staged_inputs
+    from hetplan.runtime.step import check_staged_inputs
 
     spec = h.spec("t5")
     names = [layer.name for layer in spec.layers]
     model = _model("t5")
     part = PipelinePart(model, names[:3], spec.meta["layer_modules"], hf_stages.staged_forward(model, names))
     _, _, inputs = h.batch(0, 2, "t5")
-    _check_staged_inputs(part, inputs)
+    check_staged_inputs(part, inputs)
     with pytest.raises(HetplanError, match="need the keyword input 'decoder_input_ids'; pass it with train_step"):
-        _check_staged_inputs(part, {"attention_mask": inputs["attention_mask"]})
+        check_staged_inputs(part, {"attention_mask": inputs["attention_mask"]})

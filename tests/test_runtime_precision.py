@@ -34,7 +34,7 @@ def test_plan_file_records_the_precision(tmp_path, capsys):
                  "--json", str(path)]) == 0
     assert "4 samples/step, fp16" in capsys.readouterr().out
     assert json.loads(path.read_text())["settings"]["precision"] == "fp16"
-    from hetplan.runtime.context import check_plan_precision
+    from hetplan.runtime.setup import check_plan_precision
 
     assert check_plan_precision(str(path))[4] == "fp16"
     assert main(["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-1", "--global-batch", "4",

@@ -22,7 +22,8 @@ def reference(dropout: float = P, seed: int = 0, steps: int = STEPS, gbs: int = 
 def _reference(dropout: float, seed: int, steps: int, gbs: int, user_model: bool
                ) -> tuple[list[float], dict[str, Any]]:
     from hetplan.model import get_model
-    from hetplan.runtime.models import cross_entropy_loss, model_build
+    from hetplan.runtime.build import model_build
+    from hetplan.runtime.models import cross_entropy_loss
     from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch, train_reference
 
     spec = get_model(MODEL)

@@ -141,7 +141,7 @@ def _runnable(tmp_path: Any, world: int) -> tuple[list[tuple[str, str, str]], li
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_family_and_dimension_trains_as_one_process_or_is_refused_at_plan_time(world: int, tmp_path) -> None:
     from hetplan.errors import HetplanError
-    from hetplan.runtime.context import check_plan
+    from hetplan.runtime.setup import check_plan
     from hetplan.runtime.reference import compare
 
     runnable, refused = _runnable(tmp_path, world)

@@ -116,7 +116,7 @@ def _preflight(name: str, **degrees) -> None:
     """The checks ``hetplan train`` runs before starting processes, on the meta model."""
     import torch
 
-    from hetplan.runtime.context import preflight
+    from hetplan.runtime.preflight import preflight
     from hetplan.runtime.layout import PlanLayout
 
     spec, plan = h.spec(name), h.plan(name, **degrees)

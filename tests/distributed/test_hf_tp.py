@@ -167,7 +167,7 @@ def test_a_degree_the_plan_cannot_split_by_is_refused_before_start(name: str, tp
     from dataclasses import replace
 
     from hetplan.errors import HetplanError
-    from hetplan.runtime.context import preflight
+    from hetplan.runtime.preflight import preflight
     from hetplan.runtime.layout import PlanLayout
 
     plan = h.plan(name, 1, 1, tp, micro=MICRO)

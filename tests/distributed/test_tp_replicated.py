@@ -29,7 +29,7 @@ def test_layer_without_tp_plan_holds_what_it_is_charged(tmp_path) -> None:
     from hetplan.cluster import load_cluster
     from hetplan.cost import CostModel, Workload
     from hetplan.model import load_model
-    from hetplan.runtime.models import model_build
+    from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, make_optimizer, train_reference, training_batch
 
     spec = load_model(MODEL)

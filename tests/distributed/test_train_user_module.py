@@ -165,7 +165,7 @@ ctx.close(exit_process=True)
 @pytest.mark.slow
 def test_init_with_the_plan_alone_in_a_user_script(tmp_path) -> None:
     from hetplan.planfile import read_plan_file
-    from hetplan.runtime.models import model_build
+    from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, train_reference, training_batch
 
     plan = str(tmp_path / "p.json")

@@ -182,7 +182,7 @@ def _call_tree(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
     """Module path -> the submodules its forward calls directly, in call order (one meta forward)."""
     import torch
 
-    from hetplan.runtime.chain import _meta
+    from hetplan.runtime.chain import on_meta
 
     callees: dict[str, list[str]] = {}
     stack = [""]
@@ -203,7 +203,7 @@ def _call_tree(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
             handles.append(sub.register_forward_hook(leave))
     try:
         with torch.no_grad():
-            model(*_meta(args), **_meta(kwargs))
+            model(*on_meta(args), **on_meta(kwargs))
     except Exception as exc:  # noqa: BLE001 - user code on the meta device
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise HetplanError(f"running the model's forward on the meta device failed ({type(exc).__name__}: "

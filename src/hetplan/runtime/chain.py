@@ -53,13 +53,15 @@ def _tensors(value: Any) -> list[Any]:
     return list(value) if isinstance(value, tuple) else [value]
 
 
-def _meta(value: Any) -> Any:
+def on_meta(value: Any) -> Any:
+    """A copy of ``value`` whose tensors (also inside tuples, lists and dicts) are
+    empty ones of the same shape and dtype on the meta device."""
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
     if isinstance(value, (tuple, list)):
-        return type(value)(_meta(v) for v in value)
+        return type(value)(on_meta(v) for v in value)
     if isinstance(value, dict):
-        return {k: _meta(v) for k, v in value.items()}
+        return {k: on_meta(v) for k, v in value.items()}
     return value
 
 
@@ -90,8 +92,8 @@ def record_calls(model: nn.Module, names: Sequence[str], args: Sequence[Any],
     Returns (calls, model output, meta args, meta kwargs)."""
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("check_chain needs the model built on the meta device (with torch.device('meta'): ...)")
-    margs = tuple(_meta(a) for a in args)
-    mkwargs = {k: _meta(v) for k, v in (kwargs or {}).items()}
+    margs = tuple(on_meta(a) for a in args)
+    mkwargs = {k: on_meta(v) for k, v in (kwargs or {}).items()}
     calls: list[_Call] = []
     running: list[_Call] = []
     handles = []

@@ -309,7 +309,7 @@ def load(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
         raise HetplanError(f"{path} is not a complete checkpoint (no .metadata); pick another or retrain")
     reader = dcp.FileSystemReader(path)
     available = set(reader.read_metadata().state_dict_metadata)
-    info = ctx._models.get(id(model))  # noqa: SLF001 - same package
+    info = ctx.model_info(model)
     aliases = info.aliases if info is not None else {}
     model_sd = _model_sd(model)
     state: dict[str, Any] = {}
@@ -407,7 +407,7 @@ def full_state_dict(ctx: Any, model: nn.Module) -> dict[str, torch.Tensor]:
         sd = {}
         for part in gathered:
             sd.update(part or {})
-    info = ctx._models.get(id(model))  # noqa: SLF001
+    info = ctx.model_info(model)
     for name, canon in (info.aliases if info else {}).items():
         if name not in sd and canon in sd:
             sd[name] = sd[canon]

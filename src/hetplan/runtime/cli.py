@@ -170,8 +170,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from hetplan.runtime import launch
-    from hetplan.runtime.context import check_plan_precision, preflight
-    from hetplan.runtime.models import model_build
+    from hetplan.runtime.build import model_build
+    from hetplan.runtime.preflight import preflight
+    from hetplan.runtime.setup import check_plan_precision
 
     plan, spec, cluster, layout, precision = check_plan_precision(args.plan, args.model)
     if args.precision and args.precision != precision:
@@ -286,7 +287,7 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
 
     import torch
 
-    from hetplan.runtime.models import model_build
+    from hetplan.runtime.build import model_build
     from hetplan.runtime.layout import PlanLayout
     from hetplan.runtime.reference import (
         build_reference,

@@ -34,10 +34,9 @@ tensors) dropout falls back to ``torch.nn.functional.dropout``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -15,7 +15,7 @@ group the same code runs every expert locally: the single-process model.
 Gradients of the experts: a rank's expert gradient sums what every rank of its
 EP group sent it; the runtime then sums it over the expert-data-parallel group
 (the ranks holding the same experts) and divides by ``dp * cp``, as FSDP
-averages the dense gradients (``RuntimeContext._sync_expert_grads``; under
+averages the dense gradients (``step.sync_expert_grads``; under
 ZeRO-2/3 FSDP does it, sharding the experts over that group:
 ``parallelize.apply_expert_zero``).
 
@@ -145,6 +145,12 @@ class _GradSumOverTP(torch.autograd.Function):
         return grad, None
 
 
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard (the tensor itself unless it is a DTensor)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
+
+
 def expert_tp_input(rows: torch.Tensor, group: Any) -> torch.Tensor:
     """Token rows entering width-split experts (identity; input gradients summed over ``group``)."""
     return rows if group is None else _GradSumOverTP.apply(rows, group)
@@ -197,9 +203,7 @@ class HFExperts(nn.Module):
 
     def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on ``rows`` (sorted by local expert, ``counts[e]`` each)."""
-        from hetplan.runtime.models import _local
-
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        gate_up, down = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
         outs, start = [], 0
         for e, n in enumerate(counts):
             gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)

@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hetplan.runtime.launch import console
+from hetplan.runtime.console import console
 
 DEFAULT_INTERVAL_S = 1.0
 EXIT_CODE = 3  # a peer stopped responding (1: the training failed, 2: a user mistake)

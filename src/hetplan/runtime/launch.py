@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hetplan.errors import HetplanError
+from hetplan.runtime.console import rank_log
+from hetplan.runtime.heartbeat import EXIT_CODE as HEARTBEAT_EXIT
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.checkpoint", "hetplan.runtime.context"]
@@ -87,7 +89,7 @@ def _standalone_args(num_processes: int, script: Sequence[str]) -> list[str]:
 
 
 # --- hetplan train's torchrun: a failed run said in one line --------------------------------------
-# hetplan train sets this: each rank sends its stderr to <dir>/rank<R>.log (log_stderr), so the
+# hetplan train sets this: each rank sends its stderr to <dir>/rank<R>.log (console.log_stderr), so the
 # tracebacks of ranks that lost a peer do not bury what ended the run (failure_line says that).
 RANK_LOG_ENV = "HETPLAN_RANK_LOG_DIR"
 AGENT_LOG = "torchrun.log"  # torchrun's agent's own log lines, in the same directory
@@ -95,31 +97,6 @@ EXITS = "exits.json"  # the ranks' exit codes and pids of a failed run (main wri
 # A rank that failed with one of these lost a peer (check_results, failure_line): what made
 # the peer go is the better message.
 PEER_LOST = ("Connection reset", "Connection closed", "killed by signal", "timed out")
-_console_fd = 2  # the terminal's stderr, also after log_stderr
-
-
-def console(line: str) -> None:
-    """Write one of hetplan's own messages (an error line) to the terminal's
-    stderr, also from a rank whose stderr goes to its log. ``os.write``, not
-    ``sys.stderr``: the heartbeat calls it while the main thread may hold that lock."""
-    os.write(_console_fd, (line.rstrip("\n") + "\n").encode(errors="replace"))
-
-
-def rank_log(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank{rank}.log")
-
-
-def log_stderr(directory: str, rank: int) -> None:
-    """Send this process's stderr (file descriptor 2: Python tracebacks,
-    warnings, gloo's C++ messages) to ``rank_log(directory, rank)``;
-    :func:`console` still reaches the terminal."""
-    global _console_fd
-    sys.stderr.flush()
-    os.makedirs(directory, exist_ok=True)
-    fd = os.open(rank_log(directory, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    _console_fd = os.dup(2)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def reporting_argv(num_processes: int, script: Sequence[str], directory: str,
@@ -160,7 +137,6 @@ def failure_line(exits: Sequence[RankExit], directory: str, describe: Callable[[
     stopped rank, exit 3). A rank killed by a signal other than SIGTERM (torchrun
     sends that to the others) comes first: the others then only lost a peer."""
     from hetplan.argtypes import EXIT_USAGE
-    from hetplan.runtime.heartbeat import EXIT_CODE as HEARTBEAT_EXIT
 
     if not exits or any(e.exitcode in (EXIT_USAGE, HEARTBEAT_EXIT) for e in exits):
         return ""

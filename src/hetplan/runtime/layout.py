@@ -39,7 +39,7 @@ torchtitan borrows EP from its data and context dimensions). Both need equal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
 from hetplan.plan import Plan
@@ -126,7 +126,7 @@ class PlanLayout:
             if (s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)):
                 heterogeneous = True
         _check_layer_degrees(plan)
-        _check_cp_ep(plan, heterogeneous)
+        _check_plan_cp_ep(plan, heterogeneous)
         if heterogeneous:
             if any(s.sequence_parallel for s in plan.stages):
                 raise PlanNotSupportedError(
@@ -315,8 +315,9 @@ def _check_layer_degrees(plan: Plan) -> None:
                     "stage")
 
 
-def _check_cp_ep(plan: Plan, heterogeneous: bool) -> None:
-    """What the runtime's context and expert parallelism need of the plan (one line each)."""
+def _check_plan_cp_ep(plan: Plan, heterogeneous: bool) -> None:
+    """What the runtime's context and expert parallelism need of the plan (one
+    line each); what they need of the model: ``preflight.check_model_cp_ep``."""
     first = plan.stages[0]
     if all(s.cp == 1 and s.ep == 1 for s in plan.stages):
         return
@@ -342,6 +343,16 @@ def _check_cp_ep(plan: Plan, heterogeneous: bool) -> None:
     if heterogeneous:
         raise PlanNotSupportedError(
             "cp or ep > 1 needs equal (dp, tp) and data splits in every stage; use one (dp, tp) for all stages")
+
+
+def tied_layer_groups(spec: Any) -> list[list[str]]:
+    """The layers of each tied group of the ModelSpec (``LayerSpec.tied_group``:
+    an embedding and LM head sharing a weight) that has more than one layer."""
+    groups: dict[str, list[str]] = {}
+    for layer in spec.layers:
+        if layer.tied_group:
+            groups.setdefault(layer.tied_group, []).append(layer.name)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _interleave(plan: Plan, virtual: int) -> tuple[tuple[int, ...], ...]:

@@ -22,7 +22,7 @@ with their KV cache off (``parallelize.apply_recompute``); the fp16 loss scale
 changes only between steps.
 
 The three places that run a micro-batch's forward use this module: the
-one-stage loop (``RuntimeContext._forward_backward``), torch pipelining's
+one-stage loop (``step.forward_backward``), torch pipelining's
 stages (:func:`wrap_stage`) and the heterogeneous executor
 (:mod:`hetplan.runtime.hetero`).
 """

@@ -31,15 +31,19 @@ plan still matches the single-process one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.runtime.cp import context_parallel_attention
 from hetplan.runtime.dropout import Dropout
+from hetplan.runtime.ep import expert_tp_input, expert_tp_output, local_tensor, moe_dispatch_combine
+from hetplan.runtime.support import moe_sequence_parallel
+from hetplan.runtime.tp import TPSettings, register_selective_recompute, register_tp_plan
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ def _attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     return drop(probs) @ v
 
 
+@register_selective_recompute  # what recompute="selective" checkpoints, as a user model marks its own
 class AttentionCore(nn.Module):
     """softmax(QK^T)V, causal: what selective recomputation recomputes (no parameters).
     Under context parallelism (``context_shard`` set) the local queries attend to
@@ -165,8 +170,6 @@ class AttentionCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.context_shard is not None and not q.is_meta:
-            from hetplan.runtime.cp import context_parallel_attention
-
             return context_parallel_attention(q, k, v, self.context_shard, _rope if self.rope else None)
         if self.rope:
             q, k = _rope(q), _rope(k)
@@ -245,9 +248,7 @@ class Experts(nn.Module):
         self.proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.bias else None
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        from hetplan.runtime.ep import expert_tp_input, expert_tp_output
-
-        weights = {n: _local(p) for n, p in self.named_parameters()}
+        weights = {n: local_tensor(p) for n, p in self.named_parameters()}
         rows = expert_tp_input(rows, self.tp_group)
         outs, start = [], 0
         for e, n in enumerate(counts):
@@ -265,12 +266,6 @@ class Experts(nn.Module):
         if "proj_bias" in weights:
             out = out + weights["proj_bias"].repeat_interleave(torch.tensor(counts, device=out.device), dim=0)
         return out
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's local shard (the tensor itself unless it is a DTensor)."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if to_local is not None else p
 
 
 class MoE(nn.Module):
@@ -292,8 +287,6 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:  # shape inference (pipeline, chain check): the output has the input's shape
             return torch.empty_like(x)
-        from hetplan.runtime.ep import moe_dispatch_combine
-
         b, s, h = x.shape
         tokens = x.reshape(-1, h)
         probs = F.softmax(self.router(tokens).float(), dim=-1)
@@ -377,6 +370,101 @@ class GPT(nn.Module):
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every token of the batch."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+# --- tensor-parallel plans -------------------------------------------------------------
+# Registered as a user model registers its own (hetplan.runtime.register_tp_plan): Megatron's
+# layout (Shoeybi et al. 2019 §3) -- Q/K/V and the first MLP linears column-parallel, the output
+# projections row-parallel, the token embedding vocabulary-parallel, the LM head column-parallel
+# with its logits gathered; with sequence parallelism the norms run on sequence shards and the
+# row-parallel outputs are reduce-scattered along the sequence (Korthikanti et al. 2022, as
+# torchtitan does). torch.distributed.tensor is imported in the plan functions (lazy: the model
+# itself runs in one process without it).
+@register_tp_plan(Embed)
+def embed_tp_plan(module: Embed, s: TPSettings) -> dict[str, Any]:
+    """The token embedding split by vocabulary rows, its output all-reduced (and
+    sequence-sharded under sequence parallelism)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
+
+    if module.tok.num_embeddings % s.tp:
+        raise HetplanError(
+            f"tp={s.tp} does not divide the vocabulary of {module.tok.num_embeddings} in layer {s.name!r}"
+        )
+    plan: dict[str, Any] = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    if s.sequence_parallel:
+        plan[""] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                       use_local_output=True)
+    return plan
+
+
+@register_tp_plan(Block)
+def block_tp_plan(module: Block, s: TPSettings) -> dict[str, Any]:
+    """Attention split by heads, the dense MLP by width; a MoE block's router
+    stays whole on every TP rank (its experts are split by ``parallelize.apply_ep``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    _check_heads(s.name, module.attn.heads, module.attn.kv_heads, s.tp)
+    moe = isinstance(module.mlp, MoE)
+    if moe and s.sequence_parallel:
+        raise HetplanError(moe_sequence_parallel(s.name))
+    ffn = 0 if moe else module.mlp.fc.out_features
+    if ffn % s.tp:
+        raise HetplanError(f"tp={s.tp} does not divide the MLP width {ffn} of layer {s.name!r}")
+    sp = s.sequence_parallel
+    out = Shard(1) if sp else Replicate()
+    plan: dict[str, Any] = {
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=out),
+    }
+    if not moe:
+        plan.update({"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=out)})
+    if not moe and module.mlp.gate is not None:
+        plan["mlp.gate"] = ColwiseParallel()
+    if sp:
+        plan.update({
+            "ln1": SequenceParallel(), "ln2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return plan
+
+
+@register_tp_plan(Head)
+def head_tp_plan(module: Head, s: TPSettings) -> dict[str, Any]:
+    """The vocabulary projection split by columns, its logits gathered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    if module.proj.out_features % s.tp:
+        raise HetplanError(
+            f"tp={s.tp} does not divide the vocabulary of {module.proj.out_features} in layer {s.name!r}"
+        )
+    plan: dict[str, Any] = {
+        "proj": ColwiseParallel(input_layouts=Shard(1) if s.sequence_parallel else Replicate(),
+                                output_layouts=Replicate(), use_local_output=True),
+    }
+    if s.sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
+
+
+def _check_heads(name: str, heads: int, kv_heads: int, tp: int) -> None:
+    if heads % tp:
+        raise HetplanError(
+            f"tp={tp} does not divide the {heads} attention heads of layer {name!r}; use a tp that divides {heads}"
+        )
+    if kv_heads % tp:
+        raise HetplanError(
+            f"tp={tp} does not divide the {kv_heads} key/value heads of layer {name!r}; "
+            f"use a tp that divides {kv_heads}"
+        )
 
 
 # --- presets ------------------------------------------------------------------------
@@ -478,88 +566,3 @@ def _check_params(spec, cfg: GPTConfig) -> None:  # noqa: ANN001
 def build_preset_model(spec) -> GPT:  # noqa: ANN001
     """The built-in runtime model for a decoder preset (on the current default device)."""
     return GPT(config_from_spec(spec))
-
-
-# --- what 'hetplan train' builds -------------------------------------------------------
-@dataclass(frozen=True)
-class ModelBuild:
-    """How ``hetplan train`` builds a plan's model: ``build()`` returns the full
-    model; ``loss(output, targets)`` its training loss; ``meta_init``: built on
-    the meta device and initialised by hetplan (the built-in model), or built
-    for real under ``torch.manual_seed(seed)`` (HF models: their rotary and
-    other buffers are computed at construction). ``batch(batch_size, step,
-    seed)``: the model's own synthetic (x, targets, keyword inputs), None for
-    next-token batches (``reference.training_batch``); ``example_inputs``: one
-    batch of positional inputs on meta for the pipeline chain check, if known."""
-
-    build: Callable[[], nn.Module]
-    loss: Callable[[Any, torch.Tensor], torch.Tensor]
-    meta_init: bool
-    batch: Callable[[int, int, int], tuple[Any, Any, dict[str, Any]]] | None = None
-    example_inputs: tuple[Any, ...] | None = None
-
-
-def model_build(spec, dropout: float = 0.0) -> ModelBuild:  # noqa: ANN001
-    """The built-in model for hetplan's presets (with ``dropout`` at GPT-2's
-    sites); for a model imported from a HF config, that HF class built from the
-    config values the plan file embeds (its dropout is the config's); for a
-    model given as ``pkg.mod:build``, that function's model, checked against
-    the plan's (hetplan.runtime.user_model)."""
-    if dropout:
-        check_dropout(spec, dropout)
-    if spec.meta.get("hf_class"):
-        return _hf_build(spec)
-    if spec.meta.get("module_source"):
-        from hetplan.runtime.user_model import user_model
-
-        user = user_model(spec)
-        return ModelBuild(user.build, user.loss, user.meta_init, user.batch, user.example_inputs)
-    if dropout:
-        return ModelBuild(lambda: GPT(replace(config_from_spec(spec), dropout=dropout)), cross_entropy_loss, True)
-    return ModelBuild(lambda: build_preset_model(spec), cross_entropy_loss, True)
-
-
-def check_dropout(spec, dropout: float) -> None:  # noqa: ANN001
-    """``hetplan train --dropout P``: a probability in [0, 1), for a built-in
-    model whose ModelSpec counts dropout masks (so the plan's memory estimate
-    holds them: 1 byte per element, docs/models.md)."""
-    if not 0.0 <= dropout < 1.0:
-        raise HetplanError(f"--dropout {dropout}: give a probability at least 0 and below 1 (GPT-2 uses 0.1)")
-    if spec.meta.get("hf_class"):
-        raise HetplanError(f"--dropout is for hetplan's built-in models; model {spec.name!r} is a HF model: set "
-                           "the dropout fields of its config.json instead")
-    if not spec.meta.get("architecture", {}).get("dropout"):
-        raise HetplanError(f"model {spec.name!r} is costed without dropout (its layers count no dropout masks), so "
-                           "its plan's memory would not hold them; drop --dropout or use a GPT preset such as tiny-gpt")
-
-
-def _hf_build(spec) -> ModelBuild:  # noqa: ANN001
-    values, name = spec.meta.get("hf_config"), spec.meta["hf_class"]
-    if not isinstance(values, dict):
-        raise HetplanError(f"model {spec.name!r} came from a HF config, but its plan file does not hold the config "
-                           "values; make the plan again with this hetplan ('hetplan plan --model config.json')")
-    import transformers
-
-    cls = getattr(transformers, name, None)
-    if cls is None:
-        raise HetplanError(f"transformers {transformers.__version__} has no class {name}; install the version "
-                           "the plan was made with")
-    config = transformers.AutoConfig.for_model(**values)
-
-    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(getattr(output, "logits", output), targets)
-
-    return ModelBuild(lambda: cls(config), loss, False, _hf_batch(spec, cls, config))
-
-
-def _hf_batch(spec, cls: Any, config: Any) -> Callable[[int, int, int], Any] | None:  # noqa: ANN001
-    """The synthetic batches of a HF model that is no next-token model: an
-    encoder-decoder's (T5) or an image classifier's (ViT); None for the others
-    (hetplan.runtime.reference.training_batch)."""
-    from hetplan.runtime import reference
-
-    if getattr(config, "is_encoder_decoder", False):
-        return lambda b, step, seed: reference.seq2seq_batch(spec, config, b, step, seed)
-    if getattr(cls, "main_input_name", "") == "pixel_values" and getattr(config, "num_labels", 0):
-        return lambda b, step, seed: reference.image_batch(config, b, step, seed)
-    return None

@@ -1,5 +1,6 @@
-"""Apply a Plan to a model: split into pipeline parts, then per part TP ->
-activation checkpointing -> FSDP2 / replicate, then materialise and initialise.
+"""The steps that apply a Plan to a model: pipeline parts, TP, EP, activation
+checkpointing, compilation, FSDP2 / replicate, materialisation and initial
+values. hetplan.runtime.spine calls them in order, per pipeline part.
 
 The order is torchtitan's and it matters: ``parallelize_module`` finds
 submodules by name, so wrapping a layer for checkpointing *before* TP hides
@@ -42,7 +43,9 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.runtime import dropout, hf_recompute
 from hetplan.runtime import tp as tp_registry
+from hetplan.runtime.ep import adapt_hf_experts
 
 InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
 
@@ -122,6 +125,13 @@ def layer_paths(names: Sequence[str], modules: dict[str, Sequence[str]] | None =
     return out
 
 
+def spec_layer_modules(spec: Any) -> dict[str, list[str]]:
+    """Layer name -> its module paths, where a layer spans several (HF imports'
+    ``meta["layer_modules"]``); {} for models whose layers are one module each."""
+    modules = (getattr(spec, "meta", None) or {}).get("layer_modules") or {}
+    return {k: list(v) for k, v in modules.items() if isinstance(v, (list, tuple))}
+
+
 class PipelinePart(nn.Module):
     """The layers one pipeline chunk (or one rank) runs, at their original
     module paths so parameter names equal the full model's.
@@ -175,7 +185,6 @@ def apply_tp(root: nn.Module, layer_names: Sequence[str], tp_mesh: Any, sequence
     plan with ``*`` wildcards, e.g. from an HF config) that fall inside it."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tp_registry.ensure_builtins()
     tp = tp_mesh.size()
     aliases = param_aliases(root)
     unplanned = []
@@ -210,7 +219,6 @@ def has_tp_plan(layer: nn.Module, name: str, model_plan: dict[str, Any] | None) 
     it, else entries of the whole-model plan inside it. A layer with parameters
     and neither runs whole on every TP rank (``LayerSpec.tp_replicated``:
     costed so, ``hetplan.runtime.support``)."""
-    tp_registry.ensure_builtins()
     return tp_registry.registered_plan_in(layer) or bool(model_plan and plan_inside(model_plan, name))
 
 
@@ -290,8 +298,6 @@ def _checkpoint_forward(module: nn.Module, layer: str = "") -> None:
     plan layer, for messages)."""
     from torch.utils.checkpoint import checkpoint
 
-    from hetplan.runtime import dropout, hf_recompute
-
     inner = module.forward
     if dropout.has_dropout(module):  # recompute under the forward's dropout scope: the same masks
         options: dict[str, Any] = {"context_fn": dropout.checkpoint_context}
@@ -317,9 +323,6 @@ def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str]
     on any other layer recomputes nothing, as it is costed. A HF layer with a
     costed core it cannot checkpoint is refused; another model's falls back to
     full recomputation, with a note. HF models train without their KV cache."""
-    from hetplan.runtime import hf_recompute
-
-    tp_registry.ensure_builtins()
     hf_recompute.no_kv_cache(root)
     hf_recompute.refuse_hf_checkpointing(root)
     fallback = []
@@ -344,9 +347,6 @@ def selective_refusal(layer: nn.Module, name: str) -> str:
     """Why ``apply_recompute`` cannot recompute only the attention core of layer
     ``name`` ("" if it can): no registered core and no HF attention module, or
     a HF attention module that computes its core inline."""
-    from hetplan.runtime import hf_recompute
-
-    tp_registry.ensure_builtins()
     if any(tp_registry.is_selective_target(m) for m in layer.modules()):
         return ""
     modules = hf_recompute.attention_modules(layer) if hf_recompute.is_hf_module(layer) else []
@@ -361,8 +361,6 @@ def selective_refusal(layer: nn.Module, name: str) -> str:
 def _checkpoint_core(layer: nn.Module, name: str) -> bool:
     """Checkpoint the layer's attention core (registered modules, else HF
     attention functions); False if it has none."""
-    from hetplan.runtime import hf_recompute
-
     targets = [m for m in layer.modules() if tp_registry.is_selective_target(m)]
     for target in targets:
         _checkpoint_forward(target, name)
@@ -448,8 +446,6 @@ def apply_ep(root: nn.Module, layer_names: Sequence[str], expert_mesh: Any, ep_g
     holder names in ``tp_shard_dims``, the others replicated; partial outputs
     summed over ``tp_group``). Returns the expert parameters."""
     from torch.distributed.tensor import distribute_tensor
-
-    from hetplan.runtime.ep import adapt_hf_experts
 
     experts: set[nn.Parameter] = set()
     for name in layer_names:

@@ -16,7 +16,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from hetplan.runtime import dropout, hf_recompute
 from hetplan.runtime import parallelize as par
+from hetplan.runtime.precision import LossScaler, autocast
 
 
 def synthetic_batch(vocab_size: int, seq_len: int, batch_size: int, step: int, seed: int = 0
@@ -147,9 +149,6 @@ def train_reference(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torc
     0, 1, ... (hetplan.runtime.dropout; ``seed`` as given to ``parallelize``).
     A HF model trains without its KV cache, as under ``parallelize``
     (hetplan.runtime.hf_recompute)."""
-    from hetplan.runtime import dropout, hf_recompute
-    from hetplan.runtime.precision import LossScaler, autocast
-
     dropout.prepare(model)
     hf_recompute.no_kv_cache(model)
     scaler = LossScaler() if precision == "fp16" else None

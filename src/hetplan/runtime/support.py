@@ -34,6 +34,7 @@ from typing import Any, Sequence
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec, RuntimeSupport
 from hetplan.plan import Plan
+from hetplan.runtime import tp as tpr
 from hetplan.runtime.layout import PlanLayout
 
 BUILTIN_FAMILIES = ("gpt", "llama", "moe")  # runtime.models: GPT/Llama decoders, GShard-style MoE decoders
@@ -43,7 +44,7 @@ HF_SEQUENCE_PARALLEL = ("hetplan's runtime splits a HF model from its config's T
 
 # --- the facts -----------------------------------------------------------------------------------
 def moe_sequence_parallel(layer: str) -> str:
-    """The runtime's MoE blocks run their router on whole sequences (``runtime.tp``'s block plan)."""
+    """The runtime's MoE blocks run their router on whole sequences (``runtime.models.block_tp_plan``)."""
     return (f"sequence parallelism with the mixture-of-experts layer {layer!r} is not supported; "
             "turn sequence_parallel off")
 
@@ -177,7 +178,7 @@ def inspect_model(model: Any, spec: ModelSpec, pipeline: str = "") -> ModelSpec:
     builds for ``spec``, on the meta device): ``runtime`` set, and
     ``tp_replicated`` on the layers with parameters that no TP plan covers.
     ``pipeline``: why it cannot pipeline the model ("" if it can)."""
-    from hetplan.runtime import parallelize as par
+    from hetplan.runtime import parallelize as par  # lazy: torch (this module's top is torch-free)
 
     names = [layer.name for layer in spec.layers]
     tensor_parallel, replicated = _tp_facts(model, names)
@@ -235,8 +236,8 @@ def measured_tp_whole(model: Any, spec: ModelSpec) -> dict[str, int]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hetplan.runtime import parallelize as par
-    from hetplan.runtime.context import model_tp_plan
+    from hetplan.runtime import parallelize as par  # lazy: torch (this module's top is torch-free)
+    from hetplan.runtime.preflight import model_tp_plan
 
     modules = {k: list(v) for k, v in (spec.meta.get("layer_modules") or {}).items()}
     names = [layer.name for layer in spec.layers]
@@ -263,11 +264,11 @@ def measured_tp_whole(model: Any, spec: ModelSpec) -> dict[str, int]:
 
 def _expert_facts(model: Any, names: Sequence[str]) -> tuple[str, str]:
     """(why the runtime cannot split the model's experts over EP ranks, why
-    not over TP ranks), by the rules of ``RuntimeContext._check_cp_ep``: its
+    not over TP ranks), by the rules of ``preflight.check_model_cp_ep``: its
     own MoE modules split both ways; HF's fused experts of the classes it
     adapts (``runtime.ep.HF_EXPERTS``) over EP ranks only."""
-    from hetplan.runtime import ep
-    from hetplan.runtime import parallelize as par
+    from hetplan.runtime import ep  # lazy: torch (this module's top is torch-free)
+    from hetplan.runtime import parallelize as par  # lazy: torch (this module's top is torch-free)
 
     hf = ep.hf_fused_experts(model)
     if not hf and not par.moe_modules(model):
@@ -284,8 +285,8 @@ def _expert_facts(model: Any, names: Sequence[str]) -> tuple[str, str]:
 def _tp_facts(model: Any, names: Sequence[str]) -> tuple[str, set[str]]:
     """(why TP cannot run at all, the layers TP would leave whole), by the
     rules ``parallelize.apply_tp`` applies to each layer's module."""
-    from hetplan.runtime import parallelize as par
-    from hetplan.runtime.context import model_tp_plan
+    from hetplan.runtime import parallelize as par  # lazy: torch (this module's top is torch-free)
+    from hetplan.runtime.preflight import model_tp_plan
 
     try:
         whole_plan = model_tp_plan(model)
@@ -307,9 +308,6 @@ def _sequence_parallel_refusal(model: Any, names: Sequence[str], moe: str, hf: b
                 "sequence parallelism")
     if moe:
         return moe_sequence_parallel(moe)
-    from hetplan.runtime import tp as tpr
-
-    tpr.ensure_builtins()
     for name in names:
         layer = model.get_submodule(name)
         if tpr.registered_plan_in(layer):
@@ -326,7 +324,7 @@ def _selective_refusal(model: Any, spec: ModelSpec) -> str:
     """Selective recomputation recomputes each attention layer's core; the
     first layer with a costed core the runtime cannot checkpoint alone says why
     (``parallelize.selective_refusal``, the rule ``apply_recompute`` follows)."""
-    from hetplan.runtime import parallelize as par
+    from hetplan.runtime import parallelize as par  # lazy: torch (this module's top is torch-free)
 
     for layer in spec.layers:
         if layer.attention_flops > 0:

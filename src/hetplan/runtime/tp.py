@@ -15,15 +15,13 @@ for one instance::
 
 When a stage has ``tp > 1`` the runtime walks each layer of the stage from the
 top and applies the plan of the first registered class it meets on every
-branch (subclasses match too; a match stops the walk below it). Built-in plans
-cover the runtime's GPT/Llama decoder (Megatron layout: Q/K/V and the first MLP
-linears column-parallel, the output projections row-parallel, the token
-embedding vocabulary-parallel, the LM head column-parallel with its logits
-gathered); with ``sequence_parallel`` the norms run on sequence shards and the
-row-parallel outputs are reduce-scattered along the sequence (Korthikanti et
-al. 2022, as torchtitan does). HF transformers models can use their config's
-``base_model_tp_plan`` via :func:`hf_tp_plan`; GPT-2, BERT, T5 and ViT, whose
-configs have none, get hetplan's plans (:mod:`hetplan.runtime.hf_tp`).
+branch (subclasses match too; a match stops the walk below it). hetplan's own
+GPT/Llama decoder registers its plans the same way, where it is defined
+(hetplan.runtime.models: Megatron's layout; with sequence parallelism,
+Korthikanti et al.'s), so this registry imports no model. HF transformers
+models can use their config's ``base_model_tp_plan`` via :func:`hf_tp_plan`;
+GPT-2, BERT, T5 and ViT, whose configs have none, get hetplan's plans
+(:mod:`hetplan.runtime.hf_tp`).
 
 A layer with parameters and no registered plan runs replicated on its TP
 group (correct, just not split); the runtime says so in its notes. With
@@ -117,98 +115,6 @@ def dry_run(module: Any, name: str, tp: int, sequence_parallel: bool) -> None:
         return
     for child_name, child in module.named_children():
         dry_run(child, f"{name}.{child_name}", tp, sequence_parallel)
-
-
-def _heads_check(name: str, heads: int, kv_heads: int, tp: int) -> None:
-    if heads % tp:
-        raise HetplanError(
-            f"tp={tp} does not divide the {heads} attention heads of layer {name!r}; use a tp that divides {heads}"
-        )
-    if kv_heads % tp:
-        raise HetplanError(
-            f"tp={tp} does not divide the {kv_heads} key/value heads of layer {name!r}; "
-            f"use a tp that divides {kv_heads}"
-        )
-
-
-def _register_builtins() -> None:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    from hetplan.runtime import models as m
-    from hetplan.runtime.support import moe_sequence_parallel
-
-    def embed_plan(module: m.Embed, s: TPSettings) -> dict[str, Any]:
-        if module.tok.num_embeddings % s.tp:
-            raise HetplanError(
-                f"tp={s.tp} does not divide the vocabulary of {module.tok.num_embeddings} in layer {s.name!r}"
-            )
-        plan: dict[str, Any] = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-        if s.sequence_parallel:
-            plan[""] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                           use_local_output=True)
-        return plan
-
-    def block_plan(module: m.Block, s: TPSettings) -> dict[str, Any]:
-        _heads_check(s.name, module.attn.heads, module.attn.kv_heads, s.tp)
-        moe = isinstance(module.mlp, m.MoE)  # router whole on every TP rank; experts split by parallelize.apply_ep
-        if moe and s.sequence_parallel:
-            raise HetplanError(moe_sequence_parallel(s.name))
-        ffn = 0 if moe else module.mlp.fc.out_features
-        if ffn % s.tp:
-            raise HetplanError(f"tp={s.tp} does not divide the MLP width {ffn} of layer {s.name!r}")
-        sp = s.sequence_parallel
-        out = Shard(1) if sp else Replicate()
-        plan: dict[str, Any] = {
-            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=out),
-        }
-        if not moe:
-            plan.update({"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=out)})
-        if not moe and module.mlp.gate is not None:
-            plan["mlp.gate"] = ColwiseParallel()
-        if sp:
-            plan.update({
-                "ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
-        return plan
-
-    def head_plan(module: m.Head, s: TPSettings) -> dict[str, Any]:
-        if module.proj.out_features % s.tp:
-            raise HetplanError(
-                f"tp={s.tp} does not divide the vocabulary of {module.proj.out_features} in layer {s.name!r}"
-            )
-        plan: dict[str, Any] = {
-            "proj": ColwiseParallel(input_layouts=Shard(1) if s.sequence_parallel else Replicate(),
-                                    output_layouts=Replicate(), use_local_output=True),
-        }
-        if s.sequence_parallel:
-            plan["norm"] = SequenceParallel()
-        return plan
-
-    register_tp_plan(m.Embed, embed_plan)
-    register_tp_plan(m.Block, block_plan)
-    register_tp_plan(m.Head, head_plan)
-    register_selective_recompute(m.AttentionCore)
-
-
-_BUILTINS_DONE = False
-
-
-def ensure_builtins() -> None:
-    """Register the built-in plans (imports torch; called by the runtime)."""
-    global _BUILTINS_DONE
-    if not _BUILTINS_DONE:
-        _register_builtins()
-        _BUILTINS_DONE = True
 
 
 # --- HF transformers --------------------------------------------------------------

@@ -20,6 +20,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hetplan.errors import HetplanError
+from hetplan.runtime import launch
+from hetplan.runtime.console import console, log_stderr
+
 
 @dataclass
 class TrainConfig:
@@ -46,11 +50,11 @@ class TrainConfig:
 def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     """Train and return {losses, step_times_s, notes, state (rank 0, if export)}.
     ``spec``: a ModelSpec to use instead of looking up ``cfg.model``."""
-    import torch
+    import torch  # lazy, with the runtime below: main() sends stderr to the rank's log before torch loads
 
     from hetplan.runtime import checkpoint as ck
+    from hetplan.runtime.build import model_build
     from hetplan.runtime.context import init
-    from hetplan.runtime.models import model_build
     from hetplan.runtime.reference import make_optimizer, training_batch
 
     ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None))
@@ -165,12 +169,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hetplan.errors import HetplanError
-    from hetplan.runtime import launch
-
     rank = os.environ.get("RANK", "0")
     if os.environ.get(launch.RANK_LOG_ENV):  # hetplan train: this rank's tracebacks and warnings go to its log
-        launch.log_stderr(os.environ[launch.RANK_LOG_ENV], int(rank))
+        log_stderr(os.environ[launch.RANK_LOG_ENV], int(rank))
     try:
         import torch
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         train(parse_args(argv))
         code = 0
     except HetplanError as exc:
-        launch.console(f"hetplan: error (rank {rank}): {exc}")
+        console(f"hetplan: error (rank {rank}): {exc}")
         code = 2
     sys.stdout.flush()
     sys.stderr.flush()

@@ -38,7 +38,9 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.model.source import call_build, module_fingerprint, split_built
 from hetplan.runtime.chain import keyword_input_names
+from hetplan.runtime.parallelize import stable_seed
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,6 @@ class UserModel:
 
     def build(self) -> nn.Module:
         """The full model (on the current default device; ``parallelize`` builds it on meta)."""
-        from hetplan.model.source import call_build, split_built
-
         return split_built(call_build(self.reference, meta=False), self.reference)[0]
 
     def batch(self, batch_size: int, step: int, seed: int = 0
@@ -91,8 +91,6 @@ class UserModel:
 
 
 def _generator(seed: int, step: int, what: str) -> torch.Generator:
-    from hetplan.runtime.parallelize import stable_seed
-
     return torch.Generator().manual_seed(stable_seed(seed, f"user-data:{step}:{what}"))
 
 
@@ -115,8 +113,6 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 def user_model(spec: Any) -> UserModel:
     """The model ``spec.meta["module_source"]`` builds, checked against the plan's (``spec``)."""
-    from hetplan.model.source import call_build, split_built
-
     reference = spec.meta["module_source"]
     made = call_build(reference)
     targets = made[2] if isinstance(made, tuple) and len(made) == 3 else None
@@ -140,8 +136,6 @@ def user_model(spec: Any) -> UserModel:
 
 def check_same_module(reference: str, module: nn.Module, spec: Any) -> None:
     """Refuse a model that is not the one the plan was made for (one line saying how it differs)."""
-    from hetplan.model.source import module_fingerprint
-
     want = spec.meta.get("module_hash")
     got = module_fingerprint(module)
     count = sum(p.numel() for p in module.parameters())

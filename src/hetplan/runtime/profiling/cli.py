@@ -119,7 +119,6 @@ def tp_problem(spec: Any, tp: int) -> str:
     from hetplan.runtime import tp as tpr
     from hetplan.runtime.models import GPT, config_from_spec
 
-    tpr.ensure_builtins()
     with torch.device("meta"):
         full = GPT(config_from_spec(spec))
     seen = set()

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hetplan.errors import HetplanError
 from hetplan.model.spec import LayerSpec, ModelSpec
 from hetplan.profile.db import ChainPoint, DataParallelPoint, ProfileDB, ProfileEntry
-from hetplan.runtime.context import gpu_matches
+from hetplan.runtime.setup import gpu_matches
 from hetplan.runtime.models import GPT, config_from_spec
 from hetplan.runtime.parallelize import InitialValues, PipelinePart, apply_dp, apply_tp, materialize
 from hetplan.runtime.precision import autocast, precision_of
