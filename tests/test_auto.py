@@ -7,7 +7,8 @@ import pytest
 
 from hetplan.cluster import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model import get_model
 from hetplan.model.presets import gpt_decoder
@@ -15,7 +16,7 @@ from hetplan.model.spec import ModelSpec
 from hetplan.search import get_planner, planner_names
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.exhaustive import ExhaustivePlanner
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 GIB = 1 << 30
 
