@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hetplan.cluster.presets import get_cluster  # noqa: E402
 from hetplan.cluster.spec import ClusterSpec, NodeSpec  # noqa: E402
-from hetplan.cost import CostModel, Workload  # noqa: E402
+from hetplan.cost.model import CostModel  # noqa: E402
+from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.model.presets import get_model  # noqa: E402
 from hetplan.report.text import table  # noqa: E402
 from hetplan.search import get_planner  # noqa: E402

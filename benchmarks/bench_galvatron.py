@@ -21,7 +21,7 @@ import sys
 import time
 
 from hetplan.cluster import load_cluster
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.model import get_model
 from hetplan.model.families import bert_model
 from hetplan.search.galvatron import get_variant

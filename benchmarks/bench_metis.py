@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hetplan.cluster import load_cluster  # noqa: E402
 from hetplan.cluster.spec import ClusterSpec, NodeSpec  # noqa: E402
-from hetplan.cost import CostModel, Workload  # noqa: E402
+from hetplan.cost.model import CostModel  # noqa: E402
+from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.errors import HetplanError  # noqa: E402
 from hetplan.model.presets import get_model, gpt_decoder  # noqa: E402
 from hetplan.profile.metis import metis_profile_runs, oracle_profile_runs  # noqa: E402

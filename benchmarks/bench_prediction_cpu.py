@@ -34,9 +34,9 @@ from pathlib import Path
 from hetplan.cluster import load_cluster
 from hetplan.cost.calibration import effective_calibration
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.model.presets import gpt_decoder
-from hetplan.planfile import workload_record
+from hetplan.plan.file import workload_record
 from hetplan.profile import load_profile
 from hetplan.search.baselines.uniform import uniform_plan
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from hetplan.model.presets import gpt_decoder  # noqa: E402
-from hetplan.plan import Plan, uniform_stage  # noqa: E402
+from hetplan.plan.spec import Plan, uniform_stage  # noqa: E402
 from hetplan.runtime.context import init  # noqa: E402
 from hetplan.runtime.models import build_preset_model, cross_entropy_loss  # noqa: E402
 from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch  # noqa: E402

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mixed_clusters import homogeneous_cluster, mixed_cluster, scale_model  # noqa: E402
 
-from hetplan.cost import Workload  # noqa: E402
+from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.report.text import table  # noqa: E402
 from hetplan.search import get_planner  # noqa: E402
 from hetplan.search.common.partition import PartitionProblem, fast_partition, reference_partition  # noqa: E402

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from galvatron_paper import MODELS_II, STRATEGIES_II, TABLE_II  # noqa: E402
 
 from hetplan.cluster import load_cluster  # noqa: E402
-from hetplan.cost import Workload  # noqa: E402
+from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.errors import HetplanError  # noqa: E402
 from hetplan.model import get_model  # noqa: E402
 from hetplan.search.baselines.fixed import BASELINES, BaselinePlanner  # noqa: E402

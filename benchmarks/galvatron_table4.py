@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from galvatron_paper import MODELS_IV, TABLE_IV  # noqa: E402
 
 from hetplan.cluster import load_cluster  # noqa: E402
-from hetplan.cost import Workload  # noqa: E402
+from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.model import get_model  # noqa: E402
 from hetplan.search.galvatron import get_variant  # noqa: E402
 

@@ -28,13 +28,13 @@ from typing import Any
 from hetplan.cluster.catalog import get_gpu
 from hetplan.cluster.presets import homogeneous_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.model.layers import BlockShape, embedding_layer, lm_head_layer, transformer_block
 from hetplan.errors import HetplanError
 from hetplan.model.families import llama_decoder
 from hetplan.model.presets import gpt_decoder
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.search.baselines.uniform import uniform_plan
 
 # A copy of the team's shared/calibration/published_runs.json (each run cites its

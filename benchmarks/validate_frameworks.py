@@ -32,12 +32,12 @@ from typing import Any
 
 from hetplan.cluster.presets import homogeneous_cluster
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.hf import model_from_hf_config
 from hetplan.model.presets import get_model
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.search.baselines.uniform import uniform_plan
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.model.presets import get_model
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from hetplan.cluster.presets import get_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.model.presets import get_model, gpt_decoder
 from hetplan.search import get_planner
 from hetplan.search.amp import AMPPlanner, AmpCostModel
@@ -22,7 +23,7 @@ from hetplan.search.common.degrees import enumerate_degrees
 from hetplan.search.exhaustive import ExhaustivePlanner, all_splits
 from hetplan.search.common.placement import heuristic_placement
 from hetplan.search.baselines.uniform import uniform_plan
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 GBPS = 1e9 / 8
 
@@ -200,7 +201,7 @@ def test_single_node_amp_matches_exhaustive_exactly() -> None:
 _SCRIPT = """
 import json
 from hetplan.cluster.presets import get_cluster
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.model.presets import get_model, gpt_decoder
 from hetplan.search import get_planner
 out = {}

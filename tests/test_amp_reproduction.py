@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from hetplan.cluster.presets import get_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.model.presets import get_model
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import RankedPlan
+from hetplan.plan.spec import RankedPlan
 from hetplan.search import get_planner
 from hetplan.search.amp import AMPPlanner, AmpCandidate, AmpCostModel
 from hetplan.search.baselines.megatron import layer_split

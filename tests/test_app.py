@@ -15,7 +15,7 @@ import pytest
 import hetplan.app as app
 from hetplan.cli import main
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.report.text import estimate_text, plan_text
 
 SEARCH_TIME = re.compile(r"searched in \d+\.\d+ s")

@@ -7,7 +7,8 @@ import pytest
 
 from hetplan.cluster import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model import get_model
 from hetplan.model.presets import gpt_decoder
@@ -15,7 +16,7 @@ from hetplan.model.spec import ModelSpec
 from hetplan.search import get_planner, planner_names
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.exhaustive import ExhaustivePlanner
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 GIB = 1 << 30
 
@@ -120,7 +121,7 @@ def test_a_tiny_work_budget_is_reported() -> None:
     best = planner.plan(workload, 1)[0]
     assert planner.stats.budget_hit and planner.stats.solves == 1
     assert best.estimate.fits
-    assert any("work budget of 1 exact layout solves" in n for n in best.plan.notes)
+    assert any("work budget of 1 exact shape solves" in n for n in best.plan.notes)
 
 
 def test_a_plan_is_listed_once_whether_its_layers_write_out_their_tp_or_not() -> None:
@@ -146,7 +147,7 @@ def test_a_model_whose_states_exceed_the_cluster_is_refused_before_any_search() 
     auto = AutoPlanner()
     with pytest.raises(OutOfMemoryError, match="optimizer states alone, more than the 5.0 TiB of all 64 GPUs"):
         auto.plan(workload, 1)
-    assert auto.stats.layouts == 0 and auto.stats.solves == 0
+    assert auto.stats.shapes == 0 and auto.stats.solves == 0
     for name in ("metis", "galvatron", "megatron", "uniform", "amp"):
         with pytest.raises(OutOfMemoryError, match="optimizer states alone"):
             get_planner(name).plan(workload, 1)

@@ -9,7 +9,8 @@ import pytest
 
 from hetplan.cluster.presets import get_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model
 from hetplan.search import get_planner
@@ -21,7 +22,7 @@ from hetplan.search.baselines.random_search import RandomPlanner
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.search.common.degrees import divisors
 from hetplan.search.common.layer_splits import block_split
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 
 # --- megatron -------------------------------------------------------------------------------

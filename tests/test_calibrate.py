@@ -15,10 +15,10 @@ from hetplan.cluster import cluster_from_dict, cluster_to_dict, load_cluster_yam
 from hetplan.cluster.presets import homogeneous_cluster
 from hetplan.cost.calibration import Calibration, read_calibration
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import gpt_decoder
-from hetplan.planfile import workload_record
+from hetplan.plan.file import workload_record
 from hetplan.search.baselines.uniform import uniform_plan
 
 TRUTH = Calibration({"A100-80GB": 1.3}, {"intra": 0.6, "inter": 0.45}, 3.0)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from hetplan.cluster import ClusterSpec, NodeSpec, load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost import comm
 from hetplan.cost.constants import ALLREDUCE_BUCKET_BYTES, COLLECTIVE_BANDWIDTH_EFFICIENCY, ZERO3_GATHERED_LAYERS
 from hetplan.cost.memory import framework_overhead_bytes, in_flight_micro_batches, model_state_bytes
 from hetplan.cost.pipeline import pipeline_time
 from hetplan.model.presets import get_model, gpt_decoder
-from hetplan.plan import LayerStrategy, Plan, Stage
+from hetplan.plan.spec import LayerStrategy, Plan, Stage
 from hetplan.search.baselines.uniform import uniform_plan
 
 

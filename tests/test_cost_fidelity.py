@@ -77,7 +77,7 @@ def test_attention_kernel_sets_the_attention_time_of_an_estimate() -> None:
     """The same plan with cuDNN's kernel instead of FlashAttention-2's: only
     the attention core gets faster, by the ratio of their rates."""
     from hetplan.cost.model import CostModel
-    from hetplan.cost.workload import Workload
+    from hetplan.plan.workload import Workload
     from hetplan.cluster.presets import homogeneous_cluster
 
     model = _block_model(8192, fused=True)
@@ -92,7 +92,7 @@ def test_attention_kernel_sets_the_attention_time_of_an_estimate() -> None:
 
 def test_unknown_attention_kernel_is_an_error() -> None:
     from hetplan.cluster.presets import homogeneous_cluster
-    from hetplan.cost.workload import Workload
+    from hetplan.plan.workload import Workload
     from hetplan.errors import HetplanError
 
     with pytest.raises(HetplanError, match="unknown attention kernel 'flash9'"):
@@ -146,7 +146,7 @@ def test_collective_latency_grows_with_gpus_and_nodes() -> None:
 def test_data_parallel_rate_includes_latency_per_message() -> None:
     """A sharded-data-parallel gather costs more per byte at 512 GPUs than
     at 16, even though the per-node bandwidth is the same."""
-    from hetplan.cost import Workload
+    from hetplan.plan.workload import Workload
     from hetplan.cost.kernel import CostKernel
 
     model = gpt_decoder("m", 8, 1024, 16, 1024, vocab=1000)
@@ -164,7 +164,7 @@ def test_deepspeed_shards_cross_each_gpus_own_nic() -> None:
     ZeRO-3 gather crosses its own NIC, so the network part is 8x a
     topology-aware ring's on 8-GPU nodes; inside one node, and for gradient
     all-reduce, the two implementations cost the same."""
-    from hetplan.cost import Workload
+    from hetplan.plan.workload import Workload
     from hetplan.cost.kernel import CostKernel
 
     model = gpt_decoder("m", 8, 1024, 16, 1024, vocab=1000)
@@ -184,7 +184,7 @@ def test_deepspeed_shards_cross_each_gpus_own_nic() -> None:
 
 
 def test_unknown_zero_implementation_is_refused() -> None:
-    from hetplan.cost import Workload
+    from hetplan.plan.workload import Workload
     from hetplan.errors import HetplanError
 
     with pytest.raises(HetplanError, match="ZeRO implementation"):
@@ -195,7 +195,8 @@ def test_fp32_gradients_double_the_sync_and_add_two_bytes_per_parameter() -> Non
     """Megatron's bf16 main_grad / FSDP's fp32 reduce: gradients are 4 bytes,
     held and all-reduced (25 MiB buckets of them, so the latency count doubles too)."""
     from hetplan.cluster import load_cluster
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
     from hetplan.search.baselines.uniform import uniform_plan
 
     model = gpt_decoder("m", 4, 1024, 16, 512, vocab=1000)
@@ -215,7 +216,8 @@ def test_deepspeed_bf16_optimizer_holds_two_gradient_copies_and_reduces_fp32() -
     """DeepSpeed's BF16 optimizer: bf16 + fp32 gradients (4 bytes/param more
     than plain mixed Adam, even under ZeRO-1), the fp32 ones all-reduced."""
     from hetplan.cluster import load_cluster
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
     from hetplan.search.baselines.uniform import uniform_plan
 
     model = gpt_decoder("m", 4, 1024, 16, 512, vocab=1000)
@@ -232,7 +234,8 @@ def test_deepspeed_bf16_optimizer_holds_two_gradient_copies_and_reduces_fp32() -
 
 def test_fp8_matmuls_speed_up_only_gpus_that_have_them() -> None:
     from hetplan.cluster import load_cluster
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
     from hetplan.errors import HetplanError
     from hetplan.search.baselines.uniform import uniform_plan
 
@@ -321,7 +324,7 @@ def test_tp_comm_overlap_exposes_only_what_outlasts_the_compute() -> None:
     from hetplan.cluster.presets import homogeneous_cluster
     from hetplan.cost.model import CostModel
     from hetplan.cost.pipeline import overlapped_exposure
-    from hetplan.cost.workload import Workload
+    from hetplan.plan.workload import Workload
     from hetplan.model.presets import get_model
     from hetplan.search.baselines.uniform import uniform_plan
 
@@ -376,7 +379,8 @@ def test_fp8_keeps_linear_inputs_in_one_byte(tp: int, sequence_parallel: bool) -
     each, not split by TP), the output-projection input (2sh) and the second
     MLP input (8sh). FP8 training keeps them at one byte an element: 7sh less
     per sample, of which TP divides 5sh (all 7 with sequence parallelism)."""
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
 
     seq, hidden = 512, 1024
     model = _block_model(seq, fused=True, hidden=hidden)

@@ -10,12 +10,13 @@ import random
 import pytest
 
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost.stage import StageOption
 from hetplan.cost.mixed import mixed_stage_memory, mixed_stage_timing
 from hetplan.errors import HetplanError
 from hetplan.model.presets import gpt_decoder
-from hetplan.plan import LayerStrategy, Plan, Stage
+from hetplan.plan.spec import LayerStrategy, Plan, Stage
 from hetplan.search import get_planner
 from hetplan.search.common.stage_partition import PipelinePartitioner
 from hetplan.search.exhaustive import ExhaustivePlanner

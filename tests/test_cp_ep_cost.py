@@ -14,7 +14,8 @@ import pytest
 from hetplan.cli import main
 from hetplan.cluster.presets import get_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost.comm import alltoall_time
 from hetplan.cost.compute import gemm_efficiency
 from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY, CP_KV_PASSES, EP_ALLTOALL_PASSES, GEMM_HALF_DIM
@@ -26,12 +27,12 @@ from hetplan.model.families import llama_decoder
 from hetplan.model.presets import get_model
 from hetplan.model.spec import LayerSpec, ModelSpec
 from setting_roundtrip import estimate_keeps_setting
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.baselines.uniform import UniformPlanner, uniform_plan
 from hetplan.search.common.stage_partition import PipelinePartitioner
 from hetplan.units import gbps_to_bytes_per_s
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 
 def _tiny_llama(seq: int = 256) -> ModelSpec:
@@ -350,7 +351,7 @@ def test_uneven_expert_split_is_checked_and_refused_where_unsupported() -> None:
     with pytest.raises(HetplanError, match="ep_split needs ep > 1"):
         validate_plan(dense_plan.with_changes(stages=(replace(dense_plan.stages[0], ep_split=(1, 1)),)),
                       dense.model, dense.cluster)
-    from hetplan.export import to_megatron_args
+    from hetplan.export.tools import to_megatron_args
     with pytest.raises(HetplanError, match="same number of experts"):
         to_megatron_args(plan, workload.model)
     from hetplan.runtime.layout import PlanLayout

@@ -10,7 +10,7 @@ import sys
 SCRIPT = """
 import json
 from hetplan.cluster import load_cluster
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.model import get_model
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.metis import MetisOptions, MetisPlanner

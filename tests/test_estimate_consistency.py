@@ -1,5 +1,5 @@
 """Every estimate any planner returns makes sense: finite, non-negative, and its
-parts add up to the step time (hetplan.plan.Estimate.checked), on every preset
+parts add up to the step time (hetplan.plan.spec.Estimate.checked), on every preset
 scenario. JSON never carries a negative or NaN number."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from hetplan.errors import HetplanError
-from hetplan.plan import Estimate
+from hetplan.plan.spec import Estimate
 from hetplan.search import get_planner, planner_names
 from test_auto import PRESET_SCENARIOS, _workload
 

@@ -1,5 +1,5 @@
 """``hetplan plan/compare --target TOOL``: the ranking keeps only plans the
-tool can run (the export itself decides: ``hetplan.export.exportable``), and
+tool can run (the export itself decides: ``hetplan.export.tools.exportable``), and
 says how much slower the best of them is than the best plan overall;
 ``hetplan export --index K`` exports the K-th plan of a ranked file."""
 
@@ -12,10 +12,10 @@ import pytest
 
 from hetplan.cli import load_workload, build_parser, main
 from hetplan.errors import HetplanError
-from hetplan.export import TARGETS, exportable, render
-from hetplan.planfile import read_plan_file
+from hetplan.export.tools import TARGETS, exportable, render
+from hetplan.plan.file import read_plan_file
 from hetplan.search import get_planner
-from hetplan.target import candidate_count, plans_for_target, slowdown
+from hetplan.export.target import candidate_count, plans_for_target, slowdown
 
 LLAMA = ["--model", "llama3-8b", "--cluster", "64xH100", "--global-batch", "512"]
 HETERO = ["--model", "gpt3-1.3b", "--cluster", "metis-p100-v100-16", "--global-batch", "64"]
@@ -50,7 +50,7 @@ def _check_target_file(data: dict, path: Path, tool: str, version: str = "0.3") 
     assert data["slowdown"] >= 0
     assert data["slowdown"] == pytest.approx(best_s / overall_s - 1, rel=1e-12, abs=1e-15)
     assert all(p["estimate"]["iteration_time_s"] >= best_s for p in data["plans"])
-    from hetplan.plan import Plan
+    from hetplan.plan.spec import Plan
 
     refusal = exportable(Plan.from_dict(overall["plan"]), model, tool, cluster, version)
     assert overall["refusal"] == refusal
@@ -155,7 +155,7 @@ def test_compare_target(tmp_path, capsys):
     rows = json.loads(path.read_text())
     args = build_parser().parse_args(["plan", *LLAMA])
     workload = load_workload(args)
-    from hetplan.plan import Plan
+    from hetplan.plan.spec import Plan
 
     for row in rows:
         assert row["target"] == "torchtitan" and row["slowdown"] >= 0 and row["source"]
@@ -189,7 +189,7 @@ def test_plan_without_target_is_for_the_runtime_and_unchanged(tmp_path, capsys):
     data, out, _ = _plan_json(tmp_path, capsys, ["--model", "tiny-llama-bf16", "--cluster", "8xH100",
                                                  "--global-batch", "16"])
     assert "target" not in data and "best_overall" not in data and "best plan " not in out
-    assert data["settings"]["target"] == "hetplan"  # plans for hetplan's runtime (hetplan.target.plan_target)
+    assert data["settings"]["target"] == "hetplan"  # plans for hetplan's runtime (hetplan.export.target.plan_target)
 
 
 def test_megatron_target_searches_zero_1_and_interleaving():
@@ -199,10 +199,11 @@ def test_megatron_target_searches_zero_1_and_interleaving():
     for it (tp1 pp4 ep8, 8 virtual stages, distributed optimizer) costed the
     same way, and Megatron-LM runs it."""
     from hetplan.cluster.presets import get_cluster
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
     from hetplan.model.presets import get_model
     from hetplan.search.baselines.uniform import uniform_plan
-    from hetplan.target import uniform_plans_for
+    from hetplan.export.target import uniform_plans_for
 
     workload = Workload(get_model("mixtral-8x7b"), get_cluster("64xH100"), 256, attention_kernel="cudnn")
     ranked, can, total = uniform_plans_for(workload, "megatron", 3)

@@ -45,9 +45,9 @@ import pytest
 
 from hetplan.cluster import load_cluster
 from hetplan.errors import HetplanError
-from hetplan.export import partition_uniform, render
+from hetplan.export.tools import partition_uniform, render
 from hetplan.model import get_model
-from hetplan.plan import LayerStrategy, Plan, uniform_stage
+from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHTITAN_OLD = ROOT / ".venv" / "tools" / "torchtitan-0.2.2"
@@ -234,7 +234,7 @@ def test_torchtitan_03_preset_registry_function() -> None:
 def test_torchtitan_presets_are_torchtitans_models() -> None:
     """The shapes export matches a model to torchtitan's presets by are the
     installed torchtitan's own (model_registry of each flavor)."""
-    from hetplan.export import TORCHTITAN_PRESETS
+    from hetplan.export.tools import TORCHTITAN_PRESETS
 
     torchtitan_trainer()
     for preset in TORCHTITAN_PRESETS.values():
@@ -1076,7 +1076,7 @@ def readme_flow(size: str, tool: str, folder: Path, out: str) -> tuple[Any, Path
     """hetplan plan --target TOOL on 64xH100, then hetplan export of the plan
     it ranks first (the one it marks for the tool): the plan and --out."""
     from hetplan.cli import main
-    from hetplan.planfile import read_plan_file
+    from hetplan.plan.file import read_plan_file
 
     pytest.importorskip("transformers")
     model = llama3_config(size, folder)

@@ -11,7 +11,8 @@ import pytest
 
 from hetplan.cli import main as cli_main
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.model import get_model
 from hetplan.model.presets import gpt_decoder
@@ -30,7 +31,7 @@ from hetplan.search.galvatron.partition import (
 from hetplan.search.galvatron.planner import VARIANTS, _Search, get_variant, strategy_runs
 from hetplan.search.galvatron.tables import COMPONENTS, GalvatronCosts, StageContext, stage_arrays
 from hetplan.search.galvatron.space import DP, SDP, TP, decision_trees, effective_strategies, strategy_count
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 GIB = 1 << 30
 # Coarse search settings for tests of structural properties: the same for every

@@ -13,7 +13,8 @@ import pytest
 
 from hetplan.cli import main
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost.constants import (
     FRAMEWORK_OVERHEAD_BYTES, OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TEMPORARIES, RUNTIME_OPTIMIZER, RUNTIME_STATE_BYTES,
 )

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost import shared_cores
 from hetplan.model import get_model
 from hetplan.cost.compute import layer_times

@@ -11,7 +11,8 @@ import pytest
 
 from hetplan.cli import main
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.cost.mixed import stage_memory_parts
 from hetplan.model import get_model

@@ -14,11 +14,12 @@ import pytest
 
 from hetplan.cluster import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model, gpt_decoder
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.profile.db import ProfileEntry
 from hetplan.profile.metis import MetisProfileDB, load_example
 from hetplan.search import get_planner, planner_names
@@ -26,7 +27,7 @@ from hetplan.search.metis import MetisOptions, MetisPlanner
 from hetplan.search.metis.stage_costs import Intra, MetisCosts, data_balance
 from hetplan.search.metis.groups import make_group
 from hetplan.search.baselines.uniform import UniformPlanner
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 
 def _gpt350m() -> ModelSpec:
@@ -187,7 +188,7 @@ _DETERMINISM = """
 import json, sys
 sys.path.insert(0, {src!r})
 from hetplan.cluster import load_cluster
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.model.presets import get_model
 from hetplan.search.metis import MetisPlanner
 w = Workload(get_model("gpt3-2.6b"), load_cluster("metis-p100-v100-8"), 64)

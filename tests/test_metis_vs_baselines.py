@@ -13,7 +13,7 @@ import math
 import pytest
 
 from hetplan.cluster import load_cluster
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model
 from hetplan.search import get_planner

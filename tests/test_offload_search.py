@@ -18,10 +18,11 @@ import pytest
 
 from hetplan.cluster.catalog import GPU_CATALOG
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import gpt_decoder
-from hetplan.plan import Estimate, Plan
+from hetplan.plan.spec import Estimate, Plan
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.baselines.uniform import UniformPlanner, uniform_plan
 from hetplan.search.common.degrees import divisors

@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 
 from hetplan.cluster.presets import get_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model, gpt_decoder
 from hetplan.cost.stage import StageOption
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.search.common.partition import (
     PartitionProblem,
     balanced_partition,

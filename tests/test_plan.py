@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from hetplan.cost import CostModel, Workload
-from hetplan.plan import Estimate, LayerStrategy, Plan, Stage, load_plan, save_plan
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
+from hetplan.plan.spec import Estimate, LayerStrategy, Plan, Stage, load_plan, save_plan
 from hetplan.search.baselines.uniform import uniform_plan
-from hetplan.validate import InvalidPlanError, validate_plan
+from hetplan.plan.validate import InvalidPlanError, validate_plan
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def test_validator_rejects_tp_not_dividing_heads(gpt2_hetero: Workload) -> None:
 
 
 def test_module_name_lists(plan: Plan, gpt2_hetero: Workload) -> None:
-    from hetplan.export import stage_module_names
+    from hetplan.export.tools import stage_module_names
 
     names = stage_module_names(plan, gpt2_hetero.model)
     assert names[0][0] == "embed" and names[-1][-1] == "head"
@@ -93,9 +94,9 @@ def test_micro_batch_size_means_per_replica_in_json_and_tables():
     """'mbs' as every other tool means it: samples per data-parallel replica per
     micro-batch; the total over the replicas is micro_batch_total. Plans
     written before (no micro_batch_total) stored the total and still load."""
-    from hetplan.export import export_plan
+    from hetplan.export.tools import export_plan
     from hetplan.model import get_model
-    from hetplan.plan import Plan, uniform_stage
+    from hetplan.plan.spec import Plan, uniform_stage
 
     stage = uniform_stage(range(6), list(range(8)), 8, 1, 8)  # 8 replicas, 1 sample each
     plan = Plan("tiny-gpt", "local-cpu-8", 64, 8, 8, "1f1b", (stage,))
@@ -114,7 +115,7 @@ def test_micro_batch_size_means_per_replica_in_json_and_tables():
 def test_uneven_shares_have_no_single_per_replica_size():
     from dataclasses import replace
 
-    from hetplan.plan import Plan, uniform_stage
+    from hetplan.plan.spec import Plan, uniform_stage
 
     stage = replace(uniform_stage(range(6), [0, 1], 2, 1, 2), dp_split=(3, 1))
     plan = Plan("tiny-gpt", "local-cpu-2", 8, 4, 2, "1f1b", (stage,))

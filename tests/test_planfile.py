@@ -11,7 +11,7 @@ import pytest
 
 from hetplan.cli import main
 from hetplan.errors import HetplanError
-from hetplan.planfile import PLAN_FILE_VERSION, read_plan_file
+from hetplan.plan.file import PLAN_FILE_VERSION, read_plan_file
 
 CLUSTER = """name: two-kinds
 inter_node_bandwidth_gbps: 10.0

@@ -22,10 +22,11 @@ import pytest
 
 from hetplan.cli import main
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.model import get_model
-from hetplan.planfile import read_plan_file
+from hetplan.plan.file import read_plan_file
 from hetplan.report.html import SECTIONS, report_html, stage_labels
 from hetplan.report.svg import MEMORY_COLOURS, memory_svg, text_width, timeline_svg
 from hetplan.app.whatif import run_whatif

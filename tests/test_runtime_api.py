@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from hetplan.errors import HetplanError  # noqa: E402
 from hetplan.model import get_model  # noqa: E402
-from hetplan.plan import LayerStrategy, Plan, uniform_stage  # noqa: E402
+from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage  # noqa: E402
 from hetplan.runtime import tp as tpr  # noqa: E402
 from hetplan.runtime.context import init  # noqa: E402
 from hetplan.runtime.models import GPT, GPTConfig, build_preset_model, config_from_spec, cross_entropy_loss  # noqa: E402

@@ -12,7 +12,7 @@ F = torch.nn.functional
 
 from hetplan.errors import HetplanError  # noqa: E402
 from hetplan.model import get_model  # noqa: E402
-from hetplan.plan import Plan, uniform_stage  # noqa: E402
+from hetplan.plan.spec import Plan, uniform_stage  # noqa: E402
 
 
 def test_zigzag_split_by_hand() -> None:

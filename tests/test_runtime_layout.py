@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from hetplan.plan import Plan, uniform_stage
+from hetplan.plan.spec import Plan, uniform_stage
 from hetplan.runtime.layout import PlanLayout, PlanNotSupportedError
 
 NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
@@ -126,7 +126,7 @@ def _cli(*args):
 
 
 def test_run_print_lists_commands_without_torch(tmp_path):
-    from hetplan.plan import save_plan
+    from hetplan.plan.spec import save_plan
 
     p = Plan("tiny-gpt", "amp-heterogeneous", 8, 2, 4, "1f1b",
              (uniform_stage(range(0, 3), [0, 1, 2, 3], 2, 2, 2), uniform_stage(range(3, 6), [12, 13, 14, 15], 2, 2, 2)))

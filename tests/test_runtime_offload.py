@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model import get_model
-from hetplan.plan import LayerStrategy, Plan
+from hetplan.plan.spec import LayerStrategy, Plan
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hetplan.cli import main
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model import get_model
 from hetplan.cluster import load_cluster

@@ -17,11 +17,12 @@ pytest.importorskip("torch")
 
 from hetplan.cli import main  # noqa: E402
 from hetplan.cluster import load_cluster  # noqa: E402
-from hetplan.cost import CostModel, Workload  # noqa: E402
+from hetplan.cost.model import CostModel  # noqa: E402
+from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.errors import HetplanError  # noqa: E402
 from hetplan.model import load_model  # noqa: E402
-from hetplan.plan import LayerStrategy, Plan  # noqa: E402
-from hetplan.planfile import read_plan_file  # noqa: E402
+from hetplan.plan.spec import LayerStrategy, Plan  # noqa: E402
+from hetplan.plan.file import read_plan_file  # noqa: E402
 from hetplan.runtime.layout import PlanLayout  # noqa: E402
 from hetplan.runtime.support import runtime_refusal, support_of  # noqa: E402
 from hetplan.search.baselines.uniform import uniform_plan  # noqa: E402

@@ -20,7 +20,8 @@ import pytest
 
 from hetplan.cluster import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost.comm import (
     allgather_time,
     allreduce_time,

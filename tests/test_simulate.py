@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.cost.pipeline import pipeline_time
 from hetplan.report.svg import memory_svg, timeline_svg
 from hetplan.search.baselines.uniform import uniform_plan

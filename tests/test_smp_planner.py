@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from hetplan.cluster import load_cluster
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model import get_model
 from hetplan.search.registry import get_planner

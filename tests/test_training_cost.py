@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hetplan.argtypes import gpu_prices, token_count
+from hetplan.io.argtypes import gpu_prices, token_count
 from hetplan.cli import main
 from hetplan.errors import HetplanError
 
@@ -86,7 +86,8 @@ def test_whatif_refuses_to_resize_a_mixed_cluster(capsys):
 
 
 def _numbers(cluster, prices=None):  # type: ignore[no-untyped-def]
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
     from hetplan.model import get_model
     from hetplan.app.training import training_numbers
     from hetplan.search.baselines.uniform import uniform_plan

@@ -19,8 +19,8 @@ import pytest
 from hetplan.cli import build_parser, main
 from hetplan.cli.tune import cmd_tune
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, uniform_stage
-from hetplan.planfile import read_plan_file
+from hetplan.plan.spec import Plan, uniform_stage
+from hetplan.plan.file import read_plan_file
 from hetplan.app.tune import (
     Measurement,
     TrialFailed,

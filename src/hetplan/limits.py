@@ -3,7 +3,7 @@
 Each is far above every real training job, so none stops a real user, yet
 finite: a typo (``10000000000xH100``), a wrong file or a fuzzer's input gets a
 one-line error at once instead of minutes of work or gigabytes of memory. The
-limits on files are in ``hetplan.userfiles``; those on models in
+limits on files are in ``hetplan.io.userfiles``; those on models in
 ``hetplan.model.spec``.
 """
 

@@ -75,7 +75,7 @@ class Progress:
         return self.mode != "off"
 
     def expect(self, more: int) -> None:
-        """More work than first known (layouts found by a first pass, a fallback's planners)."""
+        """More work than first known (shapes found by a first pass, a fallback's planners)."""
         self.total = (self.total or 0) + more
 
     def advance(self, steps: int = 1, note: str = "") -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hetplan.plan import Plan, uniform_stage
+from hetplan.plan.spec import Plan, uniform_stage
 from hetplan.search.common.layer_splits import even_split
 
 SEQ = 16
@@ -95,7 +95,7 @@ def recompute_plan(name: str, pp: int, dp: int = 1, tp: int = 1) -> Plan:
     other layers (embeddings, head) selective, which recomputes nothing there."""
     from dataclasses import replace
 
-    from hetplan.plan import LayerStrategy
+    from hetplan.plan.spec import LayerStrategy
 
     layers = spec(name).layers
     blocks = [i for i, layer in enumerate(layers) if layer.attention_flops > 0]

@@ -12,7 +12,7 @@ import os
 from dataclasses import replace
 from typing import Any, Sequence
 
-from hetplan.plan import LayerStrategy, Plan, save_plan, uniform_stage
+from hetplan.plan.spec import LayerStrategy, Plan, save_plan, uniform_stage
 from hetplan.search.common.layer_splits import even_split
 
 MODEL = "tiny-gpt"

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 import hf_pp_helpers as h
-from hetplan.plan import LayerStrategy, Plan, uniform_stage
+from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
 from hetplan.runtime.cli import VERIFY_TOLERANCE
 from rt_helpers import run
 
@@ -114,7 +114,8 @@ def _numel(shape: Any) -> int:
 def _charged_params(family: str, cell: str) -> list[int]:
     """Parameters per rank the cost model charges (fp32 weights: 4 bytes each)."""
     from hetplan.cluster import load_cluster
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
 
     plan = make_plan(family, cell)
     cost = CostModel(Workload(h.spec(family), load_cluster(plan.cluster), GBS, target="hetplan"))

@@ -23,7 +23,7 @@ import hf_pp_helpers as h  # noqa: E402
 from rt_helpers import run, write_plan  # noqa: E402
 
 from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.plan import LayerStrategy  # noqa: E402
+from hetplan.plan.spec import LayerStrategy  # noqa: E402
 from hetplan.runtime.reference import compare  # noqa: E402
 
 TOL = 1e-5

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hetplan.plan import LayerStrategy
+from hetplan.plan.spec import LayerStrategy
 from hetplan.runtime.cli import VERIFY_TOLERANCE
 from rt_helpers import make_plan, run, train_worker
 

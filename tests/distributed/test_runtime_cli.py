@@ -73,7 +73,7 @@ def test_metis_plan_for_three_nodes_trains_and_verifies_on_one_machine(tmp_path)
     proc = _hetplan("plan", "--planner", "metis", "--model", "tiny-gpt", "--cluster", str(cluster),
                     "--global-batch", "8", "--json", plan, "--quiet")
     assert proc.returncode == 0, proc.stderr
-    from hetplan.planfile import read_plan_file
+    from hetplan.plan.file import read_plan_file
     from hetplan.runtime.launch import plan_nodes
 
     pf = read_plan_file(plan)

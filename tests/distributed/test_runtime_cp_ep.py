@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 
-from hetplan.plan import Plan, save_plan, uniform_stage
+from hetplan.plan.spec import Plan, save_plan, uniform_stage
 from hetplan.search.common.layer_splits import even_split
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

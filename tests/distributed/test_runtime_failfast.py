@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import replace
 
-from hetplan.plan import uniform_stage
+from hetplan.plan.spec import uniform_stage
 from rt_helpers import build_worker, make_plan, run_raw, write_plan
 
 LIMIT_S = 90.0  # far below any collective timeout a hang would hit

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.plan import LayerStrategy
+from hetplan.plan.spec import LayerStrategy
 from rt_helpers import assert_matches_reference, assert_structure, make_plan, run, train_worker, write_plan
 
 CASES = {

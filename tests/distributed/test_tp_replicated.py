@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.plan import Plan, uniform_stage
+from hetplan.plan.spec import Plan, uniform_stage
 from rt_helpers import run, write_plan
 
 MODEL = "tests.support_models:gpt_with_adapter"
@@ -27,7 +27,8 @@ def test_layer_without_tp_plan_holds_what_it_is_charged(tmp_path) -> None:
     import torch
 
     from hetplan.cluster import load_cluster
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
     from hetplan.model import load_model
     from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, make_optimizer, train_reference, training_batch

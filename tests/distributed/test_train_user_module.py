@@ -42,7 +42,7 @@ def _smp_plan(reference: str, plan: str, cluster: str, path: str = ROOT, pp: int
 def test_smp_plan_of_a_build_function_trains_and_verifies(name: str, tmp_path) -> None:
     """GPT with its own next-token ``hetplan_loss``; CNN with example targets (class labels);
     encoder-decoder with the default loss (mean output squared)."""
-    from hetplan.planfile import read_plan_file
+    from hetplan.plan.file import read_plan_file
 
     plan = str(tmp_path / "p.json")
     _smp_plan(f"tests.smp_models:{name}", plan, "local-cpu-4")
@@ -164,7 +164,7 @@ ctx.close(exit_process=True)
 
 @pytest.mark.slow
 def test_init_with_the_plan_alone_in_a_user_script(tmp_path) -> None:
-    from hetplan.planfile import read_plan_file
+    from hetplan.plan.file import read_plan_file
     from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, train_reference, training_batch
 

@@ -19,7 +19,7 @@ def _hetplan(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_tune_measures_the_top_plans_and_writes_the_fastest(tmp_path) -> None:
-    from hetplan.planfile import read_plan_file
+    from hetplan.plan.file import read_plan_file
     from hetplan.app.tune import read_measurements
 
     out = str(tmp_path / "best.json")

@@ -45,7 +45,8 @@ def bytes_worker(plan_path: str) -> dict[str, int]:
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_predicted_bytes_per_rank_are_the_local_tensors(zero: int, dp: int, tmp_path) -> None:
     from hetplan.cluster import load_cluster
-    from hetplan.cost import CostModel, Workload
+    from hetplan.cost.model import CostModel
+    from hetplan.plan.workload import Workload
     from hetplan.model import get_model
 
     plan = make_plan(dp, zero=zero)

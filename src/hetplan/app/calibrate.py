@@ -31,12 +31,12 @@ import numpy as np
 from hetplan.app.tune import read_measurements
 from hetplan.cost.calibration import LINK_CLASSES, SCALE_RANGE, Calibration
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.fields import listing, number, text, whole
-from hetplan.plan import Plan
-from hetplan.planfile import plan_file_from_data, read_plan_file
-from hetplan.userfiles import read_json, read_text
+from hetplan.io.fields import listing, number, text, whole
+from hetplan.plan.spec import Plan
+from hetplan.plan.file import plan_file_from_data, read_plan_file
+from hetplan.io.userfiles import read_json, read_text
 
 # Weight of the pull of each log factor towards 0 (factor 1), relative to one
 # plan's squared log error: small enough that a factor the measurements

@@ -9,12 +9,12 @@ from typing import Any, Sequence
 
 from hetplan.app.planning import run_planner
 from hetplan.app.workload import WorkloadOptions, load_workload
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.export import DEFAULT_TORCHTITAN_VERSION
-from hetplan.plan import RankedPlan
+from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION
+from hetplan.plan.spec import RankedPlan
 from hetplan.search import get_planner
-from hetplan.target import TargetResult, search_for_target
+from hetplan.export.target import TargetResult, search_for_target
 
 # The others' speed-up is against megatron's plan: the AMP paper's baseline (docs/planners/amp.md).
 BASELINE_PLANNER = "megatron"
@@ -78,10 +78,10 @@ def _outcome_record(o: PlannerOutcome, speedup: float) -> dict[str, Any]:
 def compare_planners(options: WorkloadOptions, names: Sequence[str], auto_batch: bool = False,
                      torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> CompareResult:
     """Each named planner's best plan for the workload of ``options`` that its
-    target tool runs (``hetplan.target``); a planner that finds none is an
+    target tool runs (``hetplan.export.target``); a planner that finds none is an
     outcome with its error, not a failure of the comparison."""
     workload = load_workload(options, global_batch=1 if auto_batch else None)
-    tool = workload.target or None  # hetplan's runtime by default (hetplan.target)
+    tool = workload.target or None  # hetplan's runtime by default (hetplan.export.target)
     outcomes = [_best_of(name, workload, tool, auto_batch, torchtitan_version) for name in names]
     return CompareResult(workload, tuple(outcomes), tool, tool is not None and bool(options.target))
 

@@ -12,13 +12,14 @@ from hetplan.app.planning import check_target_runs
 from hetplan.app.records import ranked_record
 from hetplan.app.report import PlanReport, plan_report
 from hetplan.app.workload import WorkloadOptions, load_workload
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.export import DEFAULT_TORCHTITAN_VERSION
-from hetplan.plan import Plan, RankedPlan
-from hetplan.planfile import read_plan_file, workload_record
+from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION
+from hetplan.plan.spec import Plan, RankedPlan
+from hetplan.plan.file import read_plan_file, workload_record
 from hetplan.search.baselines.uniform import uniform_plan
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Planning a workload: run a planner (its best plans the target tool can run,
-``hetplan.target``), rank and record them. ``hetplan plan`` and the Python call
+``hetplan.export.target``), rank and record them. ``hetplan plan`` and the Python call
 ``hetplan.app.plan`` are this one function, ``plan_workload``."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from typing import Any
 from hetplan.app.records import ranked_record
 from hetplan.app.report import PlanReport, plan_report
 from hetplan.app.workload import DEFAULT_PLANNER, WorkloadOptions, load_workload
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
-from hetplan.export import DEFAULT_TORCHTITAN_VERSION
+from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import Plan, RankedPlan
-from hetplan.planfile import workload_record
+from hetplan.plan.spec import Plan, RankedPlan
+from hetplan.plan.file import workload_record
 from hetplan.search import get_planner
-from hetplan.target import ANY, RUNTIME, TargetResult, default_notes, refusal, search_for_target, target_json, tool_name
+from hetplan.export.target import ANY, RUNTIME, TargetResult, default_notes, refusal, search_for_target, target_json, tool_name
 
 DEFAULT_TOP = 5  # plans ``hetplan plan`` shows
 
@@ -37,7 +38,7 @@ def run_planner(planner: Any, workload: Workload, top_k: int, auto_batch: bool) 
 
 def runnable_best(planner: Any, workload: Workload) -> RankedPlan:
     """The planner's best plan the default target runs (hetplan's runtime, for
-    a model it builds: ``hetplan.target.plan_target``)."""
+    a model it builds: ``hetplan.export.target.plan_target``)."""
     found, _ = search_for_target(lambda k: run_planner(planner, workload, k, False), workload,
                                  workload.target or None, 1, planner.name)
     return found[0]
@@ -57,7 +58,7 @@ def _seq_len_hint(exc: OutOfMemoryError, model: ModelSpec) -> OutOfMemoryError:
 def check_target_runs(plan: Plan, workload: Workload, torchtitan_version: str) -> None:
     """A plan is costed for the code that will run it: hetplan's runtime unless
     a target tool is given (or saved in the plan file); one that code would
-    refuse or run differently is refused here in one line (``hetplan.target.refusal``)."""
+    refuse or run differently is refused here in one line (``hetplan.export.target.refusal``)."""
     tool = workload.target
     why = refusal(plan, workload, tool, torchtitan_version) if tool else ""
     if why:
@@ -107,7 +108,7 @@ def plan_workload(options: WorkloadOptions, planner: str | Any, top: int = DEFAU
                   torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION, tokens: float | None = None,
                   prices: dict[str, float] | None = None) -> PlanResult:
     """``planner``'s ``top`` best plans for the workload of ``options`` that
-    its target tool runs (``hetplan.target``: hetplan's runtime by default;
+    its target tool runs (``hetplan.export.target``: hetplan's runtime by default;
     a named tool also gets the uniform planner's plans merged in);
     ``planner``: a name (looked up once the workload loaded) or a planner object;
     ``auto_batch``: the planner chooses the global batch."""
@@ -140,7 +141,7 @@ def plan(model: str | None = None, cluster: str | None = None, global_batch: int
     take them (default: AMP's GPT-2 on its mixed cluster); ``global_batch``:
     samples per step, or "auto" for a planner that chooses it; ``planner``: a
     name (``hetplan planners``) or a planner object; ``target``: keep only the
-    plans this tool runs (``hetplan.target.PLAN_TARGETS``); ``tokens``/``prices``:
+    plans this tool runs (``hetplan.export.target.PLAN_TARGETS``); ``tokens``/``prices``:
     what the training numbers assume (tokens to train, price per GPU-hour by
     type or "*"); ``settings``: the other ``WorkloadOptions`` (``seq_len``,
     ``memory_limit``, ``precision``, ``optimizer``, ``fp8``, ...).

@@ -3,7 +3,7 @@
 
 A plan-file entry is ``RankedPlan.to_dict`` plus each GPU's peak memory by
 category and the time (and cost) to train, so a plan file read back
-(``hetplan.planfile``) carries what the tables showed."""
+(``hetplan.plan.file``) carries what the tables showed."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import json
 from typing import Any
 
 from hetplan.app.training import training_numbers
-from hetplan.cost import CostModel
+from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
-from hetplan.plan import RankedPlan
+from hetplan.plan.spec import RankedPlan
 
 
 def ranked_record(ranked: RankedPlan, cost_model: CostModel, tokens: float | None,

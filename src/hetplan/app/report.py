@@ -10,10 +10,11 @@ from typing import Any, Sequence
 
 from hetplan.app.explain import explain, model_notes
 from hetplan.app.training import training_numbers
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import RankedPlan
-from hetplan.planfile import PlanFile
+from hetplan.plan.spec import RankedPlan
+from hetplan.plan.file import PlanFile
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 from hetplan.cluster.catalog import normalise_gpu_name
 from hetplan.errors import HetplanError
-from hetplan.plan import Estimate, Plan
+from hetplan.plan.spec import Estimate, Plan
 
 SECONDS_PER_HOUR = 3600.0
 BILLION = 1e9

@@ -38,15 +38,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TextIO
 
-from hetplan import fields
+from hetplan.io import fields
 from hetplan.app.planning import run_planner
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan
-from hetplan.planfile import plan_file_from_data, workload_record
+from hetplan.plan.spec import Plan, RankedPlan
+from hetplan.plan.file import plan_file_from_data, workload_record
 from hetplan.runtime import launch
 from hetplan.runtime.cli import child_env
-from hetplan.target import RUNTIME, search_for_target
-from hetplan.userfiles import read_json
+from hetplan.export.target import RUNTIME, search_for_target
+from hetplan.io.userfiles import read_json
 
 MEASUREMENTS_FORMAT = "hetplan-measurements"
 MEASUREMENTS_VERSION = 1
@@ -130,7 +130,7 @@ class Trial:
     ``measured_step_s`` is their median. On CPU ``measured_peak_memory_bytes``
     is the peak RSS (interpreter and torch included), not allocator bytes."""
 
-    plan_file: dict[str, Any]  # a complete single-plan plan file (hetplan.planfile)
+    plan_file: dict[str, Any]  # a complete single-plan plan file (hetplan.plan.file)
     predicted_step_s: float
     measured_step_s: float | None
     measured_step_times_s: tuple[float, ...]

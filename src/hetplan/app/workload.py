@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetplan.cluster import load_cluster
-from hetplan.cost import Workload
+from hetplan.plan.workload import Workload
 from hetplan.cost.calibration import effective_calibration, read_calibration
 from hetplan.cost.constants import (
     DEFAULT_ATTENTION_KERNEL, EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, TOOL_ATTENTION_KERNEL,
 )
 from hetplan.model import load_model
-from hetplan.planfile import PlanFile, resolve_cluster, resolve_model
+from hetplan.plan.file import PlanFile, resolve_cluster, resolve_model
 from hetplan.profile import load_profile
-from hetplan.target import plan_target
+from hetplan.export.target import plan_target
 from hetplan.units import parse_memory_size
 
 # What ``hetplan plan`` runs with no options: AMP's GPT-2 setting on AMP's mixed
@@ -38,7 +38,7 @@ class WorkloadOptions:
 
     ``model``/``cluster``: a preset name or a file (what ``--model``/``--cluster`` take);
     ``memory_limit``: usable memory per GPU, e.g. "8GB" or bytes; ``target``: the
-    tool the plans must run on (``hetplan.target.PLAN_TARGETS``); ``search_offload``:
+    tool the plans must run on (``hetplan.export.target.PLAN_TARGETS``); ``search_offload``:
     may the planners offload activations (``plan --offload auto|never``)."""
 
     model: str | None = None
@@ -73,7 +73,7 @@ def load_workload(options: WorkloadOptions, global_batch: int | None = None,
         model = load_model(options.model or DEFAULT_MODEL, seq_len=options.seq_len, dtype_bytes=dtype)
         cluster = load_cluster(options.cluster or DEFAULT_CLUSTER)
     saved = plan_file.settings if plan_file is not None else {}
-    target = plan_target(model, options.target or saved.get("target"))  # hetplan.target
+    target = plan_target(model, options.target or saved.get("target"))  # hetplan.export.target
     gbs = global_batch if global_batch is not None else (options.global_batch or DEFAULT_GLOBAL_BATCH)
     limit = parse_memory_size(options.memory_limit) if options.memory_limit is not None \
         else saved.get("memory_limit_bytes", 0)

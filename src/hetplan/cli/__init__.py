@@ -29,7 +29,7 @@ import sys
 from typing import Sequence
 
 from hetplan import __version__
-from hetplan.argtypes import EXIT_USAGE, OneLineParser
+from hetplan.io.argtypes import EXIT_USAGE, OneLineParser
 from hetplan.cli import calibrate as calibrate_cli
 from hetplan.cli import listing as listing_cli
 from hetplan.cli import planning as planning_cli

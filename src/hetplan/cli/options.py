@@ -8,13 +8,13 @@ import argparse
 from hetplan.app.workload import (
     DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, WorkloadOptions, load_workload as load_options_workload,
 )
-from hetplan.argtypes import at_most, finite_nonneg_float, gpu_prices, positive_int, token_count
-from hetplan.cost import Workload
+from hetplan.io.argtypes import at_most, finite_nonneg_float, gpu_prices, positive_int, token_count
+from hetplan.plan.workload import Workload
 from hetplan.cost.constants import ATTENTION_KERNELS, PRECISION_BYTES, ZERO_IMPLEMENTATIONS
-from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TORCHTITAN_VERSIONS
+from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION, TORCHTITAN_VERSIONS
 from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
-from hetplan.planfile import PlanFile
-from hetplan.target import PLAN_TARGETS
+from hetplan.plan.file import PlanFile
+from hetplan.export.target import PLAN_TARGETS
 
 OFFLOAD_SEARCH = ("auto", "never")  # plan/compare --offload: may the planners offload activations
 AUTO_BATCH = "auto"  # --global-batch auto: a batch-searching planner chooses it

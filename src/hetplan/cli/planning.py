@@ -15,16 +15,17 @@ from hetplan.app.planning import DEFAULT_TOP, plan_workload, runnable_best
 from hetplan.app.records import write_json, write_text
 from hetplan.app.whatif import check_varies, parse_vary, run_whatif, whatif_record
 from hetplan.app.workload import DEFAULT_PLANNER
-from hetplan.argtypes import finite_nonneg_float, positive_int
+from hetplan.io.argtypes import finite_nonneg_float, positive_int
 from hetplan.cli.options import (
     OFFLOAD_SEARCH, add_offload_search_arg, add_target_args, add_workload_args, auto_batch, batch_size, degree,
     load_workload, workload_options,
 )
-from hetplan.cost import CostModel, Workload
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.export import render, settings_notes
-from hetplan.plan import RankedPlan
-from hetplan.planfile import read_plan_file, resolve_cluster, resolve_model
+from hetplan.export.tools import render, settings_notes
+from hetplan.plan.spec import RankedPlan
+from hetplan.plan.file import read_plan_file, resolve_cluster, resolve_model
 from hetplan.report.compare import compare_text
 from hetplan.report.svg import memory_svg, timeline_svg
 from hetplan.report.text import estimate_text, plan_text, workload_header
@@ -32,7 +33,7 @@ from hetplan.report.whatif import whatif_table
 from hetplan.search import get_planner, planner_names
 from hetplan.search.smp import DEFAULT_ALPHA, SMPPlanner
 from hetplan.simulate import build_schedule, format_schedule, makespan, simulate_plan
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 # estimate --simulate prints the schedule grid up to this many slots (stages x micro-batches):
 # a wider grid does not fit a terminal (the limit cli.py had).

@@ -10,9 +10,9 @@ from hetplan.app.planning import runnable_best
 from hetplan.app.records import write_text
 from hetplan.app.whatif import WhatIfResult, check_varies, parse_vary, run_whatif
 from hetplan.app.workload import DEFAULT_PLANNER
-from hetplan.argtypes import positive_int
+from hetplan.io.argtypes import positive_int
 from hetplan.cli.options import add_training_args
-from hetplan.planfile import read_plan_file
+from hetplan.plan.file import read_plan_file
 from hetplan.report.html import report_html
 from hetplan.search import get_planner
 

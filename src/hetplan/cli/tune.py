@@ -15,15 +15,15 @@ from hetplan.app.tune import (
     tune_candidates, tuned_plan_file,
 )
 from hetplan.app.workload import DEFAULT_PLANNER
-from hetplan.argtypes import at_most, finite_positive_float, zero_or_at_most
+from hetplan.io.argtypes import at_most, finite_positive_float, zero_or_at_most
 from hetplan.cli.options import add_workload_args, load_workload
-from hetplan.cost import CostModel
+from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
 from hetplan.report.measured import result_table, verdict
 from hetplan.report.text import workload_header
 from hetplan.runtime import cli as runtime_cli
 from hetplan.search import get_planner
-from hetplan.userfiles import check_writable_file
+from hetplan.io.userfiles import check_writable_file
 
 
 def register(sub: Any) -> None:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from hetplan import fields
+from hetplan.io import fields
 from hetplan.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_HOST_MEMORY_GIB, MAX_NODES, check_at_most
 from hetplan.cluster.catalog import (
     GPU_CATALOG, TERA, GPUSpec, find_catalog_gpu, get_gpu, in_si, in_units, is_catalog_gpu, normalise_gpu_name,
@@ -53,7 +53,7 @@ from hetplan.cluster.catalog import (
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.errors import HetplanError
 from hetplan.units import GIB
-from hetplan.userfiles import read_yaml
+from hetplan.io.userfiles import read_yaml
 
 _TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types",
              "calibration"}

@@ -1,6 +1,4 @@
-"""The shared cost model: compute, communication, memory and pipeline time."""
+"""The shared cost model: compute, communication, memory and pipeline time.
 
-from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
-
-__all__ = ["CostModel", "Workload"]
+``cost.model.CostModel`` is its entry point; ``hetplan.plan.workload.Workload`` its input.
+"""

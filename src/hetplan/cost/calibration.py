@@ -38,8 +38,8 @@ from typing import Any, Mapping
 
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.errors import HetplanError
-from hetplan.fields import mapping, number, text, whole
-from hetplan.userfiles import read_json
+from hetplan.io.fields import mapping, number, text, whole
+from hetplan.io.userfiles import read_json
 
 CALIBRATION_FORMAT = "hetplan-calibration"
 CALIBRATION_VERSION = 1

@@ -68,7 +68,7 @@ from hetplan.cost.memory import (
     host_offload_capacity_bytes,
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.profile.db import DATA_PARALLEL_ZERO
 from hetplan.profile.metis import MetisProfileDB
 
@@ -104,7 +104,7 @@ class _MemoryClass:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _StagePlacement:
     """What a stage's devices, degrees and split decide, whatever its ZeRO stage
     or recomputation: the replicas that cost alike, the memory classes of its
     GPUs, and its data-parallel and optimizer rates.
@@ -208,7 +208,7 @@ class CostKernel:
         self._arrays: dict[tuple[object, ...], np.ndarray] = {}
         self._stages: dict[tuple[int, int, str, bool, bool], StageCosts] = {}  # by layout index and strategy
         self._signatures: dict[tuple[object, ...], int] = {}
-        self._layouts: dict[tuple[object, ...], _Layout] = {}
+        self._layouts: dict[tuple[object, ...], _StagePlacement] = {}
         self._sets: dict[tuple[int, ...], int] = {}  # device tuples, numbered (``device_set``)
         self._sets_by_id: dict[int, tuple[tuple[int, ...], int]] = {}
         self._set_arrays: _Recent[np.ndarray] = _Recent(RECENT_DEVICE_TUPLES)
@@ -662,7 +662,7 @@ class CostKernel:
 
     # --- stages -------------------------------------------------------------------------
     def stage(self, option: StageOption) -> StageCosts:
-        """The StageCosts of ``option`` (cached). Options whose layouts have one
+        """The StageCosts of ``option`` (cached). Options whose stage placements have one
         signature (symmetric device groups) share one StageCosts."""
         check_option(option)
         layout = self.layout(option.devices, option.dp, option.tp, option.split, option.cp, option.ep,
@@ -680,7 +680,7 @@ class CostKernel:
         replica (its slowest GPU, its share of a micro-batch, its TP link), cached.
         With ``offload`` the recompute time also holds the exposed host transfers
         (``offload_exposed_time``): both are what a memory saving costs.
-        ``parallel`` (``_Layout.parallel``): each of the replica's ``cp`` ranks
+        ``parallel`` (``_StagePlacement.parallel``): each of the replica's ``cp`` ranks
         runs 1/cp of its tokens, and its CP/EP communication joins the TP
         communication (``cp_ep_comm_time``). ``expert``: (expert work, expert
         tokens) of the rank over what its own tokens give (``row_experts``;
@@ -709,7 +709,7 @@ class CostKernel:
                             lambda: _prefix(self.rank_activation_bytes(tp, recompute, sequence_parallel, cp)))
 
     def layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...], cp: int = 1,
-               ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _Layout:
+               ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _StagePlacement:
         """The replica and memory classes and rates of a stage (cached)."""
         key = (self.device_set(devices), dp, tp, split, cp, ep, ep_split)
         found = self._layouts.get(key)
@@ -718,7 +718,7 @@ class CostKernel:
         return found
 
     def _symmetric_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...], cp: int = 1,
-                          ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _Layout:
+                          ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _StagePlacement:
         """The layout of a run of consecutive GPUs is that of every run like it
         (``groups.ClusterArrays.range_class``): the stages of a uniform plan on
         identical nodes share one, built once."""
@@ -732,7 +732,7 @@ class CostKernel:
         return found
 
     def _build_layout(self, devices: tuple[int, ...], dp: int, tp: int, split: tuple[int, ...], cp: int = 1,
-                      ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _Layout:
+                      ep: int = 1, ep_split: tuple[int, ...] | None = None) -> _StagePlacement:
         """Replica and memory classes, numbered in order of first appearance,
         from the stage's ``(dp·cp, tp)`` device grid (a row per TP group: the
         ``cp`` rows of a replica share its samples) without a loop over devices."""
@@ -763,7 +763,7 @@ class CostKernel:
         measured = self.measured_dp(grid, tp, dp * cp) if groups is not None and ep == 1 else {}
         signature = (dp, tp, tuple(times), memory, device_class.tobytes(), groups and groups.key, optimizer,
                      parallel, experts and experts.key, tuple(sorted(measured.items())))
-        return _Layout(tuple(times.values()), memory, device_class,
+        return _StagePlacement(tuple(times.values()), memory, device_class,
                        lambda kind: self._dp_rate(kind, tp, groups) if groups else 0.0, optimizer, signature,
                        self._signatures.setdefault(signature, len(self._signatures)), cp, ep, parallel,
                        lambda kind: self._dp_rate(kind, tp * ep, experts) if experts else 0.0, float(held.max()),

@@ -28,7 +28,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.errors import HetplanError
-from hetplan.plan import Stage
+from hetplan.plan.spec import Stage
 
 
 def layer_replicas(stage: Stage, position: int, micro_batch_size: int) -> list[tuple[tuple[int, ...], float]]:

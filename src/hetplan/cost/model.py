@@ -21,8 +21,8 @@ from hetplan.cost.mixed import (
     mixed_stage_memory, mixed_stage_timing, stage_host_bytes, stage_memory_parts, stage_resident_parts,
 )
 from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time, pipeline_time
-from hetplan.cost.workload import Workload
-from hetplan.plan import Estimate, Plan, Stage, StageEstimate
+from hetplan.plan.workload import Workload
+from hetplan.plan.spec import Estimate, Plan, Stage, StageEstimate
 
 
 class CostModel:

@@ -25,7 +25,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.errors import HetplanError
-from hetplan.plan import LayerStrategy, Stage
+from hetplan.plan.spec import LayerStrategy, Stage
 
 if TYPE_CHECKING:  # the kernel builds StageCosts; this module only needs its type
     from hetplan.cost.kernel import CostKernel
@@ -58,11 +58,11 @@ class StageOption:
 
     Attributes:
         devices: ``dp * tp`` GPU ids, TP innermost (replica ``r`` owns
-            ``devices[r*tp:(r+1)*tp]``, as in :class:`hetplan.plan.Stage`).
+            ``devices[r*tp:(r+1)*tp]``, as in :class:`hetplan.plan.spec.Stage`).
         dp, tp: degrees.
         split: samples of one micro-batch per replica (sums to the micro-batch).
-        zero, recompute, sequence_parallel, offload: as in :class:`hetplan.plan.LayerStrategy`.
-        cp, ep: context- and expert-parallel degrees (:class:`hetplan.plan.Stage`;
+        zero, recompute, sequence_parallel, offload: as in :class:`hetplan.plan.spec.LayerStrategy`.
+        cp, ep: context- and expert-parallel degrees (:class:`hetplan.plan.spec.Stage`;
             ``devices`` then holds ``dp * cp * tp`` ids).
     """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from hetplan.errors import HetplanError
-from hetplan.userfiles import read_json
+from hetplan.io.userfiles import read_json
 from hetplan.model.presets import get_model, model_descriptions, model_names
 from hetplan.model.spec import LayerSpec, ModelSpec
 
@@ -47,7 +47,7 @@ def load_model(name_or_path: str, seq_len: int | None = None, dtype_bytes: int |
 
 
 def _read_model_file(path: str) -> object:
-    """The file's JSON, read by the one reader of user files (``hetplan.userfiles``)."""
+    """The file's JSON, read by the one reader of user files (``hetplan.io.userfiles``)."""
     return read_json(path, "model file", "fix the syntax")
 
 

@@ -482,7 +482,7 @@ def llama_decoder(
     layers = [embedding_layer("embed", vocab, hidden, seq, p, dropout=False)]
     layers += [transformer_block(f"layers.{i}", "decoder", shape, p) for i in range(num_layers)]
     layers.append(lm_head_layer("head", vocab, hidden, seq, p, norm=True, rms_norm=True))
-    # what a tool needs to build the same model (hetplan.export.architecture)
+    # what a tool needs to build the same model (hetplan.export.tools.architecture)
     info: dict[str, Any] = {"architecture": {
         "kv_heads": kv_heads, "ffn": ffn, "gated_mlp": True, "norm": "rmsnorm", "positions": "rope",
         "max_positions": seq, "bias": False, "tied_embeddings": False, "dropout": False, "rope_theta": rope_theta}}
@@ -529,7 +529,7 @@ def moe_llama_decoder(
     info: dict[str, Any] = {"num_experts": moe.num_experts, "top_k": moe.top_k, "expert_ffn": moe.expert_ffn,
                             "shared_ffn": moe.shared_ffn, "moe_layers": num_layers - first_dense_layers,
                             "latent_attention": mla is not None}
-    if mla is None:  # what a tool needs to build the same model (hetplan.export.architecture)
+    if mla is None:  # what a tool needs to build the same model (hetplan.export.tools.architecture)
         info["architecture"] = {
             "kv_heads": kv_heads, "ffn": dense_ffn or moe.expert_ffn, "gated_mlp": True, "norm": "rmsnorm",
             "positions": "rope", "max_positions": seq, "bias": False, "tied_embeddings": False, "dropout": False}

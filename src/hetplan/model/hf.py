@@ -389,10 +389,10 @@ def build_meta_model(config: Any, where: str = "config") -> Any:
     )
 
 
-# --------------------------------------------------------------------------- layout
+# --------------------------------------------------------------------------- layer modules
 
 
-def hf_layout(model: Any) -> list[tuple[str, list[str]]]:
+def hf_layer_modules(model: Any) -> list[tuple[str, list[str]]]:
     """The model's layers as (kind, module paths), in execution order.
 
     Blocks are the children of the model's block lists (``transformer.h``,
@@ -822,7 +822,7 @@ def model_from_hf_config(
             f"seq_len {seq} exceeds the {facts['max_seq']} learned positions of this {config.model_type} config; "
             "use a shorter seq_len or raise max_position_embeddings/n_positions"
         )
-    layout = hf_layout(model)
+    layout = hf_layer_modules(model)
     if family == "moe":
         _check_moe_layout(model, layout, facts, where)
     if fused_attention is None:
@@ -865,7 +865,7 @@ def model_from_hf_config(
 
 
 def _architecture(config: Any, family: str, f: dict[str, Any]) -> dict[str, Any]:
-    """What a tool needs to build the same decoder (hetplan.export.architecture);
+    """What a tool needs to build the same decoder (hetplan.export.tools.architecture);
     empty where its exports cannot say it (other families, Llama-style
     attention with biases: Megatron has qkv biases or biases everywhere)."""
     if family == "gpt":

@@ -80,7 +80,7 @@ def gpt_decoder(
     layers.append(
         lm_head_layer("head", vocab, hidden, seq, dtype_bytes, tied_group=tie, own_weight=not tied_embeddings)
     )
-    # what a tool needs to build the same model (hetplan.export.architecture)
+    # what a tool needs to build the same model (hetplan.export.tools.architecture)
     info: dict[str, Any] = {"architecture": {
         "kv_heads": heads, "ffn": ffn or 4 * hidden, "gated_mlp": False, "norm": "layernorm", "positions": "learned",
         "max_positions": seq, "bias": True, "tied_embeddings": tied_embeddings, "dropout": shape.dropout}}

@@ -52,9 +52,9 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Iterable, Mapping
 
-from hetplan import fields as typed
+from hetplan.io import fields as typed
 from hetplan.errors import HetplanError
-from hetplan.userfiles import read_json
+from hetplan.io.userfiles import read_json
 
 FORMAT = "hetplan-profile"
 VERSION = 2

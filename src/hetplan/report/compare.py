@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hetplan.app.compare import CompareResult, PlannerOutcome
 from hetplan.report.text import table, workload_header
-from hetplan.target import candidate_count, tool_name
+from hetplan.export.target import candidate_count, tool_name
 from hetplan.units import format_time
 
 

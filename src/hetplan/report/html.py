@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from hetplan import __version__
 from hetplan.app.report import PlanReport, file_report
 from hetplan.app.whatif import WhatIfResult
-from hetplan.planfile import PlanFile
+from hetplan.plan.file import PlanFile
 from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
 from hetplan.report.text import breakdown, ranked_table, report_memory_table, workload_header
 from hetplan.report.training import training_lines

@@ -19,8 +19,8 @@ from typing import Sequence
 
 from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
-from hetplan.plan import Estimate, Plan
+from hetplan.plan.workload import Workload
+from hetplan.plan.spec import Estimate, Plan
 from hetplan.simulate.events import Event
 from hetplan.units import format_time
 

@@ -10,8 +10,8 @@ from typing import Sequence
 from hetplan.app.report import PlanReport
 from hetplan.cost.constants import DEFAULT_ATTENTION_KERNEL
 from hetplan.cost.memory import MEMORY_CATEGORIES
-from hetplan.cost.workload import Workload
-from hetplan.plan import Estimate, Plan, RankedPlan
+from hetplan.plan.workload import Workload
+from hetplan.plan.spec import Estimate, Plan, RankedPlan
 from hetplan.report.training import training_lines
 from hetplan.units import format_bytes, format_count, format_time
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from typing import Any
 
-from hetplan.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, positive_int
+from hetplan.io.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, positive_int
 from hetplan.errors import HetplanError
 
 # Largest relative difference --verify accepts, by precision. fp32: rounding
@@ -333,7 +333,7 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
 
 # --- hetplan run ------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetplan.planfile import read_plan_file
+    from hetplan.plan.file import read_plan_file
     from hetplan.runtime import launch
 
     script = list(args.script)

@@ -136,7 +136,7 @@ def failure_line(exits: Sequence[RankExit], directory: str, describe: Callable[[
     already on the terminal (a hetplan error, exit 2; the heartbeat naming a
     stopped rank, exit 3). A rank killed by a signal other than SIGTERM (torchrun
     sends that to the others) comes first: the others then only lost a peer."""
-    from hetplan.argtypes import EXIT_USAGE
+    from hetplan.io.argtypes import EXIT_USAGE
 
     if not exits or any(e.exitcode in (EXIT_USAGE, HEARTBEAT_EXIT) for e in exits):
         return ""

@@ -27,7 +27,7 @@ which connects stage k to stage k+1 one-to-one. Such plans run GPipe or 1F1B,
 without sequence parallelism or interleaving.
 
 Context and expert parallelism (``cp``, ``ep``): a stage's devices are ``dp x
-cp x tp``, TP innermost, then CP, then DP (hetplan.plan). The runtime's mesh is
+cp x tp``, TP innermost, then CP, then DP (hetplan.plan.spec). The runtime's mesh is
 then ``(pp, dp, cp, tp)``; dense gradients are averaged over the ``dp * cp``
 ranks of a TP rank. EP borrows from those ``dp * cp`` ranks: numbered
 ``i = dp_index * cp + cp_index``, EP rank ``i % ep`` of expert-data-parallel
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 
 
 class PlanNotSupportedError(HetplanError):

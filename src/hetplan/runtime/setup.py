@@ -24,13 +24,13 @@ from hetplan.cluster import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.model import load_model
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import Plan
-from hetplan.planfile import read_plan_file, resolve_cluster, resolve_model
+from hetplan.plan.spec import Plan
+from hetplan.plan.file import read_plan_file, resolve_cluster, resolve_model
 from hetplan.runtime import heartbeat as hb
 from hetplan.runtime import precision as mp
 from hetplan.runtime.layout import PlanLayout, RankPosition, tied_layer_groups
 from hetplan.runtime.support import check_runs, support_of
-from hetplan.validate import validate_plan
+from hetplan.plan.validate import validate_plan
 
 # Collective / rendezvous timeout (init(timeout_s=...), `--timeout`, env HETPLAN_PG_TIMEOUT_S). 5 minutes:
 # longer than the legitimate waits of a healthy run -- other ranks waiting while one compiles its first
@@ -255,7 +255,7 @@ def make_meshes(layout: PlanLayout, position: RankPosition, device: torch.device
     if layout.heterogeneous:  # one (dp, tp) mesh per stage; every rank builds all of them
         meshes = [mesh(layout.stage_mesh_ranks(j), ("dp", "tp")) for j in range(layout.pp)]
         main = meshes[position.pp_index]
-    elif layout.cp > 1:  # TP innermost, then CP, then DP (hetplan.plan)
+    elif layout.cp > 1:  # TP innermost, then CP, then DP (hetplan.plan.spec)
         main = mesh(layout.mesh_ranks_cp(), ("pp", "dp", "cp", "tp"))
     else:
         main = mesh(layout.mesh_ranks(), ("pp", "dp", "tp"))

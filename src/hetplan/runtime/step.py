@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.runtime import dropout as rng
 from hetplan.runtime import microbatch
 from hetplan.runtime import parallelize as par

@@ -19,7 +19,7 @@ by the runtime's own code, and read by everyone:
 * :func:`runtime_refusal` says why the runtime would refuse a plan ("" if it
   runs it as costed): the model's facts plus the plan-level rules of
   :class:`~hetplan.runtime.layout.PlanLayout`. ``hetplan.runtime.init`` raises
-  it; ``hetplan plan`` keeps only plans it passes (``hetplan.target``, target
+  it; ``hetplan plan`` keeps only plans it passes (``hetplan.export.target``, target
   "hetplan"); ``hetplan estimate`` refuses a plan it does not pass.
 
 Importing this module does not import torch (the planner side uses it);
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec, RuntimeSupport
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.runtime import tp as tpr
 from hetplan.runtime.layout import PlanLayout
 
@@ -91,7 +91,7 @@ class SearchLimits:
     and never what its layout refuses in any plan (sequence parallelism in
     stages of different (dp, tp) or with cp/ep, uneven expert splits). A
     layer's own tp inside a stage (Galvatron-BMW) is not limited here: the
-    plans the runtime refuses are dropped after the search (``hetplan.target``)."""
+    plans the runtime refuses are dropped after the search (``hetplan.export.target``)."""
 
     pipeline: bool = True
     sequence_parallel: bool = True

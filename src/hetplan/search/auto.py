@@ -3,31 +3,31 @@
 1. **Seeds.** The papers' planners (uniform 3D, Megatron, AMP, Metis,
    Galvatron-BMW) run on the same CostModel (one kernel, shared tables); their
    best plans join the pool. So auto is never worse than any of them.
-2. **Layouts.** A layout fixes the pipeline's stage device groups, each
+2. **Shapes.** A shape fixes the pipeline's stage device groups, each
    stage's (dp, tp) and data split, and the micro-batching — and its context-
    and expert-parallel degrees (cp for long sequences, ep for MoE models:
    ``common.degrees.enumerate_parallel_degrees``). Auto takes the
-   layouts of every seed plan (Metis's uneven groups and splits, Galvatron's
+   shapes of every seed plan (Metis's uneven groups and splits, Galvatron's
    stage shapes) and of AMP's whole space: every (pp, dp, tp) with TP inside
    nodes, every micro-batch size, the Megatron placement and — where there are
    at most ``max_placements`` of them — every placement up to symmetry.
-3. **Exact solve.** For each layout, ``common.stage_partition`` finds the
+3. **Exact solve.** For each shape, ``common.stage_partition`` finds the
    layer split and every stage's ZeRO stage, recomputation and activation
    offloading (the latter two only where memory is short; sequence
    parallelism wherever tp > 1: it never costs more) that minimise the shared
-   model's iteration time; the answer is certified optimal for the layout, or
-   its gap to the layout's bound is known. Layouts are solved cheapest lower
+   model's iteration time; the answer is certified optimal for the shape, or
+   its gap to the shape's bound is known. Shapes are solved cheapest lower
    bound first and skipped once their bound cannot beat the best plan; the
    number of solves is a work budget (``max_solves``), never seconds.
 4. **Rank** everything by the shared model; the estimate carries the workload's
    lower bound (``cost/bounds.py``) and the notes say how close the plan is.
 
-The space where auto is exact: every layout above × every contiguous layer
+The space where auto is exact: every shape above × every contiguous layer
 split × per-stage ZeRO ∈ {0, 2, 3}, recomputation ∈ {none, selective, full}
 and activation offloading ∈ {no, yes} (``Workload.search_offload``).
 It contains the ``exhaustive`` planner's space (AMP's, without ZeRO or
 recomputation) whenever the placements are enumerated, so auto is never worse
-than ``exhaustive``; and it contains every seed's layout, so its exact solve
+than ``exhaustive``; and it contains every seed's shape, so its exact solve
 only improves on the seeds.
 """
 
@@ -43,9 +43,9 @@ from hetplan.cost.constants import P2P_PASSES
 from hetplan.cost.stage import StageOption
 from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan
+from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.progress import Progress
 from hetplan.runtime.support import NO_LIMITS, SearchLimits, search_limits
 from hetplan.search.amp import AMPPlanner
@@ -62,7 +62,7 @@ from hetplan.search.galvatron import get_variant
 from hetplan.search.metis import MetisOptions, MetisPlanner
 
 # Planners whose plans auto's own space does not contain: always run, their plans seed the pool.
-# Metis without its exact-layer polish: auto solves every seed layout exactly anyway;
+# Metis without its exact-layer polish: auto solves every seed shape exactly anyway;
 # 250 evaluations (Metis alone: 300) find the same seeds from 16 to 4,096 mixed GPUs
 # of benchmarks/bench_search_scale.py (200 lose 13% at 4,096) in less time.
 # (Galvatron-BMW runs whole: its per-layer strategies are outside auto's exact space.)
@@ -70,27 +70,27 @@ AUTO_METIS_EVALUATIONS = 250
 SOURCE_PLANNERS: tuple[Callable[[], Planner], ...] = (
     lambda: MetisPlanner(MetisOptions(exact_layers=False, max_evaluations=AUTO_METIS_EVALUATIONS)),
     lambda: get_variant("galvatron-bmw"))
-# Planners whose whole space auto's exact solve of AMP's layouts contains (uniform
+# Planners whose whole space auto's exact solve of AMP's shapes contains (uniform
 # plans, Megatron's, AMP's: heuristic placement, one (dp, tp), zero 0-3 without
 # sequence parallelism, which never costs less): run only when that containment
-# is not proven — the layout search was cut by its budget or a solve could not
+# is not proven — the shape search was cut by its budget or a solve could not
 # certify its optimum.
 CONTAINED_PLANNERS: tuple[Callable[[], Planner], ...] = (UniformPlanner, MegatronPlanner, AMPPlanner)
 SEEDS_PER_PLANNER = 3
 MAX_PLACEMENTS = 24  # placements up to symmetry per (pp, dp, tp) beyond the Megatron one
-MAX_SOLVES = 300  # exact layout solves per search (work budget)
-POLISH_DUAL_STEPS = 2  # dual steps of the best layout's second, exact solve
+MAX_SOLVES = 300  # exact shape solves per search (work budget)
+POLISH_DUAL_STEPS = 2  # dual steps of the best shape's second, exact solve
 ZERO_OPTIONS = (0, 2, 3)  # ZeRO-1 never beats ZeRO-2 in the cost model
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
 OFFLOAD_OPTIONS = (False, True)  # activation offloading, searched where memory is short (useful_options)
 
 # devices, dp, tp, split, cp, ep, ep_split (None: even experts)
 StageShape = tuple[tuple[int, ...], int, int, tuple[int, ...], int, int, tuple[int, ...] | None]
-GRID = "amp-space"  # the source of the layouts of AMP's space
+GRID = "amp-space"  # the source of the shapes of AMP's space
 
 
 @dataclass(frozen=True)
-class Layout:
+class PlanShape:
     """Stage shapes (devices, dp, tp, split) and the micro-batching."""
 
     stages: tuple[StageShape, ...]
@@ -126,11 +126,11 @@ class Layout:
 class AutoStats:
     """What the last search did."""
 
-    layouts: int = 0  # layouts considered
-    solves: int = 0  # exact layout solves
-    certified: int = 0  # solves that are the layout's proven optimum
+    shapes: int = 0  # shapes considered
+    solves: int = 0  # exact shape solves
+    certified: int = 0  # solves that are the shape's proven optimum
     budget_hit: bool = False
-    grid_uncertified: bool = False  # a layout of AMP's space may hold a plan faster than auto's best
+    grid_uncertified: bool = False  # a shape of AMP's space may hold a plan faster than auto's best
     ran_contained: bool = False  # uniform/megatron/amp had to run as seeds
 
 
@@ -160,12 +160,12 @@ class _AutoSearch:
         self.planner = planner
         self.workload = workload
         self.cost = cost
-        self.budget = WorkBudget(planner.max_solves, "exact layout solves")
+        self.budget = WorkBudget(planner.max_solves, "exact shape solves")
         self.pool: dict[tuple[object, ...], tuple[tuple[int, float, str], Plan]] = {}
         self.errors: list[str] = []
         self.best_s = math.inf
-        self._open_bounds: list[float] = []  # lower bounds of AMP-space layouts solved without a certificate
-        self._best_layout: tuple[float, Layout] | None = None  # the layout of the best uncertified solve
+        self._open_bounds: list[float] = []  # lower bounds of AMP-space shapes solved without a certificate
+        self._best_shape: tuple[float, PlanShape] | None = None  # the shape of the best uncertified solve
         self._floors: dict[tuple[object, ...], np.ndarray] = {}
 
     # --- the steps -------------------------------------------------------------------------
@@ -173,9 +173,9 @@ class _AutoSearch:
         stats = self.planner.stats
         with Progress("auto planner", total=len(self.planner.sources)) as progress:
             seeds = self.seed(progress, self.planner.sources)
-            layouts = self.layouts(seeds)
-            progress.expect(len(layouts))  # one step per layout, those the bounds rule out at once
-            self.solve_all(layouts, progress)
+            shapes = self.shapes(seeds)
+            progress.expect(len(shapes))  # one step per shape, those the bounds rule out at once
+            self.solve_all(shapes, progress)
             self.polish_best()
             if stats.budget_hit or stats.grid_uncertified or not self.pool:
                 stats.ran_contained = True
@@ -184,7 +184,7 @@ class _AutoSearch:
         return self.ranked(top_k)
 
     def seed(self, progress: Progress, factories: Iterable[Callable[[], Planner]]) -> list[Plan]:
-        """These planners' best plans, in the pool and returned for their layouts."""
+        """These planners' best plans, in the pool and returned for their shapes."""
         plans = []
         for factory in factories:
             planner = factory()
@@ -199,20 +199,20 @@ class _AutoSearch:
                 plans.append(r.plan)
         return plans
 
-    def layouts(self, seeds: list[Plan]) -> list[Layout]:
-        """AMP's space, and the seeds' layouts with every micro-batching their splits allow."""
-        found: dict[tuple[object, ...], Layout] = {}
-        for layout in list(self._grid_layouts()) + list(self._seed_layouts(seeds)):
-            found.setdefault(layout.key, layout)
+    def shapes(self, seeds: list[Plan]) -> list[PlanShape]:
+        """AMP's space, and the seeds' shapes with every micro-batching their splits allow."""
+        found: dict[tuple[object, ...], PlanShape] = {}
+        for shape in list(self._grid_shapes()) + list(self._seed_shapes(seeds)):
+            found.setdefault(shape.key, shape)
         return list(found.values())
 
-    def _seed_layouts(self, seeds: list[Plan]) -> Iterable[Layout]:
+    def _seed_shapes(self, seeds: list[Plan]) -> Iterable[PlanShape]:
         gbs = self.workload.global_batch_size
         for plan in seeds:
             if plan.virtual_stages > 1 or plan.global_batch_size != gbs:
                 continue
             stages = tuple((s.devices, s.dp, s.tp, s.dp_split, s.cp, s.ep, s.ep_split) for s in plan.stages)
-            yield Layout(stages, plan.micro_batch_size, plan.num_micro_batches, plan.planner)
+            yield PlanShape(stages, plan.micro_batch_size, plan.num_micro_batches, plan.planner)
             if any(len(set(s.dp_split)) > 1 for s in plan.stages):
                 continue
             for m in divisors(gbs):
@@ -220,9 +220,9 @@ class _AutoSearch:
                 if m != plan.num_micro_batches and all(mbs % s.dp == 0 for s in plan.stages):
                     evened = tuple((s.devices, s.dp, s.tp, (mbs // s.dp,) * s.dp, s.cp, s.ep, s.ep_split)
                                    for s in plan.stages)
-                    yield Layout(evened, mbs, m, plan.planner)
+                    yield PlanShape(evened, mbs, m, plan.planner)
 
-    def _grid_layouts(self) -> Iterable[Layout]:
+    def _grid_shapes(self) -> Iterable[PlanShape]:
         """AMP's space: degrees × micro-batch × placements, with context and
         expert parallelism where ``enumerate_parallel_degrees`` allows them
         (a replica's cp·tp GPUs placed as a TP group of AMP's of dp·cp replicas)."""
@@ -239,108 +239,108 @@ class _AutoSearch:
                 mbs = dp * u
                 for placement in placements:
                     stages = tuple((devices, dp, tp, (u,) * dp, cp, ep, None) for devices in placement)
-                    yield Layout(stages, mbs, gbs // mbs, GRID)
+                    yield PlanShape(stages, mbs, gbs // mbs, GRID)
                     by_speed = tuple((devices, dp, tp, (u,) * dp, cp, ep,
                                       speed_expert_split(self.workload, devices, dp * cp, tp, ep))
                                      for devices in placement)
                     if any(stage[-1] for stage in by_speed) and search_limits(self.workload).uneven_experts:
                         # mixed GPUs: experts by speed too
-                        yield Layout(by_speed, mbs, gbs // mbs, GRID)
+                        yield PlanShape(by_speed, mbs, gbs // mbs, GRID)
 
-    def solve_all(self, layouts: list[Layout], progress: Progress | None = None) -> None:
-        """Solve layouts cheapest bound first; stop when no bound can beat the best plan."""
+    def solve_all(self, shapes: list[PlanShape], progress: Progress | None = None) -> None:
+        """Solve shapes cheapest bound first; stop when no bound can beat the best plan."""
         stats = self.planner.stats
-        stats.layouts = len(layouts)
-        bounded = sorted(((self.quick_bound(layout), i, layout) for i, layout in enumerate(layouts)),
+        stats.shapes = len(shapes)
+        bounded = sorted(((self.quick_bound(shape), i, shape) for i, shape in enumerate(shapes)),
                          key=lambda item: item[:2])
-        for seen, (bound, _, layout) in enumerate(bounded):
+        for seen, (bound, _, shape) in enumerate(bounded):
             if progress is not None:
-                progress.advance(note=f"exact layouts, {stats.solves} solved")
+                progress.advance(note=f"exact shapes, {stats.solves} solved")
             if bound >= self.best_s * (1 - 1e-12):
                 if progress is not None:  # the rest cannot beat the best plan: done with them
                     progress.advance(len(bounded) - seen - 1)
                 break
-            if self.pipeline_bound(layout) >= self.best_s * (1 - 1e-12):
+            if self.pipeline_bound(shape) >= self.best_s * (1 - 1e-12):
                 continue
             if not self.budget.spend():
                 stats.budget_hit = True
                 break
             stats.solves += 1
-            partitioner = PipelinePartitioner(self.cost.kernel, layout.micro_batch_size, layout.num_micro_batches)
-            solution = partitioner.solve(self.useful_options(layout), self.best_s)
+            partitioner = PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches)
+            solution = partitioner.solve(self.useful_options(shape), self.best_s)
             if solution is not None:
                 stats.certified += solution.certified
-                if layout.source == GRID and not solution.certified:
+                if shape.source == GRID and not solution.certified:
                     self._open_bounds.append(solution.lower_bound_s)
                 if not solution.certified and solution.iteration_s <= self.best_s:
-                    self._best_layout = (solution.iteration_s, layout)
-                self.add(self.to_plan(layout, solution))
-        # a layout whose bound reaches the best plan holds nothing faster, certified or not
+                    self._best_shape = (solution.iteration_s, shape)
+                self.add(self.to_plan(shape, solution))
+        # a shape whose bound reaches the best plan holds nothing faster, certified or not
         stats.grid_uncertified = any(bound < self.best_s * (1 - 1e-12) for bound in self._open_bounds)
 
     def polish_best(self) -> None:
-        """Solve the layout of the best plan again with more dual steps and exact
+        """Solve the shape of the best plan again with more dual steps and exact
         staircases, when that plan came from an uncertified solve."""
-        if self._best_layout is None or self._best_layout[0] > self.best_s:
+        if self._best_shape is None or self._best_shape[0] > self.best_s:
             return
-        layout = self._best_layout[1]
-        partitioner = PipelinePartitioner(self.cost.kernel, layout.micro_batch_size, layout.num_micro_batches)
-        solution = partitioner.solve(self.useful_options(layout), self.best_s, POLISH_DUAL_STEPS, None, 0.0)
+        shape = self._best_shape[1]
+        partitioner = PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches)
+        solution = partitioner.solve(self.useful_options(shape), self.best_s, POLISH_DUAL_STEPS, None, 0.0)
         if solution is not None:
-            self.add(self.to_plan(layout, solution))
+            self.add(self.to_plan(shape, solution))
 
-    def _layer_floor(self, layout: Layout) -> np.ndarray:
+    def _layer_floor(self, shape: PlanShape) -> np.ndarray:
         """(stages, layers): a time per layer and stage that no option undercuts —
         the fastest option's slowest replica (``StageCosts.layer_totals``)."""
-        found = self._floors.get(layout.key)
+        found = self._floors.get(shape.key)
         if found is None:
             fastest = (StageOption(devices, dp, tp, split, 0, "none", tp > 1, cp=cp, ep=ep, ep_split=ep_split)
-                       for devices, dp, tp, split, cp, ep, ep_split in layout.stages)
-            found = self._floors[layout.key] = np.stack([self.cost.kernel.stage(o).layer_totals() for o in fastest])
+                       for devices, dp, tp, split, cp, ep, ep_split in shape.stages)
+            found = self._floors[shape.key] = np.stack([self.cost.kernel.stage(o).layer_totals() for o in fastest])
         return found
 
-    def quick_bound(self, layout: Layout) -> float:
-        """No plan of the layout is faster: ``m`` micro-batches through its
+    def quick_bound(self, shape: PlanShape) -> float:
+        """No plan of the shape is faster: ``m`` micro-batches through its
         slowest stage, which runs at least its share of the layers' floors."""
-        cheapest = self._layer_floor(layout).min(axis=0)
-        per_stage = max(float(cheapest.sum()) / len(layout.stages), float(cheapest.max()))
-        return layout.num_micro_batches * per_stage
+        cheapest = self._layer_floor(shape).min(axis=0)
+        per_stage = max(float(cheapest.sum()) / len(shape.stages), float(cheapest.max()))
+        return shape.num_micro_batches * per_stage
 
-    def pipeline_bound(self, layout: Layout) -> float:
+    def pipeline_bound(self, shape: PlanShape) -> float:
         """A tighter bound, for every split with every stage at its layers'
         floors and no memory limit: ``(m − 1)`` times the smallest possible
         bottleneck plus the smallest possible sum of stage and link times."""
-        floors = self._layer_floor(layout)
+        floors = self._layer_floor(shape)
         k, n = floors.shape
         if k > n:
             return math.inf
         kernel = self.cost.kernel
         links = None
         if k > 1:
-            rates = [kernel.p2p_rate(a[0], b[0]) for a, b in zip(layout.stages, layout.stages[1:])]
-            links = P2P_PASSES * np.outer(rates, kernel.arrays.output_bytes[:n - 1]) * layout.micro_batch_size
-        problem = PartitionProblem(floors, layout.num_micro_batches, links)
+            rates = [kernel.p2p_rate(a[0], b[0]) for a, b in zip(shape.stages, shape.stages[1:])]
+            links = P2P_PASSES * np.outer(rates, kernel.arrays.output_bytes[:n - 1]) * shape.micro_batch_size
+        problem = PartitionProblem(floors, shape.num_micro_batches, links)
         least_sum = problem._min_sum(math.inf)
         if least_sum is None:
             return math.inf
         sum_part = problem.evaluate(*least_sum)
-        return (layout.num_micro_batches - 1) * problem.min_bottleneck() + sum_part.cost_s \
-            - (layout.num_micro_batches - 1) * sum_part.max_stage_s
+        return (shape.num_micro_batches - 1) * problem.min_bottleneck() + sum_part.cost_s \
+            - (shape.num_micro_batches - 1) * sum_part.max_stage_s
 
-    def useful_options(self, layout: Layout) -> list[list[StageOption]]:
-        """The layout's options less those that cannot help: recomputation and
+    def useful_options(self, shape: PlanShape) -> list[list[StageOption]]:
+        """The shape's options less those that cannot help: recomputation and
         activation offloading only save memory (offloading's exposed transfers
         are never negative), so where running without either fits every layer
         range of the stage's window they are dropped for that ZeRO stage
         (slower, nothing saved); and offloading with a recomputation is dropped
         where that recomputation alone fits everywhere. Offloading is searched
         only with ``Workload.search_offload``."""
-        options = layout.options(self.workload.search_offload, search_limits(self.workload))
+        options = shape.options(self.workload.search_offload, search_limits(self.workload))
         k, n = len(options), self.cost.kernel.num_layers
         span = n - k + 1
         out = []
         for j, stage_options in enumerate(options):
-            in_flight = in_flight_micro_batches("1f1b", j, k, layout.num_micro_batches)
+            in_flight = in_flight_micro_batches("1f1b", j, k, shape.num_micro_batches)
             window = (j, span)
             roomy = {o.zero for o in stage_options if o.recompute == "none" and not o.offload
                      and self._fits_everywhere(o, in_flight, window)}
@@ -356,14 +356,14 @@ class _AutoSearch:
         return bool(tables.fits[valid].all())
 
     # --- the pool ---------------------------------------------------------------------------
-    def to_plan(self, layout: Layout, solution: PipelineSolution) -> Plan:
+    def to_plan(self, shape: PlanShape, solution: PipelineSolution) -> Plan:
         how = "certified optimal" if solution.certified else \
             f"within {solution.iteration_s / solution.lower_bound_s - 1:.2%} of its optimum"
-        note = (f"auto: exact layer split and per-stage ZeRO/recompute/offload for a {layout.source} layout "
-                f"({how} for that layout)")
+        note = (f"auto: exact layer split and per-stage ZeRO/recompute/offload for a {shape.source} shape "
+                f"({how} for that shape)")
         return Plan(model=self.workload.model.name, cluster=self.workload.cluster.name,
-                    global_batch_size=self.workload.global_batch_size, micro_batch_size=layout.micro_batch_size,
-                    num_micro_batches=layout.num_micro_batches, schedule="1f1b", stages=solution.stages,
+                    global_batch_size=self.workload.global_batch_size, micro_batch_size=shape.micro_batch_size,
+                    num_micro_batches=shape.num_micro_batches, schedule="1f1b", stages=solution.stages,
                     planner="auto", notes=(note,))
 
     def add(self, plan: Plan) -> None:

@@ -6,9 +6,9 @@ from dataclasses import replace
 from typing import Iterable, Protocol
 
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
-from hetplan.plan import Plan, RankedPlan
+from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.progress import Progress
 from hetplan.units import format_bytes
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hetplan.cost.model import CostModel
-from hetplan.plan import Estimate, Plan
+from hetplan.plan.spec import Estimate, Plan
 from hetplan.simulate.events import Event, makespan, simulate
 from hetplan.simulate.schedule import Action, build_schedule, format_schedule
 

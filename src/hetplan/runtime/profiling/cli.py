@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from hetplan.argtypes import at_most, finite_positive_float, positive_int, zero_or_at_most
+from hetplan.io.argtypes import at_most, finite_positive_float, positive_int, zero_or_at_most
 from hetplan.cluster import load_cluster
 from hetplan.cluster.presets import local_cpu_cluster
 from hetplan.errors import HetplanError
@@ -33,7 +33,7 @@ from hetplan.runtime.launch import run_local
 from hetplan.runtime.profiling.collectives import MIN_BYTES
 from hetplan.runtime.profiling.job import ProfileJob, batch_sizes
 from hetplan.units import format_bytes, parse_byte_size
-from hetplan.userfiles import check_writable_file
+from hetplan.io.userfiles import check_writable_file
 
 DEFAULT_MAX_MICRO_BATCH = 4
 DEFAULT_REPEATS = 5

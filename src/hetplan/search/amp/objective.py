@@ -33,7 +33,7 @@ from hetplan.cost.comm import flat_ring_allreduce_time
 from hetplan.cost.groups import first_appearance
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 from hetplan.search.common.partition import PartitionProblem
 
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan, uniform_stage
+from hetplan.plan.spec import Plan, RankedPlan, uniform_stage
 from hetplan.search.amp.objective import AmpCost, AmpCostModel
 from hetplan.search.base import cost_model_for
 from hetplan.search.common.degrees import enumerate_degrees, micro_batch_sizes

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
-from hetplan.plan import LayerStrategy, Plan, RankedPlan, Stage
+from hetplan.plan.spec import LayerStrategy, Plan, RankedPlan, Stage
 from hetplan.search.base import cost_model_for, rank_key
 from hetplan.search.common.batch_grid import batch_grid
 from hetplan.search.common.layer_splits import block_split

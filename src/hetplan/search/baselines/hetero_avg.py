@@ -32,9 +32,9 @@ from hetplan.cost.constants import P2P_PASSES
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import StageOption
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan
+from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.search.base import cost_model_for, no_fit_error, rank_key
 from hetplan.search.baselines.uniform import uniform_configs, uniform_plan
 

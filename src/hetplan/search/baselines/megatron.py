@@ -29,9 +29,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan
+from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.search.base import cost_model_for, rank_key, rank_plans
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.search.common.degrees import divisors, tp_degrees

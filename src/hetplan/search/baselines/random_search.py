@@ -16,9 +16,9 @@ import random
 from dataclasses import replace
 
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan, uniform_stage
+from hetplan.plan.spec import Plan, RankedPlan, uniform_stage
 from hetplan.search.base import cost_model_for, rank_plans
 from hetplan.search.common.degrees import enumerate_degrees, micro_batch_sizes
 from hetplan.search.common.placement import describe_placement, random_placement

@@ -22,9 +22,9 @@ from typing import Iterator
 
 from hetplan.cost.cp_ep import degree_problem
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan, uniform_stage
+from hetplan.plan.spec import Plan, RankedPlan, uniform_stage
 from hetplan.runtime.support import search_limits
 from hetplan.search.base import cost_model_for, rank_plans
 from hetplan.search.common.degrees import divisors, enumerate_degrees, enumerate_parallel_degrees
@@ -35,7 +35,7 @@ from hetplan.search.common.layer_splits import block_split
 # parameter all-gather, an all-reduce instead of a reduce-scatter, whole gradients).
 ZERO_CHOICES = (0, 2, 3)
 # Every stage, for planning for a tool that runs only some of them (Megatron-LM's
-# distributed optimizer is ZeRO-1 and nothing above it: hetplan.target).
+# distributed optimizer is ZeRO-1 and nothing above it: hetplan.export.target).
 ALL_ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 # Activation offloading (``LayerStrategy.offload``) next to recomputation. It
@@ -47,14 +47,14 @@ OFFLOAD_CHOICES = (False, True)
 # §2.2.2: the bubble shrinks v-fold for v times the pipeline p2p traffic), next
 # to plain 1F1B on every pipelined plan whose stages all hold at least v blocks
 # and whose micro-batches are a multiple of pp (what Megatron-LM requires).
-# Searched when planning for a tool (hetplan.target); by default the uniform
+# Searched when planning for a tool (hetplan.export.target); by default the uniform
 # planner keeps 1F1B, the space auto's exact solve contains (search/auto.py),
 # so that auto stays at least as fast as every planner it is compared with.
 INTERLEAVE_CHOICES = (2, 4, 8)
 # With TP, Megatron-LM's sequence parallelism (Korthikanti et al. 2022 §4.2.2):
 # the same communication volume as TP's all-reduces, the norms' and dropouts'
 # activations and work split tp ways, so in the cost model it never loses.
-# Planning for a tool that cannot run it (DeepSpeed: hetplan.target) asks for
+# Planning for a tool that cannot run it (DeepSpeed: hetplan.export.target) asks for
 # the plans without it too (``ALL_SEQUENCE_PARALLEL``).
 SEQUENCE_PARALLEL_CHOICES = (True,)
 ALL_SEQUENCE_PARALLEL = (False, True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from hetplan.cost.cp_ep import degree_problem
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.runtime.support import search_limits
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from hetplan.cost.compute import matmul_rate
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 
 
 def position_rates(workload: Workload, devices: Sequence[int], rows: int, tp: int, ep: int) -> list[float]:

@@ -2,7 +2,7 @@
 
 A placement is returned as each stage's device ids, ``dp·tp`` of them with TP
 innermost (replica ``r`` owns ``devices[r*tp:(r+1)*tp]``), the layout of
-:class:`hetplan.plan.Stage`. Every placement here keeps a TP group inside one
+:class:`hetplan.plan.spec.Stage`. Every placement here keeps a TP group inside one
 node.
 
 * :func:`heuristic_placement` — AMP §3.6 / Megatron-LM: fill TP groups first,
@@ -27,8 +27,8 @@ from hetplan.cluster.spec import ClusterSpec
 from hetplan.errors import HetplanError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hetplan.cost.workload import Workload
-    from hetplan.plan import Plan
+    from hetplan.plan.workload import Workload
+    from hetplan.plan.spec import Plan
 
 Placement = tuple[tuple[int, ...], ...]
 

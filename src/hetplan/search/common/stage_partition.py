@@ -53,7 +53,7 @@ from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTables, StageOption
 from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.pipeline import StageTail, exposed_grad_sync, iteration_time
-from hetplan.plan import Stage
+from hetplan.plan.spec import Stage
 from hetplan.search.common.partition import PartitionProblem, fast_partition
 
 INF = math.inf
@@ -129,7 +129,7 @@ class _Staircase:
 
 
 class PipelinePartitioner:
-    """Solves layouts of one workload and schedule (module docstring)."""
+    """Solves plan shapes (``search.auto.PlanShape``) of one workload and schedule (module docstring)."""
 
     def __init__(self, kernel: CostKernel, micro_batch_size: int, num_micro_batches: int,
                  schedule: str = "1f1b") -> None:

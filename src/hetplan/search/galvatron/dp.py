@@ -43,7 +43,7 @@ import numpy as np
 from hetplan.cost.stage import SegmentTiming
 from hetplan.cost.memory import peak_memory_bytes, working_beyond_stored
 from hetplan.cost.pipeline import exposed_grad_sync, stage_micro_batch_time
-from hetplan.plan import Stage
+from hetplan.plan.spec import Stage
 from hetplan.search.galvatron.tables import COMPONENTS, GalvatronCosts, StageArrays, StageContext, stage_arrays
 
 INF = float("inf")

@@ -36,9 +36,9 @@ import numpy as np
 from hetplan.cost.memory import in_flight_micro_batches, peak_memory_bytes
 from hetplan.cost.model import CostModel
 from hetplan.cost.pipeline import StageTail, iteration_time
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
-from hetplan.plan import Plan, RankedPlan
+from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.search.base import cost_model_for, rank_key
 from hetplan.search.common.batch_grid import batch_grid
 from hetplan.search.common.layer_splits import block_split

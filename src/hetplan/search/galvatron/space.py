@@ -17,7 +17,7 @@ removes the trees holding both DP and SDP: 22 trees, 44 with CKPT — the
 numbers the paper states (§III-B, Fig. 3). ``strategy_count`` reproduces them.
 
 hetplan's Stage lays a layer's TP groups out as runs of consecutive devices
-(TP innermost, see ``hetplan.plan.LayerStrategy.tp``), so two trees that differ
+(TP innermost, see ``hetplan.plan.spec.LayerStrategy.tp``), so two trees that differ
 only in the order of their levels run the same layout here. On the clusters
 Galvatron-BMW uses, devices are numbered node by node, so TP innermost keeps
 TP (per-layer activation all-reduces, the heaviest traffic) on the fastest
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import permutations
 
-from hetplan.plan import LayerStrategy
+from hetplan.plan.spec import LayerStrategy
 
 DP, SDP, TP = "DP", "SDP", "TP"
 PARADIGMS = (DP, SDP, TP)

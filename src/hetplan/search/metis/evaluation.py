@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from hetplan.cost.pipeline import StageTail, iteration_time
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.search.metis.groups import DeviceGroup
 from hetplan.search.metis.stage_costs import Intra, MetisCosts, StageHandle, proportional_bounds
 

@@ -56,9 +56,9 @@ from typing import Iterator, Sequence
 
 from hetplan.cost.stage import StageOption
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import LayerStrategy, Plan, RankedPlan, Stage
+from hetplan.plan.spec import LayerStrategy, Plan, RankedPlan, Stage
 from hetplan.profile.metis import missing_entries
 from hetplan.search.base import cost_model_for, no_fit_error, rank_key
 from hetplan.search.common.budget import WorkBudget

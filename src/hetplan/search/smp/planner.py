@@ -39,9 +39,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan, RankedPlan
+from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.runtime.support import support_of
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.search.base import cost_model_for, rank_plans

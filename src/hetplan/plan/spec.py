@@ -27,7 +27,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from hetplan import fields
+from hetplan.io import fields
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS
 
@@ -253,7 +253,7 @@ class Plan:
     @staticmethod
     def from_dict(data: Any) -> Plan:
         """Inverse of to_dict. Every field is read with its exact type and an
-        unknown key is refused (hetplan.fields): a plan is never trained or
+        unknown key is refused (hetplan.io.fields): a plan is never trained or
         costed other than as written."""
         plan = fields.mapping("plan", data, _PLAN_KEYS, _PLAN_REQUIRED)
         stages = fields.listing("plan.stages", plan["stages"], MAX_GPUS)
@@ -512,8 +512,8 @@ def save_plan(path: str | os.PathLike[str], plan: Plan, estimate: Estimate | Non
 
 
 def load_plan(path: str | os.PathLike[str], index: int = 1) -> Plan:
-    """The ``index``-th plan of a plan file (see hetplan.planfile, which also
+    """The ``index``-th plan of a plan file (see hetplan.plan.file, which also
     gives the model and cluster the file embeds)."""
-    from hetplan.planfile import read_plan_file
+    from hetplan.plan.file import read_plan_file
 
     return read_plan_file(path).plan(index)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from hetplan.calibration import KORTHIKANTI_2022, KORTHIKANTI_22B_LAYER_MS, predict, predict_22b_layer_ms
+from hetplan.published import KORTHIKANTI_2022, KORTHIKANTI_22B_LAYER_MS, predict, predict_22b_layer_ms
 from hetplan.report.text import table
 
 TOLERANCE = 0.15

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from hetplan.cluster.presets import homogeneous_cluster
 from hetplan.cost.model import CostModel
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.model.presets import gpt_decoder
-from hetplan.plan import Estimate, Plan
+from hetplan.plan.spec import Estimate, Plan
 from hetplan.search.baselines.uniform import uniform_plan
 
 

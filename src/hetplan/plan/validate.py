@@ -11,7 +11,7 @@ from __future__ import annotations
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import RECOMPUTE, SCHEDULES, ZERO_STAGES, Plan, Stage
+from hetplan.plan.spec import RECOMPUTE, SCHEDULES, ZERO_STAGES, Plan, Stage
 
 
 class InvalidPlanError(HetplanError):

@@ -2,7 +2,7 @@
 
 Every tool numbers a hetplan plan's ranks the same way: stages in pipeline
 order; inside a stage, data-parallel replica, then context-parallel rank,
-then TP rank (TP fastest) — hetplan's ``Stage.devices`` order (plan.py).
+then TP rank (TP fastest) — hetplan's ``Stage.devices`` order (plan/spec.py).
 torchtitan 0.3 builds its mesh as ("pp", "dp_replicate", "dp_shard", "cp",
 "tp") (torchtitan/distributed/parallel_dims.py:318), Megatron-LM orders
 tp-cp-ep-dp-pp, DeepSpeed's pipeline topology is (pipe, data)
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default --master-port (torch/distributed/run.py)
 

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
-from hetplan.export_launch import (DEFAULT_MASTER_PORT, NodeRun, deepspeed_hostfile, deepspeed_launch_script,
+from hetplan.export.launch import (DEFAULT_MASTER_PORT, NodeRun, deepspeed_hostfile, deepspeed_launch_script,
                                    deepspeed_runs, launch_files, launch_note, local_ids, node_runs, sbatch_script,
                                    torchrun_command)
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import Plan
+from hetplan.plan.spec import Plan
 
 FORMATS = ("modules", "torchtitan", "megatron", "deepspeed")
 # The tools a plan can be made for (``hetplan plan --target``), with the names they go by.
@@ -716,7 +716,7 @@ def megatron_commands(plan: Plan, model: ModelSpec, cluster: Any, master_addr: s
     command), and notes. Megatron numbers ranks TP fastest, then DP, then PP
     (order tp-cp-ep-dp-pp), and torchrun gives a node's processes consecutive
     ranks: each node must hold one run of the plan's devices in that order
-    (``export_launch.node_runs``). ``CUDA_VISIBLE_DEVICES`` puts each rank on
+    (``export.launch.node_runs``). ``CUDA_VISIBLE_DEVICES`` puts each rank on
     the plan's GPU."""
     args, notes = _megatron(plan, model)
     runs = node_runs(plan, cluster, "Megatron-LM")
@@ -918,7 +918,7 @@ def render(plan: Plan, model: ModelSpec, fmt: str, cluster: Any = None,
            torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> Export:
     """The export as the text the tool reads, with notes and extra files:
     the launch script and sbatch job (and DeepSpeed's hostfile) that put the
-    plan's ranks on its GPUs (``export_launch``). ``cluster``: the plan's;
+    plan's ranks on its GPUs (``export.launch``). ``cluster``: the plan's;
     loaded by name if not given."""
     if fmt == "modules":
         names = stage_module_names(plan, model)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hetplan.calibration import KORTHIKANTI_2022, KORTHIKANTI_22B_LAYER_MS, predict, predict_22b_layer_ms
+from hetplan.published import KORTHIKANTI_2022, KORTHIKANTI_22B_LAYER_MS, predict, predict_22b_layer_ms
 
 TOLERANCE = 0.15
 

@@ -31,15 +31,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetplan import fields
+from hetplan.io import fields
 from hetplan.cost.constants import (
     ATTENTION_KERNELS, DEFAULT_ATTENTION_KERNEL, EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, ZERO_IMPLEMENTATIONS,
 )
-from hetplan.cost.workload import TARGETS as WORKLOAD_TARGETS
+from hetplan.plan.workload import TARGETS as WORKLOAD_TARGETS
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_EXPERT_IMBALANCE
-from hetplan.plan import Plan
-from hetplan.userfiles import read_json
+from hetplan.plan.spec import Plan
+from hetplan.io.userfiles import read_json
 
 PLAN_FILE_VERSION = 3
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
@@ -66,7 +66,7 @@ class PlanFile:
                                f"{len(self.plans)}")
         plan = self.plans[index - 1]
         if self.model is not None and self.cluster is not None:
-            from hetplan.validate import validate_plan
+            from hetplan.plan.validate import validate_plan
 
             try:
                 validate_plan(plan, self.model, self.cluster)
@@ -77,7 +77,7 @@ class PlanFile:
     def workload(self, index: int = 1, profile: Any = None, calibration: Any = None) -> Any:
         """The Workload the ``index``-th plan was made for: the embedded model,
         cluster and settings, and the plan's own global batch."""
-        from hetplan.cost import Workload
+        from hetplan.plan.workload import Workload
 
         if self.model is None or self.cluster is None:
             raise HetplanError(f"plan file {self.path} is format 1 (names only); regenerate it with "
@@ -150,7 +150,7 @@ def _plan_file(path: str, data: Any) -> PlanFile:
 
 
 # "planner" and "search_time_s": what 'hetplan plan --json' adds about the search; "target" to
-# "torchtitan_version": what it adds with --target (hetplan.target.target_json)
+# "torchtitan_version": what it adds with --target (hetplan.export.target.target_json)
 _FILE_KEYS = ("format_version", "plans", "model_spec", "cluster_spec", "settings", "planner", "search_time_s",
               "target", "slowdown", "best_overall", "target_notes", "torchtitan_version")
 _ENTRY_KEYS = ("plan", "estimate", "planner_cost_s", "training")

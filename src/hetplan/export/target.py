@@ -5,7 +5,7 @@ tool can run: hetplan's own runtime (``"hetplan"``, the default target of
 ``plan``, ``compare``, ``whatif`` and ``tune`` for every model the runtime
 builds), decided by the runtime's own check
 (``hetplan.runtime.support.runtime_refusal``), or torchtitan, Megatron-LM or
-DeepSpeed, decided by the export itself (``hetplan.export.exportable``: the
+DeepSpeed, decided by the export itself (``hetplan.export.tools.exportable``: the
 plans ``hetplan export`` refuses are the ones dropped). A heterogeneity-aware planner's best plans often mix
 per-layer strategies or uneven splits no tool expresses, so the planner is
 asked for more candidates (``candidate_count``), and the uniform planner's
@@ -21,11 +21,11 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from hetplan.cost.workload import Workload
+from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.export import DEFAULT_TORCHTITAN_VERSION, TARGETS, TOOL_NAMES, exportable, try_render
+from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION, TARGETS, TOOL_NAMES, exportable, try_render
 from hetplan.model.spec import ModelSpec
-from hetplan.plan import Plan, RankedPlan
+from hetplan.plan.spec import Plan, RankedPlan
 
 # How many of a planner's best plans to look at, per plan asked for, and at most.
 CANDIDATES_PER_PLAN = 20
