@@ -64,6 +64,7 @@ class PlanFile:
     cluster: Any = None
     settings: dict[str, Any] = field(default_factory=dict)
     version: int = 1
+    planner: str = ""  # the planner 'hetplan plan' ran ("" in files that do not say)
 
     def plan(self, index: int = 1) -> Plan:
         """The ``index``-th plan (1 = the best), checked against the model and
@@ -83,7 +84,6 @@ class PlanFile:
     def workload(self, index: int = 1, profile: Any = None, calibration: Any = None) -> Any:
         """The Workload the ``index``-th plan was made for: the embedded model,
         cluster and settings, and the plan's own global batch."""
-
         if self.model is None or self.cluster is None:
             raise HetplanError(f"plan file {self.path} is format 1 (names only); regenerate it with "
                                "'hetplan plan --json' so it embeds its model and cluster")
@@ -127,7 +127,6 @@ def plan_file_from_data(path: str, data: Any) -> PlanFile:
 
 
 def _plan_file(path: str, data: Any) -> PlanFile:
-
     if isinstance(data, dict) and "plans" in data:
         top = fields.mapping("the file", data, _FILE_KEYS, ("plans",))
         version = fields.whole("format_version", top.get("format_version", 1))
@@ -147,7 +146,8 @@ def _plan_file(path: str, data: Any) -> PlanFile:
     plans = tuple(Plan.from_dict(_plan_of(f"plans[{k}]", e)) for k, e in enumerate(entries))
     model = ModelSpec.from_dict(top["model_spec"], "model_spec") if top.get("model_spec") is not None else None
     cluster = cluster_from_dict(top["cluster_spec"], "cluster_spec") if top.get("cluster_spec") is not None else None
-    return PlanFile(path, plans, model, cluster, _settings(top.get("settings") or {}), version)
+    return PlanFile(path, plans, model, cluster, _settings(top.get("settings") or {}), version,
+                    str(top.get("planner", "")))
 
 
 # "planner" and "search_time_s": what 'hetplan plan --json' adds about the search; "target" to

@@ -331,7 +331,6 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
 
 # --- hetplan run ------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-
     script = list(args.script)
     if "--" in script:  # options given after the plan file, before "--"
         cut = script.index("--")
