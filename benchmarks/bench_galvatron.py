@@ -20,9 +20,9 @@ from __future__ import annotations
 import sys
 import time
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.plan.workload import Workload
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.model.families import bert_model
 from hetplan.search.galvatron import get_variant
 

@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from hetplan.cluster import load_cluster  # noqa: E402
+from hetplan.cluster.io import load_cluster  # noqa: E402
 from hetplan.cluster.spec import ClusterSpec, NodeSpec  # noqa: E402
 from hetplan.cost.model import CostModel  # noqa: E402
 from hetplan.plan.workload import Workload  # noqa: E402

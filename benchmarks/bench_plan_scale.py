@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hetplan.cluster import load_cluster  # noqa: E402
+from hetplan.cluster.io import load_cluster  # noqa: E402
 from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.model import load_model  # noqa: E402
+from hetplan.model.load import load_model  # noqa: E402
 from hetplan.report.text import table  # noqa: E402
 from hetplan.search import get_planner  # noqa: E402
 from cells import run_cell  # noqa: E402  (benchmarks/cells.py, beside this script)

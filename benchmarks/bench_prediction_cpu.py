@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.calibration import effective_calibration
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload

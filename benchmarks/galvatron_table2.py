@@ -35,10 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from galvatron_paper import MODELS_II, STRATEGIES_II, TABLE_II  # noqa: E402
 
-from hetplan.cluster import load_cluster  # noqa: E402
+from hetplan.cluster.io import load_cluster  # noqa: E402
 from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model import get_model  # noqa: E402
+from hetplan.model.presets import get_model  # noqa: E402
 from hetplan.search.baselines.fixed import BASELINES, BaselinePlanner  # noqa: E402
 from hetplan.search.galvatron import get_variant  # noqa: E402
 

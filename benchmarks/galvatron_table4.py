@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from galvatron_paper import MODELS_IV, TABLE_IV  # noqa: E402
 
-from hetplan.cluster import load_cluster  # noqa: E402
+from hetplan.cluster.io import load_cluster  # noqa: E402
 from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.model import get_model  # noqa: E402
+from hetplan.model.presets import get_model  # noqa: E402
 from hetplan.search.galvatron import get_variant  # noqa: E402
 
 LABELS = {"memory": "1F1B+Mem", "time": "1F1B+Time", "bi-objective": "1F1B+Bi-obj"}

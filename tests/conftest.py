@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.model.presets import get_model

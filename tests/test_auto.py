@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.model.presets import gpt_decoder
 from hetplan.model.spec import ModelSpec
 from hetplan.search import get_planner, planner_names

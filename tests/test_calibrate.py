@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hetplan.app.calibrate import Observation, fit, load_observations, predict_step_s
-from hetplan.cluster import cluster_from_dict, cluster_to_dict, load_cluster_yaml
+from hetplan.cluster.io import cluster_from_dict, cluster_to_dict, load_cluster_yaml
 from hetplan.cluster.presets import homogeneous_cluster
 from hetplan.cost.calibration import Calibration, read_calibration
 from hetplan.cost.model import CostModel
@@ -179,7 +179,7 @@ def test_bad_measurement_inputs(tmp_path) -> None:  # type: ignore[no-untyped-de
 def test_profiled_all_reduce_sets_link_factors() -> None:
     """A profile's measured all-reduce (alpha-beta fit) is what the kernel
     charges for that group: the factors reproduce the measured fit."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.calibration import effective_calibration, link_calibration_from_profile
     from hetplan.cost.comm import collective_latency
     from hetplan.profile import CollectiveFit, ProfileDB
@@ -204,7 +204,7 @@ def test_profiled_all_reduce_sets_link_factors() -> None:
 def test_profiled_all_gather_slower_than_all_reduce() -> None:
     """gloo's all-gather runs at half the all-reduce's bus bandwidth in this
     profile: the kernel's all-gather rate doubles against its all-reduce's."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.calibration import link_calibration_from_profile
     from hetplan.profile import CollectiveFit, ProfileDB
 
@@ -232,7 +232,7 @@ def test_profiled_tp_layers_keep_their_measured_collectives() -> None:
     """A layer profiled at tp 2 with its TP collectives inside (hetplan profile)
     is costed at its measured time whole, with no TP estimate added; an entry
     without them (an old profile) gets the kernel's TP communication on top."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.profile import ProfileDB, ProfileEntry
 
     model = gpt_decoder("g", 2, 256, 4, 128, vocab=1024, dtype_bytes=4)

@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from hetplan.cluster import GPU_CATALOG, cluster_names, get_cluster, get_gpu, load_cluster
+from hetplan.cluster.catalog import GPU_CATALOG, get_gpu
+from hetplan.cluster.presets import cluster_names, get_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cluster.io import cluster_from_dict, dump_cluster_yaml, load_cluster_yaml
 from hetplan.errors import HetplanError
 

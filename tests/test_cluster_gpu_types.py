@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetplan.cluster import get_gpu, load_cluster
+from hetplan.cluster.catalog import get_gpu
+from hetplan.cluster.io import load_cluster
 from hetplan.cluster.catalog import POWER_CAP_CLOCK_EXPONENT, GPUSpec, power_cap_factor, power_capped
 from hetplan.cluster.io import cluster_from_dict, cluster_to_dict, dump_cluster_yaml, load_cluster_yaml
 from hetplan.cluster.spec import ClusterSpec, NodeSpec

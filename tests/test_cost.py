@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.cluster import ClusterSpec, NodeSpec, load_cluster
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.cost import comm

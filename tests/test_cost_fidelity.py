@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetplan.cluster import ClusterSpec, NodeSpec
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cluster.catalog import get_gpu
 from hetplan.cost import comm
 from hetplan.cost.compute import attention_efficiency, attention_time, gemm_efficiency, layer_times
@@ -194,7 +194,7 @@ def test_unknown_zero_implementation_is_refused() -> None:
 def test_fp32_gradients_double_the_sync_and_add_two_bytes_per_parameter() -> None:
     """Megatron's bf16 main_grad / FSDP's fp32 reduce: gradients are 4 bytes,
     held and all-reduced (25 MiB buckets of them, so the latency count doubles too)."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
     from hetplan.search.baselines.uniform import uniform_plan
@@ -215,7 +215,7 @@ def test_fp32_gradients_double_the_sync_and_add_two_bytes_per_parameter() -> Non
 def test_deepspeed_bf16_optimizer_holds_two_gradient_copies_and_reduces_fp32() -> None:
     """DeepSpeed's BF16 optimizer: bf16 + fp32 gradients (4 bytes/param more
     than plain mixed Adam, even under ZeRO-1), the fp32 ones all-reduced."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
     from hetplan.search.baselines.uniform import uniform_plan
@@ -233,7 +233,7 @@ def test_deepspeed_bf16_optimizer_holds_two_gradient_copies_and_reduces_fp32() -
 
 
 def test_fp8_matmuls_speed_up_only_gpus_that_have_them() -> None:
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
     from hetplan.errors import HetplanError

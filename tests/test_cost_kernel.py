@@ -154,7 +154,7 @@ def test_exact_partition_tables_are_the_estimate(seed: int) -> None:
 def test_cpu_processes_do_not_overlap_communication() -> None:
     """gloo runs collectives on the cores that compute: an 'overlapped'
     collective is exposed whole on CPU, 1.3x-slowed on GPUs (Galvatron-BMW §V)."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.constants import OVERLAP_SLOWDOWN
     from hetplan.cost.pipeline import overlapped_exposure
 

@@ -354,7 +354,7 @@ def test_uneven_expert_split_is_checked_and_refused_where_unsupported() -> None:
     from hetplan.export.tools import to_megatron_args
     with pytest.raises(HetplanError, match="same number of experts"):
         to_megatron_args(plan, workload.model)
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
     with pytest.raises(HetplanError, match="splits experts unevenly"):
         PlanLayout.from_plan(plan, [layer.name for layer in workload.model.layers])
 

@@ -9,9 +9,9 @@ import sys
 
 SCRIPT = """
 import json
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.plan.workload import Workload
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.metis import MetisOptions, MetisPlanner
 

@@ -8,7 +8,7 @@ import pytest
 
 from hetplan.cli import main
 from hetplan.errors import HetplanError
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 
 torch = pytest.importorskip("torch")
 

@@ -43,10 +43,10 @@ from typing import Any
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.export.tools import partition_uniform, render
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -841,7 +841,7 @@ def test_hf_mixtral_config_exports_for_megatron(tmp_path: Path) -> None:
     """A Mixtral config.json (the public shape) exports with its experts, GQA and rope base."""
     pytest.importorskip("megatron.core", reason="make installs megatron-core (pyproject's tools extra)")
     pytest.importorskip("transformers")
-    from hetplan.model import load_model
+    from hetplan.model.load import load_model
 
     config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 4096,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -912,7 +912,7 @@ def test_offload_deepspeed_cpu_checkpointing(monkeypatch: pytest.MonkeyPatch) ->
 
 def mixed_cluster() -> Any:
     """An H100 node (GPUs 0-3) and an A100 node (GPUs 4-7)."""
-    from hetplan.cluster import ClusterSpec, NodeSpec
+    from hetplan.cluster.spec import ClusterSpec, NodeSpec
 
     return ClusterSpec("h100-a100", (NodeSpec("H100", 4, 900), NodeSpec("A100-80GB", 4, 600)), 200)
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from hetplan.cli import main as cli_main
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.model.presets import gpt_decoder
 from hetplan.search import get_planner, planner_names
 from hetplan.search.baselines.fixed import BASELINES

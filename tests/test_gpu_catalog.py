@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from hetplan.cli import main
-from hetplan.cluster import GPU_CATALOG, get_cluster, get_gpu
+from hetplan.cluster.catalog import GPU_CATALOG, get_gpu
+from hetplan.cluster.presets import get_cluster
 from hetplan.cluster.catalog import TERA, find_catalog_gpu
 from hetplan.cluster.io import gpu_types_from_dict
 from hetplan.errors import HetplanError

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from hetplan.cli import main
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.cost.constants import (
     FRAMEWORK_OVERHEAD_BYTES, OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TEMPORARIES, RUNTIME_OPTIMIZER, RUNTIME_STATE_BYTES,
 )
-from hetplan.model import load_model
+from hetplan.model.load import load_model
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.units import GIB
 

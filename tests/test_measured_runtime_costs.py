@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.cost import shared_cores
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.cost.compute import layer_times
 from hetplan.cost.layers import layer_arrays
 from hetplan.profile.db import ChainPoint, DataParallelPoint, ProfileDB, ProfileEntry

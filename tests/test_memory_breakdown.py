@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 
 from hetplan.cli import main
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.cost.mixed import stage_memory_parts
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.search import get_planner
 from hetplan.search.baselines.uniform import uniform_plan
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
@@ -187,7 +187,7 @@ def test_data_and_layer_balancing_beat_either_alone() -> None:
 _DETERMINISM = """
 import json, sys
 sys.path.insert(0, {src!r})
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.plan.workload import Workload
 from hetplan.model.presets import get_model
 from hetplan.search.metis import MetisPlanner

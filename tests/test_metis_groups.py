@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.errors import HetplanError
 from hetplan.search.metis.groups import (

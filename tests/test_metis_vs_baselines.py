@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model

@@ -15,7 +15,8 @@ import pytest
 
 from hetplan.cli import main
 from hetplan.errors import HetplanError
-from hetplan.model import get_model, load_model, model_names
+from hetplan.model.presets import get_model, model_names
+from hetplan.model.load import load_model
 from hetplan.model.spec import MAX_LAYERS, MAX_PARAMS, MAX_SEQ_LEN, ModelSpec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"

@@ -9,7 +9,8 @@ import pytest
 
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
-from hetplan.plan.spec import Estimate, LayerStrategy, Plan, Stage, load_plan, save_plan
+from hetplan.plan.file import load_plan, save_plan
+from hetplan.plan.spec import Estimate, LayerStrategy, Plan, Stage
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.plan.validate import InvalidPlanError, validate_plan
 
@@ -95,7 +96,7 @@ def test_micro_batch_size_means_per_replica_in_json_and_tables():
     micro-batch; the total over the replicas is micro_batch_total. Plans
     written before (no micro_batch_total) stored the total and still load."""
     from hetplan.export.tools import export_plan
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.plan.spec import Plan, uniform_stage
 
     stage = uniform_stage(range(6), list(range(8)), 8, 1, 8)  # 8 replicas, 1 sample each

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from hetplan.cli import main
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.profile import load_profile
 from hetplan.profile.db import (ChainPoint, CollectiveFit, CollectivePoint, DataParallelPoint, ProfileDB,
                                 ProfileEntry, Unsupported)

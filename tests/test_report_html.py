@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from hetplan.cli import main
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.cost.memory import MEMORY_CATEGORIES
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.plan.file import read_plan_file
 from hetplan.report.html import SECTIONS, report_html, stage_labels
 from hetplan.report.svg import MEMORY_COLOURS, memory_svg, text_width, timeline_svg
@@ -33,7 +33,7 @@ from hetplan.app.whatif import run_whatif
 from hetplan.report.whatif import whatif_table
 from hetplan.search import get_planner
 from hetplan.search.baselines.uniform import uniform_plan
-from hetplan.simulate import makespan, simulate_plan
+from hetplan.simulate.plan import makespan, simulate_plan
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 EVIL = '<script>alert("x")</script>'

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model import get_model  # noqa: E402
+from hetplan.model.presets import get_model  # noqa: E402
 from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage  # noqa: E402
 from hetplan.runtime import tp as tpr  # noqa: E402
 from hetplan.runtime.context import init  # noqa: E402
@@ -186,9 +186,9 @@ def test_hf_tp_plan_translation():
 
 def test_processes_must_run_where_the_plan_puts_them(monkeypatch):
     """On several nodes, torchrun's node rank / local rank must match the plan's GPUs."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.runtime.setup import check_node_placement
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
 
     cluster = load_cluster("amp-heterogeneous")  # nodes of 4 GPUs
     stages = (uniform_stage(range(0, 3), [2, 3], 2, 1, 2), uniform_stage(range(3, 6), [4, 5], 2, 1, 2))

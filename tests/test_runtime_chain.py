@@ -114,7 +114,7 @@ def test_a_chain_passes():
 
 
 def test_the_built_in_gpt_is_a_chain():
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import build_preset_model
 
     spec = get_model("tiny-gpt")

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model import get_model  # noqa: E402
+from hetplan.model.presets import get_model  # noqa: E402
 from hetplan.plan.spec import Plan, uniform_stage  # noqa: E402
 
 
@@ -141,7 +141,7 @@ def _plan(dp: int, cp: int, tp: int, ep: int, pp: int = 1) -> Plan:
 
 
 def test_layout_positions_and_groups_with_cp_and_ep() -> None:
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
 
     names = [layer.name for layer in get_model("tiny-moe").layers]
     layout = PlanLayout.from_plan(_plan(dp=2, cp=2, tp=2, ep=2), names)
@@ -157,7 +157,7 @@ def test_layout_positions_and_groups_with_cp_and_ep() -> None:
 
 
 def test_layout_refuses_cp_ep_it_cannot_run() -> None:
-    from hetplan.runtime.layout import PlanLayout, PlanNotSupportedError
+    from hetplan.plan.layout import PlanLayout, PlanNotSupportedError
 
     names = [layer.name for layer in get_model("tiny-moe").layers]
     plan = _plan(dp=2, cp=1, tp=1, ep=2, pp=2)
@@ -174,7 +174,7 @@ def test_preflight_refuses_a_model_without_cp_support() -> None:
     from torch import nn
 
     from hetplan.runtime.preflight import preflight
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
     from hetplan.runtime.models import build_preset_model
 
     spec = get_model("tiny-gpt")

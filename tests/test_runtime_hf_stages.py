@@ -119,7 +119,7 @@ def test_preflight_refuses_a_heterogeneous_t5_plan_split_inside_the_encoder():
     import transformers
 
     from hetplan.runtime.preflight import preflight
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
 
     spec = h.spec("t5")
     names = [layer.name for layer in spec.layers]
@@ -131,7 +131,7 @@ def test_preflight_refuses_a_heterogeneous_t5_plan_split_inside_the_encoder():
 
 
 def test_t5s_shared_embedding_on_three_stages_is_refused():
-    from hetplan.model.hf import tied_span_refusal
+    from hetplan.plan.support import tied_span_refusal
 
     spec = h.spec("t5")
     names = [layer.name for layer in spec.layers]
@@ -147,7 +147,7 @@ def test_t5s_three_way_tie_is_summed_once_between_two_stages():
     ``shared``): split inside the encoder, the second stage holds two copies of one
     tensor, so one pair (one all-reduce) per pair of stages."""
     from hetplan.runtime.spine import one_pair_per_stage_pair
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
     from hetplan.runtime.parallelize import tied_layer_pairs
 
     spec = h.spec("t5")

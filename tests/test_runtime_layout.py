@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from hetplan.plan.spec import Plan, uniform_stage
-from hetplan.runtime.layout import PlanLayout, PlanNotSupportedError
+from hetplan.plan.layout import PlanLayout, PlanNotSupportedError
 
 NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -126,7 +126,7 @@ def _cli(*args):
 
 
 def test_run_print_lists_commands_without_torch(tmp_path):
-    from hetplan.plan.spec import save_plan
+    from hetplan.plan.file import save_plan
 
     p = Plan("tiny-gpt", "amp-heterogeneous", 8, 2, 4, "1f1b",
              (uniform_stage(range(0, 3), [0, 1, 2, 3], 2, 2, 2), uniform_stage(range(3, 6), [12, 13, 14, 15], 2, 2, 2)))
@@ -142,7 +142,7 @@ def test_run_print_lists_commands_without_torch(tmp_path):
 
 
 def test_importing_the_runtime_cli_does_not_import_torch():
-    code = "import sys, hetplan.runtime.cli, hetplan.runtime, hetplan.runtime.layout; print('torch' in sys.modules)"
+    code = "import sys, hetplan.runtime.cli, hetplan.runtime, hetplan.plan.layout; print('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

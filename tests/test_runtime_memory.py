@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from hetplan.model import get_model  # noqa: E402
+from hetplan.model.presets import get_model  # noqa: E402
 from hetplan.model.families import moe_decoder  # noqa: E402
 from hetplan.model.hf import model_from_hf_config  # noqa: E402
 from hetplan.model.presets import gpt_decoder  # noqa: E402

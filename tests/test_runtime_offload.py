@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.plan.spec import LayerStrategy, Plan
 
 torch = pytest.importorskip("torch")

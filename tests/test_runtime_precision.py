@@ -10,8 +10,8 @@ import pytest
 from hetplan.cli import main
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.model import get_model
-from hetplan.cluster import load_cluster
+from hetplan.model.presets import get_model
+from hetplan.cluster.io import load_cluster
 
 torch = pytest.importorskip("torch")
 

@@ -16,15 +16,16 @@ import pytest
 pytest.importorskip("torch")
 
 from hetplan.cli import main  # noqa: E402
-from hetplan.cluster import load_cluster  # noqa: E402
+from hetplan.cluster.io import load_cluster  # noqa: E402
 from hetplan.cost.model import CostModel  # noqa: E402
 from hetplan.plan.workload import Workload  # noqa: E402
 from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model import load_model  # noqa: E402
+from hetplan.model.load import load_model  # noqa: E402
 from hetplan.plan.spec import LayerStrategy, Plan  # noqa: E402
 from hetplan.plan.file import read_plan_file  # noqa: E402
-from hetplan.runtime.layout import PlanLayout  # noqa: E402
-from hetplan.runtime.support import runtime_refusal, support_of  # noqa: E402
+from hetplan.plan.layout import PlanLayout  # noqa: E402
+from hetplan.plan.support import runtime_refusal
+from hetplan.plan.support import support_of  # noqa: E402
 from hetplan.search.baselines.uniform import uniform_plan  # noqa: E402
 
 ADAPTER = "tests.support_models:gpt_with_adapter"
@@ -103,7 +104,6 @@ def test_a_layer_without_tp_plan_is_costed_whole_on_every_tp_rank() -> None:
     for name, spec in (("whole", whole), ("split", split)):
         kernel = CostModel(Workload(spec, load_cluster("local-cpu-2"), 4)).kernel
         held[name] = kernel.arrays.params_per_device(2)[adapter]
-        params = spec.layers[adapter].params
         time_tp1 = kernel.arrays.tp_share(1)[adapter]
         assert time_tp1 == 1.0
     assert held["whole"] == whole.layers[adapter].params

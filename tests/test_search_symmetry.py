@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload

@@ -11,7 +11,7 @@ from hetplan.plan.workload import Workload
 from hetplan.cost.pipeline import pipeline_time
 from hetplan.report.svg import memory_svg, timeline_svg
 from hetplan.search.baselines.uniform import uniform_plan
-from hetplan.simulate import build_schedule, makespan, simulate, simulate_plan
+from hetplan.simulate.plan import build_schedule, makespan, simulate, simulate_plan
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

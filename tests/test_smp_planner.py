@@ -16,11 +16,11 @@ import sys
 import numpy as np
 import pytest
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.model import get_model
+from hetplan.model.presets import get_model
 from hetplan.search.registry import get_planner
 from hetplan.search.smp import SMPPlanner
 from hetplan.search.smp.planner import smp_split
@@ -146,7 +146,7 @@ def test_forced_pipeline_degree_that_does_not_divide_is_refused() -> None:
 def traced() -> dict:
     pytest.importorskip("torch")
     sys.path.insert(0, TESTS)
-    from hetplan.model import load_model
+    from hetplan.model.load import load_model
 
     return {name: load_model(f"smp_models:{name}") for name in ("gpt", "resnet", "encdec", "encdec_two_inputs")}
 

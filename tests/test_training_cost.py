@@ -36,7 +36,7 @@ def test_days_gpu_hours_and_cost_follow_from_the_step_time(tmp_path, capsys):
     out = capsys.readouterr().out
     entry = json.loads(path.read_text())["plans"][0]
     t, n = entry["estimate"]["iteration_time_s"], entry["training"]
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
 
     tokens_per_step = 64 * get_model("gpt3-1.3b").seq_len
     assert n["tokens_per_step"] == tokens_per_step
@@ -88,7 +88,7 @@ def test_whatif_refuses_to_resize_a_mixed_cluster(capsys):
 def _numbers(cluster, prices=None):  # type: ignore[no-untyped-def]
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.app.training import training_numbers
     from hetplan.search.baselines.uniform import uniform_plan
 
@@ -98,7 +98,7 @@ def _numbers(cluster, prices=None):  # type: ignore[no-untyped-def]
 
 
 def test_default_prices_are_named_and_used_only_for_their_gpus() -> None:
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.app.training import DEFAULT_PRICES_PER_GPU_HOUR, DEFAULT_PRICE_SOURCE
     from hetplan.report.training import training_lines
 
@@ -112,7 +112,7 @@ def test_default_prices_are_named_and_used_only_for_their_gpus() -> None:
 
 
 def test_cluster_file_prices_its_nodes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from hetplan.cluster import cluster_from_dict, cluster_to_dict, load_cluster_yaml
+    from hetplan.cluster.io import cluster_from_dict, cluster_to_dict, load_cluster_yaml
 
     path = tmp_path / "c.yaml"
     path.write_text("nodes:\n  - {gpu: T4, gpus: 4, intra_node_bandwidth_gbps: 50, price_per_gpu_hour: 0.35}\n"

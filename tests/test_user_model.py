@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model import load_model  # noqa: E402
+from hetplan.model.load import load_model  # noqa: E402
 from hetplan.runtime.build import model_build  # noqa: E402
 from hetplan.runtime.reference import build_reference, training_batch  # noqa: E402
 from hetplan.runtime.user_model import default_loss, user_model  # noqa: E402

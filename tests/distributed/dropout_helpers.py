@@ -21,7 +21,7 @@ def reference(dropout: float = P, seed: int = 0, steps: int = STEPS, gbs: int = 
 @functools.lru_cache(maxsize=8)
 def _reference(dropout: float, seed: int, steps: int, gbs: int, user_model: bool
                ) -> tuple[list[float], dict[str, Any]]:
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.build import model_build
     from hetplan.runtime.models import cross_entropy_loss
     from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch, train_reference
@@ -51,7 +51,7 @@ def user_dropout_model() -> Any:
     samples on every rank)."""
     from torch import nn
 
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import build_preset_model
 
     model = build_preset_model(get_model(MODEL))

@@ -250,7 +250,7 @@ def masked_model(vocab: int, hidden: int = 32, blocks: int = 4) -> Any:
 
 def masked_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
     """The keyword-input model under a plan for tiny-gpt's layer names."""
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.context import init
     from hetplan.runtime.models import cross_entropy_loss
     from hetplan.runtime.reference import make_optimizer, synthetic_batch
@@ -273,7 +273,7 @@ def masked_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
 
 
 def masked_reference(steps: int = 2, gbs: int = 8, mask: bool = True) -> tuple[list[float], dict[str, Any]]:
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import cross_entropy_loss
     from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch, train_reference
 

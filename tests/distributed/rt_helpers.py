@@ -12,7 +12,8 @@ import os
 from dataclasses import replace
 from typing import Any, Sequence
 
-from hetplan.plan.spec import LayerStrategy, Plan, save_plan, uniform_stage
+from hetplan.plan.file import save_plan
+from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
 from hetplan.search.common.layer_splits import even_split
 
 MODEL = "tiny-gpt"
@@ -79,7 +80,7 @@ def spec_worker(plan_path: str, spec_name: str, steps: int = STEPS) -> dict[str,
 def reference(steps: int = STEPS, gbs: int = GBS, seed: int = 0, spec_name: str = MODEL
               ) -> tuple[list[float], dict[str, Any]]:
     """The single-process run the distributed runs must reproduce."""
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch, train_reference
 
@@ -119,7 +120,7 @@ def run_raw(fn: Any, world_size: int, *args: Any, timeout_s: float = 240.0) -> l
 
 def assert_structure(plan: Plan, results: list[dict[str, Any]]) -> None:
     """Each rank holds exactly its chunks' layers; TP and ZeRO-3 shard what they should."""
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
     from hetplan.runtime.parallelize import owner_layer
 
     names = ["embed", *[f"layers.{i}" for i in range(NUM_LAYERS - 2)], "head"]
@@ -145,7 +146,7 @@ def build_worker(plan_path: str, model: str = "preset", steps: int = 1, change_s
     """init + parallelize + a few steps with a chosen (possibly wrong) model."""
     import torch
 
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.context import init
     from hetplan.runtime.models import GPT, GPTConfig, build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import synthetic_batch
@@ -250,7 +251,7 @@ def accumulate_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
     (gradient accumulation across calls), tiny-gpt with its embedding tied to the head."""
     import torch
 
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.context import init
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import make_optimizer, synthetic_batch
@@ -274,7 +275,7 @@ def accumulate_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
 
 def accumulate_reference(steps: int = 2, gbs: int = GBS) -> tuple[list[float], dict[str, Any]]:
     """The single-process run of ``accumulate_worker``: backward twice, then one step."""
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch
 
@@ -299,7 +300,7 @@ def long_skip_worker(plan_path: str) -> float:
     import torch
     from torch import nn
 
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.context import init
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import synthetic_batch
@@ -331,7 +332,7 @@ def torch_clip_worker(plan_path: str) -> dict[str, Any]:
     import torch
 
     from hetplan.errors import HetplanError
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.context import init
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import synthetic_batch
@@ -359,7 +360,7 @@ def compiled_whole_worker(plan_path: str) -> dict[str, Any]:
     import torch
 
     from hetplan.errors import HetplanError
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.context import init
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import synthetic_batch

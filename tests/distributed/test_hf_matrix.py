@@ -16,7 +16,7 @@ attention masks). Cells, each with two or more micro-batches per replica:
 A cell either trains within ``hetplan train --verify``'s bound of the
 reference in the same precision (the model's own forward in one process on the
 same micro-batches, ``train_reference`` with ``row_groups``),
-or ``hetplan.runtime.support.runtime_refusal`` names why before any process
+or ``hetplan.plan.support.runtime_refusal`` names why before any process
 starts -- and the runtime's ``init`` refuses with that line. Where TP splits a
 stage, each rank holds the parameters the cost model charges it. The cells of
 one world size run in one process group (``several_workers``): two process
@@ -97,7 +97,7 @@ def _reference(family: str, precision: str, groups: tuple[tuple[int, ...], ...])
 
 
 def _groups(family: str, cell: str) -> tuple[tuple[int, ...], ...]:
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
     from hetplan.runtime.reference import row_groups
 
     layout = PlanLayout.from_plan(make_plan(family, cell), [layer.name for layer in h.spec(family).layers])
@@ -113,7 +113,7 @@ def _numel(shape: Any) -> int:
 
 def _charged_params(family: str, cell: str) -> list[int]:
     """Parameters per rank the cost model charges (fp32 weights: 4 bytes each)."""
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
 
@@ -125,7 +125,7 @@ def _charged_params(family: str, cell: str) -> list[int]:
 
 def _runnable(tmp_path: Any, world: int) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
     """(runnable, refused) cells of this world size as (family, cell, plan path or refusal)."""
-    from hetplan.runtime.support import runtime_refusal
+    from hetplan.plan.support import runtime_refusal
 
     runnable, refused = [], []
     for family in FAMILIES:

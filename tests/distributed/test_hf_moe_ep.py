@@ -117,7 +117,7 @@ def _preflight(name: str, **degrees) -> None:
     import torch
 
     from hetplan.runtime.preflight import preflight
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
 
     spec, plan = h.spec(name), h.plan(name, **degrees)
     with torch.device("meta"):

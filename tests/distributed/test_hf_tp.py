@@ -168,7 +168,7 @@ def test_a_degree_the_plan_cannot_split_by_is_refused_before_start(name: str, tp
 
     from hetplan.errors import HetplanError
     from hetplan.runtime.preflight import preflight
-    from hetplan.runtime.layout import PlanLayout
+    from hetplan.plan.layout import PlanLayout
 
     plan = h.plan(name, 1, 1, tp, micro=MICRO)
     plan = replace(plan, stages=tuple(replace(s, sequence_parallel=sp) for s in plan.stages))

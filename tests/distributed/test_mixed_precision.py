@@ -48,7 +48,7 @@ def _write(tmp_path: Any, layout: str, precision: str) -> str:
 
 @functools.lru_cache(maxsize=2)
 def _reference(precision: str) -> tuple[list[float], dict[str, Any]]:
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch, train_reference
 

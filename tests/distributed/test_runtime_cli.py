@@ -46,7 +46,7 @@ def test_run_starts_a_user_script_with_the_plan(tmp_path) -> None:
     assert "step    2" in proc.stdout, proc.stdout
     import torch
 
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import build_preset_model
 
     state = torch.load(export)
@@ -105,7 +105,7 @@ def test_mixed_precision_plan_trains_and_verifies(precision: str, tmp_path) -> N
     assert "verify: OK" in proc.stdout and f", {precision})" in proc.stdout, proc.stdout
     import torch
 
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
     from hetplan.runtime.models import build_preset_model, cross_entropy_loss
     from hetplan.runtime.reference import build_reference, compare, make_optimizer, synthetic_batch, train_reference
 

@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import pytest
 
-from hetplan.plan.spec import Plan, save_plan, uniform_stage
+from hetplan.plan.file import save_plan
+from hetplan.plan.spec import Plan, uniform_stage
 from hetplan.search.common.layer_splits import even_split
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -22,9 +22,9 @@ torch = pytest.importorskip("torch")
 import smp_workers  # noqa: E402
 from rt_helpers import run  # noqa: E402
 
-from hetplan.cluster import load_cluster  # noqa: E402
+from hetplan.cluster.io import load_cluster  # noqa: E402
 from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.model import load_model  # noqa: E402
+from hetplan.model.load import load_model  # noqa: E402
 from hetplan.runtime.reference import compare  # noqa: E402
 from hetplan.search.smp import SMPPlanner  # noqa: E402
 

@@ -8,7 +8,6 @@ adapter whole (``LayerSpec.tp_replicated``) -- and the run equals one process.
 
 from __future__ import annotations
 
-import pytest
 
 from hetplan.plan.spec import Plan, uniform_stage
 from rt_helpers import run, write_plan
@@ -17,7 +16,7 @@ MODEL = "tests.support_models:gpt_with_adapter"
 
 
 def adapter_worker(plan_path: str) -> dict:
-    from hetplan.model import load_model
+    from hetplan.model.load import load_model
     from hetplan.runtime.trainer import TrainConfig, train
 
     return train(TrainConfig(plan_path, steps=2, export=True, quiet=True), load_model(MODEL))
@@ -26,10 +25,10 @@ def adapter_worker(plan_path: str) -> dict:
 def test_layer_without_tp_plan_holds_what_it_is_charged(tmp_path) -> None:
     import torch
 
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
-    from hetplan.model import load_model
+    from hetplan.model.load import load_model
     from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, make_optimizer, train_reference, training_batch
 

@@ -44,10 +44,10 @@ def bytes_worker(plan_path: str) -> dict[str, int]:
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_predicted_bytes_per_rank_are_the_local_tensors(zero: int, dp: int, tmp_path) -> None:
-    from hetplan.cluster import load_cluster
+    from hetplan.cluster.io import load_cluster
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
-    from hetplan.model import get_model
+    from hetplan.model.presets import get_model
 
     plan = make_plan(dp, zero=zero)
     workload = Workload(get_model("tiny-gpt"), load_cluster(plan.cluster), plan.global_batch_size,

@@ -7,10 +7,10 @@ and HTML renderers print them."""
 from __future__ import annotations
 
 from hetplan.plan.workload import Workload
-from hetplan.model.hf import tied_span_refusal
+from hetplan.plan.support import tied_span_refusal
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Estimate, Plan
-from hetplan.runtime.support import support_of
+from hetplan.plan.support import support_of
 from hetplan.units import format_bytes, format_time
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from hetplan.app.records import ranked_record
 from hetplan.app.report import PlanReport, plan_report
@@ -113,19 +113,33 @@ def plan_workload(options: WorkloadOptions, planner: str | Any, top: int = DEFAU
     ``planner``: a name (looked up once the workload loaded) or a planner object;
     ``auto_batch``: the planner chooses the global batch."""
     workload = load_workload(options, global_batch=1 if auto_batch else None)
+    rebatch = (lambda batch: load_workload(options, global_batch=batch)) if auto_batch else None
+    return plan_loaded(workload, planner, top, rebatch, bool(options.target), options.target == ANY,
+                       torchtitan_version, tokens, prices)
+
+
+def plan_loaded(workload: Workload, planner: str | Any, top: int = DEFAULT_TOP,
+                rebatch: Callable[[int], Workload] | None = None, explicit_target: bool = False,
+                any_target: bool = False, torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION,
+                tokens: float | None = None, prices: dict[str, float] | None = None) -> PlanResult:
+    """``plan_workload`` for a workload already made (``hetplan replan``'s,
+    from a plan file): ``rebatch`` makes it again with the global batch the
+    planner chose (None: the batch is given); ``explicit_target``: the user
+    named the tool; ``any_target``: the user asked for no target."""
     planner = get_planner(planner) if isinstance(planner, str) else planner
     start = time.perf_counter()
     tool = workload.target or None
-    explicit = tool is not None and bool(options.target)
-    ranked, target = search_for_target(lambda k: run_planner(planner, workload, k, auto_batch), workload, tool, top,
-                                       planner.name, "merge" if explicit else "fallback", torchtitan_version)
+    explicit = tool is not None and explicit_target
+    ranked, target = search_for_target(lambda k: run_planner(planner, workload, k, rebatch is not None), workload,
+                                       tool, top, planner.name, "merge" if explicit else "fallback",
+                                       torchtitan_version)
     elapsed = time.perf_counter() - start
     best = ranked[0]
-    if auto_batch:
-        workload = load_workload(options, global_batch=best.plan.global_batch_size)
+    if rebatch is not None:
+        workload = rebatch(best.plan.global_batch_size)
     cost_model = CostModel(workload)
     target_lines = ([target.summary(), *(f"note: {n}" for n in target.notes)] if explicit and target else
-                    [f"note: {n}" for n in default_notes(target, workload) if options.target != ANY])
+                    [f"note: {n}" for n in default_notes(target, workload) if not any_target])
     report = plan_report(workload, cost_model, ranked, best, tokens, prices, target_lines,
                          f"planner  {planner.name}: searched in {elapsed:.2f} s")
     return PlanResult(planner.name, elapsed, tuple(ranked), target, explicit, report)

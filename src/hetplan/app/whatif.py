@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from hetplan.app.records import ranked_record
 from hetplan.app.training import training_numbers
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.cost.calibration import effective_calibration
 from hetplan.errors import HetplanError

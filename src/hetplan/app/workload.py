@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.plan.workload import Workload
 from hetplan.cost.calibration import effective_calibration, read_calibration
 from hetplan.cost.constants import (
     DEFAULT_ATTENTION_KERNEL, EXPERT_LOAD_IMBALANCE, PRECISION_BYTES, TOOL_ATTENTION_KERNEL,
 )
-from hetplan.model import load_model
+from hetplan.model.load import load_model
 from hetplan.plan.file import PlanFile, resolve_cluster, resolve_model
 from hetplan.profile import load_profile
 from hetplan.export.target import plan_target

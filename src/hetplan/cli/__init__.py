@@ -12,11 +12,12 @@
     hetplan tune      train the top plans for a few steps, re-rank them by measurement (needs torch)
     hetplan calibrate fit the cost model's rates to measured step times
     hetplan report    one self-contained HTML page for a plan file
+    hetplan replan    re-plan a plan file for the GPUs left when some fail or are taken away
 
 A user mistake prints one line ``hetplan: error: ...`` and exits with status 2.
 
 This package parses and dispatches: one module per command group registers
-its commands (``planning``, ``listing``, ``calibrate``, ``report``, ``tune``;
+its commands (``planning``, ``listing``, ``calibrate``, ``report``, ``replan``, ``tune``;
 the runtime's and the profiler's in ``hetplan.runtime.cli`` and
 ``hetplan.runtime.profiling.cli``); the work is ``hetplan.app``'s, the text and pages
 ``hetplan.report``'s.
@@ -33,6 +34,7 @@ from hetplan.io.argtypes import EXIT_USAGE, OneLineParser
 from hetplan.cli import calibrate as calibrate_cli
 from hetplan.cli import listing as listing_cli
 from hetplan.cli import planning as planning_cli
+from hetplan.cli import replan as replan_cli
 from hetplan.cli import report as report_cli
 from hetplan.cli import tune as tune_cli
 from hetplan.cli.options import load_workload
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_cli.register(sub)
     runtime_cli.register(sub)
     report_cli.register(sub)
+    replan_cli.register(sub)
     tune_cli.register(sub)
     profile_cli.register(sub)
     return parser

@@ -7,8 +7,9 @@ import argparse
 from typing import Any
 
 from hetplan.app.records import write_json
-from hetplan.cluster import GPU_CATALOG, cluster_descriptions, get_cluster
-from hetplan.model import get_model, model_descriptions
+from hetplan.cluster.catalog import GPU_CATALOG
+from hetplan.cluster.presets import cluster_descriptions, get_cluster
+from hetplan.model.presets import get_model, model_descriptions
 from hetplan.report.text import table
 from hetplan.search import planner_descriptions
 from hetplan.units import format_bytes, format_count

@@ -32,7 +32,7 @@ from hetplan.report.text import estimate_text, plan_text, workload_header
 from hetplan.report.whatif import whatif_table
 from hetplan.search import get_planner, planner_names
 from hetplan.search.smp import DEFAULT_ALPHA, SMPPlanner
-from hetplan.simulate import build_schedule, format_schedule, makespan, simulate_plan
+from hetplan.simulate.plan import build_schedule, format_schedule, makespan, simulate_plan
 from hetplan.plan.validate import validate_plan
 
 # estimate --simulate prints the schedule grid up to this many slots (stages x micro-batches):

@@ -54,6 +54,8 @@ from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.errors import HetplanError
 from hetplan.units import GIB
 from hetplan.io.userfiles import read_yaml
+from hetplan.cost.calibration import calibration_from_dict, read_calibration
+from hetplan.cluster.presets import get_cluster
 
 _TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types",
              "calibration"}
@@ -276,8 +278,6 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> ClusterSpec:
 def _calibration(source: str, value: Any) -> Any:
     """A cluster's ``calibration:``: the path of a ``hetplan calibrate`` file
     (relative to the cluster file) or the calibration itself, inline."""
-    from hetplan.cost.calibration import calibration_from_dict, read_calibration
-
     if isinstance(value, str):
         base = os.path.dirname(source) if os.path.exists(source) else ""
         return read_calibration(os.path.join(base, value))
@@ -342,7 +342,6 @@ def _check_name_is_not_a_preset(cluster: ClusterSpec, source: str) -> None:
     named like a preset, costing its plans again would silently use the preset."""
     if all(is_catalog_gpu(g) for g in cluster.gpu_specs):
         return
-    from hetplan.cluster.presets import get_cluster
 
     try:
         get_cluster(cluster.name)
@@ -411,3 +410,10 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
 
 def dump_cluster_yaml(cluster: ClusterSpec) -> str:
     return yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False, allow_unicode=True)
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """A preset name, a generic ``NxGPU`` name, or a path to a YAML file."""
+    if name_or_path.endswith((".yaml", ".yml")) or os.path.sep in name_or_path:
+        return load_cluster_yaml(name_or_path)
+    return get_cluster(name_or_path)

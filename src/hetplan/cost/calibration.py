@@ -40,6 +40,8 @@ from hetplan.cluster.spec import ClusterSpec
 from hetplan.errors import HetplanError
 from hetplan.io.fields import mapping, number, text, whole
 from hetplan.io.userfiles import read_json
+from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY
+from hetplan.cost.comm import collective_latency
 
 CALIBRATION_FORMAT = "hetplan-calibration"
 CALIBRATION_VERSION = 1
@@ -177,9 +179,6 @@ def link_calibration_from_profile(profile: Any, cluster: ClusterSpec) -> Calibra
     all-reduce over the profiled group matches the one ``hetplan profile``
     measured (its alpha-beta fit), for each link class it measured. None when
     the profile measured no all-reduce (an old or Metis profile)."""
-    from hetplan.cost.comm import collective_latency
-    from hetplan.cost.constants import COLLECTIVE_BANDWIDTH_EFFICIENCY
-
     bandwidth: dict[str, float] = {}
     latency: list[float] = []
     fits = list(getattr(profile, "fits", ()))

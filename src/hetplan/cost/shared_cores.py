@@ -22,6 +22,7 @@ makespan (every speed 1).
 from __future__ import annotations
 
 from typing import Sequence
+from hetplan.simulate.schedule import build_schedule
 
 EPS = 1e-12
 
@@ -38,8 +39,6 @@ def pipeline_time(schedule_name: str, fwd_s: Sequence[float], bwd_s: Sequence[fl
     """Makespan of one step's pipeline (forward and backward of every
     micro-batch through every stage, profiled-speed times ``fwd_s``/``bwd_s``
     per stage and one-way ``p2p_s`` per boundary) on shared cores."""
-    from hetplan.simulate.schedule import build_schedule  # hetplan.simulate imports the cost model
-
     schedule = build_schedule(schedule_name, len(fwd_s), num_micro_batches)
     num_stages = len(schedule)
     position = [0] * num_stages

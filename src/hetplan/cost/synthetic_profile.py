@@ -22,6 +22,7 @@ from hetplan.model.spec import ModelSpec
 from hetplan.profile.db import ProfileEntry
 from hetplan.profile.metis import DEFAULT_K, EXAMPLE_PATH, PROFILED_MBS, PROFILED_TP, MetisMemoryProfile, \
     MetisProfileDB
+from hetplan.model.presets import get_model
 
 
 def _jitter(text: str, amplitude: float) -> float:
@@ -96,8 +97,6 @@ def _memory_windows(model: ModelSpec, arrays: object, tps: Sequence[int], mbs: S
 
 def write_example() -> None:  # pragma: no cover - maintenance helper
     """Regenerate the shipped example profile (GPT-3 1.3B on P100, T4 and V100)."""
-    from hetplan.model.presets import get_model
-
     db = synthesize(get_model("gpt3-1.3b"), ["P100", "T4", "V100-16GB"], memory_gpu="V100-16GB")
     os.makedirs(os.path.dirname(EXAMPLE_PATH), exist_ok=True)
     with open(EXAMPLE_PATH, "w", encoding="utf-8") as f:

@@ -4,7 +4,7 @@ A planner's search runs as usual; its ranking then keeps only the plans the
 tool can run: hetplan's own runtime (``"hetplan"``, the default target of
 ``plan``, ``compare``, ``whatif`` and ``tune`` for every model the runtime
 builds), decided by the runtime's own check
-(``hetplan.runtime.support.runtime_refusal``), or torchtitan, Megatron-LM or
+(``hetplan.plan.support.runtime_refusal``), or torchtitan, Megatron-LM or
 DeepSpeed, decided by the export itself (``hetplan.export.tools.exportable``: the
 plans ``hetplan export`` refuses are the ones dropped). A heterogeneity-aware planner's best plans often mix
 per-layer strategies or uneven splits no tool expresses, so the planner is
@@ -26,6 +26,13 @@ from hetplan.errors import HetplanError
 from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION, TARGETS, TOOL_NAMES, exportable, try_render
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan, RankedPlan
+from hetplan.units import format_time
+from hetplan.search.baselines.uniform import (
+    ALL_SEQUENCE_PARALLEL, ALL_ZERO_STAGES, INTERLEAVE_CHOICES, UniformPlanner,
+)
+from hetplan.search.base import cost_model_for, rank_plans
+from hetplan.plan.support import runtime_refusal
+from hetplan.plan.support import support_of
 
 # How many of a planner's best plans to look at, per plan asked for, and at most.
 CANDIDATES_PER_PLAN = 20
@@ -49,8 +56,6 @@ def refusal(plan: Plan, workload: Workload, tool: str,
             torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> str:
     """Why ``tool`` cannot run ``plan`` as costed ("" if it can)."""
     if tool == RUNTIME:
-        from hetplan.runtime.support import runtime_refusal
-
         return runtime_refusal(plan, workload.model)
     return exportable(plan, workload.model, tool, workload.cluster, torchtitan_version)
 
@@ -60,7 +65,6 @@ def plan_target(model: ModelSpec, given: str | None = None) -> str:
     (``--target``, or a plan file's; "any": none, ""), else hetplan's runtime
     for every model it builds, else none (a model it cannot build, a CNN
     preset: the papers' and the tools' plans, which ``runtime_note`` says)."""
-    from hetplan.runtime.support import support_of
 
     if given:
         return "" if given == ANY else given
@@ -69,7 +73,6 @@ def plan_target(model: ModelSpec, given: str | None = None) -> str:
 
 def runtime_note(workload: Workload) -> str:
     """Said where plans are made for no target: the runtime cannot train the model."""
-    from hetplan.runtime.support import support_of
 
     why = support_of(workload.model).build
     return f"hetplan's runtime cannot train this model ({why}); these plans are for the tools it exports to" \
@@ -95,8 +98,6 @@ class TargetResult:
 
     def summary(self) -> str:
         """One line: the best plan the tool can run, and what the restriction costs."""
-        from hetplan.units import format_time
-
         name = tool_name(self.tool)
         here = f"best plan {name} can run: {format_time(self.best.estimate.iteration_time_s)}/step"
         if not self.best_overall_refusal:
@@ -140,11 +141,6 @@ def uniform_plans_for(workload: Workload, tool: str, top_k: int,
     """The uniform planner's candidates (every uniform 3D setting) that ``tool``
     can run, ranked by the cost model: (best ``top_k``, how many it can run, how
     many there are). A one-line HetplanError when it can run none, or none fits."""
-    from hetplan.search.base import cost_model_for, rank_plans
-    from hetplan.search.baselines.uniform import (
-        ALL_SEQUENCE_PARALLEL, ALL_ZERO_STAGES, INTERLEAVE_CHOICES, UniformPlanner,
-    )
-
     # every ZeRO stage (Megatron-LM shards by ZeRO-1 only), TP without sequence parallelism
     # (DeepSpeed) and interleaved 1F1B (Megatron-LM's virtual pipeline)
     planner = UniformPlanner(zero_choices=ALL_ZERO_STAGES, sequence_parallel_choices=ALL_SEQUENCE_PARALLEL,

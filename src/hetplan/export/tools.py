@@ -37,6 +37,7 @@ from hetplan.export.launch import (DEFAULT_MASTER_PORT, NodeRun, deepspeed_hostf
                                    torchrun_command)
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan
+from hetplan.cluster.io import load_cluster
 
 FORMATS = ("modules", "torchtitan", "megatron", "deepspeed")
 # The tools a plan can be made for (``hetplan plan --target``), with the names they go by.
@@ -224,7 +225,7 @@ def _chunks(plan: Plan) -> list[tuple[int, ...]]:
     """Layer indices of each pipeline model chunk, in the order the tools list
     them (chunk ``c`` on pipeline rank ``c % pp``): the stages themselves, or
     with interleaved 1F1B the ``pp * v`` chunks the hetplan runtime cuts
-    (hetplan.runtime.layout: stage ``j``'s layers in ``v`` near-equal chunks)."""
+    (hetplan.plan.layout: stage ``j``'s layers in ``v`` near-equal chunks)."""
     v = plan.virtual_stages if plan.schedule == "interleaved-1f1b" and plan.pp > 1 else 1
     if v == 1:
         return [tuple(s.layers) for s in plan.stages]
@@ -926,8 +927,6 @@ def render(plan: Plan, model: ModelSpec, fmt: str, cluster: Any = None,
     if fmt not in FORMATS:
         raise HetplanError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if cluster is None:
-        from hetplan.cluster import load_cluster
-
         cluster = load_cluster(plan.cluster)
     if fmt == "torchtitan":
         data, notes = _torchtitan(plan, model, torchtitan_version)

@@ -67,6 +67,8 @@ from hetplan.model.layers import (
 )
 from hetplan.model.spec import MAX_LAYERS, MAX_PARAMS, MAX_SEQ_LEN, LayerSpec, ModelSpec, show_number
 from hetplan.model.trace import make_layer
+from hetplan.runtime.support import inspect_model
+from hetplan.model.trace import model_from_module
 
 _FAMILIES = {
     "gpt2": "gpt",
@@ -888,29 +890,11 @@ def _architecture(config: Any, family: str, f: dict[str, Any]) -> dict[str, Any]
     return facts
 
 
-def tied_span_refusal(spec: ModelSpec, stage_of_layer: dict[str, int]) -> str:
-    """Why hetplan's runtime refuses a split of ``spec`` (layer name -> pipeline
-    stage): a weight tied over three or more stages (T5's shared embedding at
-    pp >= 3), whose gradient it sums between two. "" if none."""
-    groups: dict[str, list[str]] = {}
-    for layer in spec.layers:
-        if layer.tied_group:
-            groups.setdefault(layer.tied_group, []).append(layer.name)
-    for group in groups.values():
-        stages = {stage_of_layer[n] for n in group if n in stage_of_layer}
-        if len(stages) > 2:
-            return (f"layers {', '.join(group)} share one weight and this plan puts them on {len(stages)} pipeline "
-                    "stages, but hetplan sums a tied weight's gradient between two; use a split that keeps them on "
-                    "at most two stages")
-    return ""
-
-
 def _with_runtime_support(model: Any, spec: ModelSpec) -> ModelSpec:
     """``spec`` with what hetplan's runtime can run of the HF ``model``
     (``hetplan.runtime.support``); it pipelines a HF model through its
     family's staged forward (``hetplan.runtime.hf_stages``) or not at all."""
     from hetplan.runtime.hf_stages import unsupported_reason
-    from hetplan.runtime.support import inspect_model
 
     return inspect_model(model, spec, pipeline=unsupported_reason(model))
 
@@ -1010,8 +994,6 @@ def _default_name(config: Any, from_file: bool, where: str) -> str:
 def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes: int, where: str) -> ModelSpec:
     """Model types without analytic rules: trace the meta model."""
     import torch
-
-    from hetplan.model.trace import model_from_module
 
     main_input = getattr(model, "main_input_name", "input_ids")
     seq_meta: dict[str, Any] = {}

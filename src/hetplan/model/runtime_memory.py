@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hetplan.model.spec import LayerSpec, ModelSpec
+from hetplan.plan.support import builtin_refusal
 
 FP32 = 4  # fp32 master weights, norms, residual stream, log-sum-exp and loss (runtime/precision.py)
 INDEX_BYTES = 8  # int64 token ids and routing indices
@@ -349,7 +350,6 @@ def _decoder_shape(spec: ModelSpec, cuda: bool) -> DecoderShape | None:
         return None
     if meta.get("hf_class"):
         return _hf_llama_shape(spec, cuda)
-    from hetplan.runtime.support import builtin_refusal
 
     if builtin_refusal(spec):
         return None

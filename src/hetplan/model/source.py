@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
+from hetplan.runtime.support import inspect_model
+from hetplan.model.trace import model_from_module
 
 REFERENCE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 # Chain checks (one meta forward each) spent looking for finer pipeline units: a work budget, not seconds.
@@ -107,12 +109,9 @@ def model_from_reference(reference: str, dtype_bytes: int | None = None) -> Mode
 def module_spec(module: Any, example_inputs: Sequence[Any], name: str = "custom", dtype_bytes: int | None = None,
                 source: str = "") -> ModelSpec:
     """Trace ``module`` with the runtime's pipeline units as layers (module docstring)."""
-    from hetplan.model.trace import model_from_module
-
     inputs = tuple(example_inputs)
     units, blocker = pipeline_units(module, inputs)
     spec = model_from_module(module, inputs, name=name, layer_names=units or None, dtype_bytes=dtype_bytes)
-    from hetplan.runtime.support import inspect_model
 
     meta = {**spec.meta, "pipeline_units": units is not None}
     if source:

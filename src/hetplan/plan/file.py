@@ -27,6 +27,7 @@ silently different plan. Format-1 files still load, by name.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +39,15 @@ from hetplan.cost.constants import (
 from hetplan.plan.workload import TARGETS as WORKLOAD_TARGETS
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_EXPERT_IMBALANCE
-from hetplan.plan.spec import Plan
+from hetplan.plan.spec import Estimate, Plan
 from hetplan.io.userfiles import read_json
+from hetplan.plan.validate import validate_plan
+from hetplan.model.spec import ModelSpec
+from hetplan.model.load import load_model
+from hetplan.cluster.io import cluster_to_dict
+from hetplan.plan.workload import Workload
+from hetplan.cluster.io import cluster_from_dict
+from hetplan.cluster.io import load_cluster
 
 PLAN_FILE_VERSION = 3
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
@@ -56,6 +64,7 @@ class PlanFile:
     cluster: Any = None
     settings: dict[str, Any] = field(default_factory=dict)
     version: int = 1
+    planner: str = ""  # the planner 'hetplan plan' ran ("" in files that do not say)
 
     def plan(self, index: int = 1) -> Plan:
         """The ``index``-th plan (1 = the best), checked against the model and
@@ -66,8 +75,6 @@ class PlanFile:
                                f"{len(self.plans)}")
         plan = self.plans[index - 1]
         if self.model is not None and self.cluster is not None:
-            from hetplan.plan.validate import validate_plan
-
             try:
                 validate_plan(plan, self.model, self.cluster)
             except HetplanError as exc:
@@ -77,8 +84,6 @@ class PlanFile:
     def workload(self, index: int = 1, profile: Any = None, calibration: Any = None) -> Any:
         """The Workload the ``index``-th plan was made for: the embedded model,
         cluster and settings, and the plan's own global batch."""
-        from hetplan.plan.workload import Workload
-
         if self.model is None or self.cluster is None:
             raise HetplanError(f"plan file {self.path} is format 1 (names only); regenerate it with "
                                "'hetplan plan --json' so it embeds its model and cluster")
@@ -98,8 +103,6 @@ class PlanFile:
 
 def workload_record(workload: Any) -> dict[str, Any]:
     """What a plan file embeds about the workload its plans were made for."""
-    from hetplan.cluster import cluster_to_dict
-
     return {
         "format_version": PLAN_FILE_VERSION,
         "model_spec": workload.model.to_dict(),
@@ -124,9 +127,6 @@ def plan_file_from_data(path: str, data: Any) -> PlanFile:
 
 
 def _plan_file(path: str, data: Any) -> PlanFile:
-    from hetplan.cluster import cluster_from_dict
-    from hetplan.model.spec import ModelSpec
-
     if isinstance(data, dict) and "plans" in data:
         top = fields.mapping("the file", data, _FILE_KEYS, ("plans",))
         version = fields.whole("format_version", top.get("format_version", 1))
@@ -146,7 +146,8 @@ def _plan_file(path: str, data: Any) -> PlanFile:
     plans = tuple(Plan.from_dict(_plan_of(f"plans[{k}]", e)) for k, e in enumerate(entries))
     model = ModelSpec.from_dict(top["model_spec"], "model_spec") if top.get("model_spec") is not None else None
     cluster = cluster_from_dict(top["cluster_spec"], "cluster_spec") if top.get("cluster_spec") is not None else None
-    return PlanFile(path, plans, model, cluster, _settings(top.get("settings") or {}), version)
+    return PlanFile(path, plans, model, cluster, _settings(top.get("settings") or {}), version,
+                    str(top.get("planner", "")))
 
 
 # "planner" and "search_time_s": what 'hetplan plan --json' adds about the search; "target" to
@@ -195,8 +196,6 @@ def _settings(data: Any) -> dict[str, Any]:
 def resolve_model(pf: PlanFile, override: Any = None, seq_len: int | None = None,
                   dtype_bytes: int | None = None) -> Any:
     """The model of the plan file; ``override`` (a name/path or ModelSpec) must be the same model."""
-    from hetplan.model import load_model
-    from hetplan.model.spec import ModelSpec
 
     if override is None and pf.model is not None:
         if seq_len is not None and seq_len != pf.model.seq_len:
@@ -214,7 +213,6 @@ def resolve_model(pf: PlanFile, override: Any = None, seq_len: int | None = None
 
 def resolve_cluster(pf: PlanFile, override: str | None = None) -> Any:
     """The cluster of the plan file; ``override`` (a name or YAML) must have the same GPUs."""
-    from hetplan.cluster import load_cluster
 
     if override is None and pf.cluster is not None:
         return pf.cluster
@@ -247,3 +245,19 @@ def _check_same_cluster(given: Any, made_for: Any) -> None:
             f"cluster {given.name!r} ({given.summary()}) differs from the cluster the plan was made for "
             f"({made_for.summary()}); drop --cluster to use the plan's own, or make a new plan"
         )
+
+
+
+def save_plan(path: str | os.PathLike[str], plan: Plan, estimate: Estimate | None = None) -> None:
+    """Write a minimal plan file: ``plan`` (and its ``estimate``) without the model and cluster."""
+    data: dict[str, Any] = {"plan": plan.to_dict()}
+    if estimate is not None:
+        data["estimate"] = estimate.to_dict()
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+
+
+def load_plan(path: str | os.PathLike[str], index: int = 1) -> Plan:
+    """The ``index``-th plan of a plan file (``read_plan_file`` also gives the
+    model and cluster the file embeds)."""
+    return read_plan_file(path).plan(index)

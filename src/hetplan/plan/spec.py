@@ -21,9 +21,7 @@ An :class:`Estimate` is the cost model's prediction for one Plan.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -501,19 +499,3 @@ class RankedPlan:
         if self.planner_cost_s is not None:
             data["planner_cost_s"] = self.planner_cost_s
         return data
-
-
-def save_plan(path: str | os.PathLike[str], plan: Plan, estimate: Estimate | None = None) -> None:
-    data: dict[str, Any] = {"plan": plan.to_dict()}
-    if estimate is not None:
-        data["estimate"] = estimate.to_dict()
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-
-
-def load_plan(path: str | os.PathLike[str], index: int = 1) -> Plan:
-    """The ``index``-th plan of a plan file (see hetplan.plan.file, which also
-    gives the model and cluster the file embeds)."""
-    from hetplan.plan.file import read_plan_file
-
-    return read_plan_file(path).plan(index)

@@ -72,7 +72,7 @@ class Workload:
             runtime does not overlap them.
         target: the code that will train the plans (``TARGETS``): "hetplan"
             (hetplan's runtime: the planners search only what it runs,
-            ``hetplan.runtime.support.search_limits``), a tool's name, or ""
+            ``hetplan.plan.support.search_limits``), a tool's name, or ""
             (none: every plan the cost model costs, as the papers search).
     """
 

@@ -37,7 +37,7 @@ from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
 from hetplan.report.text import breakdown, ranked_table, report_memory_table, workload_header
 from hetplan.report.training import training_lines
 from hetplan.report.whatif import whatif_table
-from hetplan.simulate import makespan, simulate_plan
+from hetplan.simulate.plan import makespan, simulate_plan
 from hetplan.units import format_time
 
 CSS = """

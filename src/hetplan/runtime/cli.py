@@ -28,6 +28,11 @@ from typing import Any
 
 from hetplan.io.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, positive_int
 from hetplan.errors import HetplanError
+from hetplan.runtime.heartbeat import describe_rank
+from hetplan.runtime import trainer
+from hetplan.runtime import launch
+from hetplan.plan.layout import PlanLayout
+from hetplan.plan.file import read_plan_file
 
 # Largest relative difference --verify accepts, by precision. fp32: rounding
 # only (a correct plan matches to ~1e-7). 16-bit: each matmul output is rounded
@@ -169,7 +174,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     require_torch()
     import torch
 
-    from hetplan.runtime import launch
     from hetplan.runtime.build import model_build
     from hetplan.runtime.preflight import preflight
     from hetplan.runtime.setup import check_plan_precision
@@ -217,8 +221,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if start_from:  # --load, or the checkpoint --resume found: the one verified above
             worker_args += ["--load-from", start_from[0]]
         if n == 1:
-            from hetplan.runtime import trainer
-
             torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
             trainer.train(trainer.parse_args(worker_args))
         elif not _run_ranks(n, worker_args, env, layout, args.out):
@@ -261,9 +263,6 @@ def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any,
     ranks that lost a peer (hetplan.runtime.launch.failure_line)."""
     import shutil
 
-    from hetplan.runtime import launch
-    from hetplan.runtime.heartbeat import describe_rank
-
     logs = os.path.join(out, "logs") if out else tempfile.mkdtemp(prefix="hetplan-train-logs-")
     os.makedirs(logs, exist_ok=True)
     argv = launch.reporting_argv(n, ["-m", "hetplan.runtime.trainer", *worker_args], logs)
@@ -288,7 +287,6 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
     import torch
 
     from hetplan.runtime.build import model_build
-    from hetplan.runtime.layout import PlanLayout
     from hetplan.runtime.reference import (
         build_reference,
         compare,
@@ -333,9 +331,6 @@ def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision:
 
 # --- hetplan run ------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetplan.plan.file import read_plan_file
-    from hetplan.runtime import launch
-
     script = list(args.script)
     if "--" in script:  # options given after the plan file, before "--"
         cut = script.index("--")

@@ -50,7 +50,7 @@ from hetplan.runtime import precision as mp
 from hetplan.runtime import step as steps
 from hetplan.runtime.build import ModelBuild, model_build
 from hetplan.runtime.cp import ContextShard, check_sequence
-from hetplan.runtime.layout import PlanLayout, RankPosition
+from hetplan.plan.layout import PlanLayout, RankPosition
 from hetplan.runtime.offload import HostPool
 from hetplan.runtime.step import ModelInfo
 from hetplan.runtime.zero1 import Zero1Optimizer

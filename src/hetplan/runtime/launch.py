@@ -2,7 +2,7 @@
 
 ``torchrun_commands(plan, script, args)`` gives one command per node the plan
 uses. Ranks follow the plan's devices in id order, node by node (see
-hetplan.runtime.layout), so node ``k`` runs ``--node-rank=k`` with as many
+hetplan.plan.layout), so node ``k`` runs ``--node-rank=k`` with as many
 processes as the plan has devices there; torchrun gives ranks in node-rank
 order and within a node by local rank, even when nodes run different numbers
 of processes. Each command sets ``HETPLAN_PLAN`` so ``hetplan.runtime.init()``
@@ -35,6 +35,8 @@ from typing import Any, Callable, Sequence
 from hetplan.errors import HetplanError
 from hetplan.runtime.console import rank_log
 from hetplan.runtime.heartbeat import EXIT_CODE as HEARTBEAT_EXIT
+from hetplan.io.argtypes import EXIT_USAGE
+from hetplan.cluster.io import load_cluster
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.checkpoint", "hetplan.runtime.context"]
@@ -48,8 +50,6 @@ def plan_nodes(plan: Any, cluster: Any = None) -> list[tuple[int, list[int]]]:
     devices = sorted(d for s in plan.stages for d in s.devices)
     if cluster is None:
         try:
-            from hetplan.cluster import load_cluster
-
             cluster = load_cluster(plan.cluster)
         except (HetplanError, OSError):
             return [(0, devices)]
@@ -136,8 +136,6 @@ def failure_line(exits: Sequence[RankExit], directory: str, describe: Callable[[
     already on the terminal (a hetplan error, exit 2; the heartbeat naming a
     stopped rank, exit 3). A rank killed by a signal other than SIGTERM (torchrun
     sends that to the others) comes first: the others then only lost a peer."""
-    from hetplan.io.argtypes import EXIT_USAGE
-
     if not exits or any(e.exitcode in (EXIT_USAGE, HEARTBEAT_EXIT) for e in exits):
         return ""
     killed = [e for e in exits if e.exitcode < 0 and -e.exitcode != signal.SIGTERM]

@@ -42,7 +42,7 @@ from hetplan.errors import HetplanError
 from hetplan.runtime.cp import context_parallel_attention
 from hetplan.runtime.dropout import Dropout
 from hetplan.runtime.ep import expert_tp_input, expert_tp_output, local_tensor, moe_dispatch_combine
-from hetplan.runtime.support import moe_sequence_parallel
+from hetplan.plan.support import moe_sequence_parallel
 from hetplan.runtime.tp import TPSettings, register_selective_recompute, register_tp_plan
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
-from hetplan.model.hf import tied_span_refusal
+from hetplan.plan.support import tied_span_refusal
 from hetplan.runtime import dropout as rng
 from hetplan.runtime import ep, hf_stages
 from hetplan.runtime import parallelize as par
@@ -27,7 +27,7 @@ from hetplan.runtime import tp as tpr
 from hetplan.runtime.chain import check_chain, example_call
 from hetplan.runtime.chain import example_inputs as known_example_inputs
 from hetplan.runtime.cp import check_sequence
-from hetplan.runtime.layout import PlanLayout
+from hetplan.plan.layout import PlanLayout
 
 
 def preflight(layout: PlanLayout, spec: Any, full: nn.Module, example_inputs: Sequence[Any] | None = None,

@@ -20,16 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
-from hetplan.model import load_model
+from hetplan.model.load import load_model
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan
 from hetplan.plan.file import read_plan_file, resolve_cluster, resolve_model
 from hetplan.runtime import heartbeat as hb
 from hetplan.runtime import precision as mp
-from hetplan.runtime.layout import PlanLayout, RankPosition, tied_layer_groups
-from hetplan.runtime.support import check_runs, support_of
+from hetplan.plan.layout import PlanLayout, RankPosition, tied_layer_groups
+from hetplan.plan.support import check_runs, support_of
 from hetplan.plan.validate import validate_plan
 
 # Collective / rendezvous timeout (init(timeout_s=...), `--timeout`, env HETPLAN_PG_TIMEOUT_S). 5 minutes:
@@ -260,7 +260,7 @@ def make_meshes(layout: PlanLayout, position: RankPosition, device: torch.device
     else:
         main = mesh(layout.mesh_ranks(), ("pp", "dp", "tp"))
     ep_mesh = None
-    if layout.ep > 1:  # the dp * cp ranks of a TP rank in EP groups of ep (hetplan.runtime.layout)
+    if layout.ep > 1:  # the dp * cp ranks of a TP rank in EP groups of ep (hetplan.plan.layout)
         ep_mesh = mesh(layout.ep_mesh_ranks(), ("pp", "edp", "ep", "tp"))
     return main, ep_mesh
 

@@ -33,7 +33,7 @@ from hetplan.runtime import microbatch
 from hetplan.runtime import parallelize as par
 from hetplan.runtime.cp import ContextShard
 from hetplan.runtime.hetero import HeteroPipeline
-from hetplan.runtime.layout import PlanLayout, RankPosition, tied_layer_groups
+from hetplan.plan.layout import PlanLayout, RankPosition, tied_layer_groups
 from hetplan.runtime.offload import apply_offload
 
 

@@ -47,7 +47,7 @@ from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.progress import Progress
-from hetplan.runtime.support import NO_LIMITS, SearchLimits, search_limits
+from hetplan.plan.support import NO_LIMITS, SearchLimits, search_limits
 from hetplan.search.amp import AMPPlanner
 from hetplan.search.base import Planner, cost_model_for, no_fit_error
 from hetplan.search.baselines.megatron import MegatronPlanner

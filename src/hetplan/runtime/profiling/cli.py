@@ -22,11 +22,11 @@ import time
 from typing import Any, Sequence
 
 from hetplan.io.argtypes import at_most, finite_positive_float, positive_int, zero_or_at_most
-from hetplan.cluster import load_cluster
+from hetplan.cluster.io import load_cluster
 from hetplan.cluster.presets import local_cpu_cluster
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_GLOBAL_BATCH
-from hetplan.model import load_model
+from hetplan.model.load import load_model
 from hetplan.profile.db import ProfileDB
 from hetplan.report.text import table
 from hetplan.runtime.launch import run_local
@@ -34,6 +34,7 @@ from hetplan.runtime.profiling.collectives import MIN_BYTES
 from hetplan.runtime.profiling.job import ProfileJob, batch_sizes
 from hetplan.units import format_bytes, parse_byte_size
 from hetplan.io.userfiles import check_writable_file
+from hetplan.runtime import tp as tpr
 
 DEFAULT_MAX_MICRO_BATCH = 4
 DEFAULT_REPEATS = 5
@@ -116,7 +117,6 @@ def tp_problem(spec: Any, tp: int) -> str:
         return ""
     import torch  # torch-optional: the command prints launch commands on machines without torch
 
-    from hetplan.runtime import tp as tpr
     from hetplan.runtime.models import GPT, config_from_spec
 
     with torch.device("meta"):

@@ -25,7 +25,7 @@ from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import Plan, RankedPlan, uniform_stage
-from hetplan.runtime.support import search_limits
+from hetplan.plan.support import search_limits
 from hetplan.search.base import cost_model_for, rank_plans
 from hetplan.search.common.degrees import divisors, enumerate_degrees, enumerate_parallel_degrees
 from hetplan.search.common.expert_split import speed_expert_split

@@ -4,7 +4,7 @@
   node and TP groups are runs of consecutive ids, so ``tp`` must divide every
   node's GPU count) and every layer must support it (``LayerSpec.supports_tp``);
 * ``pp`` is at most the number of layers (one, and no CP, EP or whatever else
-  the workload's target cannot run: ``hetplan.runtime.support.search_limits``);
+  the workload's target cannot run: ``hetplan.plan.support.search_limits``);
 * ``dp`` takes the remaining GPUs and must divide the global batch;
 * ``cp`` (context parallelism) is tried for long sequences only and ``ep``
   (expert parallelism, taken from the dp·cp GPUs) for MoE models only
@@ -17,7 +17,7 @@ import math
 
 from hetplan.cost.cp_ep import degree_problem
 from hetplan.plan.workload import Workload
-from hetplan.runtime.support import search_limits
+from hetplan.plan.support import search_limits
 
 
 def divisors(n: int) -> list[int]:
@@ -43,7 +43,7 @@ def tp_degrees(workload: Workload) -> list[int]:
 
 def max_stages(workload: Workload) -> int:
     """Pipeline stages a plan may have: at most one per layer, and one where the
-    workload's target cannot pipeline the model (``runtime.support.search_limits``)."""
+    workload's target cannot pipeline the model (``plan.support.search_limits``)."""
     return workload.model.num_layers if search_limits(workload).pipeline else 1
 
 

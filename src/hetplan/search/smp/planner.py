@@ -42,7 +42,7 @@ from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import Plan, RankedPlan
-from hetplan.runtime.support import support_of
+from hetplan.plan.support import support_of
 from hetplan.search.baselines.uniform import uniform_plan
 from hetplan.search.base import cost_model_for, rank_plans
 from hetplan.search.common.degrees import divisors, micro_batch_sizes
