@@ -252,7 +252,7 @@ def test_model_file_not_utf8_is_one_line(content: bytes, tmp_path: Path,
 
 
 def test_model_loading_reads_through_read_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hetplan.model as model_pkg
+    import hetplan.model.load as model_pkg
 
     calls: list[str] = []
     real = model_pkg.read_json
