@@ -71,8 +71,8 @@ def lost_devices(cluster: ClusterSpec, without: Sequence[str]) -> tuple[int, ...
         else:
             raise HetplanError(f"--without {item!r}: give a GPU id (5 or gpu:5) or a node (node:1 or node:NAME)")
     if len(lost) == cluster.num_devices:
-        raise HetplanError(f"--without removes all {cluster.num_devices} GPUs of {cluster.name!r}: nothing is left "
-                           "to plan on")
+        raise HetplanError(f"without GPU(s) {', '.join(map(str, sorted(lost)))} none of the {cluster.num_devices} "
+                           f"GPUs of {cluster.name!r} is left: nothing is left to plan on")
     return tuple(sorted(lost))
 
 

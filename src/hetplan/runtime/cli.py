@@ -26,6 +26,7 @@ import sys
 import tempfile
 from typing import Any
 
+from hetplan.app.elastic import Attempt, check_elastic_flags, lost_devices, train_elastic
 from hetplan.io.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, positive_int
 from hetplan.errors import HetplanError
 from hetplan.runtime.heartbeat import describe_rank
@@ -91,6 +92,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--load", dest="load_from", default="", help="start from this checkpoint (saved under any plan)")
     p.add_argument("--out", default="", help="write summary.json (and state.pt with --verify) here")
     p.add_argument("--timeout", type=finite_positive_float, default=None, metavar="SECONDS", help=_TIMEOUT_HELP)
+    p.add_argument("--elastic", action="store_true",
+                   help="when a process (GPU) dies, re-plan for the ones left and continue from the newest "
+                   "checkpoint (needs --checkpoint-dir; docs/elastic.md)")
     p.set_defaults(func=cmd_train)
 
     p = subparsers.add_parser("run", help="start a training script with a plan via torchrun (needs torch)")
@@ -154,6 +158,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
     if resume and args.load_from:
         raise HetplanError(f"{resume} and --load exclude each other: --load starts from one checkpoint, "
                            f"{resume} from the newest in --checkpoint-dir; give one")
+    if getattr(args, "elastic", False):
+        check_elastic_flags(args)
     if args.verify and args.load_from:
         raise HetplanError("--verify compares a run from step 0; drop --load (or --verify)")
     if args.verify and args.optimizer != "sgd":
@@ -172,13 +178,25 @@ def check_train_flags(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     check_train_flags(args)
     require_torch()
+    if args.elastic:
+        return train_elastic(args, lambda plan_path, resume: _train_plan(args, plan_path, resume))
+    attempt = _train_plan(args, args.plan, False)
+    if not attempt.ok:
+        print(f"hetplan: error: {attempt.line}", file=sys.stderr, flush=True)
+        return 1
+    return attempt.status
+
+
+def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attempt:
+    """One run of ``hetplan train`` with the plan file at ``plan_path``
+    (``resume``: from the newest checkpoint of ``--checkpoint-dir``, or step 0)."""
     import torch
 
     from hetplan.runtime.build import model_build
     from hetplan.runtime.preflight import preflight
     from hetplan.runtime.setup import check_plan_precision
 
-    plan, spec, cluster, layout, precision = check_plan_precision(args.plan, args.model)
+    plan, spec, cluster, layout, precision = check_plan_precision(plan_path, args.model)
     if args.precision and args.precision != precision:
         raise HetplanError(f"the plan trains in {precision}, not {args.precision}; make a plan with "
                            f"--precision {args.precision} (the cost model and the runtime use the plan's)")
@@ -186,7 +204,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         meta = how.build()
     preflight(layout, spec, meta, how.example_inputs)
-    start_from = _start_checkpoint(args)  # verified before any process starts
+    start_from = _start_checkpoint(args, resume)  # verified before any process starts
     nodes = launch.plan_nodes(plan, cluster)
     n = layout.world_size
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
@@ -197,56 +215,66 @@ def cmd_train(args: argparse.Namespace) -> int:
         env.update(HETPLAN_ONE_MACHINE="1", HETPLAN_DEVICE=env.get("HETPLAN_DEVICE", "cpu"))
         print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
               f"on this machine ({env['HETPLAN_DEVICE']}): the losses are the plan's, the speeds are not its GPUs' "
-              f"(on the real cluster: 'hetplan run {args.plan} --print -- SCRIPT')", flush=True)
+              f"(on the real cluster: 'hetplan run {plan_path} --print -- SCRIPT')", flush=True)
     if start_from and start_from[1] is not None:
         print(f"resuming from {start_from[0]} (step {start_from[1]})", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetplan-train-") as tmp:
         out = args.out or tmp
-        worker_args = ["--plan", os.path.abspath(args.plan), "--steps", str(args.steps),
-                       "--seed", str(args.seed), "--optimizer", args.optimizer, "--clip", str(args.clip),
-                       "--out", out]
-        if args.model:
-            worker_args += ["--model", args.model]
-        if args.compile:
-            worker_args.append("--compile")
-        if args.dropout:
-            worker_args += ["--dropout", repr(args.dropout)]
-        if args.lr is not None:
-            worker_args += ["--lr", str(args.lr)]
-        if args.verify:
-            worker_args.append("--export")
-        if args.checkpoint_dir:
-            worker_args += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every",
-                            str(args.checkpoint_every or args.steps)]
-        if start_from:  # --load, or the checkpoint --resume found: the one verified above
-            worker_args += ["--load-from", start_from[0]]
+        worker_args = _worker_args(args, plan_path, out, start_from)
         if n == 1:
             torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
             trainer.train(trainer.parse_args(worker_args))
-        elif not _run_ranks(n, worker_args, env, layout, args.out):
-            return 1
+        else:
+            attempt = _run_ranks(n, worker_args, env, layout, args.out)
+            if not attempt.ok:
+                return attempt
         if args.verify:
-            return _verify(args, plan, spec, out, precision)
-    return 0
+            return Attempt(True, status=_verify(args, plan, spec, out, precision))
+    return Attempt(True)
 
 
-def _start_checkpoint(args: argparse.Namespace) -> tuple[str, int | None] | None:
+def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from: tuple[str, int | None] | None
+                 ) -> list[str]:
+    """The trainer's command line (``hetplan.runtime.trainer``) for ``hetplan train``'s flags."""
+    worker_args = ["--plan", os.path.abspath(plan_path), "--steps", str(args.steps),
+                   "--seed", str(args.seed), "--optimizer", args.optimizer, "--clip", str(args.clip),
+                   "--out", out]
+    if args.model:
+        worker_args += ["--model", args.model]
+    if args.compile:
+        worker_args.append("--compile")
+    if args.dropout:
+        worker_args += ["--dropout", repr(args.dropout)]
+    if args.lr is not None:
+        worker_args += ["--lr", str(args.lr)]
+    if args.verify:
+        worker_args.append("--export")
+    if args.checkpoint_dir:
+        worker_args += ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every",
+                        str(args.checkpoint_every or args.steps)]
+    if start_from:  # --load, or the checkpoint --resume found: the one verified above
+        worker_args += ["--load-from", start_from[0]]
+    return worker_args
+
+
+def _start_checkpoint(args: argparse.Namespace, resume: bool = False) -> tuple[str, int | None] | None:
     """The checkpoint the run starts from, (path, step; None for ``--load``:
     the trainer reads it from the checkpoint), verified in this
     process before any rank starts (manifest, every file's size and sha256:
     hetplan.runtime.checkpoint): ``--load``'s, or for ``--resume`` the newest
     complete one in ``--checkpoint-dir`` (none: an error). None: step 0 (no such
-    flag, or ``--resume-or-start`` with no checkpoint, said in a note)."""
+    flag, or ``--resume-or-start`` with no checkpoint, said in a note).
+    ``resume``: as ``--resume-or-start`` (an elastic run's restart)."""
     from hetplan.runtime import checkpoint as ck
 
     if args.load_from:
         ck.verify_here(args.load_from)
         return args.load_from, None
-    if not (args.resume or args.resume_or_start):
+    if not (args.resume or args.resume_or_start or resume):
         return None
-    found = ck.resume_checkpoint(args.checkpoint_dir, args.resume_or_start)
+    found = ck.resume_checkpoint(args.checkpoint_dir, args.resume_or_start or resume)
     if found is None:
-        print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 (--resume-or-start)",
+        print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0",
               file=sys.stderr, flush=True)
         return None
     ck.verify_here(found[0])
@@ -256,11 +284,12 @@ def _start_checkpoint(args: argparse.Namespace) -> tuple[str, int | None] | None
     return found
 
 
-def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any, out: str) -> bool:
+def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any, out: str) -> Attempt:
     """Run the trainer on ``n`` processes (torchrun). Each rank's stderr goes to
     a log (``OUT/logs``, or a temporary directory kept when the run fails), so a
     failed run ends in one line naming what stopped it, not the tracebacks of the
-    ranks that lost a peer (hetplan.runtime.launch.failure_line)."""
+    ranks that lost a peer (hetplan.runtime.launch.failure_line), and the devices
+    of the ranks killed from outside (what ``--elastic`` re-plans without)."""
     import shutil
 
     logs = os.path.join(out, "logs") if out else tempfile.mkdtemp(prefix="hetplan-train-logs-")
@@ -274,11 +303,11 @@ def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any,
             print(f"note: rank(s) {', '.join(map(str, wrote))} wrote warnings to stderr: see {logs}", file=sys.stderr)
         elif not out:
             shutil.rmtree(logs, ignore_errors=True)
-        return True
-    line = launch.failure_line(launch.read_exits(logs), logs, lambda r: describe_rank(layout, r))
+        return Attempt(True)
+    exits = launch.read_exits(logs)
+    line = launch.failure_line(exits, logs, lambda r: describe_rank(layout, r))
     line = line or f"training failed (exit status {code}); see the messages above and the ranks' output in {logs}"
-    print(f"hetplan: error: {line}", file=sys.stderr, flush=True)
-    return False
+    return Attempt(False, line, lost_devices(exits, layout))
 
 
 def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision: str) -> int:

@@ -24,6 +24,8 @@ from hetplan.errors import HetplanError
 from hetplan.runtime import launch
 from hetplan.runtime.console import console, log_stderr
 
+FAULT_ENV = "HETPLAN_FAULT_KILL"  # fault injection for tests: "RANK:STEP[:WORLD],..." (fault_kills)
+
 
 @dataclass
 class TrainConfig:
@@ -101,6 +103,11 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         if cfg.die_after and step + 1 == cfg.die_after:
             ctx.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
+        faults = fault_kills(ctx.world_size)
+        if step + 1 in faults.values():  # a rank dies, the others see a peer gone (--elastic tests)
+            ctx.barrier()  # its checkpoint complete on every rank first
+            if faults.get(ctx.rank) == step + 1:
+                os.kill(os.getpid(), signal.SIGKILL)
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
               "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model),
@@ -114,6 +121,20 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     result["state"] = state
     ctx.close()
     return result
+
+
+def fault_kills(world_size: int) -> dict[int, int]:
+    """Rank -> the step after which it kills itself (``HETPLAN_FAULT_KILL=RANK:STEP[:WORLD],...``, fault
+    injection for the tests of ``hetplan train --elastic``; WORLD: only in a run of that many processes,
+    so a re-planned run does not die again). Every rank reads all of them: the ranks meet at a barrier
+    before one dies."""
+    kills = {}
+    for item in os.environ.get(FAULT_ENV, "").split(","):
+        parts = [p.strip() for p in item.split(":")]
+        if len(parts) in (2, 3) and all(p.isdigit() for p in parts) and int((parts + [str(world_size)])[2]) == \
+                world_size:
+            kills[int(parts[0])] = int(parts[1])
+    return kills
 
 
 def peak_memory_bytes(device: Any) -> int:

@@ -1,0 +1,104 @@
+"""``hetplan train --elastic``: when a process (a GPU) dies, re-plan for the ones left and go on.
+
+A run that loses a rank stops, as every run does: torchrun stops the other ranks, and the launch names
+the rank that was killed (``runtime.launch.failure_line``). With ``--elastic`` the supervisor (this
+module, in the ``hetplan train`` process; ``runtime/cli.py`` launches each plan) then takes the lost
+rank's device out of the plan's cluster, re-plans with the plan file's own planner and settings for
+what is left (``hetplan.app.replan``: an uneven plan where that is best, the very space hetplan
+searches), writes the new plan file beside the checkpoints, and starts the ranks of the new plan from the newest complete checkpoint, which loads resharded under
+the new plan (checkpoints are saved by parameter name). The data of step k is the same under every plan
+(``reference.training_batch`` draws it from the seed and k), so the steps after a re-plan see the
+samples an uninterrupted run would have seen, whatever the new data-parallel degree.
+
+Each restart is a new torchrun launch with the new plan's world size: torchrun's own restarts
+(``--max-restarts``) rerun the same number of processes per node, and a lost GPU changes that number.
+Only the processes of this one ``hetplan train`` are supervised (it runs every rank on this machine);
+which devices are gone is what the launch saw die, so there is nothing for nodes to agree on. Several
+machines that each re-plan from the same file and the same lost devices compute the same plan (the
+planners are deterministic: ``tests/test_determinism.py``, ``tests/test_replan.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from hetplan.app.records import write_json
+from hetplan.app.replan import replan_file
+from hetplan.errors import HetplanError
+from hetplan.units import format_time
+
+# Re-plans one elastic run may make before it gives up: each costs a restart (minutes on a GPU
+# cluster), so a run that keeps losing devices is a broken cluster to look at, not to plan around.
+MAX_REPLANS = 8
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One launch of a plan: whether it finished, why not (one line) and the plan devices of the ranks
+    killed from outside (what an elastic run re-plans without); ``status``: the command's exit status."""
+
+    ok: bool
+    line: str = ""
+    lost: tuple[int, ...] = ()
+    status: int = 0
+
+
+def check_elastic_flags(args: argparse.Namespace) -> None:
+    if not args.checkpoint_dir:
+        raise HetplanError("--elastic needs --checkpoint-dir: a re-planned run continues from the newest checkpoint "
+                           "there (and --checkpoint-every N for one every N steps)")
+    if args.verify:
+        raise HetplanError("--elastic and --verify exclude each other: --verify compares one plan's run from step 0 "
+                           "with one process; check a plan with --verify, then train it with --elastic")
+    if args.load_from or args.resume:
+        raise HetplanError("--elastic starts from the newest checkpoint in --checkpoint-dir (or step 0); drop --load "
+                           "and --resume")
+
+
+def lost_devices(exits: Sequence[Any], layout: Any) -> tuple[int, ...]:
+    """The plan devices of the ranks killed by a signal other than SIGTERM (which torchrun sends to
+    the others once one rank is gone): the ranks that died, not those stopped after them."""
+    killed = {e.rank for e in exits if e.exitcode < 0 and -e.exitcode != signal.SIGTERM}
+    return tuple(sorted(layout.position(rank).device for rank in killed))
+
+
+def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], Attempt]) -> int:
+    """Run ``launch_plan(plan_path, resume)`` until it finishes, re-planning after each launch that
+    lost devices; one line and exit 1 when a launch failed for another reason."""
+    plan_path = args.plan
+    for replans in range(MAX_REPLANS + 1):
+        attempt = launch_plan(plan_path, replans > 0)
+        if attempt.ok:
+            return attempt.status
+        if not attempt.lost:
+            print(f"hetplan: error: {attempt.line}", file=sys.stderr, flush=True)
+            return 1
+        if replans == MAX_REPLANS:
+            break
+        plan_path = _replan(args, plan_path, attempt, replans + 1)
+    print(f"hetplan: error: {attempt.line}; --elastic re-planned {MAX_REPLANS} times already: look at the "
+          "cluster before training on it", file=sys.stderr, flush=True)
+    return 1
+
+
+def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: int) -> str:
+    """The plan for the devices left after ``attempt``, written as a plan file in the checkpoint directory."""
+    try:
+        replan = replan_file(plan_path, [str(d) for d in attempt.lost])
+    except HetplanError as exc:
+        raise HetplanError(f"{attempt.line}; --elastic cannot re-plan: {exc}") from None
+    path = os.path.join(args.checkpoint_dir, f"plan-replan-{count}.json")
+    write_json(path, replan.result.record())
+    new = replan.result.best
+    left = replan.old_cluster.num_devices - len(replan.lost)
+    print(f"hetplan train: {attempt.line}", file=sys.stderr, flush=True)
+    print(f"hetplan train: --elastic: re-planned for the {left} devices left without device(s) "
+          f"{', '.join(map(str, replan.lost))}: {new.plan.describe()}, {format_time(new.estimate.iteration_time_s)}"
+          f"/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; continuing from the newest checkpoint",
+          flush=True)
+    return path

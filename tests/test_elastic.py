@@ -1,0 +1,93 @@
+"""The ``--elastic`` supervisor (``hetplan.app.elastic``) without processes: which devices a failed launch
+lost, what it re-plans, and the one-line ends (the run with real processes: tests/distributed/test_elastic_train.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from hetplan.app import elastic
+from hetplan.app.elastic import Attempt, lost_devices, train_elastic
+from hetplan.cli import main
+from hetplan.errors import HetplanError
+from hetplan.plan.file import read_plan_file
+from hetplan.plan.layout import PlanLayout
+from hetplan.runtime.launch import RankExit
+from hetplan.runtime.trainer import FAULT_ENV, fault_kills
+
+
+def _plan(tmp_path: Path, cluster: str, capsys: pytest.CaptureFixture[str]) -> str:
+    path = str(tmp_path / "p.json")
+    assert main(["plan", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8", "--quiet",
+                 "--json", path]) == 0
+    capsys.readouterr()
+    return path
+
+
+def _args(plan: str, tmp_path: Path) -> argparse.Namespace:
+    return argparse.Namespace(plan=plan, checkpoint_dir=str(tmp_path))
+
+
+def test_the_lost_devices_are_the_ranks_killed_not_those_torchrun_stopped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pf = read_plan_file(_plan(tmp_path, "local-cpu-4", capsys))
+    layout = PlanLayout.from_plan(pf.plan(1), [layer.name for layer in pf.model.layers])
+    exits = [RankExit(0, -signal.SIGTERM, 10), RankExit(1, -signal.SIGKILL, 11), RankExit(2, 1, 12),
+             RankExit(3, -signal.SIGTERM, 13)]
+    assert lost_devices(exits, layout) == (layout.position(1).device,)
+    assert lost_devices([RankExit(0, 1, 10)], layout) == ()
+
+
+def test_each_launch_runs_the_plan_made_without_the_devices_the_last_one_lost(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(tmp_path, "local-cpu-4", capsys)
+    launches: list[tuple[int, bool]] = []
+
+    def launch(path: str, resume: bool) -> Attempt:
+        devices = read_plan_file(path).cluster.num_devices
+        launches.append((devices, resume))
+        return Attempt(True) if devices == 2 else Attempt(False, f"rank 0 of {devices} killed", lost=(0,))
+
+    assert train_elastic(_args(plan, tmp_path), launch) == 0
+    assert launches == [(4, False), (3, True), (2, True)]
+    out = capsys.readouterr()
+    assert out.out.count("--elastic: re-planned") == 2 and "rank 0 of 4 killed" in out.err
+    assert json.loads((tmp_path / "plan-replan-2.json").read_text())["cluster_spec"]["nodes"][0]["gpus"] == 2
+
+
+def test_a_failure_that_lost_no_device_ends_in_its_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(tmp_path, "local-cpu-2", capsys)
+    assert train_elastic(_args(plan, tmp_path), lambda path, resume: Attempt(False, "rank 1 failed: boom")) == 1
+    assert capsys.readouterr().err.strip() == "hetplan: error: rank 1 failed: boom"
+
+
+def test_nothing_left_to_plan_on_is_one_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(tmp_path, "local-cpu-2", capsys)
+    with pytest.raises(HetplanError, match="rank 0 killed; --elastic cannot re-plan: .*nothing is left to plan on"):
+        train_elastic(_args(plan, tmp_path), lambda path, resume: Attempt(False, "rank 0 killed", lost=(0, 1)))
+
+
+def test_a_cluster_that_keeps_losing_devices_stops_after_the_last_replan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(tmp_path, "local-cpu-4", capsys)
+    monkeypatch.setattr(elastic, "MAX_REPLANS", 2)
+    calls: list[str] = []
+
+    def launch(path: str, resume: bool) -> Attempt:
+        calls.append(path)
+        return Attempt(False, "rank 0 killed", lost=(0,))
+
+    assert train_elastic(_args(plan, tmp_path), launch) == 1
+    assert len(calls) == 3 and "re-planned 2 times already" in capsys.readouterr().err
+
+
+def test_fault_injection_names_rank_step_and_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "1:4:4, 0:7:3,2:9,bad,3:x")
+    assert fault_kills(4) == {1: 4, 2: 9}
+    assert fault_kills(3) == {0: 7, 2: 9}
