@@ -67,10 +67,12 @@ REPLAY_STEPS = 2
 
 @dataclass(frozen=True)
 class StageReplay:
-    """One replayed rank: its pipeline stage, its rank and its live-bytes peak."""
+    """One replayed rank: its pipeline stage, its rank, the plan's device it
+    runs on and its live-bytes peak."""
 
     stage: int
     rank: int
+    device: int
     peak_bytes: int
 
 
@@ -135,7 +137,7 @@ class LiveBytes(TorchDispatchMode):
 
 def replay_refusal(spec: Any) -> str:
     """Why the replay cannot run a model's step ('' where it can)."""
-    if any(layer.meta.get("num_experts") for layer in spec.layers) or spec.meta.get("num_experts"):
+    if any(layer.num_experts > 0 for layer in spec.layers):
         return "mixture-of-experts routing sizes its buffers by the data, which fake tensors do not have"
     return ""
 
@@ -146,8 +148,8 @@ def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
 
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
-    stages = tuple(StageReplay(j, layout.stage_ranks(j)[0], replay_rank(plan, spec, layout.stage_ranks(j)[0]))
-                   for j in range(layout.pp))
+    firsts = [layout.stage_ranks(j)[0] for j in range(layout.pp)]
+    stages = tuple(StageReplay(j, r, layout.devices[r], replay_rank(plan, spec, r)) for j, r in enumerate(firsts))
     return PlanReplay(stages, time.perf_counter() - start)
 
 
