@@ -48,6 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hetplan.errors import HetplanError
 from hetplan.plan.spec import Plan
 
 # The optimizer the replay steps with: AdamW, whose two fp32 states per parameter the cost model
@@ -59,6 +60,10 @@ REPLAY_OPTIMIZER = "adamw"
 # What a host read of a fake value returns (module doc): a loss of 1, AdamW's step count 1 (its bias
 # correction divides by 1 - beta ** step: 0 would divide by zero), torch pipelining's vote for static shapes.
 HOST_READ = 1
+# An integer host read returns 0: torch pipelining's warm-up vote (torch 2.13,
+# distributed/pipelining/schedules.py ``_warmup_p2p``: 1 only when every stage was given its
+# shapes) then picks the shape inference the runtime's stages run, which gives none.
+HOST_READ_INT = 0
 # Steps replayed; the peak is the last one's. The first step makes the optimizer's states in its
 # ``opt.step()``, after its backward; from the second on they are held through forward and backward
 # too, which is the peak every later step repeats (hetplan.cost.memory.PeakTerms).
@@ -127,7 +132,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
-            return float(HOST_READ) if args[0].is_floating_point() else HOST_READ
+            return float(HOST_READ) if args[0].is_floating_point() else HOST_READ_INT
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
@@ -148,9 +153,58 @@ def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
 
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
+    why = plan_refusal(layout)
+    if why:
+        raise HetplanError(f"the replay cannot run this plan: {why}")
     firsts = [layout.stage_ranks(j)[0] for j in range(layout.pp)]
-    stages = tuple(StageReplay(j, r, layout.devices[r], replay_rank(plan, spec, r)) for j, r in enumerate(firsts))
+    with StageMetadata():  # stage by stage, first to last: each receives what the one before it sent
+        stages = tuple(StageReplay(j, r, layout.devices[r], replay_rank(plan, spec, r)) for j, r in enumerate(firsts))
     return PlanReplay(stages, time.perf_counter() - start)
+
+
+def plan_refusal(layout: Any) -> str:
+    """Why the replay cannot run a plan's step ('' where it can)."""
+    if layout.heterogeneous:
+        return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
+                "which fake tensors do not have")
+    if layout.num_chunks > layout.pp:
+        return "an interleaved schedule's ranks wait for shapes from ranks replayed after them"
+    return ""
+
+
+class StageMetadata:
+    """The shapes torch pipelining's stages exchange in their first step, for a
+    replay that runs one stage at a time in this process (torch 2.13,
+    ``distributed/pipelining/stage.py``: ``_send_meta`` / ``_recv_meta`` over
+    ``send_object_list``, which a fake process group does not carry). A stage
+    receives the forward shapes the stage before it sent; the gradient shapes
+    from the stage after it, not replayed yet, are those of its own outputs
+    (``_derive_grad_metas``, as torch derives them where no gradient is sent)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, Any] = {}
+
+    def __enter__(self) -> StageMetadata:
+        from torch.distributed.pipelining import stage as pipeline_stage
+
+        self._module = pipeline_stage
+        self._saved = (pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta)
+        mailbox = self
+
+        def send(stage: Any, meta: Any, dst_stage: int) -> None:
+            mailbox._sent[dst_stage] = meta
+
+        def recv(stage: Any, src_stage: int) -> Any:
+            if src_stage < stage.stage_index:
+                return mailbox._sent[stage.stage_index]
+            return pipeline_stage._StageBackwardMeta(
+                backward_metas=pipeline_stage._derive_grad_metas(stage._stage_meta.outputs))
+
+        pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta = send, recv
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._module.PipelineStage._send_meta, self._module.PipelineStage._recv_meta = self._saved
 
 
 def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
@@ -186,6 +240,22 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            forget_sharding_decisions()
+
+
+def forget_sharding_decisions() -> None:
+    """Clear DTensor's caches of sharding decisions: they are keyed by meshes
+    equal across ranks (torch 2.13, ``DeviceMesh.__eq__`` compares the ranks'
+    layout, not this process's place in it), so the next rank replayed in this
+    process would reuse a decision made for the last (``torch.distributed.tensor.debug``
+    clears the same cache)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
 
 
 def plan_world_size(plan: Plan) -> int:
