@@ -30,8 +30,15 @@ What the replay does differently from ``hetplan train``, and why:
   the scaler: the same tensors less one transient finite-check of a gradient.
   Expert-parallel routing (``bincount`` of the tokens per expert) sizes its
   buffers by the data, so MoE models are not replayed (:func:`replay_refusal`).
-* the fake device is the CPU: this torch may have no CUDA; the bytes of a
-  tensor do not depend on the device.
+* the fake device is the CPU: a CPU-only torch makes no fake CUDA tensors
+  (random initialisation needs the CUDA generator); the bytes of a tensor
+  do not depend on the device. Autocast's CPU op lists decide the 16-bit
+  casts.
+* not replayed (:func:`plan_refusal`, said in one line): activation offload
+  (host memory is the device's own here), context parallelism (its token
+  selection reads values), pipelines whose later stages have dp or tp > 1
+  (their FSDP2 shards come out empty under fake tensors on torch 2.13),
+  heterogeneous and interleaved pipelines.
 """
 
 from __future__ import annotations
@@ -153,7 +160,7 @@ def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
 
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
-    why = plan_refusal(layout)
+    why = plan_refusal(plan, layout)
     if why:
         raise HetplanError(f"the replay cannot run this plan: {why}")
     firsts = [layout.stage_ranks(j)[0] for j in range(layout.pp)]
@@ -162,8 +169,18 @@ def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
     return PlanReplay(stages, time.perf_counter() - start)
 
 
-def plan_refusal(layout: Any) -> str:
+def plan_refusal(plan: Plan, layout: Any) -> str:
     """Why the replay cannot run a plan's step ('' where it can)."""
+    from hetplan.runtime.spine import offloaded_layers
+
+    if offloaded_layers(plan, layout):
+        return ("offloaded activations go to host memory, which on the replay's CPU device is the device's own "
+                "(torch without CUDA makes no fake CUDA tensors)")
+    if layout.cp > 1:
+        return "context parallelism's sequence split selects tokens by value (aten.nonzero), which fake tensors do not have"
+    if layout.pp > 1 and any(layout.stage_dp(j) * layout.stage_tp(j) > 1 for j in range(1, layout.pp)):
+        return ("a pipeline stage after the first with dp or tp > 1 finds no data-parallel coordinate under fake "
+                "tensors on torch 2.13 (its FSDP2 shards come out empty)")
     if layout.heterogeneous:
         return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
                 "which fake tensors do not have")
