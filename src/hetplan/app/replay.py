@@ -68,13 +68,11 @@ class ReplayOutcome:
         if self.skipped:
             return f"note: replay skipped: {self.skipped}"
         done = [c for c in self.checks if c is not None]
-        if not done:
-            return ""
         bad = sum(not c.fits for c in done)
         verdict = f"; {bad} do not fit by it and are ranked last" if bad else ""
         lines = [f"replay: {len(done)} plan(s) checked by one training step of hetplan's runtime on fake tensors "
-                 f"in {self.seconds:.1f} s{verdict}", *(f"note: {n}" for n in self.notes)]
-        return "\n".join(lines)
+                 f"in {self.seconds:.1f} s{verdict}"] if done else []
+        return "\n".join([*lines, *(f"note: {n}" for n in self.notes)])
 
 
 def replay_top(ranked: Sequence[RankedPlan], workload: Workload, count: int) -> ReplayOutcome:
