@@ -114,3 +114,10 @@ def test_replay_says_why_a_plan_kind_is_not_replayed() -> None:
                       cluster="local-cpu-2", global_batch=8, replay=True)
     assert result.report.replay.checks == (None,)
     assert "not replayed: the replay cannot run this plan: offloaded activations" in result.report.replay.line()
+
+
+def test_a_pkg_mod_build_model_is_replayed() -> None:
+    """A ``pkg.mod:build`` model's plan replays (its build checks read real example inputs first)."""
+    result = plan_api("tests.smp_models:gpt_lm", "local-cpu-2", 8, top=1, replay=1)
+    check = result.report.replay.checks[0]
+    assert check is not None and check.fits and not result.report.replay.notes

@@ -240,8 +240,8 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
             ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
             live = LiveBytes()
             try:
+                how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
                 with FakeTensorMode(allow_non_fake_inputs=True), live:
-                    how = ctx.model_build
                     model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
                     opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
                     ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
