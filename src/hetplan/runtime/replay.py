@@ -233,6 +233,9 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
     from hetplan.runtime.context import init
     from hetplan.runtime.reference import make_optimizer, training_batch
 
+    if dist.is_initialized():  # the replay's fake group would replace (and then end) this process's own
+        raise HetplanError("this process already has a torch.distributed process group; replay plans from a "
+                           "process without one (or pass replay=0)")
     world = plan_world_size(plan)
     with _process_env(rank, world):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
