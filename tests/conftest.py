@@ -25,6 +25,8 @@ def gpt2_cost(gpt2_hetero: Workload) -> CostModel:
 def pytest_configure(config: pytest.Config) -> None:
     # progress lines depend on how long work takes: none in tests, except where a test asks for them
     os.environ.setdefault("HETPLAN_PROGRESS", "0")
+    # the replay check (hetplan.app.replay) off unless a test asks for it: it runs torch for seconds per plan
+    os.environ.setdefault("HETPLAN_REPLAY", "0")
     """The fuzz tests run derandomized (the same inputs every run) unless a
     seed is given: ``pytest -m fuzz --hypothesis-seed=N`` explores others."""
     if config.getoption("hypothesis_seed", default=None) is not None:

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 from hetplan.app.planning import check_target_runs
 from hetplan.app.records import ranked_record
+from hetplan.app.replay import default_replay, replay_record, replay_top
 from hetplan.app.report import PlanReport, plan_report
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cost.model import CostModel
@@ -58,9 +60,20 @@ class EstimateResult:
         return self.report.workload
 
     def record(self) -> dict[str, Any]:
-        """The plan file ``hetplan estimate --json`` writes."""
+        """The plan file ``hetplan estimate --json`` writes (with the plan's replay, where it ran)."""
         r = self.report
-        return {"plans": [ranked_record(r.chosen, r.cost_model, r.tokens, r.prices)], **workload_record(r.workload)}
+        data = ranked_record(r.chosen, r.cost_model, r.tokens, r.prices)
+        if r.replay is not None:
+            data["replay"] = replay_record(r.replay.checks[0])
+        return {"plans": [data], **workload_record(r.workload)}
+
+    def replayed(self, replay: bool | None = None) -> EstimateResult:
+        """This result with its plan checked by a replayed step (``hetplan.app.replay``), if
+        ``replay`` (None: unless ``HETPLAN_REPLAY=0``, ``default_replay``)."""
+        if not (default_replay() > 0 if replay is None else replay):
+            return self
+        r = self.report
+        return EstimateResult(dataclasses.replace(r, replay=replay_top([r.chosen], r.workload, 1)))
 
 
 def estimate_setting(options: WorkloadOptions, setting: UniformSetting,
@@ -104,8 +117,9 @@ def _costed(plan: Plan, workload: Workload, torchtitan_version: str, tokens: flo
 def estimate(plan: UniformSetting | str | os.PathLike[str], *, index: int = 1, model: str | None = None,
              cluster: str | None = None, global_batch: int | None = None, target: str | None = None,
              torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION, tokens: float | None = None,
-             prices: dict[str, float] | None = None, **settings: Any) -> EstimateResult:
-    """``hetplan estimate`` from Python: cost one plan.
+             prices: dict[str, float] | None = None, replay: bool | None = None, **settings: Any) -> EstimateResult:
+    """``hetplan estimate`` from Python: cost one plan, and check it by a replayed
+    step of hetplan's runtime (``replay``; None: ``hetplan.app.replay.default_replay``).
 
     ``plan``: a ``UniformSetting``, or the path of a plan file (``index``: its
     K-th plan); the other arguments as ``hetplan.app.plan`` takes them (with a
@@ -116,5 +130,5 @@ def estimate(plan: UniformSetting | str | os.PathLike[str], *, index: int = 1, m
     """
     options = WorkloadOptions(model=model, cluster=cluster, global_batch=global_batch, target=target, **settings)
     if isinstance(plan, UniformSetting):
-        return estimate_setting(options, plan, torchtitan_version, tokens, prices)
-    return estimate_plan_file(options, plan, index, torchtitan_version, tokens, prices)
+        return estimate_setting(options, plan, torchtitan_version, tokens, prices).replayed(replay)
+    return estimate_plan_file(options, plan, index, torchtitan_version, tokens, prices).replayed(replay)

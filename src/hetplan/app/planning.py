@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from hetplan.app.records import ranked_record
+from hetplan.app.replay import default_replay, replay_record, replay_top, rerank
 from hetplan.app.report import PlanReport, plan_report
 from hetplan.app.workload import DEFAULT_PLANNER, WorkloadOptions, load_workload
 from hetplan.cost.model import CostModel
@@ -74,7 +75,8 @@ class PlanResult:
     ``target``: what keeping only the plans the target tool runs cost (None
     when every plan was kept); ``explicit_target``: the user named the tool
     (not hetplan's runtime by default); ``report``: the best plan's report
-    (its workload, cost model and the tokens and prices its numbers assume)."""
+    (its workload, cost model and the tokens and prices its numbers assume,
+    and the replay check of the plans: ``report.replay``)."""
 
     planner: str
     search_time_s: float
@@ -101,27 +103,34 @@ class PlanResult:
 
     def _record(self, ranked: RankedPlan) -> dict[str, Any]:
         r = self.report
-        return ranked_record(ranked, r.cost_model, r.tokens, r.prices)
+        data = ranked_record(ranked, r.cost_model, r.tokens, r.prices)
+        if r.replay is not None:
+            row = next((i for i, p in enumerate(self.plans) if p is ranked), None)
+            data["replay"] = replay_record(r.replay.checks[row]) if row is not None else None
+        return data
 
 
 def plan_workload(options: WorkloadOptions, planner: str | Any, top: int = DEFAULT_TOP, auto_batch: bool = False,
                   torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION, tokens: float | None = None,
-                  prices: dict[str, float] | None = None) -> PlanResult:
+                  prices: dict[str, float] | None = None, replay: int | None = None) -> PlanResult:
     """``planner``'s ``top`` best plans for the workload of ``options`` that
     its target tool runs (``hetplan.export.target``: hetplan's runtime by default;
     a named tool also gets the uniform planner's plans merged in);
     ``planner``: a name (looked up once the workload loaded) or a planner object;
-    ``auto_batch``: the planner chooses the global batch."""
+    ``auto_batch``: the planner chooses the global batch; ``replay``: how many
+    of the best plans to check by a replayed step (``hetplan.app.replay``; 0:
+    none; None: ``default_replay``), those that do not fit by it ranked last."""
     workload = load_workload(options, global_batch=1 if auto_batch else None)
     rebatch = (lambda batch: load_workload(options, global_batch=batch)) if auto_batch else None
     return plan_loaded(workload, planner, top, rebatch, bool(options.target), options.target == ANY,
-                       torchtitan_version, tokens, prices)
+                       torchtitan_version, tokens, prices, replay)
 
 
 def plan_loaded(workload: Workload, planner: str | Any, top: int = DEFAULT_TOP,
                 rebatch: Callable[[int], Workload] | None = None, explicit_target: bool = False,
                 any_target: bool = False, torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION,
-                tokens: float | None = None, prices: dict[str, float] | None = None) -> PlanResult:
+                tokens: float | None = None, prices: dict[str, float] | None = None,
+                replay: int | None = None) -> PlanResult:
     """``plan_workload`` for a workload already made (``hetplan replan``'s,
     from a plan file): ``rebatch`` makes it again with the global batch the
     planner chose (None: the batch is given); ``explicit_target``: the user
@@ -134,6 +143,10 @@ def plan_loaded(workload: Workload, planner: str | Any, top: int = DEFAULT_TOP,
                                        tool, top, planner.name, "merge" if explicit else "fallback",
                                        torchtitan_version)
     elapsed = time.perf_counter() - start
+    replay = default_replay() if replay is None else replay
+    checked = replay_top(ranked, workload, replay) if replay else None
+    if checked is not None:
+        ranked, checked = rerank(ranked, checked)
     best = ranked[0]
     if rebatch is not None:
         workload = rebatch(best.plan.global_batch_size)
@@ -142,13 +155,14 @@ def plan_loaded(workload: Workload, planner: str | Any, top: int = DEFAULT_TOP,
                     [f"note: {n}" for n in default_notes(target, workload) if not any_target])
     report = plan_report(workload, cost_model, ranked, best, tokens, prices, target_lines,
                          f"planner  {planner.name}: searched in {elapsed:.2f} s")
+    report = replace(report, replay=checked)
     return PlanResult(planner.name, elapsed, tuple(ranked), target, explicit, report)
 
 
 def plan(model: str | None = None, cluster: str | None = None, global_batch: int | str | None = None, *,
          planner: str | Any = DEFAULT_PLANNER, top: int = DEFAULT_TOP, target: str | None = None,
          torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION, tokens: float | None = None,
-         prices: dict[str, float] | None = None, **settings: Any) -> PlanResult:
+         prices: dict[str, float] | None = None, replay: int | None = None, **settings: Any) -> PlanResult:
     """``hetplan plan`` from Python: the best plans for ``model`` on ``cluster``.
 
     ``model``/``cluster``: a preset name or a file, as ``--model``/``--cluster``
@@ -157,7 +171,8 @@ def plan(model: str | None = None, cluster: str | None = None, global_batch: int
     name (``hetplan planners``) or a planner object; ``target``: keep only the
     plans this tool runs (``hetplan.export.target.PLAN_TARGETS``); ``tokens``/``prices``:
     what the training numbers assume (tokens to train, price per GPU-hour by
-    type or "*"); ``settings``: the other ``WorkloadOptions`` (``seq_len``,
+    type or "*"); ``replay``: how many of the best plans to check by a
+    replayed step (``hetplan.app.replay``; 0: none; None: ``default_replay``); ``settings``: the other ``WorkloadOptions`` (``seq_len``,
     ``memory_limit``, ``precision``, ``optimizer``, ``fp8``, ...).
 
     >>> result = plan("gpt3-1.3b", "metis-t4-v100-16", 64, top=3)
@@ -168,4 +183,4 @@ def plan(model: str | None = None, cluster: str | None = None, global_batch: int
     auto_batch = global_batch == "auto"
     batch = global_batch if isinstance(global_batch, int) else None
     options = WorkloadOptions(model=model, cluster=cluster, global_batch=batch, target=target, **settings)
-    return plan_workload(options, planner, top, auto_batch, torchtitan_version, tokens, prices)
+    return plan_workload(options, planner, top, auto_batch, torchtitan_version, tokens, prices, replay)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hetplan.app.explain import explain, model_notes
+from hetplan.app.replay import ReplayOutcome
 from hetplan.app.training import training_numbers
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
@@ -30,7 +31,9 @@ class PlanReport:
     file's, else the defaults); ``plan_notes``: the planner's notes on the plan;
     ``model_notes``: what qualifies the estimate for this model;
     ``target_lines``: what the target restriction cost (``hetplan plan``);
-    ``header_extra``: a last header line (the planner and its search time)."""
+    ``header_extra``: a last header line (the planner and its search time);
+    ``replay``: the replay check of the ranked rows (``hetplan.app.replay``;
+    None: not asked for)."""
 
     workload: Workload
     cost_model: CostModel
@@ -47,6 +50,7 @@ class PlanReport:
     header_extra: str = ""
     positions: tuple[int, ...] = ()
     problems: tuple[str, ...] = ()
+    replay: ReplayOutcome | None = None
 
     @property
     def cp_ep(self) -> bool:

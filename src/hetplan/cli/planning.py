@@ -13,9 +13,10 @@ from hetplan.app.compare import compare_planners
 from hetplan.app.estimate import UniformSetting, estimate_plan_file, estimate_setting
 from hetplan.app.planning import DEFAULT_TOP, plan_workload, runnable_best
 from hetplan.app.records import write_json, write_text
+from hetplan.app.replay import DEFAULT_REPLAY, REPLAY_ENV, default_replay
 from hetplan.app.whatif import check_varies, parse_vary, run_whatif, whatif_record
 from hetplan.app.workload import DEFAULT_PLANNER
-from hetplan.io.argtypes import finite_nonneg_float, positive_int
+from hetplan.io.argtypes import MAX_COUNT, finite_nonneg_float, positive_int, zero_or_at_most
 from hetplan.cli.options import (
     OFFLOAD_SEARCH, add_offload_search_arg, add_target_args, add_workload_args, auto_batch, batch_size, degree,
     load_workload, workload_options,
@@ -60,6 +61,7 @@ def _add_plan(sub: Any) -> None:
                    help="--planner smp: the pipeline degree (default: every divisor of the GPU count, ranked)")
     add_offload_search_arg(p)
     add_target_args(p)
+    add_replay_args(p, plans=True)
     p.set_defaults(func=cmd_plan)
 
 
@@ -96,6 +98,7 @@ def _add_estimate(sub: Any) -> None:
     p.add_argument("--memory-chart", default=None, help="write memory per GPU here (.svg)")
     p.add_argument("--simulate", action="store_true", help="replay the schedule event by event and compare")
     add_target_args(p)
+    add_replay_args(p, plans=False)
     p.set_defaults(func=cmd_estimate)
 
 
@@ -123,6 +126,23 @@ def _add_whatif(sub: Any) -> None:
 
 
 # --- plan and compare --------------------------------------------------------------------------
+def add_replay_args(p: argparse.ArgumentParser, plans: bool) -> None:
+    """``--no-replay`` (and for ``plan`` ``--replay N``): the replay check (hetplan.app.replay)."""
+    if plans:
+        p.add_argument("--replay", type=zero_or_at_most(MAX_COUNT), default=None, metavar="N",
+                       help=f"check the N best plans by one training step of hetplan's runtime on fake tensors "
+                            f"(default {DEFAULT_REPLAY}, or ${REPLAY_ENV}); those that do not fit are ranked last")
+    p.add_argument("--no-replay", action="store_true", help="skip the replay check (the analytic memory only)")
+
+
+def replay_count(args: argparse.Namespace) -> int:
+    """How many plans to replay: none with ``--no-replay``, else ``--replay`` or the default."""
+    if args.no_replay:
+        return 0
+    given = getattr(args, "replay", None)
+    return default_replay() if given is None else given
+
+
 def _smp_planner(args: argparse.Namespace) -> SMPPlanner:
     """The smp planner with ``--smp-alpha`` / ``--smp-pp`` (hetplan.search.smp)."""
     alpha = DEFAULT_ALPHA if args.smp_alpha is None else args.smp_alpha
@@ -132,7 +152,7 @@ def _smp_planner(args: argparse.Namespace) -> SMPPlanner:
 def cmd_plan(args: argparse.Namespace) -> int:
     planner = _smp_planner(args) if args.planner == "smp" else args.planner
     result = plan_workload(workload_options(args), planner, args.top, auto_batch(args), args.torchtitan_version,
-                           args.tokens, args.prices)
+                           args.tokens, args.prices, replay_count(args))
     print(plan_text(result.report, args.quiet))
     if args.json_path:
         write_json(args.json_path, result.record())
@@ -188,6 +208,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                                  args.recompute, args.schedule, args.sequence_parallel, args.virtual_stages,
                                  args.offload)
         result = estimate_setting(options, setting, args.torchtitan_version, args.tokens, args.prices)
+    result = result.replayed(replay_count(args) > 0)
     print(estimate_text(result.report))
     if args.simulate:
         _print_simulation(result.workload, result.ranked)

@@ -5,7 +5,7 @@ as ``hetplan plan`` and ``hetplan estimate`` print it (``plan_text``,
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from hetplan.app.report import PlanReport
 from hetplan.cost.constants import DEFAULT_ATTENTION_KERNEL
@@ -42,26 +42,43 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = None) -> str:
+def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = None,
+                 replays: Sequence[Any] = ()) -> str:
     """The ranked plans; a planner's own cost is shown (``None``: automatically)
-    when it is not the estimate's iteration time (AMP's eq. 3-5, hetero-avg's)."""
+    when it is not the estimate's iteration time (AMP's eq. 3-5, hetero-avg's);
+    ``replays`` (``hetplan.app.replay.ReplayCheck`` or None per row): a
+    "replayed" column beside the analytic peak, and "fits" says "OOM (replay)"
+    for a plan the analytic model fits and the replay does not."""
     if show_planner_cost is None:
         show_planner_cost = any(r.planner_cost_s is not None and
                                 abs(r.planner_cost_s - r.estimate.iteration_time_s) > 1e-9 * r.estimate.iteration_time_s
                                 for r in ranked)
     headers = ["#", "plan", "iter time", "samples/s", "tokens/s", "MFU", "max mem/GPU", "fits"]
+    replayed = any(c is not None for c in replays)
+    if replayed:
+        headers.insert(7, "replayed")
     if show_planner_cost:
         headers.insert(3, "planner cost")
     rows = []
     for i, r in enumerate(ranked, 1):
         e = r.estimate
+        check = replays[i - 1] if replayed else None
         row: list[object] = [i, r.plan.describe(), format_time(e.iteration_time_s), f"{e.samples_per_s:.2f}",
                              f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%", format_bytes(e.max_memory_bytes),
-                             "yes" if e.fits else "OOM"]
+                             _fits(e.fits, check)]
+        if replayed:
+            row.insert(7, format_bytes(check.peak_bytes) if check is not None else "-")
         if show_planner_cost:
             row.insert(3, format_time(r.planner_cost_s) if r.planner_cost_s is not None else "-")
         rows.append(row)
     return table(headers, rows, [True, False] + [True] * (len(headers) - 2))
+
+
+def _fits(analytic: bool, check: Any) -> str:
+    """The "fits" cell: the analytic verdict, and the replay's where it differs."""
+    if not analytic:
+        return "OOM"
+    return "OOM (replay)" if check is not None and not check.fits else "yes"
 
 
 def breakdown(estimate: Estimate, cp_ep: bool = False) -> str:
@@ -162,6 +179,11 @@ def workload_header(workload: Workload, extra: str = "") -> str:
     return "\n".join(lines)
 
 
+def _checks(report: PlanReport) -> tuple[Any, ...]:
+    """The report's replay checks per ranked row (none where it was not replayed)."""
+    return report.replay.checks if report.replay is not None else ()
+
+
 def report_memory_table(report: PlanReport) -> str:
     """``memory_table`` of the report's chosen plan."""
     return memory_table(report.chosen.plan, report.chosen.estimate, report.workload, report.memory)
@@ -171,9 +193,11 @@ def plan_text(report: PlanReport, quiet: bool = False) -> str:
     """What ``hetplan plan`` prints: the header, the ranked plans, what the
     target cost, and (not ``quiet``) where the best plan's time and memory go,
     why, the time to train and the notes."""
-    blocks = [workload_header(report.workload, report.header_extra), ranked_table(report.ranked)]
+    blocks = [workload_header(report.workload, report.header_extra), ranked_table(report.ranked, None, _checks(report))]
     if report.target_lines:
         blocks.append("\n".join(report.target_lines))
+    if report.replay is not None and report.replay.line():
+        blocks.append(report.replay.line())
     if not quiet:
         best = report.chosen
         blocks += [f"best plan: {best.plan.describe()}\n{breakdown(best.estimate, report.cp_ep)}",
@@ -188,6 +212,8 @@ def estimate_text(report: PlanReport) -> str:
     time and memory go, the time to train and the notes on the model."""
     lines = [*(f"- {line}" for line in training_lines(report.training)),
              *(f"note: {note}" for note in report.model_notes)]
-    return "\n\n".join([workload_header(report.workload), ranked_table([report.chosen]),
+    if report.replay is not None and report.replay.line():
+        lines.append(report.replay.line())
+    return "\n\n".join([workload_header(report.workload), ranked_table([report.chosen], None, _checks(report)),
                          breakdown(report.chosen.estimate, report.cp_ep), report_memory_table(report),
                          "\n".join(lines)])

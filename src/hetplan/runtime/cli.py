@@ -274,7 +274,8 @@ def _start_checkpoint(args: argparse.Namespace, resume: bool = False) -> tuple[s
         return None
     found = ck.resume_checkpoint(args.checkpoint_dir, args.resume_or_start or resume)
     if found is None:
-        print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0",
+        why = "--resume-or-start" if args.resume_or_start else "--elastic"
+        print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 ({why})",
               file=sys.stderr, flush=True)
         return None
     ck.verify_here(found[0])

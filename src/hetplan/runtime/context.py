@@ -210,7 +210,7 @@ class RuntimeContext:
         local, parts = spine.split_pipeline(full, self.layout, self.position, self.spec, staged)
         aliases, tied = par.param_aliases(full), spine.tied_pairs(full, self.layout)
         if not meta_init:
-            local.to(self.device)
+            spine.move_to(local, self.device)
         how = self._part_settings(full, compile)
         done = [spine.parallelize_part(part, self.layout.chunk_names(chunk), how, notes)
                 for part, chunk in zip(parts, self.position.chunks)]

@@ -175,6 +175,16 @@ def build_whole(build_model: Callable[[], nn.Module], meta_init: bool) -> nn.Mod
     return full
 
 
+def move_to(module: nn.Module, device: torch.device) -> None:
+    """Move a model built for real to ``device``, unless it is there already:
+    ``Module.to`` swaps every fake-tensor parameter (torch 2.13,
+    ``nn.Module._apply``), which fails for one a fake-tensor memo refers to
+    (hetplan.runtime.replay builds the model under ``FakeTensorMode``)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.device != device for t in tensors):
+        module.to(device)
+
+
 def layer_strategies(plan: Plan, layout: PlanLayout, spec: Any) -> tuple[dict[str, str], dict[str, int]]:
     """Each layer's recomputation and ZeRO stage; a weight tied across stages
     needs the same sharding on both sides (the larger ZeRO stage of its layers)."""

@@ -1,0 +1,146 @@
+"""The replay check of ``hetplan plan`` and ``hetplan estimate``: the top plans'
+peak memory by one real training step of hetplan's runtime on fake tensors
+(``hetplan.runtime.replay``), beside the analytic peak, and the ranking by it.
+
+The planner side stays torch-free: the runtime's replay is imported only here,
+when a check runs, and without torch the check says it was skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from hetplan.cost.memory import framework_overhead_bytes
+from hetplan.errors import HetplanError
+from hetplan.export.target import RUNTIME
+from hetplan.plan.spec import RankedPlan
+from hetplan.plan.workload import Workload
+from hetplan.progress import Progress
+
+# Plans ``hetplan plan`` replays by default: its three best. A replay builds one rank per pipeline stage
+# and runs two steps on fake tensors: gpt3-1.3b on one H100 (4 x 4) replays in about 12 s on this
+# project's 2-core machine (docs/cost-model.md, "The replay check"), so three stay well under a minute.
+DEFAULT_REPLAY = 3
+REPLAY_ENV = "HETPLAN_REPLAY"  # the default number of plans to replay; "0": no replay unless asked (the tests)
+
+
+def default_replay() -> int:
+    """How many plans a command replays unless told: ``HETPLAN_REPLAY`` if set, else ``DEFAULT_REPLAY``."""
+    text = os.environ.get(REPLAY_ENV, "")
+    if not text:
+        return DEFAULT_REPLAY
+    if not text.isdigit():
+        raise HetplanError(f"{REPLAY_ENV}={text!r}: give a number of plans to replay (0: none)")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class ReplayCheck:
+    """One plan's replay: the peak of its fullest replayed GPU (tensors replayed
+    plus the framework overhead the analytic peak also adds), that GPU's memory,
+    whether every replayed rank fits, and the seconds it took."""
+
+    peak_bytes: int
+    capacity_bytes: int
+    fits: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """The replays of a ranked list, aligned with it (None: not replayed),
+    ``skipped``: why none ran ('' where they did or none was asked for), and
+    ``notes``: why a plan asked for was not replayed (the runtime refuses it)."""
+
+    checks: tuple[ReplayCheck | None, ...]
+    skipped: str = ""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.checks if c is not None)
+
+    def line(self) -> str:
+        """The line the commands print under the table ('' when nothing was asked)."""
+        if self.skipped:
+            return f"note: replay skipped: {self.skipped}"
+        done = [c for c in self.checks if c is not None]
+        bad = sum(not c.fits for c in done)
+        verdict = f"; {bad} do not fit by it and are ranked last" if bad else ""
+        lines = [f"replay: {len(done)} plan(s) checked by one training step of hetplan's runtime on fake tensors "
+                 f"in {self.seconds:.1f} s{verdict}"] if done else []
+        return "\n".join([*lines, *(f"note: {n}" for n in self.notes)])
+
+
+def replay_top(ranked: Sequence[RankedPlan], workload: Workload, count: int) -> ReplayOutcome:
+    """Replay the first ``count`` plans of ``ranked`` (0: none)."""
+    if count <= 0 or not ranked:
+        return ReplayOutcome((None,) * len(ranked))
+    why = skip_reason(workload)
+    if why:
+        return ReplayOutcome((None,) * len(ranked), why)
+    checks: list[ReplayCheck | None] = [None] * len(ranked)
+    notes: list[str] = []
+    with Progress("replay: plans", total=min(count, len(ranked))) as progress:
+        for k, r in enumerate(ranked[:count]):
+            try:
+                checks[k] = replay_one(r, workload)
+            except HetplanError as exc:
+                notes.append(f"plan {r.plan.describe()} not replayed: {exc}")
+            except Exception as exc:  # noqa: BLE001 -- torch under fake tensors; the check says it did not run
+                notes.append(f"plan {r.plan.describe()} not replayed: torch stopped the fake step "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[-1][:160] if str(exc) else ''})")
+            progress.advance()
+    return ReplayOutcome(tuple(checks), notes=tuple(notes))
+
+
+def skip_reason(workload: Workload) -> str:
+    """Why the plans of ``workload`` cannot be replayed ('' where they can)."""
+    if workload.target and workload.target != RUNTIME:
+        return f"the replay runs hetplan's runtime, and these plans are for {workload.target}"
+    try:
+        from hetplan.runtime.replay import replay_refusal
+    except ImportError:
+        return "torch is not installed (pip install 'hetplan[torch]' to check plans by a replayed step)"
+    return replay_refusal(workload.model)
+
+
+def replay_one(ranked: RankedPlan, workload: Workload) -> ReplayCheck:
+    """One plan's replay, against the memory of each replayed rank's GPU."""
+    from hetplan.runtime.replay import replay_plan
+
+    start = time.perf_counter()
+    replay = replay_plan(ranked.plan, workload.model)
+    capacity = ranked.estimate.memory_capacity_bytes
+    totals = [(s.peak_bytes + _overhead(workload, s.device), capacity[s.device]) for s in replay.stages]
+    peak, cap = max(totals, key=lambda t: t[0] / t[1])  # the fullest replayed GPU
+    return ReplayCheck(peak, cap, all(p <= c for p, c in totals), time.perf_counter() - start)
+
+
+def _overhead(workload: Workload, device: int) -> int:
+    """The framework overhead the cost model adds to a GPU's tensors (``cost.memory``)."""
+    return framework_overhead_bytes(workload.cluster.devices[device].gpu.name.upper() == "CPU")
+
+
+def rerank(ranked: Sequence[RankedPlan], outcome: ReplayOutcome) -> tuple[list[RankedPlan], ReplayOutcome]:
+    """The plans in their order, those that do not fit by their replay moved
+    last (in their order): a plan the replay shows out of memory is never the
+    recommended one while another fits."""
+    order = sorted(range(len(ranked)), key=lambda i: _runs_out(outcome.checks[i]))
+    return [ranked[i] for i in order], ReplayOutcome(tuple(outcome.checks[i] for i in order), outcome.skipped,
+                                                     outcome.notes)
+
+
+def _runs_out(check: ReplayCheck | None) -> bool:
+    return check is not None and not check.fits
+
+
+def replay_record(check: ReplayCheck | None) -> dict[str, Any] | None:
+    """A plan's replay in the JSON a command writes (None: not replayed)."""
+    if check is None:
+        return None
+    return {"peak_memory_bytes": check.peak_bytes, "capacity_bytes": check.capacity_bytes, "fits": check.fits,
+            "seconds": round(check.seconds, 3)}

@@ -1,0 +1,299 @@
+"""The replay check: one real training step of a plan's ranks on fake tensors.
+
+For each distinct pipeline stage of a plan, one of its ranks runs the
+runtime's own code -- ``init`` -> ``ctx.parallelize`` (TP, EP, recompute,
+offload, ZeRO / FSDP2, pipelining) -> ``ctx.train_step`` (the model's real
+forward and loss, every micro-batch) -> the optimizer's step -- in this one
+process, under ``torch._subclasses.FakeTensorMode`` (tensors with shapes,
+dtypes and devices but no data) on a fake process group of the plan's world
+size (``torch.testing._internal.distributed.fake_pg``: collectives return at
+once, buffers keep their shapes). A dispatch mode above the fake mode counts
+the bytes of every storage an op makes while it lives (a weak reference per
+storage), so the peak is the runtime's own live tensor bytes, the quantity
+``torch.cuda.max_memory_allocated`` reports on a GPU, less the allocator's
+rounding.
+
+What the replay does differently from ``hetplan train``, and why:
+
+* the model is built for real under the fake mode (``meta_init=False``), not
+  on meta and then materialised: ``Module.to_empty`` swaps each parameter,
+  which torch 2.13 refuses for a fake tensor its converter's memo refers to
+  ("Couldn't swap Embedding.weight"); the parameters end up the same shapes,
+  so the step holds the same bytes. The peak is counted over the second
+  step (:data:`REPLAY_STEPS`): building the whole model is transient, and the
+  first step has no optimizer states yet.
+* host reads of device values (``float(loss)``, AdamW's step count, torch
+  pipelining's warm-up vote ``result.item() == 1``) have no value on a fake
+  tensor: the replay answers 1 (:data:`HOST_READ`), which decides no
+  allocation. fp16 loss scaling's overflow vote would decide one (an overflow
+  drops the step's gradients), so the replay runs an fp16 plan's step without
+  the scaler: the same tensors less one transient finite-check of a gradient.
+  Expert-parallel routing (``bincount`` of the tokens per expert) sizes its
+  buffers by the data, so MoE models are not replayed (:func:`replay_refusal`).
+* the fake device is the CPU: a CPU-only torch makes no fake CUDA tensors
+  (random initialisation needs the CUDA generator); the bytes of a tensor
+  do not depend on the device. Autocast's CPU op lists decide the 16-bit
+  casts.
+* not replayed (:func:`plan_refusal`, said in one line): activation offload
+  (host memory is the device's own here), context parallelism (its token
+  selection reads values), pipelines whose later stages have dp or tp > 1
+  (their FSDP2 shards come out empty under fake tensors on torch 2.13),
+  heterogeneous and interleaved pipelines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hetplan.errors import HetplanError
+from hetplan.plan.spec import Plan
+
+# The optimizer the replay steps with: AdamW, whose two fp32 states per parameter the cost model
+# charges, in its for-loop form (runtime/reference.py ``make_optimizer``): its temporaries are one
+# parameter's size, as the fused kernel the runtime runs on a GPU keeps none
+# (hetplan.plan.runtime_facts.OPTIMIZER_IMPLEMENTATION); the fused form refuses FSDP2's DTensor
+# parameters next to its plain step counts on torch 2.13 ("got mixed torch.Tensor and DTensor").
+REPLAY_OPTIMIZER = "adamw"
+# What a host read of a fake value returns (module doc): a loss of 1, AdamW's step count 1 (its bias
+# correction divides by 1 - beta ** step: 0 would divide by zero), torch pipelining's vote for static shapes.
+HOST_READ = 1
+# An integer host read returns 0: torch pipelining's warm-up vote (torch 2.13,
+# distributed/pipelining/schedules.py ``_warmup_p2p``: 1 only when every stage was given its
+# shapes) then picks the shape inference the runtime's stages run, which gives none.
+HOST_READ_INT = 0
+# Steps replayed; the peak is the last one's. The first step makes the optimizer's states in its
+# ``opt.step()``, after its backward; from the second on they are held through forward and backward
+# too, which is the peak every later step repeats (hetplan.cost.memory.PeakTerms).
+REPLAY_STEPS = 2
+
+
+@dataclass(frozen=True)
+class StageReplay:
+    """One replayed rank: its pipeline stage, its rank, the plan's device it
+    runs on and its live-bytes peak."""
+
+    stage: int
+    rank: int
+    device: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class PlanReplay:
+    """The replay of a plan: each distinct stage's peak and the seconds it took."""
+
+    stages: tuple[StageReplay, ...]
+    seconds: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest peak over the plan's ranks."""
+        return max(s.peak_bytes for s in self.stages)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the fake-tensor storages alive now, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bytes: dict[int, int] = {}
+        self.now = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now (after a garbage collection)."""
+        gc.collect()
+        self.peak = self.now
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor: its local tensor, made with this mode off
+            for name in tensor.__tensor_flatten__()[0]:
+                self._count(getattr(tensor, name))
+            return
+        if not isinstance(tensor, FakeTensor):
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._bytes:
+            return
+        self._bytes[key] = storage.nbytes()
+        self.now += self._bytes[key]
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self._bytes.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return float(HOST_READ) if args[0].is_floating_point() else HOST_READ_INT
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._count(leaf)
+        return out
+
+
+def replay_refusal(spec: Any) -> str:
+    """Why the replay cannot run a model's step ('' where it can)."""
+    if any(layer.num_experts > 0 for layer in spec.layers):
+        return "mixture-of-experts routing sizes its buffers by the data, which fake tensors do not have"
+    return ""
+
+
+def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
+    """Replay one rank of each distinct pipeline stage of ``plan`` (first dp, tp and cp index)."""
+    from hetplan.runtime.layout import PlanLayout
+
+    start = time.perf_counter()
+    layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
+    why = plan_refusal(plan, layout)
+    if why:
+        raise HetplanError(f"the replay cannot run this plan: {why}")
+    firsts = [layout.stage_ranks(j)[0] for j in range(layout.pp)]
+    with StageMetadata():  # stage by stage, first to last: each receives what the one before it sent
+        stages = tuple(StageReplay(j, r, layout.devices[r], replay_rank(plan, spec, r)) for j, r in enumerate(firsts))
+    return PlanReplay(stages, time.perf_counter() - start)
+
+
+def plan_refusal(plan: Plan, layout: Any) -> str:
+    """Why the replay cannot run a plan's step ('' where it can)."""
+    from hetplan.runtime.spine import offloaded_layers
+
+    if offloaded_layers(plan, layout):
+        return ("offloaded activations go to host memory, which on the replay's CPU device is the device's own "
+                "(torch without CUDA makes no fake CUDA tensors)")
+    if layout.cp > 1:
+        return "context parallelism's sequence split selects tokens by value (aten.nonzero), which fake tensors do not have"
+    if layout.pp > 1 and any(layout.stage_dp(j) * layout.stage_tp(j) > 1 for j in range(1, layout.pp)):
+        return ("a pipeline stage after the first with dp or tp > 1 finds no data-parallel coordinate under fake "
+                "tensors on torch 2.13 (its FSDP2 shards come out empty)")
+    if layout.heterogeneous:
+        return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
+                "which fake tensors do not have")
+    if layout.num_chunks > layout.pp:
+        return "an interleaved schedule's ranks wait for shapes from ranks replayed after them"
+    return ""
+
+
+class StageMetadata:
+    """The shapes torch pipelining's stages exchange in their first step, for a
+    replay that runs one stage at a time in this process (torch 2.13,
+    ``distributed/pipelining/stage.py``: ``_send_meta`` / ``_recv_meta`` over
+    ``send_object_list``, which a fake process group does not carry). A stage
+    receives the forward shapes the stage before it sent; the gradient shapes
+    from the stage after it, not replayed yet, are those of its own outputs
+    (``_derive_grad_metas``, as torch derives them where no gradient is sent)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, Any] = {}
+
+    def __enter__(self) -> StageMetadata:
+        from torch.distributed.pipelining import stage as pipeline_stage
+
+        self._module = pipeline_stage
+        self._saved = (pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta)
+        mailbox = self
+
+        def send(stage: Any, meta: Any, dst_stage: int) -> None:
+            mailbox._sent[dst_stage] = meta
+
+        def recv(stage: Any, src_stage: int) -> Any:
+            if src_stage < stage.stage_index:
+                return mailbox._sent[stage.stage_index]
+            return pipeline_stage._StageBackwardMeta(
+                backward_metas=pipeline_stage._derive_grad_metas(stage._stage_meta.outputs))
+
+        pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta = send, recv
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._module.PipelineStage._send_meta, self._module.PipelineStage._recv_meta = self._saved
+
+
+def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
+    """The live-bytes peak of ``rank`` over one training step (module doc)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hetplan.runtime.context import init
+    from hetplan.runtime.reference import make_optimizer, training_batch
+
+    if dist.is_initialized():  # the replay's fake group would replace (and then end) this process's own
+        raise HetplanError("this process already has a torch.distributed process group; replay plans from a "
+                           "process without one (or pass replay=0)")
+    world = plan_world_size(plan)
+    with _process_env(rank, world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
+            live = LiveBytes()
+            try:
+                how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
+                with FakeTensorMode(allow_non_fake_inputs=True), live:
+                    model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
+                    opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
+                    ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
+                    for step in range(REPLAY_STEPS):
+                        x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, 0)
+                        live.reset_peak()
+                        ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            finally:
+                ctx.close()
+            return live.peak
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            forget_sharding_decisions()
+
+
+def forget_sharding_decisions() -> None:
+    """Clear DTensor's caches of sharding decisions: they are keyed by meshes
+    equal across ranks (torch 2.13, ``DeviceMesh.__eq__`` compares the ranks'
+    layout, not this process's place in it), so the next rank replayed in this
+    process would reuse a decision made for the last (``torch.distributed.tensor.debug``
+    clears the same cache)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+
+
+def plan_world_size(plan: Plan) -> int:
+    """The number of processes the plan runs on."""
+    return len({d for stage in plan.stages for d in stage.devices})
+
+
+@contextlib.contextmanager
+def _process_env(rank: int, world: int) -> Iterator[None]:
+    """The environment ``init`` reads, as one rank of the plan on one machine's CPU."""
+    values = {"RANK": str(rank), "WORLD_SIZE": str(world), "HETPLAN_DEVICE": "cpu", "HETPLAN_ONE_MACHINE": "1"}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
