@@ -35,6 +35,7 @@ from hetplan.cost.constants import (
     FP8_MATMUL_RELATIVE_EFFICIENCY,
     GEMM_EFFICIENCY,
     GEMM_HALF_DIM,
+    HOST_OP_S,
     KERNEL_LAUNCH_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
     SUSTAINED_MATMUL_FRACTION,
@@ -132,6 +133,8 @@ class Work:
     # their own), and the tokens each expert of the rank gets per sample
     expert_s: np.ndarray | None = None
     expert_tokens: np.ndarray | None = None
+    # the training code's per-micro-batch costs (``RunOverhead``): none for a ModelSpec's accounting
+    run: RunOverhead | None = None
 
     def expert_time(self) -> np.ndarray:
         """The routed experts' matmuls at the efficiency of their token side."""
@@ -140,7 +143,8 @@ class Work:
         return self.expert_s / expert_token_efficiency(self.expert_tokens)
 
     def forward(self) -> np.ndarray:
-        return self.gemm_s + self.expert_time() + self.attention_s + self.memory_s + self.launch_s
+        device = self.gemm_s + self.expert_time() + self.attention_s + self.memory_s + self.launch_s
+        return device if self.run is None else self.run.forward(device)
 
     def scaled(self, batch: float) -> Work:
         """The same layers for ``batch`` samples: everything but the launches
@@ -149,13 +153,52 @@ class Work:
         experts = (self.expert_s * batch, self.expert_tokens * batch) \
             if self.expert_s is not None and self.expert_tokens is not None else (None, None)
         return Work(self.gemm_s * batch, self.attention_s * batch, self.attention_backward_s * batch,
-                    self.memory_s * batch, self.launch_s, *experts)
+                    self.memory_s * batch, self.launch_s, *experts, self.run)
 
     def backward(self) -> np.ndarray:
         """Twice the forward matmuls (input and weight gradients), the attention
         core's backward, the elementwise kernels' backward traffic and twice the launches."""
-        return (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.expert_time() + self.launch_s)
-                + ELEMENTWISE_BACKWARD_RATIO * self.memory_s + self.attention_backward_s)
+        device = (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.expert_time() + self.launch_s)
+                  + ELEMENTWISE_BACKWARD_RATIO * self.memory_s + self.attention_backward_s)
+        return device if self.run is None else self.run.backward(device)
+
+
+@dataclass(frozen=True)
+class RunOverhead:
+    """What the training code pays per micro-batch, whatever its size, per
+    layer (``hetplan.model.runtime_time``): the device time of its weight casts
+    and gradient accumulation, and the host time of dispatching its operators
+    one by one (eager PyTorch: ``HOST_OP_S`` each). The GPU runs a pass no
+    faster than the host issues it: a pass takes the larger of the two."""
+
+    weight_fwd_s: np.ndarray
+    weight_bwd_s: np.ndarray
+    host_fwd_s: np.ndarray
+    host_bwd_s: np.ndarray
+
+    def forward(self, device: np.ndarray) -> np.ndarray:
+        return np.maximum(device + self.weight_fwd_s, self.host_fwd_s)
+
+    def backward(self, device: np.ndarray) -> np.ndarray:
+        return np.maximum(device + self.weight_bwd_s, self.host_bwd_s)
+
+    def host_excess(self, device_fwd: np.ndarray, device_bwd: np.ndarray) -> np.ndarray:
+        """Per layer, the time a pass waits for the host beyond its device time."""
+        return (np.maximum(self.host_fwd_s - device_fwd - self.weight_fwd_s, 0.0)
+                + np.maximum(self.host_bwd_s - device_bwd - self.weight_bwd_s, 0.0))
+
+
+def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int) -> RunOverhead | None:
+    """The training code's per-micro-batch costs on one GPU of a TP group of
+    ``tp`` (TP divides the weights each rank casts; every rank dispatches every
+    operator); None where ``arrays`` carry no run columns (``runtime_time_arrays``)."""
+    if arrays.host_ops_fwd is None or arrays.host_ops_bwd is None:
+        return None
+    bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
+    share = arrays.tp_share(tp)
+    return RunOverhead(arrays.column("weight_fwd_bytes") * share / bandwidth,
+                       arrays.column("weight_bwd_bytes") * share / bandwidth,
+                       arrays.host_ops_fwd * HOST_OP_S, arrays.host_ops_bwd * HOST_OP_S)
 
 
 def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
@@ -202,7 +245,8 @@ def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int
     mem = arrays.fwd_mem_bytes * tp_activation_fraction(arrays, tp, sequence_parallel)
     memory_s = mem / (gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY)
     launch_s = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM) * KERNEL_LAUNCH_S
-    return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s, expert_s, expert_tokens)
+    return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s, expert_s, expert_tokens,
+                run_overhead(arrays, gpu, tp))
 
 
 def _fused(arrays: LayerArrays) -> np.ndarray:

@@ -105,6 +105,16 @@ MEMORY_BANDWIDTH_EFFICIENCY = 0.80
 # Practices Guide: launch overhead "on the order of 5 microseconds".
 KERNEL_LAUNCH_S = 5e-6
 
+# Host time to dispatch one ATen operator in eager PyTorch under autocast and
+# autograd (Python call, dispatcher, autocast and autograd keys, CUDA launch),
+# on the training host: what a micro-batch costs when its kernels are shorter
+# than their dispatch (hetplan.model.runtime_time counts each layer's
+# operators). Fitted: no source gives it for this stack; least-squares on the
+# five recorded hetplan train runs on one H100 (benchmarks/data/h100/
+# h100-runs.json), where only the micro-batch-2 run is host-bound
+# (refit: benchmarks/fit_cost_model.py). `hetplan profile` measures it.
+HOST_OP_S = 18e-6
+
 # Memory-bound (non-GEMM) kernels per transformer block per pass: norms,
 # dropouts, residual adds, bias/activation, softmax, scale/mask (counted in
 # hetplan.model.layers); other layer kinds use their own gemm_count + 2.

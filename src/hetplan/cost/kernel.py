@@ -60,8 +60,9 @@ from hetplan.cost.constants import (
     TP_COMM_PASSES,
 )
 from hetplan.model.runtime_memory import runtime_memory
+from hetplan.model.runtime_time import runtime_time
 from hetplan.cost.groups import ClusterArrays, first_appearance
-from hetplan.cost.layers import LayerArrays, layer_arrays, runtime_arrays
+from hetplan.cost.layers import LayerArrays, layer_arrays, runtime_arrays, runtime_time_arrays
 from hetplan.cost.pipeline import overlap_slowdown, overlapped_exposure
 from hetplan.cost.memory import (
     activation_bytes, backward_working_bytes, fp8_linear_input_scale, framework_overhead_bytes,
@@ -186,8 +187,13 @@ class CostKernel:
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes
-        # the code that trains: hetplan's runtime (its tensors: model.runtime_memory), or what the model counts
+        # the code that trains: hetplan's runtime (its tensors: model.runtime_memory; its work:
+        # model.runtime_time), or what the model counts
         self.runtime = workload.target == "hetplan"
+        runs = runtime_time(workload.model, cuda=any(d.gpu.name != "CPU" for d in workload.cluster.devices)) \
+            if self.runtime else None
+        if runs is not None:
+            self.arrays = runtime_time_arrays(self.arrays, runs)
         memory = runtime_memory(workload.model, cuda=any(d.gpu.name != "CPU" for d in self.cluster.devices)) \
             if self.runtime else None
         self.memory_arrays: LayerArrays = self.arrays if memory is None else runtime_arrays(self.arrays, memory)
