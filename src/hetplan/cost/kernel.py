@@ -56,6 +56,7 @@ from hetplan.cost.constants import (
     HOST_LINK_BYTES_PER_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
     OFFLOAD_RESIDENT_LAYERS,
+    OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION,
     OPTIMIZER_STEP_BYTES_PER_PARAM,
     TP_COMM_PASSES,
 )
@@ -69,6 +70,7 @@ from hetplan.cost.memory import (
     host_offload_capacity_bytes,
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
+from hetplan.plan.runtime_facts import OPTIMIZER_IMPLEMENTATION
 from hetplan.plan.workload import Workload
 from hetplan.profile.db import DATA_PARALLEL_ZERO
 from hetplan.profile.metis import MetisProfileDB
@@ -190,10 +192,13 @@ class CostKernel:
         # the code that trains: hetplan's runtime (its tensors: model.runtime_memory; its work:
         # model.runtime_time), or what the model counts
         self.runtime = workload.target == "hetplan"
-        runs = runtime_time(workload.model, cuda=any(d.gpu.name != "CPU" for d in workload.cluster.devices)) \
-            if self.runtime else None
+        cuda = any(d.gpu.name != "CPU" for d in workload.cluster.devices)
+        runs = runtime_time(workload.model, cuda=cuda) if self.runtime else None
         if runs is not None:
             self.arrays = runtime_time_arrays(self.arrays, runs)
+        # bytes per parameter of the optimizer step: as the runtime's implementation runs it on this cluster
+        self.optimizer_step_bytes = OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION[
+            OPTIMIZER_IMPLEMENTATION["cuda" if cuda else "cpu"]] if self.runtime else OPTIMIZER_STEP_BYTES_PER_PARAM
         memory = runtime_memory(workload.model, cuda=any(d.gpu.name != "CPU" for d in self.cluster.devices)) \
             if self.runtime else None
         self.memory_arrays: LayerArrays = self.arrays if memory is None else runtime_arrays(self.arrays, memory)
@@ -649,7 +654,7 @@ class CostKernel:
         stage's GPU with the least memory bandwidth."""
         array = self.device_array(devices)
         bandwidth = float(self.cluster_arrays.memory_bandwidth[array].min())
-        rate = OPTIMIZER_STEP_BYTES_PER_PARAM / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+        rate = self.optimizer_step_bytes / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
         if self.calibration is not None:  # the factor of the stage's slowest calibrated GPU type
             gpus = self.cluster_arrays.gpus
             rate *= max(self.calibration.compute(gpus[i].name) for i in np.unique(self.cluster_arrays.gpu[array]))
