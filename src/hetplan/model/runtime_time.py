@@ -44,7 +44,7 @@ from hetplan.model.spec import LayerSpec, ModelSpec
 # (torch 2.13, transformers 5.24; CPU bf16 autocast). "hf-llama" head: final norm, lm_head,
 # loss and what the model runs once besides its decoder layers (embedding, rotary table, mask).
 BLOCK_OPS = {"gpt": (55, 112), "llama": (125, 167), "hf-llama": (98, 165)}
-HEAD_OPS = {"gpt": (13, 20), "llama": (19, 35), "hf-llama": (64, 37)}
+HEAD_OPS = {"gpt": (13, 20), "llama": (19, 35), "hf-llama": (64, 36)}
 EMBED_OPS = {"gpt": (4, 6), "llama": (1, 2), "hf-llama": (0, 0)}
 # The built-in MoE block: its attention and router, plus a loop over the experts
 # (``Experts.forward``): operators = base + per expert, forward and backward.
