@@ -142,8 +142,12 @@ class Work:
             return np.zeros_like(self.gemm_s)
         return self.expert_s / expert_token_efficiency(self.expert_tokens)
 
+    def device_forward(self) -> np.ndarray:
+        """The forward's kernels on the GPU, without the training code's per-micro-batch costs."""
+        return self.gemm_s + self.expert_time() + self.attention_s + self.memory_s + self.launch_s
+
     def forward(self) -> np.ndarray:
-        device = self.gemm_s + self.expert_time() + self.attention_s + self.memory_s + self.launch_s
+        device = self.device_forward()
         return device if self.run is None else self.run.forward(device)
 
     def scaled(self, batch: float) -> Work:
@@ -155,11 +159,15 @@ class Work:
         return Work(self.gemm_s * batch, self.attention_s * batch, self.attention_backward_s * batch,
                     self.memory_s * batch, self.launch_s, *experts, self.run)
 
-    def backward(self) -> np.ndarray:
+    def device_backward(self) -> np.ndarray:
         """Twice the forward matmuls (input and weight gradients), the attention
         core's backward, the elementwise kernels' backward traffic and twice the launches."""
-        device = (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.expert_time() + self.launch_s)
-                  + ELEMENTWISE_BACKWARD_RATIO * self.memory_s + self.attention_backward_s)
+        return (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.expert_time() + self.launch_s)
+                + ELEMENTWISE_BACKWARD_RATIO * self.memory_s + self.attention_backward_s)
+
+    def backward(self) -> np.ndarray:
+        """``device_backward``, and the training code's per-micro-batch costs where it has them."""
+        device = self.device_backward()
         return device if self.run is None else self.run.backward(device)
 
 
@@ -186,6 +194,21 @@ class RunOverhead:
         """Per layer, the time a pass waits for the host beyond its device time."""
         return (np.maximum(self.host_fwd_s - device_fwd - self.weight_fwd_s, 0.0)
                 + np.maximum(self.host_bwd_s - device_bwd - self.weight_bwd_s, 0.0))
+
+
+def run_detail(arrays: LayerArrays, unit: Work, gpu: GPUSpec, batch: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, two parts of a micro-batch's forward plus backward of
+    ``batch`` samples (``unit``: the cached ``per_sample_work``): the time its
+    passes wait for the host beyond their device time, and the loss's fp32
+    passes over the logits (forward and ``ELEMENTWISE_BACKWARD_RATIO`` times
+    that backward). Zeros where the arrays carry no run columns."""
+    zero = np.zeros(arrays.num_layers)
+    if unit.run is None:
+        return zero, zero
+    work = unit.scaled(batch)
+    bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
+    loss = arrays.column("loss_traffic_bytes") * batch * (1.0 + ELEMENTWISE_BACKWARD_RATIO) / bandwidth
+    return unit.run.host_excess(work.device_forward(), work.device_backward()), loss
 
 
 def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int) -> RunOverhead | None:

@@ -44,7 +44,7 @@ from hetplan.cost.comm import (
     reduce_scatter_time,
 )
 from hetplan.cost.cp_ep import cp_activation_bytes, cp_exposed_time, cp_gather_bytes, expert_groups
-from hetplan.cost.compute import LayerTimes, Work, layer_times, matmul_rate, per_sample_work
+from hetplan.cost.compute import LayerTimes, Work, layer_times, matmul_rate, per_sample_work, run_detail
 from hetplan.cost.constants import (
     ALLREDUCE_BUCKET_BYTES,
     CP_KV_METHOD,
@@ -268,6 +268,13 @@ class CostKernel:
                                                        self.workload.fp8, expert_load, cp, expert_batch,
                                                        self.workload.attention_kernel)
         return found
+
+    def run_detail(self, gpu: GPUSpec, batch: float, tp: int, first: int, end: int) -> tuple[float, float]:
+        """Seconds of one micro-batch of ``batch`` samples on layers ``first``..``end-1``
+        (one GPU of a TP group, no sequence parallelism) that wait for the host, and
+        that the loss's fp32 passes take (``compute.run_detail``): what the breakdown shows."""
+        host, loss = run_detail(self.arrays, self.unit_work(gpu, tp, False), gpu, float(batch))
+        return float(host[first:end].sum()), float(loss[first:end].sum())
 
     def layer_time(self, index: int, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",
                    sequence_parallel: bool = False) -> tuple[float, float, float]:

@@ -72,6 +72,7 @@ class LayerArrays:
     weight_bwd_bytes: np.ndarray | None = None  # per micro-batch: gradient casts and accumulation (backward)
     host_ops_fwd: np.ndarray | None = None  # operators the host dispatches per micro-batch, forward
     host_ops_bwd: np.ndarray | None = None  # and backward
+    loss_traffic_bytes: np.ndarray | None = None  # per sample: the loss's part of fwd_mem_bytes
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
@@ -198,7 +199,7 @@ def runtime_time_arrays(arrays: LayerArrays, runs: Sequence[LayerRun]) -> LayerA
 
     fused = np.array([r.fused for r in runs]) | (arrays.column("attention_fused") > 0)
     return replace(arrays, fwd_mem_bytes=column("traffic"), attention_fused=fused,
-                   weight_fwd_bytes=column("weight_fwd"), weight_bwd_bytes=column("weight_bwd"), host_ops_fwd=column("ops_fwd"),
+                   weight_fwd_bytes=column("weight_fwd"), weight_bwd_bytes=column("weight_bwd"), host_ops_fwd=column("ops_fwd"), loss_traffic_bytes=column("loss_traffic"),
                    host_ops_bwd=column("ops_bwd"))
 
 

@@ -70,6 +70,7 @@ class LayerRun:
             gradients' casts and accumulation.
         ops_fwd, ops_bwd: operators dispatched per micro-batch.
         fused: the attention core is one fused kernel (SDPA).
+        loss_traffic: the loss's part of ``traffic`` (the head's fp32 passes over the logits).
     """
 
     traffic: float
@@ -78,6 +79,7 @@ class LayerRun:
     ops_fwd: int
     ops_bwd: int
     fused: bool
+    loss_traffic: float = 0.0
 
 
 def _style(shape: DecoderShape) -> str:
@@ -142,7 +144,8 @@ def layer_run(layer: LayerSpec, shape: DecoderShape, c: int) -> LayerRun:
         return LayerRun(2 * FP32 * shape.seq * shape.hidden, 0.0, FP32_GRAD_BYTES_PER_PARAM * layer.params,
                         *EMBED_OPS[style], False)
     if layer.kind == "head":
-        return LayerRun(head_traffic(shape, c), *weights, *HEAD_OPS[style], False)
+        return LayerRun(head_traffic(shape, c), *weights, *HEAD_OPS[style], False,
+                        LOSS_BYTES_PER_LOGIT * shape.seq * shape.vocab)
     ops = _moe_ops(style, shape.experts) if shape.experts else BLOCK_OPS[style]
     return LayerRun(block_traffic(shape, c), *weights, *ops, layer.attention_flops > 0)
 
