@@ -50,9 +50,8 @@ class _Count(TorchDispatchMode):
 
 def _passes(run) -> tuple[int, int]:  # noqa: ANN001
     """Operators of ``run()``'s forward and of its backward (seeded outside the count)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        with _Count() as forward:
-            out = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), _Count() as forward:
+        out = run()
     seed = torch.ones_like(out)
     with _Count() as backward:
         out.backward(seed)
@@ -101,21 +100,23 @@ def test_builtin_moe_block_dispatches_what_the_model_says(experts):
     assert MOE_EXPERT_OPS[0] > 0 and MOE_EXPERT_OPS[1] > 0
 
 
+def _hf_llama_passes(layers: int) -> tuple[int, int]:
+    """Operators of a tiny HF Llama of ``layers`` decoder layers, padded batch and loss."""
+    config = transformers.AutoConfig.for_model(**dict(TINY_LLAMA, num_hidden_layers=layers))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (BATCH, 32))
+    mask = torch.ones(BATCH, 32, dtype=torch.long)
+    mask[0, 16:] = 0
+    return _passes(lambda: cross_entropy_loss(model(ids, attention_mask=mask, use_cache=False).logits, ids))
+
+
 def test_hf_llama_layers_dispatch_what_the_model_says():
     """A tiny HF Llama as ``hetplan train`` runs it (bf16 autocast, a padding
     mask, the runtime's loss): each decoder layer adds its block's operators,
     and the rest of the model (embedding, rotary table, mask, final norm,
     lm_head, loss) is what the embedding and head rows hold together."""
-    totals = []
-    for layers in (1, 2):
-        config = transformers.AutoConfig.for_model(**dict(TINY_LLAMA, num_hidden_layers=layers))
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, config.vocab_size, (BATCH, 32))
-        mask = torch.ones(BATCH, 32, dtype=torch.long)
-        mask[0, 16:] = 0
-        totals.append(_passes(lambda: cross_entropy_loss(model(ids, attention_mask=mask, use_cache=False).logits,
-                                                         ids)))
+    totals = [_hf_llama_passes(layers) for layers in (1, 2)]
     spec = model_from_hf_config(dict(TINY_LLAMA), seq_len=32)
     block = _expected(spec, 1)
     assert (totals[1][0] - totals[0][0], totals[1][1] - totals[0][1]) == block
