@@ -112,7 +112,7 @@ KERNEL_LAUNCH_S = 5e-6
 # operators). Fitted: no source gives it for this stack; least squares (1 us grid) on the
 # five recorded hetplan train runs on one H100 (benchmarks/data/h100/
 # h100-runs.json); only the micro-batch-2 run is host-bound, so it alone sets it
-# (refit by hand: tests/test_h100_time.py prints each run's error).
+# (refit by hand on that file's runs; tests/test_h100_time.py holds the result).
 HOST_OP_S = 17e-6
 
 # Memory-bound (non-GEMM) kernels per transformer block per pass: norms,
