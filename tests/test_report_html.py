@@ -243,7 +243,8 @@ def test_whatif_helper_prints_what_hetplan_whatif_prints() -> None:
             "--tokens", "1B", "--price-per-gpu-hour", "2"]
     rc, out, err = quiet_main("whatif", *args, "--vary", "gpus=4,8,3")
     assert rc == 0, err
-    base = Workload(get_model("tiny-gpt"), load_cluster("8xA100-80GB"), 16)
+    # the CLI plans for the code that trains a model the runtime builds (export.target.plan_target)
+    base = Workload(get_model("tiny-gpt"), load_cluster("8xA100-80GB"), 16, target="hetplan")
     results = run_whatif(base, "gpus", ["4", "8", "3"], get_planner("megatron"), 1e9, {"*": 2.0})
     table = whatif_table(results, 1e9)
     assert out.rstrip().endswith(table)

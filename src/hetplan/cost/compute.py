@@ -35,6 +35,7 @@ from hetplan.cost.constants import (
     FP8_MATMUL_RELATIVE_EFFICIENCY,
     GEMM_EFFICIENCY,
     GEMM_HALF_DIM,
+    HOST_OP_S,
     KERNEL_LAUNCH_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
     SUSTAINED_MATMUL_FRACTION,
@@ -132,6 +133,8 @@ class Work:
     # their own), and the tokens each expert of the rank gets per sample
     expert_s: np.ndarray | None = None
     expert_tokens: np.ndarray | None = None
+    # the training code's per-micro-batch costs (``RunOverhead``): none for a ModelSpec's accounting
+    run: RunOverhead | None = None
 
     def expert_time(self) -> np.ndarray:
         """The routed experts' matmuls at the efficiency of their token side."""
@@ -139,8 +142,13 @@ class Work:
             return np.zeros_like(self.gemm_s)
         return self.expert_s / expert_token_efficiency(self.expert_tokens)
 
-    def forward(self) -> np.ndarray:
+    def device_forward(self) -> np.ndarray:
+        """The forward's kernels on the GPU, without the training code's per-micro-batch costs."""
         return self.gemm_s + self.expert_time() + self.attention_s + self.memory_s + self.launch_s
+
+    def forward(self) -> np.ndarray:
+        device = self.device_forward()
+        return device if self.run is None else self.run.forward(device)
 
     def scaled(self, batch: float) -> Work:
         """The same layers for ``batch`` samples: everything but the launches
@@ -149,13 +157,71 @@ class Work:
         experts = (self.expert_s * batch, self.expert_tokens * batch) \
             if self.expert_s is not None and self.expert_tokens is not None else (None, None)
         return Work(self.gemm_s * batch, self.attention_s * batch, self.attention_backward_s * batch,
-                    self.memory_s * batch, self.launch_s, *experts)
+                    self.memory_s * batch, self.launch_s, *experts, self.run)
 
-    def backward(self) -> np.ndarray:
+    def device_backward(self) -> np.ndarray:
         """Twice the forward matmuls (input and weight gradients), the attention
         core's backward, the elementwise kernels' backward traffic and twice the launches."""
         return (BACKWARD_FLOPS_RATIO * (self.gemm_s + self.expert_time() + self.launch_s)
                 + ELEMENTWISE_BACKWARD_RATIO * self.memory_s + self.attention_backward_s)
+
+    def backward(self) -> np.ndarray:
+        """``device_backward``, and the training code's per-micro-batch costs where it has them."""
+        device = self.device_backward()
+        return device if self.run is None else self.run.backward(device)
+
+
+@dataclass(frozen=True)
+class RunOverhead:
+    """What the training code pays per micro-batch, whatever its size, per
+    layer (``hetplan.model.runtime_time``): the device time of its weight casts
+    and gradient accumulation, and the host time of dispatching its operators
+    one by one (eager PyTorch: ``HOST_OP_S`` each). The GPU runs a pass no
+    faster than the host issues it: a pass takes the larger of the two."""
+
+    weight_fwd_s: np.ndarray
+    weight_bwd_s: np.ndarray
+    host_fwd_s: np.ndarray
+    host_bwd_s: np.ndarray
+
+    def forward(self, device: np.ndarray) -> np.ndarray:
+        return np.maximum(device + self.weight_fwd_s, self.host_fwd_s)
+
+    def backward(self, device: np.ndarray) -> np.ndarray:
+        return np.maximum(device + self.weight_bwd_s, self.host_bwd_s)
+
+    def host_excess(self, device_fwd: np.ndarray, device_bwd: np.ndarray) -> np.ndarray:
+        """Per layer, the time a pass waits for the host beyond its device time."""
+        return (np.maximum(self.host_fwd_s - device_fwd - self.weight_fwd_s, 0.0)
+                + np.maximum(self.host_bwd_s - device_bwd - self.weight_bwd_s, 0.0))
+
+
+def run_detail(arrays: LayerArrays, unit: Work, gpu: GPUSpec, batch: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, two parts of a micro-batch's forward plus backward of
+    ``batch`` samples (``unit``: the cached ``per_sample_work``): the time its
+    passes wait for the host beyond their device time, and the loss's fp32
+    passes over the logits (forward and ``ELEMENTWISE_BACKWARD_RATIO`` times
+    that backward). Zeros where the arrays carry no run columns."""
+    zero = np.zeros(arrays.num_layers)
+    if unit.run is None:
+        return zero, zero
+    work = unit.scaled(batch)
+    bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
+    loss = arrays.column("loss_traffic_bytes") * batch * (1.0 + ELEMENTWISE_BACKWARD_RATIO) / bandwidth
+    return unit.run.host_excess(work.device_forward(), work.device_backward()), loss
+
+
+def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int) -> RunOverhead | None:
+    """The training code's per-micro-batch costs on one GPU of a TP group of
+    ``tp`` (TP divides the weights each rank casts; every rank dispatches every
+    operator); None where ``arrays`` carry no run columns (``runtime_time_arrays``)."""
+    if arrays.host_ops_fwd is None or arrays.host_ops_bwd is None:
+        return None
+    bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
+    share = arrays.tp_share(tp)
+    return RunOverhead(arrays.column("weight_fwd_bytes") * share / bandwidth,
+                       arrays.column("weight_bwd_bytes") * share / bandwidth,
+                       arrays.host_ops_fwd * HOST_OP_S, arrays.host_ops_bwd * HOST_OP_S)
 
 
 def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
@@ -202,7 +268,8 @@ def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int
     mem = arrays.fwd_mem_bytes * tp_activation_fraction(arrays, tp, sequence_parallel)
     memory_s = mem / (gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY)
     launch_s = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM) * KERNEL_LAUNCH_S
-    return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s, expert_s, expert_tokens)
+    return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s, expert_s, expert_tokens,
+                run_overhead(arrays, gpu, tp))
 
 
 def _fused(arrays: LayerArrays) -> np.ndarray:

@@ -105,6 +105,16 @@ MEMORY_BANDWIDTH_EFFICIENCY = 0.80
 # Practices Guide: launch overhead "on the order of 5 microseconds".
 KERNEL_LAUNCH_S = 5e-6
 
+# Host time to dispatch one ATen operator in eager PyTorch under autocast and
+# autograd (Python call, dispatcher, autocast and autograd keys, CUDA launch),
+# on the training host: what a micro-batch costs when its kernels are shorter
+# than their dispatch (hetplan.model.runtime_time counts each layer's
+# operators). Fitted: no source gives it for this stack; least squares (1 us grid) on the
+# five recorded hetplan train runs on one H100 (benchmarks/data/h100/
+# h100-runs.json); only the micro-batch-2 run is host-bound, so it alone sets it
+# (refit by hand on that file's runs; tests/test_h100_time.py holds the result).
+HOST_OP_S = 17e-6
+
 # Memory-bound (non-GEMM) kernels per transformer block per pass: norms,
 # dropouts, residual adds, bias/activation, softmax, scale/mask (counted in
 # hetplan.model.layers); other layer kinds use their own gemm_count + 2.
@@ -267,6 +277,16 @@ DEVICE_REPORTED_FRACTION = 79.1787109375 / 80
 # Bytes the Adam update reads and writes per parameter (fp32 master, m, v read
 # and written, gradient read, 16-bit weight written): a memory-bound kernel.
 OPTIMIZER_STEP_BYTES_PER_PARAM = 32
+# hetplan's runtime steps AdamW as plan/runtime_facts.OPTIMIZER_IMPLEMENTATION says
+# (fused on CUDA, for-loop on CPU). The fused kernel passes over each tensor once
+# (OPTIMIZER_STEP_BYTES_PER_PARAM). The for-loop and foreach forms run one pass per
+# elementwise op of torch/optim/adamw.py ``_single_tensor_adamw`` /
+# ``_multi_tensor_adamw`` (torch 2.13): decay param.mul_ (r4 w4), exp_avg.lerp_
+# (r8 w4), exp_avg_sq.mul_ (r4 w4) and .addcmul_ (r8 w4), sqrt, division and
+# add_(eps) of the denominator (3 x r4 w4), param.addcdiv_ (r12 w4): 80 bytes.
+# Against the H100 yardstick (h100-runs.json: plain gpt3-1.3b loop, 332.8 ms fused,
+# 354.2 ms for-loop) this gives 23.5 ms more for 1.32e9 parameters, 21.4 measured.
+OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION = {"fused": OPTIMIZER_STEP_BYTES_PER_PARAM, "foreach": 80, "for-loop": 80}
 
 # Memory no plan can use: CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers
 # and allocator fragmentation. PyTorch's CUDA context alone is ~0.3-0.5 GiB

@@ -44,7 +44,7 @@ from hetplan.cost.comm import (
     reduce_scatter_time,
 )
 from hetplan.cost.cp_ep import cp_activation_bytes, cp_exposed_time, cp_gather_bytes, expert_groups
-from hetplan.cost.compute import LayerTimes, Work, layer_times, matmul_rate, per_sample_work
+from hetplan.cost.compute import LayerTimes, Work, layer_times, matmul_rate, per_sample_work, run_detail
 from hetplan.cost.constants import (
     ALLREDUCE_BUCKET_BYTES,
     CP_KV_METHOD,
@@ -56,18 +56,21 @@ from hetplan.cost.constants import (
     HOST_LINK_BYTES_PER_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
     OFFLOAD_RESIDENT_LAYERS,
+    OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION,
     OPTIMIZER_STEP_BYTES_PER_PARAM,
     TP_COMM_PASSES,
 )
 from hetplan.model.runtime_memory import runtime_memory
+from hetplan.model.runtime_time import runtime_time
 from hetplan.cost.groups import ClusterArrays, first_appearance
-from hetplan.cost.layers import LayerArrays, layer_arrays, runtime_arrays
+from hetplan.cost.layers import LayerArrays, layer_arrays, runtime_arrays, runtime_time_arrays
 from hetplan.cost.pipeline import overlap_slowdown, overlapped_exposure
 from hetplan.cost.memory import (
     activation_bytes, backward_working_bytes, fp8_linear_input_scale, framework_overhead_bytes,
     host_offload_capacity_bytes,
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
+from hetplan.plan.runtime_facts import OPTIMIZER_IMPLEMENTATION
 from hetplan.plan.workload import Workload
 from hetplan.profile.db import DATA_PARALLEL_ZERO
 from hetplan.profile.metis import MetisProfileDB
@@ -186,8 +189,16 @@ class CostKernel:
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes
-        # the code that trains: hetplan's runtime (its tensors: model.runtime_memory), or what the model counts
+        # the code that trains: hetplan's runtime (its tensors: model.runtime_memory; its work:
+        # model.runtime_time), or what the model counts
         self.runtime = workload.target == "hetplan"
+        cuda = any(d.gpu.name != "CPU" for d in workload.cluster.devices)
+        runs = runtime_time(workload.model, cuda=cuda) if self.runtime else None
+        if runs is not None:
+            self.arrays = runtime_time_arrays(self.arrays, runs)
+        # bytes per parameter of the optimizer step: as the runtime's implementation runs it on this cluster
+        self.optimizer_step_bytes = OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION[
+            OPTIMIZER_IMPLEMENTATION["cuda" if cuda else "cpu"]] if self.runtime else OPTIMIZER_STEP_BYTES_PER_PARAM
         memory = runtime_memory(workload.model, cuda=any(d.gpu.name != "CPU" for d in self.cluster.devices)) \
             if self.runtime else None
         self.memory_arrays: LayerArrays = self.arrays if memory is None else runtime_arrays(self.arrays, memory)
@@ -257,6 +268,13 @@ class CostKernel:
                                                        self.workload.fp8, expert_load, cp, expert_batch,
                                                        self.workload.attention_kernel)
         return found
+
+    def run_detail(self, gpu: GPUSpec, batch: float, tp: int, first: int, end: int) -> tuple[float, float]:
+        """Seconds of one micro-batch of ``batch`` samples on layers ``first``..``end-1``
+        (one GPU of a TP group, no sequence parallelism) that wait for the host, and
+        that the loss's fp32 passes take (``compute.run_detail``): what the breakdown shows."""
+        host, loss = run_detail(self.arrays, self.unit_work(gpu, tp, False), gpu, float(batch))
+        return float(host[first:end].sum()), float(loss[first:end].sum())
 
     def layer_time(self, index: int, gpu: GPUSpec, batch: float, tp: int = 1, recompute: str = "none",
                    sequence_parallel: bool = False) -> tuple[float, float, float]:
@@ -643,7 +661,7 @@ class CostKernel:
         stage's GPU with the least memory bandwidth."""
         array = self.device_array(devices)
         bandwidth = float(self.cluster_arrays.memory_bandwidth[array].min())
-        rate = OPTIMIZER_STEP_BYTES_PER_PARAM / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+        rate = self.optimizer_step_bytes / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
         if self.calibration is not None:  # the factor of the stage's slowest calibrated GPU type
             gpus = self.cluster_arrays.gpus
             rate *= max(self.calibration.compute(gpus[i].name) for i in np.unique(self.cluster_arrays.gpu[array]))

@@ -21,6 +21,7 @@ import numpy as np
 
 from hetplan.model.layers import CAUSAL_KINDS
 from hetplan.model.runtime_memory import LayerMemory
+from hetplan.model.runtime_time import LayerRun
 from hetplan.model.spec import LayerSpec, ModelSpec
 
 
@@ -66,6 +67,12 @@ class LayerArrays:
     cast_expert_params: np.ndarray | None = None  # routed-expert weights copied alike (TP and EP divide them)
     largest_param: np.ndarray | None = None  # elements of the largest dense parameter tensor (TP divides it)
     largest_expert_param: np.ndarray | None = None  # elements of the stacked expert weights (TP and EP divide them)
+    # how the code that trains spends time beyond a ModelSpec's columns (``runtime_time_arrays``; None: nothing)
+    weight_fwd_bytes: np.ndarray | None = None  # per micro-batch: weight casts (forward)
+    weight_bwd_bytes: np.ndarray | None = None  # per micro-batch: gradient casts and accumulation (backward)
+    host_ops_fwd: np.ndarray | None = None  # operators the host dispatches per micro-batch, forward
+    host_ops_bwd: np.ndarray | None = None  # and backward
+    loss_traffic_bytes: np.ndarray | None = None  # per sample: the loss's part of fwd_mem_bytes
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
@@ -180,6 +187,20 @@ def runtime_arrays(arrays: LayerArrays, memory: Sequence[LayerMemory]) -> LayerA
         cast_expert_params=column("cast_expert_params"), largest_param=column("largest_param"),
         largest_expert_param=column("largest_expert_param"),
     )
+
+
+def runtime_time_arrays(arrays: LayerArrays, runs: Sequence[LayerRun]) -> LayerArrays:
+    """``arrays`` with the time columns of how the training code runs each
+    layer (``hetplan.model.runtime_time``): its elementwise traffic, SDPA for
+    every attention core, the per-micro-batch weight traffic and the operators
+    its host dispatches."""
+    def column(name: str) -> np.ndarray:
+        return np.array([float(getattr(r, name)) for r in runs])
+
+    fused = np.array([r.fused for r in runs]) | (arrays.column("attention_fused") > 0)
+    return replace(arrays, fwd_mem_bytes=column("traffic"), attention_fused=fused,
+                   weight_fwd_bytes=column("weight_fwd"), weight_bwd_bytes=column("weight_bwd"), host_ops_fwd=column("ops_fwd"), loss_traffic_bytes=column("loss_traffic"),
+                   host_ops_bwd=column("ops_bwd"))
 
 
 def _expert_tokens(layer: LayerSpec, seq_len: int) -> float:

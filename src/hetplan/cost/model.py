@@ -170,7 +170,8 @@ class CostModel:
         m, v = plan.num_micro_batches, max(1, plan.virtual_stages)
         stage_times = [t.per_micro_batch_s for t in timings]
 
-        slow = timings[max(range(len(timings)), key=lambda j: stage_times[j])]
+        slowest = max(range(len(timings)), key=lambda j: stage_times[j])
+        slow = timings[slowest]
         compute = m * (slow.fwd_s + slow.bwd_s)
         recompute, tp_comm, zero3 = m * slow.recompute_s, m * slow.tp_comm_s, m * slow.zero3_exposed_s
         p2p_total = P2P_PASSES * v * sum(p2p)
@@ -181,6 +182,7 @@ class CostModel:
         compute, recompute, tp_comm, zero3, p2p_total = (
             x * min(1.0, speedup) for x in (compute, recompute, tp_comm, zero3, p2p_total))
         bubble = max(0.0, step.pipeline_s - compute - recompute - tp_comm - zero3 - p2p_total)
+        host_dispatch, loss = self._run_detail(plan, slowest, m * min(1.0, speedup), compute)
 
         peak: dict[int, int] = {}
         capacity: dict[int, int] = {}
@@ -220,4 +222,16 @@ class CostModel:
             lower_bound_s=self.lower_bound_s(),
             host_offload_bytes=host,
             host_capacity_bytes=host_capacity,
+            host_dispatch_s=host_dispatch,
+            loss_s=loss,
         ).checked()
+
+    def _run_detail(self, plan: Plan, j: int, micro_batches: float, compute: float) -> tuple[float, float]:
+        """The host-dispatch wait and the loss's part of stage ``j``'s compute
+        (``CostKernel.run_detail``), for its first replica's share of a
+        micro-batch over ``micro_batches``, each at most ``compute``."""
+        stage = plan.stages[j]
+        gpu = self.kernel.cluster.devices[stage.devices[0]].gpu
+        host, loss = self.kernel.run_detail(gpu, stage.dp_split[0] / stage.cp, stage.tp,
+                                            stage.layers[0], stage.layers[-1] + 1)
+        return min(compute, host * micro_batches), min(compute, loss * micro_batches)

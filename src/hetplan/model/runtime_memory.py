@@ -331,6 +331,16 @@ def runtime_memory(spec: ModelSpec, cuda: bool = True) -> tuple[LayerMemory, ...
     return tuple(out)
 
 
+def decoder_shape(spec: ModelSpec, cuda: bool = True) -> tuple[DecoderShape, ...] | None:
+    """Per layer of ``spec``, the shape the runtime's modules run it with (a MoE
+    block its own experts); None for a model not written out here. Shared with
+    ``runtime_time``, which costs the same modules' work."""
+    shape = _decoder_shape(spec, cuda)
+    if shape is None:
+        return None
+    return tuple(_block_shape(shape, layer, spec) for layer in spec.layers)
+
+
 def _block_shape(shape: DecoderShape, layer: LayerSpec, spec: ModelSpec) -> DecoderShape:
     """The shape of one block: a MoE block of the built-in model runs ``num_experts``
     experts of ``expert_ffn`` (the layer's own fields)."""

@@ -418,6 +418,10 @@ class Estimate:
     # share of host memory where one limits it (``cost.memory.host_offload_capacity_bytes``)
     host_offload_bytes: dict[int, int] = field(default_factory=dict)
     host_capacity_bytes: dict[int, int] = field(default_factory=dict)
+    # parts of ``compute_s`` (not added to the total again): the time the slowest stage's
+    # passes wait for the host to dispatch their operators, and its loss's fp32 passes
+    host_dispatch_s: float = 0.0
+    loss_s: float = 0.0
 
     TIME_PARTS = ("compute_s", "bubble_s", "p2p_s", "dp_sync_s", "tp_comm_s", "recompute_s", "optimizer_s")
 

@@ -81,6 +81,11 @@ def _fits(analytic: bool, check: Any) -> str:
     return "OOM (replay)" if check is not None and not check.fits else "yes"
 
 
+# A part of the compute time (host dispatch, the loss) is shown from this share of the step:
+# below it the row would say nothing the compute row does not (a reading choice, not a physical one).
+SHOWN_COMPUTE_PART = 0.01
+
+
 def breakdown(estimate: Estimate, cp_ep: bool = False) -> str:
     """Where the iteration time goes (the parts add up to the total); ``cp_ep``:
     the plan has context or expert parallelism, whose K/V exchanges and
@@ -96,6 +101,9 @@ def breakdown(estimate: Estimate, cp_ep: bool = False) -> str:
     ]
     total = estimate.iteration_time_s
     rows = [(name, format_time(t), f"{100 * t / total:.1f}%") for name, t in parts if t > 1e-9]
+    shown = [(f"  of which {name}", t) for name, t in (("host dispatch", estimate.host_dispatch_s),
+                                                        ("loss", estimate.loss_s)) if t >= SHOWN_COMPUTE_PART * total]
+    rows[1:1] = [(name, format_time(t), f"{100 * t / total:.1f}%") for name, t in shown] if rows else []
     rows.append(("total", format_time(total), "100.0%"))
     return table(["time goes to", "seconds", "share"], rows, [False, True, True])
 

@@ -1,0 +1,159 @@
+"""How hetplan's runtime spends time in each layer of a model: the work its
+modules really do, beside what ``hetplan.model.layers`` counts for
+Megatron-style training (unfused attention, 16-bit everything).
+
+Written out from the runtime's code, like ``runtime_memory`` for its tensors:
+
+* attention is ``F.scaled_dot_product_attention`` for every model it builds
+  (presets included: ``runtime/models.py`` ``AttentionCore``; transformers'
+  ``sdpa_attention_forward``): no score matrix is read or written, so a layer's
+  attention core runs as a fused kernel (``fused`` on every attention layer);
+* elementwise traffic (``traffic``, bytes per sample, forward) is what the
+  modules read and write under ``torch.autocast`` over fp32 weights
+  (``runtime/precision.py``): norms on the fp32 residual stream, a 16-bit cast
+  of a norm's output for every linear that reads it, the activation function
+  (GELU; SiLU gate times up projection), the fp32 residual adds, the rotary
+  products (HF: in fp32 against fp32 cos/sin, ``apply_rotary_pos_emb``) and HF's
+  eager RMSNorm (pow, mean, rsqrt, two products: ``LlamaRMSNorm.forward``); the
+  head adds the loss's fp32 passes over the logits
+  (``cross_entropy(logits.float())``: the cast, log-softmax, the gather);
+* ``weight_fwd`` / ``weight_bwd`` (bytes per micro-batch): autocast casts every weight to 16 bits for each micro-batch (read 4, write 2
+  bytes; ``cache_enabled=False``, ``runtime/microbatch.py``), and backward casts
+  each 16-bit weight gradient back to fp32 (read 2, write 4) and adds it into
+  the fp32 ``.grad`` (read 4 + 4, write 4): 24 bytes a parameter a
+  micro-batch, whatever the micro-batch's size;
+* ``ops_fwd`` / ``ops_bwd``: the ATen operators the layer dispatches per
+  micro-batch (views and casts included: each costs the host its dispatch),
+  counted once per layer kind with ``TorchDispatchMode`` on CPU under bf16
+  autocast; ``tests/test_runtime_time.py`` recounts the modules and fails when
+  these numbers drift. The backward counts exclude the loss's seed gradient.
+
+Models the runtime builds itself and HF Llama-style decoders (the shapes
+``runtime_memory.decoder_shape`` knows) are written out; for others
+``runtime_time`` returns None and the ModelSpec's accounting stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetplan.model.runtime_memory import FP32, DecoderShape, decoder_shape
+from hetplan.model.spec import LayerSpec, ModelSpec
+
+# Operators per micro-batch, (forward, backward), counted by tests/test_runtime_time.py
+# (torch 2.13, transformers 5.24; CPU bf16 autocast). "hf-llama" head: final norm, lm_head,
+# loss and what the model runs once besides its decoder layers (embedding, rotary table, mask).
+BLOCK_OPS = {"gpt": (55, 112), "llama": (125, 167), "hf-llama": (98, 165)}
+HEAD_OPS = {"gpt": (13, 20), "llama": (19, 35), "hf-llama": (64, 36)}
+EMBED_OPS = {"gpt": (4, 6), "llama": (1, 2), "hf-llama": (0, 0)}
+# The built-in MoE block: its attention and router, plus a loop over the experts
+# (``Experts.forward``): operators = base + per expert, forward and backward.
+MOE_BASE_OPS = {"gpt": (69, 118), "llama": (130, 175)}
+MOE_EXPERT_OPS = (12, 26)
+# Bytes a parameter per micro-batch the weight casts (forward) and the gradient's cast and
+# accumulation (backward) move (module docstring); fp32 training: the accumulation alone.
+WEIGHT_FWD_BYTES_PER_PARAM = 4 + 2
+WEIGHT_BWD_BYTES_PER_PARAM = (2 + 4) + (4 + 4 + 4)
+FP32_GRAD_BYTES_PER_PARAM = 4 + 4 + 4
+# fp32 passes of the loss over a logits element: cast 16 -> 32 bits (read 2 write 4), log-softmax
+# (read 4, write 4, plus its max/sum reads 4 + 4), nll gather (negligible).
+LOSS_BYTES_PER_LOGIT = 6 + 16
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """How the runtime runs one layer (module docstring).
+
+    Attributes:
+        traffic: elementwise bytes per sample, forward.
+        weight_fwd, weight_bwd: bytes per micro-batch of the weight casts and of the
+            gradients' casts and accumulation.
+        ops_fwd, ops_bwd: operators dispatched per micro-batch.
+        fused: the attention core is one fused kernel (SDPA).
+        loss_traffic: the loss's part of ``traffic`` (the head's fp32 passes over the logits).
+    """
+
+    traffic: float
+    weight_fwd: float
+    weight_bwd: float
+    ops_fwd: int
+    ops_bwd: int
+    fused: bool
+    loss_traffic: float = 0.0
+
+
+def _style(shape: DecoderShape) -> str:
+    if shape.hf:
+        return "hf-llama"
+    return "llama" if shape.norm == "rms" else "gpt"
+
+
+def _norm_traffic(shape: DecoderShape, tokens: float) -> float:
+    """A norm over the fp32 residual stream: read and write it once (fused
+    ``native_layer_norm`` / ``rms_norm``), HF's eager RMSNorm five passes
+    (pow, mean, x * rstd, weight * that: ``LlamaRMSNorm.forward``)."""
+    passes = 2 if shape.norm != "hf-rms" else 7
+    return passes * FP32 * tokens * shape.hidden
+
+
+def _cast(elements: float, c: int) -> float:
+    """A cast of fp32 elements to ``c`` bytes (read 4, write c); none in fp32 training."""
+    return (FP32 + c) * elements if c < FP32 else 0.0
+
+
+def block_traffic(shape: DecoderShape, c: int) -> float:
+    """Elementwise bytes of one decoder block per sample, forward (module docstring)."""
+    s, h, f = shape.seq, shape.hidden, shape.ffn
+    q, kv = shape.q_width, shape.kv_width
+    out = 2 * _norm_traffic(shape, s)
+    out += _cast(3 * s * h, c) + _cast((2 if shape.mlp == "swiglu" else 1) * s * h, c)
+    out += 2 * (FP32 + c + FP32) * s * h  # two residual adds: fp32 stream + 16-bit branch -> fp32
+    if shape.rope:
+        # q and k: two products, rotate_half's negate and concatenation, the sum; HF in fp32 (read 16-bit q,
+        # write fp32) and cast back for SDPA
+        width = FP32 if shape.hf else c
+        out += s * (q + kv) * (5 * 2 * width + (c + FP32 if shape.hf else 0))
+    if shape.repeats_kv:
+        out += 2 * 2 * c * s * q  # K and V expanded to every head (read + write)
+    if shape.mask:
+        out += c * s * s  # the mask SDPA converts to the query's dtype
+    if shape.experts:
+        f = shape.expert_ffn * shape.top_k
+    out += (3 * 2 * c if shape.mlp == "swiglu" else 2 * c) * s * f  # SiLU and the gate product; GELU/ReLU
+    return float(out)
+
+
+def head_traffic(shape: DecoderShape, c: int) -> float:
+    """The final norm, the cast of its output and the loss's fp32 passes over the logits."""
+    s = shape.seq
+    return float(_norm_traffic(shape, s) + _cast(s * shape.hidden, c) + LOSS_BYTES_PER_LOGIT * s * shape.vocab)
+
+
+def _moe_ops(style: str, experts: int) -> tuple[int, int]:
+    base = MOE_BASE_OPS[style]
+    return base[0] + MOE_EXPERT_OPS[0] * experts, base[1] + MOE_EXPERT_OPS[1] * experts
+
+
+def layer_run(layer: LayerSpec, shape: DecoderShape, c: int) -> LayerRun:
+    """How the runtime runs ``layer`` of a model of ``shape`` in ``c``-byte autocast."""
+    style = _style(shape)
+    cast = c < FP32
+    weights = (WEIGHT_FWD_BYTES_PER_PARAM * layer.params if cast else 0.0,
+               (WEIGHT_BWD_BYTES_PER_PARAM if cast else FP32_GRAD_BYTES_PER_PARAM) * layer.params)
+    if layer.kind == "embedding":  # nn.Embedding stays fp32 under autocast: its gradient is accumulated only
+        return LayerRun(2 * FP32 * shape.seq * shape.hidden, 0.0, FP32_GRAD_BYTES_PER_PARAM * layer.params,
+                        *EMBED_OPS[style], False)
+    if layer.kind == "head":
+        return LayerRun(head_traffic(shape, c), *weights, *HEAD_OPS[style], False,
+                        LOSS_BYTES_PER_LOGIT * shape.seq * shape.vocab)
+    ops = _moe_ops(style, shape.experts) if shape.experts else BLOCK_OPS[style]
+    return LayerRun(block_traffic(shape, c), *weights, *ops, layer.attention_flops > 0)
+
+
+def runtime_time(spec: ModelSpec, cuda: bool = True) -> tuple[LayerRun, ...] | None:
+    """Per layer of ``spec``, how hetplan's runtime runs it (module docstring);
+    None for a model whose runtime implementation is not written out here."""
+    shapes = decoder_shape(spec, cuda)
+    if shapes is None or (_style(shapes[1]) not in MOE_BASE_OPS and any(s.experts for s in shapes)):
+        return None
+    return tuple(layer_run(layer, shape, spec.dtype_bytes) for layer, shape in zip(spec.layers, shapes))

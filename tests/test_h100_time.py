@@ -1,0 +1,82 @@
+"""hetplan's step-time predictions for its own runtime against what it
+measured on one H100 (benchmarks/data/h100/h100-runs.json: ``hetplan train``
+step times, and a ``hetplan profile`` of the same GPU, prof_g13.json),
+docs/cost-model.md "Time of hetplan's runtime".
+
+Issue 29's targets: median |error| <= 10%, every run within 20%, the
+gpt3-1.3b plans in the measured order (Spearman >= 0.9), and the profile-based
+estimates within 10%. Two are not met yet and are strict xfails below, so the
+day they pass the tolerance is tightened here: the full-recomputation run
+C_g13_rc is predicted 21.7% slow (its recomputed forward costs the model about
+125 ms; the measured step leaves it about 50 ms), and the profiled rows are
+-10.1% and +11.1% (the profile replaces the modelled layers whole)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetplan.app.estimate import UniformSetting, estimate
+
+DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "h100"
+RUNS = json.loads((DATA / "h100-runs.json").read_text())
+MEDIAN_TOLERANCE = 0.10  # issue 29
+MAX_TOLERANCE = 0.20  # issue 29
+PROFILE_TOLERANCE = 0.10  # issue 29
+RANK_AGREEMENT = 0.9  # Spearman within the gpt3-1.3b workload, issue 29
+# B2_g13_mb2 was a tune trial: its plan is the CLI's uniform one
+UNIFORM = {"B2_g13_mb2": UniformSetting(dp=1, tp=1, pp=1, micro_batch=2)}
+
+
+def _measured(run: dict) -> float | None:
+    m = run["measured"]
+    return m.get("median_step_s_after_2") or m.get("median_step_s")
+
+
+def _predicted(run: dict, **settings: object) -> float:
+    if run["name"] in UNIFORM:
+        result = estimate(UNIFORM[run["name"]], model="gpt3-1.3b", cluster="1xH100", global_batch=16, **settings)
+    else:
+        result = estimate(DATA / run["plan_file"], **settings)
+    return result.ranked.estimate.iteration_time_s
+
+
+@pytest.fixture(scope="module")
+def errors() -> dict[str, tuple[float, float]]:
+    """(predicted, measured) seconds of every run that trained."""
+    return {r["name"]: (_predicted(r), _measured(r)) for r in RUNS["runs"] if _measured(r) is not None}
+
+
+def _relative(pair: tuple[float, float]) -> float:
+    return pair[0] / pair[1] - 1.0
+
+
+def test_median_error(errors):
+    table = {name: f"{_relative(p):+.1%}" for name, p in errors.items()}
+    assert np.median([abs(_relative(p)) for p in errors.values()]) <= MEDIAN_TOLERANCE, table
+
+
+def test_gpt3_plans_in_measured_order(errors):
+    """Spearman's rank correlation of predicted and measured step time over the gpt3-1.3b runs."""
+    pairs = [p for name, p in errors.items() if "g13" in name]
+    predicted = np.argsort(np.argsort([p[0] for p in pairs]))
+    measured = np.argsort(np.argsort([p[1] for p in pairs]))
+    n = len(pairs)
+    spearman = 1.0 - 6.0 * float(((predicted - measured) ** 2).sum()) / (n * (n * n - 1))
+    assert n == 4 and spearman >= RANK_AGREEMENT
+
+
+@pytest.mark.xfail(strict=True, reason="C_g13_rc (full recomputation) is predicted 21.7% slow: module docstring")
+def test_every_run_within_max_error(errors):
+    assert max(abs(_relative(p)) for p in errors.values()) <= MAX_TOLERANCE
+
+
+@pytest.mark.xfail(strict=True, reason="the profiled rows are -10.1% and +11.1%: module docstring")
+def test_profile_based_estimates():
+    profile = str(DATA / RUNS["profile"]["file"])
+    for name in RUNS["profile"]["estimates_with_profile_s"]:
+        run = next(r for r in RUNS["runs"] if r["name"] == name)
+        assert _predicted(run, profile=profile) == pytest.approx(_measured(run), rel=PROFILE_TOLERANCE), name
