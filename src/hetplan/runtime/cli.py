@@ -26,7 +26,7 @@ import sys
 import tempfile
 from typing import Any
 
-from hetplan.io.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, positive_int
+from hetplan.io.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, name_or_path, positive_int
 from hetplan.errors import HetplanError
 from hetplan.runtime.heartbeat import describe_rank
 from hetplan.runtime import trainer
@@ -61,7 +61,7 @@ def register(subparsers: Any) -> None:
     """Add ``train`` and ``run`` to the hetplan CLI's subparsers."""
     p = subparsers.add_parser("train", help="train the plan's model (preset, HF config or pkg.mod:build) with a plan "
                               "on this machine (needs torch)")
-    p.add_argument("--model", default=None, help="model preset (default: the plan's model)")
+    p.add_argument("--model", type=name_or_path, default=None, help="model preset (default: the plan's model)")
     p.add_argument("--plan", required=True, help="plan JSON from 'hetplan plan/estimate --json'")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
     p.add_argument("--verify", action="store_true",
