@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from typing import Any
 
-from hetplan.io.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, name_or_path, positive_int
+from hetplan.io.argtypes import EXIT_USAGE, OneLineParser, finite_nonneg_float, finite_positive_float, name_or_path, positive_int
 from hetplan.errors import HetplanError
 from hetplan.runtime.heartbeat import describe_rank
 from hetplan.runtime import trainer
@@ -366,5 +367,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     n = len(nodes[0][1])
     env = {**child_env(), **_timeout_env(args)}
     env["HETPLAN_PLAN"] = os.path.abspath(args.plan_file)
-    argv = launch.standalone_argv(n, script)
-    return subprocess.call(argv, env=env)
+    layout = PlanLayout.from_plan(plan, [layer.name for layer in plan_file.model.layers]) \
+        if plan_file.model is not None else None  # names each rank in a failure line; None: ranks by number
+    return _run_user_script(n, script, env, layout)
+
+
+def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any) -> int:
+    """The user's script on ``n`` processes (torchrun), each rank's stderr in a
+    log. A HetplanError or CUDA out-of-memory error of a rank is one line,
+    printed once (rank 0's, else the first failing rank's:
+    hetplan.runtime.launch.run_user_script), exit 2; any other error shows the
+    traceback of the rank that failed first (not of those that lost a peer)
+    and the line naming it, with the script's exit status."""
+    import shutil
+
+    logs = tempfile.mkdtemp(prefix="hetplan-run-logs-")
+    argv = launch.reporting_argv(n, launch.user_script_argv(logs, script), logs)
+    code = subprocess.call(argv, env=env)
+    found = launch.first_error(logs) if code else None
+    if found is not None:
+        rank, line = found
+        print(f"hetplan: error: {line}" if line.startswith("rank ") else f"hetplan: error (rank {rank}): {line}",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(logs, ignore_errors=True)
+        return EXIT_USAGE
+    if code:
+        line = launch.failure_line(launch.read_exits(logs), logs, lambda r: describe_rank(layout, r))
+        failed = re.search(r"\(traceback: (.*)\)$", line)
+        if failed and os.path.isfile(failed.group(1)):
+            with open(failed.group(1), encoding="utf-8", errors="replace") as f:
+                sys.stderr.write(f.read())
+        line = line or f"the script failed (exit status {code}); the ranks' output is in {logs}"
+        print(f"hetplan: {line}", file=sys.stderr, flush=True)
+        return code
+    shutil.rmtree(logs, ignore_errors=True)
+    return 0
