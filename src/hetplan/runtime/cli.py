@@ -224,8 +224,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if n == 1:
             torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
             trainer.train(trainer.parse_args(worker_args))
-        elif not _run_ranks(n, worker_args, env, layout, args.out):
-            return 1
+        elif (code := _run_ranks(n, worker_args, env, layout, args.out)) != 0:
+            return code
         if args.verify:
             return _verify(args, plan, spec, out, precision)
     return 0
@@ -257,7 +257,7 @@ def _start_checkpoint(args: argparse.Namespace) -> tuple[str, int | None] | None
     return found
 
 
-def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any, out: str) -> bool:
+def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any, out: str) -> int:
     """Run the trainer on ``n`` processes (torchrun). Each rank's stderr goes to
     a log (``OUT/logs``, or a temporary directory kept when the run fails), so a
     failed run ends in one line naming what stopped it, not the tracebacks of the
@@ -275,11 +275,14 @@ def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any,
             print(f"note: rank(s) {', '.join(map(str, wrote))} wrote warnings to stderr: see {logs}", file=sys.stderr)
         elif not out:
             shutil.rmtree(logs, ignore_errors=True)
-        return True
-    line = launch.failure_line(launch.read_exits(logs), logs, lambda r: describe_rank(layout, r))
+        return 0
+    exits = launch.read_exits(logs)
+    if any(e.exitcode == EXIT_USAGE for e in exits):  # a rank printed its one hetplan error line (trainer.main)
+        return EXIT_USAGE
+    line = launch.failure_line(exits, logs, lambda r: describe_rank(layout, r))
     line = line or f"training failed (exit status {code}); see the messages above and the ranks' output in {logs}"
     print(f"hetplan: error: {line}", file=sys.stderr, flush=True)
-    return False
+    return 1
 
 
 def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision: str) -> int:
