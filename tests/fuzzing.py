@@ -40,8 +40,18 @@ MEMORY_LIMIT_BYTES = 1 << 30
 # the wrong JSON type for every type, strings Python would call true.
 AWKWARD_VALUES: tuple[Any, ...] = (
     math.nan, math.inf, -math.inf, -1, 0, -0.0, 0.5, 1e308, 10**30, 2**63, True, False,
+    1e30, 1e19, 2.0**62, 1e-10,  # finite but past int64 once scaled to bytes, or rounding to 0 bytes
     "false", "true", "", "8", "x" * 300, "\u0000", None, [], {}, [1], {"a": 1},
 )
+
+# Names a plan's ``model`` / ``cluster`` may be edited to while the file embeds
+# the specs: another preset, an unknown name, empty; each must be refused.
+EDITED_NAMES: tuple[str, ...] = ("gpt2-amp", "8xH100", "no-such-name", "", " ")
+# Plan-file model sources that must never be imported by merely reading the
+# file (issue 32: the trust model for plan files). Commands that never build
+# the model (estimate, export) are fuzzed with them today (test_fuzz_inputs.py);
+# the commands that build it join once plan files carry a typed, trusted source.
+HOSTILE_MODULE_SOURCES: tuple[str, ...] = ("os:abort", "os:fork", "subprocess:call", "builtins:exit")
 
 
 # --- running one input ---------------------------------------------------------------------------

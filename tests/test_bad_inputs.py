@@ -9,6 +9,7 @@ tests/test_train_flags.py, generated inputs in tests/test_fuzz_inputs.py.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -172,7 +173,7 @@ def test_bad_plan_json(text: str | bytes, fragment: str, tmp_path: Path, capsys:
 
 
 def test_plan_file_from_dev_zero_is_refused_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    _one_line_error(["estimate", "/dev/zero"], capsys, "limit of 64 MiB")
+    _one_line_error(["estimate", "/dev/zero"], capsys, "character device, not a regular file")
 
 
 def test_plan_file_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,3 +223,149 @@ def test_export_checks_a_plan_without_embedded_model(plan_json: dict[str, Any], 
     _plan(data)["stages"][1]["devices"] = [7]
     path = _file(tmp_path, "old.json", json.dumps(data))
     _one_line_error(["export", path, "--format", "megatron"], capsys, "uses GPU 7", "local-cpu-2")
+
+
+# --- issue 32: the last crashing and silently accepted inputs -------------------------------------------
+@pytest.mark.parametrize("node, fragment", [
+    ("memory_gb: 1.0e+30", "limit of 1,048,576"),
+    ("memory_gb: 1.0e-10", "below hetplan's floor of 1 MiB"),
+    ("price_per_gpu_hour: 0", "price_per_gpu_hour must be positive"),
+    ("price_per_gpu_hour: 1.0e+300", "limit of 1,000,000"),
+])
+def test_cluster_numbers_out_of_range(node: str, fragment: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """1e30 GiB overflowed an int64 array; 1e-10 GiB rounded to 0 bytes = "no override"."""
+    text = f"name: lab\nnodes:\n  - {{gpu: H100, gpus: 2, intra_node_bandwidth_gbps: 1200, {node}}}\n"
+    _one_line_error(["estimate", "--cluster", _file(tmp_path, "c.yaml", text), "--model", "tiny-gpt", *CPU_ESTIMATE],
+                    capsys, fragment)
+
+
+def test_gpu_type_memory_is_bounded_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = ("name: lab\ngpu_types: {big: {base: H100, memory_gb: 1.0e+30}}\n"
+            "nodes:\n  - {gpu: big, gpus: 2, intra_node_bandwidth_gbps: 1200}\n")
+    _one_line_error(["estimate", "--cluster", _file(tmp_path, "c.yaml", text), "--model", "tiny-gpt", *CPU_ESTIMATE],
+                    capsys, "gpu_types", "memory_gb", "limit of 1,048,576")
+
+
+def test_huge_layer_bytes_and_deep_meta(plan_json: dict[str, Any], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """act_bytes 1e30 (a ModelSpec, or a plan's embedded one) and a meta nested 500 deep."""
+    model = json.loads(json.dumps(plan_json["model_spec"]))
+    model["layers"][1]["act_bytes"] = 1e30
+    _one_line_error(["estimate", "--model", _file(tmp_path, "m.json", json.dumps(model)), "--cluster", "local-cpu-2",
+                     *CPU_ESTIMATE], capsys, "act_bytes", "bytes per sample")
+    _one_line_error(["estimate", _file(tmp_path, "p.json", json.dumps({**plan_json, "model_spec": model}))], capsys,
+                    "model_spec", "act_bytes")
+    deep: dict[str, Any] = {}
+    for _ in range(500):
+        deep = {"a": deep}
+    model = {**plan_json["model_spec"], "meta": deep}
+    _one_line_error(["estimate", "--model", _file(tmp_path, "m.json", json.dumps(model)), "--cluster", "local-cpu-2",
+                     *CPU_ESTIMATE, "--json", str(tmp_path / "out.json")], capsys, "meta nests deeper", "32")
+
+
+def test_step_bytes_are_bounded(plan_json: dict[str, Any], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Each layer within its limit, but the step's bytes past int64's reach."""
+    model = json.loads(json.dumps(plan_json["model_spec"]))
+    for layer in model["layers"]:
+        layer["act_bytes"] = 2.0**49
+    argv = ["estimate", "--model", _file(tmp_path, "m.json", json.dumps(model)), "--cluster", "local-cpu-2",
+            "--dp", "1", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--global-batch", "4096"]
+    _one_line_error(argv, capsys, "one step of", "2^60", "lower the global batch")
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda d: _plan(d).__setitem__("model", "gpt2-amp"), "plans[0].model is 'gpt2-amp'"),
+    (lambda d: _plan(d).__setitem__("model", "no-such-model"), "plans[0].model is 'no-such-model'"),
+    (lambda d: _plan(d).__setitem__("cluster", ""), "plans[0].cluster is ''"),
+    (lambda d: _plan(d).__setitem__("cluster", "8xV100"), "plans[0].cluster is '8xV100'"),
+])
+def test_plan_names_must_match_the_embedded_specs(edit: Callable[[dict[str, Any]], None], fragment: str,
+                                                  plan_json: dict[str, Any], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = _file(tmp_path, "p.json", json.dumps(_edit(edit)(plan_json)))
+    _one_line_error(["estimate", path, "--json", str(tmp_path / "out.json")], capsys, fragment, "embeds")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_preset_named_cluster_with_other_gpus_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan for 8xV100 whose embedded cluster was edited to H100: re-costed on H100 before."""
+    path = tmp_path / "v100.json"
+    assert main(["estimate", "--model", "tiny-gpt", "--cluster", "8xV100", *CPU_ESTIMATE, "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    for node in data["cluster_spec"]["nodes"]:
+        node["gpu"] = "H100"
+    capsys.readouterr()
+    _one_line_error(["estimate", _file(tmp_path, "h100.json", json.dumps(data))], capsys,
+                    "named '8xV100-16GB' like a preset", "H100")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["estimate", "--cluster", "", "--model", "tiny-gpt", *CPU_ESTIMATE], "--cluster: is empty"),
+    (["plan", "--model", " ", "--cluster", "local-cpu-2"], "--model: is empty"),
+    (["export", "p.json", "--format", "megatron", "--model", ""], "--model: is empty"),
+    (["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-2", *CPU_ESTIMATE, "--tokens", "1e308"],
+     "limit of 1e+18 tokens"),
+    (["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-2", *CPU_ESTIMATE, "--price-per-gpu-hour", "1e300"],
+     "limit of 1,000,000"),
+    (["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-2", *CPU_ESTIMATE, "--price-per-gpu-hour", "0"],
+     "must be a finite number > 0"),
+    (["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-2", *CPU_ESTIMATE, "--price-per-gpu-hour",
+      "Foo=3,CPU=1"], "prices Foo, which the cluster does not have; its GPU types are CPU"),
+])
+def test_empty_names_and_out_of_range_money(argv: list[str], fragment: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    _one_line_error(argv, capsys, fragment)
+
+
+def test_whatif_prices_may_name_any_variants_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """A what-if over GPU types prices each variant's type; a type in no variant is refused."""
+    argv = ["whatif", "--model", "tiny-gpt", "--cluster", "2xT4", "--vary", "gpu=T4,H100", "--planner", "uniform",
+            "--global-batch", "8", "--price-per-gpu-hour", "T4=1,H100=2"]
+    assert _run(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    _one_line_error([*argv[:-1], "T4=1,A100-80GB=2"], capsys, "prices A100-80GB")
+
+
+def test_profile_counts_are_bounded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry with tp 10^12 was counted and never used."""
+    entry = {"layer": "decoder:1", "gpu": "CPU", "tp": 10**12, "batch": 1, "fwd_s": 0.1, "bwd_s": 0.2}
+    path = _file(tmp_path, "prof.json", json.dumps({"entries": [entry]}))
+    _one_line_error(["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-2", *CPU_ESTIMATE, "--profile", path],
+                    capsys, "tp = 1,000,000,000,000", "limit of 4,096")
+
+
+def test_non_regular_input_files_are_refused_without_blocking(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Opening a FIFO blocks until a writer comes: refused from its stat, never opened."""
+    fifo = tmp_path / "cluster.yaml"
+    os.mkfifo(fifo)
+    _one_line_error(["estimate", "--cluster", str(fifo), "--model", "tiny-gpt", *CPU_ESTIMATE], capsys,
+                    "FIFO (named pipe), not a regular file")
+
+
+@pytest.mark.parametrize("out, fragment", [
+    ("{tmp}", "is a directory; give a file name"),
+    ("{tmp}/newdir/", "ends in '/', which names a directory"),
+    ("{tmp}/missing/out.json", "it does not exist"),
+])
+def test_output_paths_are_checked_before_the_search(out: str, fragment: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad --json fails at once, before the planner runs (it searched first before)."""
+    argv = ["plan", "--model", "tiny-gpt", "--cluster", "local-cpu-2", "--global-batch", "4", "--planner", "uniform",
+            "--json", out.format(tmp=tmp_path)]
+    line = _one_line_error(argv, capsys, fragment)
+    assert "--json" in line
+    assert "rank" not in capsys.readouterr().out  # no table: nothing was planned
+
+
+def test_json_through_a_symlink_names_the_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "target.json"
+    target.write_text("old")
+    (tmp_path / "link.json").symlink_to(target)
+    argv = ["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu-2", *CPU_ESTIMATE,
+            "--json", str(tmp_path / "link.json")]
+    assert _run(argv) == 0
+    assert f"wrote {target} (through the link {tmp_path / 'link.json'})" in capsys.readouterr().out
+    assert json.loads(target.read_text())["plans"]

@@ -1,7 +1,7 @@
 """Fuzz every input surface: bad input is one ``hetplan: error:`` line and exit 2,
 never a traceback, a hang or a memory blow-up (see tests/fuzzing.py).
 
-At least 1,500 generated inputs per run (``QUOTA``), deterministic unless a
+At least 1,550 generated inputs per run (``QUOTA``), deterministic unless a
 seed is given; more with e.g.::
 
     HETPLAN_FUZZ_SCALE=10 pytest -m fuzz --hypothesis-seed=7
@@ -22,7 +22,7 @@ import fuzzing as fz
 pytestmark = pytest.mark.fuzz
 
 SCALE = float(os.environ.get("HETPLAN_FUZZ_SCALE", "1"))
-QUOTA = {"cluster": 350, "model": 300, "plan": 400, "hf": 100, "cli": 400}  # 1,550 in all
+QUOTA = {"cluster": 350, "model": 300, "plan": 400, "hf": 100, "cli": 400, "names": 30, "hostile": 12}  # 1,592 in all
 
 CPU_ESTIMATE = ["--dp", "1", "--tp", "1", "--pp", "1", "--micro-batch", "1", "--global-batch", "1"]
 
@@ -157,6 +157,34 @@ def test_plan_files(tmp_path: Any, plan_file: dict[str, Any]) -> None:
     _fuzz("plan", body, st.tuples(fz.mutations(plan_file), _maybe_damage(), commands))
 
 
+def test_plan_names_that_disagree_with_the_embedded_specs(tmp_path: Any, plan_file: dict[str, Any]) -> None:
+    """A plan's model or cluster name edited while the file embeds the specs: always refused."""
+    def body(field: str, name: str, command: list[str]) -> None:
+        data = json.loads(json.dumps(plan_file))
+        data["plans"][0]["plan"][field] = name
+        path = fz.write(str(tmp_path), "plan.json", fz.to_json(data))
+        argv = [command[0], path, *command[1:]]
+        fz.check_outcome(argv, fz.run_cli(argv), name != plan_file["plans"][0]["plan"][field], f"{field}={name!r}")
+
+    commands = st.sampled_from([["estimate"], ["export", "--format", "megatron"], ["report", "-o", "/dev/null"]])
+    _fuzz("names", body, st.tuples(st.sampled_from(["model", "cluster"]), st.sampled_from(fz.EDITED_NAMES), commands))
+
+
+def test_hostile_module_sources_are_never_run_by_reading_a_plan(tmp_path: Any, plan_file: dict[str, Any]) -> None:
+    """A plan file whose model names code to import: commands that do not build
+    the model (estimate, export) read it without importing anything (an
+    ``os:abort`` would end this process)."""
+    def body(source: str, command: list[str]) -> None:
+        data = json.loads(json.dumps(plan_file))
+        data["model_spec"]["meta"]["module_source"] = source
+        path = fz.write(str(tmp_path), "plan.json", fz.to_json(data))
+        argv = [command[0], path, *command[1:]]
+        fz.check_outcome(argv, fz.run_cli(argv), False, source)
+
+    commands = st.sampled_from([["estimate"], ["export", "--format", "torchtitan"], ["export", "--format", "modules"]])
+    _fuzz("hostile", body, st.tuples(st.sampled_from(fz.HOSTILE_MODULE_SOURCES), commands))
+
+
 def test_hf_configs(tmp_path: Any) -> None:
     pytest.importorskip("transformers")
     from hetplan.model.hf import model_from_hf_config
@@ -191,11 +219,22 @@ CLI_VALUES = ["nan", "inf", "-inf", "-1", "0", "0.5", "1e308", "", " ", "9999999
               "GB", "1e-9GB", "auto", "true", "x", "local-cpu-3", "local-cpu-0", "2xT4", "0xT4", "tiny-gpt",
               "tiny-llama-bf16", "/dev/null", "/nonexistent/file", "/tmp", "fp16", "bf16", "adam-fp32",
               "gpus=2,4", "gpu=T4", "global-batch=", "=", ",", "H100=x", "300B", "1T", "interleaved-1f1b", "3",
-              "--json", "\u00e9", "-" * 3]
+              "--json", "\u00e9", "-" * 3, "/dev/zero", "{fifo}", "1e30", "1e19"]
+# Options whose empty value would otherwise mean the default (issue 32): refused.
+NAME_OPTIONS = ("--model", "--cluster")
 
 
-def test_command_lines() -> None:
+@pytest.fixture(scope="module")
+def fifo(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A named pipe: opening it to read blocks until a writer comes, so an input file must be refused unopened."""
+    path = tmp_path_factory.mktemp("fifo") / "input.yaml"
+    os.mkfifo(path)
+    return str(path)
+
+
+def test_command_lines(fifo: str) -> None:
     def body(base: list[str], option: str, value: str, replace: bool) -> None:
+        value = value.replace("{fifo}", fifo)
         argv = list(base)
         if replace and option in argv:
             argv[argv.index(option) + 1] = value
@@ -203,7 +242,8 @@ def test_command_lines() -> None:
             argv += [option, value]
         if "--profile" in argv or value.startswith("--"):
             argv = [a for a in argv if a != "--json"]  # never write files from the command-line fuzz
-        fz.check_outcome(argv, fz.run_cli(argv), False, "")
+        must_fail = option in NAME_OPTIONS and not value.strip() or value in ("/dev/zero", fifo)
+        fz.check_outcome(argv, fz.run_cli(argv), must_fail, "")
 
     _fuzz("cli", body, st.tuples(st.sampled_from(CLI_BASES), st.sampled_from(CLI_OPTIONS), st.sampled_from(CLI_VALUES),
                                  st.booleans()))

@@ -28,6 +28,24 @@ MAX_GLOBAL_BATCH = 2**24
 # LPDDR5X (NVIDIA GB200 NVL72 specifications); 1 PiB is 60x that.
 MAX_HOST_MEMORY_GIB = 2**20
 
+# One GPU's memory, GiB: the largest today hold 192-288 GB (B200: 192 GB, AMD
+# MI325X: 256 GB, MI355X: 288 GB, vendors' datasheets); 1 PiB is 4,000x that,
+# and in bytes (2^50) leaves a factor 2^13 below int64 (2^63) for the planners'
+# integer memory arrays.
+MAX_GPU_MEMORY_GIB = 2**20
+# The smallest memory a GPU (or --memory-limit) may be given: 1 MiB, the same
+# floor as --memory-limit (hetplan.io.argtypes); below it a value such as
+# 1e-10 GiB would round to 0 bytes, which means "no override".
+MIN_GPU_MEMORY_GIB = 2**-10
+# Bytes one step keeps in all (every layer's per-sample activation and
+# working-memory bytes x the global batch): Llama 3 405B at 128k tokens keeps
+# about 7e10 bytes per sample per layer (Korthikanti et al. 2022's 34sbh with
+# s = 131,072, h = 16,384) x 126 layers x 128 samples (16M tokens) = 1.1e15,
+# about 2^50. 2^60 is 1,000x that, and what one GPU holds (a share of it, times
+# at most a few in-flight factors, plus < 2^51 of weight and optimizer bytes
+# for 10^14 parameters) stays below int64's 2^63.
+MAX_STEP_BYTES = 2**60
+
 
 def check_at_most(what: str, value: int | float, limit: int, fix: str) -> None:
     """One line naming the value, the limit and what to change."""

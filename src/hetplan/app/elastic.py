@@ -39,8 +39,9 @@ MAX_REPLANS = 8
 
 @dataclass(frozen=True)
 class Attempt:
-    """One launch of a plan: whether it finished, why not (one line) and the plan devices of the ranks
-    killed from outside (what an elastic run re-plans without); ``status``: the command's exit status."""
+    """One launch of a plan: whether it finished, why not (one line; "" when a rank said it already) and
+    the plan devices of the ranks killed from outside (what an elastic run re-plans without);
+    ``status``: the command's exit status."""
 
     ok: bool
     line: str = ""
@@ -76,8 +77,9 @@ def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], A
         if attempt.ok:
             return attempt.status
         if not attempt.lost:
-            print(f"hetplan: error: {attempt.line}", file=sys.stderr, flush=True)
-            return 1
+            if attempt.line:
+                print(f"hetplan: error: {attempt.line}", file=sys.stderr, flush=True)
+            return attempt.status or 1
         if replans == MAX_REPLANS:
             break
         plan_path = _replan(args, plan_path, attempt, replans + 1)

@@ -13,6 +13,7 @@ from typing import Any
 from hetplan.app.training import training_numbers
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
+from hetplan.io.userfiles import write_target
 from hetplan.plan.spec import RankedPlan
 
 
@@ -38,9 +39,10 @@ def write_json(path: str | None, data: Any) -> None:
 
 def write_text(path: str, text: str) -> None:
     """``text`` at ``path``; a file that cannot be written is one HetplanError line."""
+    shown = write_target(path)
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as exc:
         raise HetplanError(f"cannot write {path}: {exc.strerror}") from None
-    print(f"wrote {path}")
+    print(f"wrote {shown}")

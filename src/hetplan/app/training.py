@@ -11,7 +11,7 @@ says which type lacks a price."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from hetplan.cluster.catalog import normalise_gpu_name
 from hetplan.errors import HetplanError
@@ -33,6 +33,8 @@ def price_per_hour(plan: Plan, cluster: Any, prices: dict[str, float] | None) ->
     """(what the plan's GPUs cost per hour together, or None; where the prices
     came from; the GPU types no source prices). Given ``prices`` must price
     every GPU the cluster file does not: a type left out is an error."""
+    if prices is not None:
+        check_price_types(prices, cluster_gpu_types(cluster))
     total, sources, missing = 0.0, set(), set()
     for stage in plan.stages:
         for device in stage.devices:
@@ -53,6 +55,30 @@ def price_per_hour(plan: Plan, cluster: Any, prices: dict[str, float] | None) ->
                 continue
             sources.add(source)
     return (None if missing else total), sources, ", ".join(sorted(missing))
+
+
+def cluster_gpu_types(cluster: Any) -> set[str]:
+    """The GPU type names of ``cluster``'s devices."""
+    return {device.gpu.name for device in cluster.devices}
+
+
+def check_price_types(prices: dict[str, float], gpu_types: Iterable[str]) -> None:
+    """Every GPU type ``--price-per-gpu-hour`` names is one of ``gpu_types``: a
+    price for a type the cluster lacks (a typo, another cluster) would be ignored."""
+    known = {normalise_gpu_name(gpu): gpu for gpu in gpu_types}
+    unknown = [name for name in prices if name != "*" and normalise_gpu_name(name) not in known]
+    if unknown:
+        raise HetplanError(f"--price-per-gpu-hour prices {', '.join(unknown)}, which the cluster does not have; "
+                           f"its GPU types are {', '.join(sorted(known.values()))}")
+
+
+def prices_for(prices: dict[str, float] | None, cluster: Any) -> dict[str, float] | None:
+    """The prices of ``cluster``'s GPU types (and the one for every GPU), for a
+    what-if variant whose cluster holds some of the types priced."""
+    if prices is None:
+        return None
+    types = {normalise_gpu_name(gpu) for gpu in cluster_gpu_types(cluster)}
+    return {name: price for name, price in prices.items() if name == "*" or normalise_gpu_name(name) in types}
 
 
 def _default_name(gpu: str) -> str:

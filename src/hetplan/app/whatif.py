@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from hetplan.app.records import ranked_record
-from hetplan.app.training import training_numbers
+from hetplan.app.training import check_price_types, cluster_gpu_types, prices_for, training_numbers
 from hetplan.cluster.io import load_cluster
 from hetplan.cost.model import CostModel
 from hetplan.cost.calibration import effective_calibration
@@ -87,6 +87,8 @@ def run_whatif(base: Any, what: str, items: Sequence[str], planner: Any, tokens:
     the user's mistake, raised before any planning."""
     check_varies(base, what)
     workloads = [make_workload(base, what, value) for value in items]
+    if prices is not None:  # a price names a type of some variant's cluster
+        check_price_types(prices, set().union(*(cluster_gpu_types(w.cluster) for w in [base, *workloads])))
     results = []
     for value, workload in zip(items, workloads):
         try:
@@ -95,7 +97,7 @@ def run_whatif(base: Any, what: str, items: Sequence[str], planner: Any, tokens:
             results.append(WhatIfResult(what, value, error=str(exc)))
             continue
         numbers = training_numbers(best.plan, best.estimate, workload.cluster, workload.model.seq_len, tokens,
-                                   prices)
+                                   prices_for(prices, workload.cluster))
         results.append(WhatIfResult(what, value, workload, best, numbers=numbers))
     return results
 

@@ -39,6 +39,7 @@ from hetplan.cli import report as report_cli
 from hetplan.cli import tune as tune_cli
 from hetplan.cli.options import load_workload
 from hetplan.errors import HetplanError
+from hetplan.io.userfiles import check_writable_file
 from hetplan.runtime import cli as runtime_cli
 from hetplan.runtime.profiling import cli as profile_cli
 
@@ -63,12 +64,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Output files of the planning commands, checked before the search starts (a
+# wrong --json found after minutes of search loses them). tune, profile and
+# train check their own outputs; train's --out is a directory.
+_OUTPUT_FILES = (("json_path", "--json"), ("timeline", "--timeline"), ("memory_chart", "--memory-chart"))
+_COMMANDS_WITH_OUT_FILE = ("report", "calibrate", "export")
+
+
+def _check_output_files(args: argparse.Namespace) -> None:
+    """Every file the command will write can be written."""
+    flags = list(_OUTPUT_FILES)
+    if args.command in _COMMANDS_WITH_OUT_FILE:
+        flags.append(("out", "--out"))
+    for attr, flag in flags:
+        path = getattr(args, attr, None)
+        if isinstance(path, str) and path:
+            check_writable_file(flag, path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         args = parser.parse_args(["plan", *(argv or [])])
     try:
+        _check_output_files(args)
         return int(args.func(args) or 0)
     except HetplanError as exc:
         print(f"hetplan: error: {exc}", file=sys.stderr)

@@ -8,7 +8,7 @@ import argparse
 from hetplan.app.workload import (
     DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, WorkloadOptions, load_workload as load_options_workload,
 )
-from hetplan.io.argtypes import at_most, finite_nonneg_float, gpu_prices, positive_int, token_count
+from hetplan.io.argtypes import at_most, finite_nonneg_float, gpu_prices, name_or_path, positive_int, token_count
 from hetplan.plan.workload import Workload
 from hetplan.cost.constants import ATTENTION_KERNELS, PRECISION_BYTES, ZERO_IMPLEMENTATIONS
 from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION, TORCHTITAN_VERSIONS
@@ -29,8 +29,8 @@ def _global_batch(text: str) -> int | str:
 
 def add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> None:
     """The model, cluster, batch and settings of a workload, ``--json`` and the training-cost flags."""
-    p.add_argument("--model", default=None, help=f"preset name, HF config.json, ModelSpec .json or pkg.mod:function (default {DEFAULT_MODEL})")
-    p.add_argument("--cluster", default=None, help=f"preset name, NxGPU, or cluster .yaml (default {DEFAULT_CLUSTER})")
+    p.add_argument("--model", type=name_or_path, default=None, help=f"preset name, HF config.json, ModelSpec .json or pkg.mod:function (default {DEFAULT_MODEL})")
+    p.add_argument("--cluster", type=name_or_path, default=None, help=f"preset name, NxGPU, or cluster .yaml (default {DEFAULT_CLUSTER})")
     p.add_argument("--global-batch", type=_global_batch if batch_auto else batch_size, default=None,
                    help=f"samples per step (default {DEFAULT_GLOBAL_BATCH})" + ("; 'auto' lets batch-searching "
                                                                                  "planners choose" if batch_auto else ""))

@@ -16,7 +16,7 @@ from hetplan.app.records import write_json, write_text
 from hetplan.app.replay import DEFAULT_REPLAY, REPLAY_ENV, default_replay
 from hetplan.app.whatif import check_varies, parse_vary, run_whatif, whatif_record
 from hetplan.app.workload import DEFAULT_PLANNER
-from hetplan.io.argtypes import MAX_COUNT, finite_nonneg_float, positive_int, zero_or_at_most
+from hetplan.io.argtypes import MAX_COUNT, finite_nonneg_float, name_or_path, positive_int, zero_or_at_most
 from hetplan.cli.options import (
     OFFLOAD_SEARCH, add_offload_search_arg, add_target_args, add_workload_args, auto_batch, batch_size, degree,
     load_workload, workload_options,
@@ -106,8 +106,8 @@ def _add_export(sub: Any) -> None:
     p = sub.add_parser("export", help="write a plan as torchtitan/Megatron/DeepSpeed settings or module lists")
     p.add_argument("plan_file", help="plan JSON from 'hetplan plan --json'")
     p.add_argument("--format", required=True, choices=("modules", "torchtitan", "megatron", "deepspeed"))
-    p.add_argument("--model", default=None, help="model the plan was made for (default: the one in the plan file)")
-    p.add_argument("--cluster", default=None, help="cluster the plan was made for (default: the one in the plan file)")
+    p.add_argument("--model", type=name_or_path, default=None, help="model the plan was made for (default: the one in the plan file)")
+    p.add_argument("--cluster", type=name_or_path, default=None, help="cluster the plan was made for (default: the one in the plan file)")
     p.add_argument("--index", type=positive_int, default=1, help="which plan of a ranked file (1 = best)")
     p.add_argument("--torchtitan-version", choices=("0.3", "0.2"), default="0.3",
                    help="torchtitan release to write for: 0.3 (current: a Python config) or 0.2 (a TOML job file)")

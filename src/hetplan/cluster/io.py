@@ -45,7 +45,9 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from hetplan.io import fields
-from hetplan.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_HOST_MEMORY_GIB, MAX_NODES, check_at_most
+from hetplan.io.argtypes import MAX_PRICE_PER_GPU_HOUR
+from hetplan.limits import (MAX_GPU_MEMORY_GIB, MAX_GPUS, MAX_GPUS_PER_NODE, MAX_HOST_MEMORY_GIB, MAX_NODES,
+                            MIN_GPU_MEMORY_GIB, check_at_most)
 from hetplan.cluster.catalog import (
     GPU_CATALOG, TERA, GPUSpec, find_catalog_gpu, get_gpu, in_si, in_units, is_catalog_gpu, normalise_gpu_name,
     power_capped,
@@ -110,6 +112,9 @@ def _gpu_numbers(where: str, entry: Mapping[str, Any]) -> dict[str, float | int]
     changes: dict[str, float | int] = {}
     for key, (attr, scale) in GPU_NUMBER_KEYS.items():
         if key not in entry:
+            continue
+        if key == "memory_gb":
+            changes[attr] = _gpu_memory_bytes(f"{where}.{key}", entry[key])
             continue
         value = _number(f"{where}.{key}", entry[key], zero_ok=key not in REQUIRED_WITHOUT_BASE)
         if key == "matmul_efficiency" and value > 1:
@@ -316,8 +321,8 @@ def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int)
     intra = _number(f"{where}.intra_node_bandwidth_gbps", nd["intra_node_bandwidth_gbps"])
     inter = _number(f"{where}.inter_node_bandwidth_gbps", nd["inter_node_bandwidth_gbps"]) \
         if "inter_node_bandwidth_gbps" in nd else 0.0
-    memory = int(_number(f"{where}.memory_gb", nd["memory_gb"]) * GIB) if "memory_gb" in nd else 0
-    price = _number(f"{where}.price_per_gpu_hour", nd["price_per_gpu_hour"]) if "price_per_gpu_hour" in nd else 0.0
+    memory = _gpu_memory_bytes(f"{where}.memory_gb", nd["memory_gb"]) if "memory_gb" in nd else 0
+    price = _price(f"{where}.price_per_gpu_hour", nd["price_per_gpu_hour"]) if "price_per_gpu_hour" in nd else 0.0
     host = _host_memory_bytes(where, nd["host_memory_gb"]) if "host_memory_gb" in nd else 0
     gpu = _node_gpu(where, nd, custom)
     nodes = []
@@ -328,6 +333,26 @@ def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int)
         nodes.append(NodeSpec(gpu, int(gpus), intra, inter, memory, label, price_per_gpu_hour=price,
                               host_memory_bytes=host))
     return nodes
+
+
+def _price(where: str, value: Any) -> float:
+    """A node's price per GPU-hour: > 0 and at most MAX_PRICE_PER_GPU_HOUR, the
+    rule of --price-per-gpu-hour (hetplan.io.argtypes.gpu_prices)."""
+    price = _number(where, value)
+    check_at_most(where, price, int(MAX_PRICE_PER_GPU_HOUR), "give the price of one GPU-hour in dollars")
+    return price
+
+
+def _gpu_memory_bytes(where: str, value: Any) -> int:
+    """A GPU's ``memory_gb`` in bytes: at least MIN_GPU_MEMORY_GIB (a smaller value
+    would round to 0 bytes, which means "no override"), at most MAX_GPU_MEMORY_GIB
+    (far from the planners' int64 overflow)."""
+    gib = _number(where, value)
+    if gib < MIN_GPU_MEMORY_GIB:
+        raise HetplanError(f"{where} = {gib:g} GiB is below hetplan's floor of 1 MiB ({MIN_GPU_MEMORY_GIB:g} GiB); "
+                           "give the GPU's memory in GiB")
+    check_at_most(where, gib, MAX_GPU_MEMORY_GIB, "give the GPU's memory in GiB")
+    return int(gib * GIB)
 
 
 def _host_memory_bytes(where: str, value: Any) -> int:
@@ -412,8 +437,13 @@ def dump_cluster_yaml(cluster: ClusterSpec) -> str:
     return yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False, allow_unicode=True)
 
 
+def is_cluster_path(name_or_path: str) -> bool:
+    """Whether ``--cluster`` names a YAML file (else a preset or ``NxGPU``)."""
+    return name_or_path.endswith((".yaml", ".yml")) or os.path.sep in name_or_path
+
+
 def load_cluster(name_or_path: str) -> ClusterSpec:
     """A preset name, a generic ``NxGPU`` name, or a path to a YAML file."""
-    if name_or_path.endswith((".yaml", ".yml")) or os.path.sep in name_or_path:
+    if is_cluster_path(name_or_path):
         return load_cluster_yaml(name_or_path)
     return get_cluster(name_or_path)

@@ -26,6 +26,15 @@ import math
 # No count on a command line is near 2**31; past it a number is a slip (and
 # Python refuses to parse integers of more than 4,300 digits).
 MAX_COUNT = 2**31 - 1
+# Tokens to train: the largest published runs are a few tens of trillions
+# (Qwen3: 36T tokens, Qwen3 technical report 2025; Llama 4: ~40T, Meta 2025);
+# 1e18 is 25,000x that.
+MAX_TOKENS = 1e18
+# Price of one GPU-hour, dollars: an H100 rents for $2.5-3.5 (Mercatus cloud GPU
+# guide, May 2026, app/training.py); $1,000,000 is 300,000x that. With
+# MAX_TOKENS and at most 131,072 GPUs, every cost hetplan prints or writes stays
+# a finite number (far below a float's 1.8e308), which its JSON reader accepts.
+MAX_PRICE_PER_GPU_HOUR = 1e6
 
 
 def positive_int(text: str, maximum: int = MAX_COUNT) -> int:
@@ -60,6 +69,14 @@ def zero_or_at_most(maximum: int) -> Callable[[str], int]:
         return positive_int(text, maximum)
     parse.__name__ = "non-negative whole number"
     return parse
+
+
+def name_or_path(text: str) -> str:
+    """A preset name, file path or ``pkg.mod:function`` (``--model``, ``--cluster``):
+    not empty, since an empty value would silently mean the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a name or a path, or leave the flag out for the default")
+    return text
 
 
 def _finite_float(text: str) -> float:
@@ -98,6 +115,9 @@ def token_count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a token count such as 300B or 3e11, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text} is above hetplan's limit of {MAX_TOKENS:.0e} tokens; "
+                                         "is the number right?")
     return value
 
 
@@ -112,7 +132,11 @@ def gpu_prices(text: str) -> dict[str, float]:
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected PRICE or GPU=PRICE[,GPU=PRICE...] (price per GPU-hour), got {item!r}") from None
-        if not price >= 0 or price == float("inf"):
-            raise argparse.ArgumentTypeError(f"a price must be a number >= 0, got {value!r}")
+        if not price > 0 or price == float("inf"):  # the cluster file's price_per_gpu_hour has the same rule
+            raise argparse.ArgumentTypeError(f"a price must be a finite number > 0 (leave the price out for no "
+                                             f"cost), got {value!r}")
+        if price > MAX_PRICE_PER_GPU_HOUR:
+            raise argparse.ArgumentTypeError(f"a price of {value} per GPU-hour is above hetplan's limit of "
+                                             f"{MAX_PRICE_PER_GPU_HOUR:,.0f}; is the number right?")
         prices[name.strip() or "*"] = price
     return prices

@@ -46,20 +46,36 @@ def read_text(path: str | os.PathLike[str], what: str, limit: int = MAX_INPUT_FI
         raise HetplanError(f"cannot read {what} {path}: {exc.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
         raise HetplanError(f"{what} {path} is a directory; give the file's path")
+    if not stat.S_ISREG(info.st_mode):  # opening a FIFO blocks until a writer comes; a device may never end
+        raise HetplanError(f"{what} {path} is a {_file_kind(info.st_mode)}, not a regular file; "
+                           "save the input to a file and give its path")
+    if info.st_size > limit:
+        raise _too_large(what, path, limit)
     try:
-        with open(path, "rb") as f:  # a device or FIFO has no size: read at most limit + 1 bytes
+        with open(path, "rb") as f:  # the file may grow between stat and read: read at most limit + 1 bytes
             data = f.read(limit + 1)
     except OSError as exc:
         raise HetplanError(f"cannot read {what} {path}: {exc.strerror}") from None
     if len(data) > limit:
-        raise HetplanError(f"{what} {path} is larger than hetplan's limit of {limit / 2**20:g} MiB "
-                           "for this kind of file; is it the right file?")
+        raise _too_large(what, path, limit)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[:exc.start].count(b"\n") + 1
         raise HetplanError(f"{what} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
                            "save it as UTF-8") from None
+
+
+def _too_large(what: str, path: str, limit: int) -> HetplanError:
+    return HetplanError(f"{what} {path} is larger than hetplan's limit of {limit / 2**20:g} MiB "
+                        "for this kind of file; is it the right file?")
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words, for messages."""
+    kinds = ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+             (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def _refuse_constant(name: str) -> None:
@@ -161,11 +177,30 @@ def _yaml_reason(exc: yaml.YAMLError) -> str:
 
 def check_writable_file(flag: str, path: str) -> None:
     """An output file ``path`` can be written: checked before minutes of
-    measuring, not after them."""
+    searching or measuring, not after them. A symbolic link is written through
+    (the ``wrote`` line names its target: ``write_target``)."""
+    example = os.path.join(path, "out.json")
     if os.path.isdir(path):
-        raise HetplanError(f"{flag} {path} is a directory; give a file name")
+        raise HetplanError(f"{flag} {path} is a directory; give a file name (such as {example})")
+    if path.endswith(os.sep):
+        raise HetplanError(f"{flag} {path} ends in '{os.sep}', which names a directory; give a file name "
+                           f"(such as {example})")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise HetplanError(f"{flag} {path}: no directory {parent} (it does not exist); create it or give another path")
+    if os.path.exists(path) and not _regular_or_null(path):  # a FIFO would block the write until a reader comes
+        raise HetplanError(f"{flag} {path} is a {_file_kind(os.stat(path).st_mode)}, not a regular file; "
+                           "give a file name")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise HetplanError(f"{flag} {path}: not writable; give another path")
+
+
+def _regular_or_null(path: str) -> bool:
+    """A regular file, or the null device (writing there discards the output, as the user asked)."""
+    return os.path.isfile(path) or os.path.realpath(path) == os.devnull
+
+
+def write_target(path: str) -> str:
+    """``path`` as the ``wrote`` line says it: a symbolic link names the file
+    it overwrote, so writing through a link is never silent."""
+    return f"{os.path.realpath(path)} (through the link {path})" if os.path.islink(path) else path

@@ -48,6 +48,17 @@ MAX_SEQ_LEN = 2**24
 # about 3e21 FLOPs; 1e30 leaves room for any real layer while keeping products
 # with batch sizes and GPU counts far from float overflow (1.8e308).
 MAX_PER_SAMPLE = 1e30
+# Bytes of one layer per sample (activations, input, output, traffic): Llama 3
+# 405B at 128k tokens keeps about 7e10 (2^36) per layer (Korthikanti et al.
+# 2022's 34sbh, s = 131,072, h = 16,384); 2^50 (1 PiB) is 16,000x that and
+# keeps the planners' integer byte arrays (int64, 2^63) far from overflow
+# (the step's total is bounded by hetplan.limits.MAX_STEP_BYTES).
+MAX_LAYER_BYTES_PER_SAMPLE = float(2**50)
+# Levels of lists and objects in a model's ``meta`` (where it came from: an HF
+# config nests 3-4 levels deep, e.g. rope_scaling inside text_config); 32 is far
+# above that and far below Python's recursion limit (1,000), which JSON writing
+# and deep copies reach.
+MAX_META_DEPTH = 32
 # Routed experts per MoE layer: the most published are a few hundred
 # (DeepSeek-V3: 256, Kimi K2: 384); 65,536 is far above that.
 MAX_EXPERTS = 65_536
@@ -384,6 +395,21 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (a number: 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, level = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level + 1)
+        if deepest > MAX_META_DEPTH:
+            break
+        todo.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def _check_value(value: Any, name: str, rule: _Rule, where: str) -> Any:
     """``value`` if it obeys ``rule`` (an integral float for an int field
     becomes an int), else a HetplanError naming ``where`` and ``name``."""
@@ -395,6 +421,9 @@ def _check_value(value: Any, name: str, rule: _Rule, where: str) -> Any:
     if rule.kind == "dict":
         if not isinstance(value, dict):
             raise HetplanError(f"{where}: {name} must be a JSON object, got {_describe(value)}")
+        if _depth(value) > MAX_META_DEPTH:
+            raise HetplanError(f"{where}: {name} nests deeper than hetplan's limit of {MAX_META_DEPTH} levels; "
+                               "flatten it")
         return value
     if rule.kind == "bool":
         if not isinstance(value, bool):
@@ -488,7 +517,10 @@ def _check_keys(data: Any, rules: dict[str, _Rule], where: str) -> dict[str, Any
     return {k: _check_value(v, k, rules[k], where) if rules[k].kind != "tuple" else v for k, v in data.items()}
 
 
+LAYER_BYTE_FIELDS = tuple(f.name for f in fields(LayerSpec) if f.name.endswith("_bytes"))
 _LAYER_RULES = _rules(LayerSpec, {
+    **{name: _Rule("float", maximum=MAX_LAYER_BYTES_PER_SAMPLE, unit="bytes per sample")
+       for name in LAYER_BYTE_FIELDS},
     "name": _Rule("str", nonempty=True),
     "kind": _Rule("str", nonempty=True),
     "params": _Rule("int", maximum=MAX_PARAMS, unit="parameters"),

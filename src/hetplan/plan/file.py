@@ -47,7 +47,8 @@ from hetplan.model.load import load_model
 from hetplan.cluster.io import cluster_to_dict
 from hetplan.plan.workload import Workload
 from hetplan.cluster.io import cluster_from_dict
-from hetplan.cluster.io import load_cluster
+from hetplan.cluster.io import is_cluster_path, load_cluster
+from hetplan.cluster.presets import get_cluster
 
 PLAN_FILE_VERSION = 3
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
@@ -146,8 +147,29 @@ def _plan_file(path: str, data: Any) -> PlanFile:
     plans = tuple(Plan.from_dict(_plan_of(f"plans[{k}]", e)) for k, e in enumerate(entries))
     model = ModelSpec.from_dict(top["model_spec"], "model_spec") if top.get("model_spec") is not None else None
     cluster = cluster_from_dict(top["cluster_spec"], "cluster_spec") if top.get("cluster_spec") is not None else None
+    _check_embedded_names(plans, model, cluster)
     return PlanFile(path, plans, model, cluster, _settings(top.get("settings") or {}), version,
                     str(top.get("planner", "")))
+
+
+def _check_embedded_names(plans: tuple[Plan, ...], model: ModelSpec | None, cluster: Any) -> None:
+    """Each plan's ``model`` and ``cluster`` name the specs the file embeds, and
+    an embedded cluster named like a preset has that preset's GPUs: an edited
+    name would be ignored (and copied into --json beside the real one), an
+    edited GPU type re-costed on another GPU under the old name."""
+    for k, plan in enumerate(plans):
+        for what, named, spec in (("model", plan.model, model), ("cluster", plan.cluster, cluster)):
+            if spec is not None and named != spec.name:
+                raise HetplanError(f"plans[{k}].{what} is {named!r} but the file embeds the {what} {spec.name!r} "
+                                   f"({what}_spec.name); make a new plan rather than editing the names")
+    if cluster is not None and not is_cluster_path(cluster.name):
+        try:
+            preset = get_cluster(cluster.name)
+        except HetplanError:  # a cluster of the user's own, not a preset
+            return
+        if [d.gpu.name for d in preset.devices] != [d.gpu.name for d in cluster.devices]:
+            raise HetplanError(f"cluster_spec is named {cluster.name!r} like a preset ({preset.summary()}) but holds "
+                               f"{cluster.summary()}; make a new plan for the cluster you mean")
 
 
 # "planner" and "search_time_s": what 'hetplan plan --json' adds about the search; "target" to

@@ -18,6 +18,8 @@ from hetplan.cost.constants import (
     ZERO_IMPLEMENTATIONS,
 )
 from hetplan.errors import HetplanError
+from hetplan.limits import MAX_STEP_BYTES
+from hetplan.model.spec import LAYER_BYTE_FIELDS
 from hetplan.limits import MAX_EXPERT_IMBALANCE
 from hetplan.model.spec import ModelSpec
 
@@ -116,9 +118,21 @@ class Workload:
             raise HetplanError(f"unknown target {self.target!r}; choose one of {', '.join(t for t in TARGETS if t)}")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
+        self._check_step_bytes()
         if not 1.0 <= self.expert_imbalance <= MAX_EXPERT_IMBALANCE:
             raise HetplanError(f"expert load imbalance must be between 1 (perfect balance) and "
                                f"{MAX_EXPERT_IMBALANCE:g}, got {self.expert_imbalance:g}")
+
+    def _check_step_bytes(self) -> None:
+        """The bytes one step keeps (every layer's per-sample bytes x the global
+        batch) within MAX_STEP_BYTES, so no per-GPU byte count can overflow the
+        planners' int64 arrays."""
+        per_sample = sum(getattr(layer, name) for layer in self.model.layers for name in LAYER_BYTE_FIELDS)
+        step = per_sample * self.global_batch_size
+        if step > MAX_STEP_BYTES:
+            raise HetplanError(f"one step of {self.model.name} at global batch {self.global_batch_size:,} keeps "
+                               f"{step:.3g} bytes, above hetplan's limit of {MAX_STEP_BYTES:.3g} (2^60); "
+                               "check the model's per-layer bytes or lower the global batch")
 
     def _check_precision(self) -> None:
         """Default: what the model is costed in (4 bytes: fp32, 2: bf16); a

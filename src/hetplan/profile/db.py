@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Iterable, Mapping
 
 from hetplan.io import fields as typed
+from hetplan.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_GPUS_PER_NODE
 from hetplan.errors import HetplanError
 from hetplan.io.userfiles import read_json
 
@@ -337,15 +338,22 @@ class ProfileDB:
 
 
 # --- checking what a file holds ---------------------------------------------------------
-_ENTRY_KINDS = {"layer": "text", "gpu": "text", "tp": "whole", "batch": "whole", "memory_bytes": "count"}
-_RECORD_KINDS = {"op": "text", "link": "text", "reason": "text", "ranks": "whole", "bytes": "whole",
-                 "layer": "text", "gpu": "text", "zero": "count", "params": "whole", "tp": "whole", "batch": "whole",
+_ENTRY_KINDS = {"layer": "text", "gpu": "text", "tp": "tp", "batch": "batch", "memory_bytes": "count"}
+_RECORD_KINDS = {"op": "text", "link": "text", "reason": "text", "ranks": "ranks", "bytes": "whole",
+                 "layer": "text", "gpu": "text", "zero": "count", "params": "whole", "tp": "tp", "batch": "batch",
                  "layers": "texts"}
+# The largest a counted field may be: a TP group lies within one node (at most
+# MAX_GPUS_PER_NODE GPUs), a measured batch is at most a global batch; an entry
+# past them could never be looked up (a plan cannot have that TP degree), so
+# counting it would report measurements hetplan never uses.
+_MAXIMA = {"tp": MAX_GPUS_PER_NODE, "batch": MAX_GLOBAL_BATCH, "ranks": MAX_GPUS}
 
 
 def _value(where: str, kind: str, value: Any) -> Any:
     if kind == "text":
         return typed.text(where, value)
+    if kind in _MAXIMA:
+        return typed.whole(where, value, minimum=1, maximum=_MAXIMA[kind])
     if kind == "whole":
         return typed.whole(where, value, minimum=1)
     if kind == "count":

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from typing import Any
 
 from hetplan.app.elastic import Attempt, check_elastic_flags, lost_devices, train_elastic
-from hetplan.io.argtypes import OneLineParser, finite_nonneg_float, finite_positive_float, positive_int
+from hetplan.io.argtypes import (
+    EXIT_USAGE, OneLineParser, finite_nonneg_float, finite_positive_float, name_or_path, positive_int,
+)
 from hetplan.errors import HetplanError
 from hetplan.runtime.heartbeat import describe_rank
 from hetplan.runtime import trainer
@@ -62,7 +65,7 @@ def register(subparsers: Any) -> None:
     """Add ``train`` and ``run`` to the hetplan CLI's subparsers."""
     p = subparsers.add_parser("train", help="train the plan's model (preset, HF config or pkg.mod:build) with a plan "
                               "on this machine (needs torch)")
-    p.add_argument("--model", default=None, help="model preset (default: the plan's model)")
+    p.add_argument("--model", type=name_or_path, default=None, help="model preset (default: the plan's model)")
     p.add_argument("--plan", required=True, help="plan JSON from 'hetplan plan/estimate --json'")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
     p.add_argument("--verify", action="store_true",
@@ -181,9 +184,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.elastic:
         return train_elastic(args, lambda plan_path, resume: _train_plan(args, plan_path, resume))
     attempt = _train_plan(args, args.plan, False)
-    if not attempt.ok:
+    if not attempt.ok and attempt.line:
         print(f"hetplan: error: {attempt.line}", file=sys.stderr, flush=True)
-        return 1
     return attempt.status
 
 
@@ -306,9 +308,11 @@ def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any,
             shutil.rmtree(logs, ignore_errors=True)
         return Attempt(True)
     exits = launch.read_exits(logs)
+    if any(e.exitcode == EXIT_USAGE for e in exits):  # a rank printed its one hetplan error line (trainer.main)
+        return Attempt(False, status=EXIT_USAGE)
     line = launch.failure_line(exits, logs, lambda r: describe_rank(layout, r))
     line = line or f"training failed (exit status {code}); see the messages above and the ranks' output in {logs}"
-    return Attempt(False, line, lost_devices(exits, layout))
+    return Attempt(False, line, lost_devices(exits, layout), status=1)
 
 
 def _verify(args: argparse.Namespace, plan: Any, spec: Any, out: str, precision: str) -> int:
@@ -395,5 +399,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     n = len(nodes[0][1])
     env = {**child_env(), **_timeout_env(args)}
     env["HETPLAN_PLAN"] = os.path.abspath(args.plan_file)
-    argv = launch.standalone_argv(n, script)
-    return subprocess.call(argv, env=env)
+    layout = PlanLayout.from_plan(plan, [layer.name for layer in plan_file.model.layers]) \
+        if plan_file.model is not None else None  # names each rank in a failure line; None: ranks by number
+    return _run_user_script(n, script, env, layout)
+
+
+def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any) -> int:
+    """The user's script on ``n`` processes (torchrun), each rank's stderr in a
+    log. A HetplanError or CUDA out-of-memory error of a rank is one line,
+    printed once (rank 0's, else the first failing rank's:
+    hetplan.runtime.launch.run_user_script), exit 2; any other error shows the
+    traceback of the rank that failed first (not of those that lost a peer)
+    and the line naming it, with the script's exit status."""
+    import shutil
+
+    logs = tempfile.mkdtemp(prefix="hetplan-run-logs-")
+    argv = launch.reporting_argv(n, launch.user_script_argv(logs, script), logs)
+    code = subprocess.call(argv, env=env)
+    found = launch.first_error(logs) if code else None
+    if found is not None:
+        rank, line = found
+        print(f"hetplan: error: {line}" if line.startswith("rank ") else f"hetplan: error (rank {rank}): {line}",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(logs, ignore_errors=True)
+        return EXIT_USAGE
+    if code:
+        line = launch.failure_line(launch.read_exits(logs), logs, lambda r: describe_rank(layout, r))
+        failed = re.search(r"\(traceback: (.*)\)$", line)
+        if failed and os.path.isfile(failed.group(1)):
+            with open(failed.group(1), encoding="utf-8", errors="replace") as f:
+                sys.stderr.write(f.read())
+        line = line or f"the script failed (exit status {code}); the ranks' output is in {logs}"
+        print(f"hetplan: {line}", file=sys.stderr, flush=True)
+        return code
+    shutil.rmtree(logs, ignore_errors=True)
+    return 0

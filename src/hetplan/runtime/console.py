@@ -12,8 +12,23 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 _console_fd = 2  # the terminal's stderr, also after log_stderr
+_context: Any = None  # this process's RuntimeContext (remember_context), for the out-of-memory line
+
+
+def remember_context(ctx: Any) -> None:
+    """Keep the process's RuntimeContext (``hr.init`` calls this), so an error
+    caught outside the user's code can say where the rank sits in the plan and
+    at which step it was."""
+    global _context
+    _context = ctx
+
+
+def current_context() -> Any:
+    """The RuntimeContext ``remember_context`` kept, or None before ``hr.init``."""
+    return _context
 
 
 def console(line: str) -> None:

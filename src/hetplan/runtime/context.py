@@ -52,6 +52,7 @@ from hetplan.runtime.build import ModelBuild, model_build
 from hetplan.runtime.cp import ContextShard, check_sequence
 from hetplan.plan.layout import PlanLayout, RankPosition
 from hetplan.runtime.offload import HostPool
+from hetplan.runtime.console import remember_context
 from hetplan.runtime.step import ModelInfo
 from hetplan.runtime.zero1 import Zero1Optimizer
 
@@ -419,5 +420,7 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
     (hetplan.runtime.setup).
     """
     s = setup.set_up(plan, model, timeout_s=timeout_s, backend=backend)
-    return RuntimeContext(s.plan, s.spec, s.layout, s.position, s.device, s.mesh, s.tie_groups, s.notes,
-                          s.owns_process_group, s.precision, ep_mesh=s.ep_mesh, heartbeat=s.heartbeat)
+    ctx = RuntimeContext(s.plan, s.spec, s.layout, s.position, s.device, s.mesh, s.tie_groups, s.notes,
+                         s.owns_process_group, s.precision, ep_mesh=s.ep_mesh, heartbeat=s.heartbeat)
+    remember_context(ctx)  # for the one-line out-of-memory error (hetplan.runtime.launch.out_of_memory_line)
+    return ctx

@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import re
 import shlex
 import signal
 import socket
@@ -33,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hetplan.errors import HetplanError
-from hetplan.runtime.console import rank_log
+from hetplan.runtime.console import current_context, log_stderr, rank_log
 from hetplan.runtime.heartbeat import EXIT_CODE as HEARTBEAT_EXIT
+from hetplan.runtime.heartbeat import describe_rank
 from hetplan.io.argtypes import EXIT_USAGE
 from hetplan.cluster.io import load_cluster
 
@@ -182,6 +184,146 @@ def _last_error(path: str, limit: int = 300) -> str:
     return last if len(last) <= limit else last[:limit] + "..."
 
 
+# --- one line for a refusal or an out-of-memory error of a rank -------------------------------------
+ERROR_FILE = "rank{rank}.error.json"  # a rank's one-line error under hetplan run (run_user_script writes it)
+_ASKED = re.compile(r"Tried to allocate ([0-9.]+) ?([KMGT]i?B)")  # torch's CUDA caching allocator's message
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+GIB = 2**30
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``torch.OutOfMemoryError`` (CUDA's caching allocator ran out), without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ()))
+
+
+def asked_bytes(message: str) -> int | None:
+    """The bytes an allocation asked for, from torch's OOM message ("Tried to
+    allocate 2.00 GiB"); None when the message does not say (another allocator)."""
+    found = _ASKED.search(message)
+    if not found:
+        return None
+    try:
+        return int(float(found.group(1)) * _UNIT.get(found.group(2)[0], 1))
+    except ValueError:
+        return None
+
+
+def out_of_memory_line(exc: BaseException, ctx: Any, plan_path: str) -> str:
+    """'rank R (stage S ..., device D) ran out of memory at step K: X GiB allocated,
+    Y GiB more asked; the plan predicted Z GiB ...' and what to change, from the plan."""
+    rank = int(os.environ.get("RANK", "0"))
+    if ctx is None:  # before hr.init: no plan position yet
+        return f"rank {rank} ran out of memory before the runtime was set up: {str(exc).splitlines()[0][:200]}"
+    where = describe_rank(ctx.layout, rank)
+    allocated = _allocated_bytes(ctx.device)
+    asked = asked_bytes(str(exc))
+    facts = [f"{allocated / GIB:.2f} GiB allocated" if allocated is not None else "",
+             f"{asked / GIB:.2f} GiB more asked" if asked is not None else ""]
+    predicted = _predicted_peak(plan_path, ctx.position.device)
+    said = f"; the plan predicted {predicted / GIB:.2f} GiB at peak" if predicted is not None else ""
+    return (f"rank {rank} ({where}) ran out of memory at step {ctx.step + 1}: "
+            f"{', '.join(f for f in facts if f) or 'no sizes in the error'}{said}; "
+            f"{_memory_advice(ctx.plan, ctx.position.pp_index)}")
+
+
+def _allocated_bytes(device: Any) -> int | None:
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(device, "type", "") != "cuda":
+        return None
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _predicted_peak(plan_path: str, device: int) -> int | None:
+    """The peak the plan file's estimate gives ``device`` (its first plan: what
+    ``hr.init`` and ``hetplan train`` run), or None when the file has none."""
+    import json
+
+    try:
+        with open(plan_path, encoding="utf-8") as f:
+            entry = json.load(f)["plans"][0]
+        return int(entry["estimate"]["peak_memory_bytes"][str(device)])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _memory_advice(plan: Any, stage_index: int) -> str:
+    """What to change in the plan for this stage to need less memory."""
+    stage = plan.stages[stage_index]
+    ways = []
+    if plan.micro_batch_size > 1:
+        ways.append(f"a smaller micro-batch (now {plan.micro_batch_size})")
+    if any(st.recompute != "full" for st in stage.strategies):
+        ways.append("full recomputation (--recompute full)")
+    if stage.dp > 1 and any(st.zero < 3 for st in stage.strategies):
+        ways.append("ZeRO-3 (--zero 3)")
+    ways.append("--memory-limit below this GPU's memory when planning")
+    return "make a plan with " + ", or ".join(ways)
+
+
+def record_error(directory: str, line: str) -> None:
+    """Keep this rank's one-line error for :func:`first_error` (the launcher prints it once)."""
+    import json
+
+    rank = int(os.environ.get("RANK", "0"))
+    path = os.path.join(directory, ERROR_FILE.format(rank=rank))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"rank": rank, "time": time.time(), "line": line}, f)
+
+
+def first_error(directory: str) -> tuple[int, str] | None:
+    """(rank, line) of rank 0's error if it had one, else of the rank that failed first."""
+    import glob
+    import json
+
+    found = []
+    for path in glob.glob(os.path.join(directory, ERROR_FILE.format(rank="*"))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            found.append((data["rank"] != 0, float(data["time"]), int(data["rank"]), str(data["line"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not found:
+        return None
+    _, _, rank, line = min(found)
+    return rank, line
+
+
+def run_user_script(directory: str, script: Sequence[str]) -> None:
+    """``hetplan run``'s rank: the user's script as ``__main__``; a HetplanError
+    (from ``hr.init``, ``ctx.parallelize``, ...) or a CUDA out-of-memory error is
+    kept as one line for the launcher and ends the rank with exit 2; any other
+    exception keeps its traceback."""
+    import runpy
+
+    log_stderr(directory, int(os.environ.get("RANK", "0")))  # a rank that only lost a peer stays off the terminal
+    sys.argv = list(script)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
+    try:
+        runpy.run_path(script[0], run_name="__main__")
+        code = 0
+    except HetplanError as exc:
+        record_error(directory, str(exc))
+        code = EXIT_USAGE
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        record_error(directory, out_of_memory_line(exc, current_context(), os.environ.get("HETPLAN_PLAN", "")))
+        code = EXIT_USAGE
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown, as the trainer does, with process groups still up
+
+
+def user_script_argv(directory: str, script: Sequence[str]) -> list[str]:
+    """torchrun's script for ``hetplan run``: :func:`run_user_script` on ``script``."""
+    return ["-m", "hetplan.runtime.launch", USER_SCRIPT_FLAG, directory, "--", *script]
+
+
+USER_SCRIPT_FLAG = "--user-script"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hetplan.runtime.launch --report-dir DIR -- TORCHRUN_ARGS``:
     torchrun (its agent in this process), but its agent logs to DIR/torchrun.log,
@@ -195,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == [USER_SCRIPT_FLAG] and args[2:3] == ["--"] and len(args) > 3:
+        run_user_script(args[1], args[3:])
     if args[:1] != ["--report-dir"] or args[2:3] != ["--"]:
         raise SystemExit("usage: python -m hetplan.runtime.launch --report-dir DIR -- TORCHRUN_ARGS")
     directory, torchrun_args = args[1], args[3:]

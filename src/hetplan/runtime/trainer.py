@@ -22,7 +22,7 @@ from typing import Any
 
 from hetplan.errors import HetplanError
 from hetplan.runtime import launch
-from hetplan.runtime.console import console, log_stderr
+from hetplan.runtime.console import console, current_context, log_stderr
 
 FAULT_ENV = "HETPLAN_FAULT_KILL"  # fault injection for tests: "RANK:STEP[:WORLD],..." (fault_kills)
 
@@ -197,10 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", "1")))
-        train(parse_args(argv))
+        cfg = parse_args(argv)
+        train(cfg)
         code = 0
     except HetplanError as exc:
         console(f"hetplan: error (rank {rank}): {exc}")
+        code = 2
+    except Exception as exc:  # noqa: BLE001 - all but CUDA's out-of-memory error are raised again
+        if not launch.is_out_of_memory(exc):
+            raise
+        console(f"hetplan: error: {launch.out_of_memory_line(exc, current_context(), cfg.plan_path)}")
         code = 2
     sys.stdout.flush()
     sys.stderr.flush()

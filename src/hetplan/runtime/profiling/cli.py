@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from hetplan.io.argtypes import at_most, finite_positive_float, positive_int, zero_or_at_most
+from hetplan.io.argtypes import at_most, finite_positive_float, name_or_path, positive_int, zero_or_at_most
 from hetplan.cluster.io import load_cluster
 from hetplan.cluster.presets import local_cpu_cluster
 from hetplan.errors import HetplanError
@@ -69,8 +69,8 @@ def _byte_size(text: str) -> int:
 def register(subparsers: Any) -> None:
     """Add ``profile`` to the hetplan CLI's subparsers."""
     p = subparsers.add_parser("profile", help="measure layer times and collectives on your hardware (needs torch)")
-    p.add_argument("--model", required=True, help="preset name, HF config.json or ModelSpec .json the runtime builds")
-    p.add_argument("--cluster", required=True,
+    p.add_argument("--model", type=name_or_path, required=True, help="preset name, HF config.json or ModelSpec .json the runtime builds")
+    p.add_argument("--cluster", type=name_or_path, required=True,
                    help="local-cpu-N (measured here) or a GPU cluster (prints the command per node)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length for HF configs")
     p.add_argument("--tp", type=_tp_list, default=None,
