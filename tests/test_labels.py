@@ -1,0 +1,35 @@
+"""Plan labels say what the plan does: partial recompute, per-layer tp; token
+counts as people say them (issue 33, item 4)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
+from hetplan.report.training import training_lines
+
+
+def _plan_with(strategies: tuple[LayerStrategy, ...]) -> Plan:
+    stage = replace(uniform_stage(range(len(strategies)), [0, 1, 2, 3], 1, 4, 1), strategies=strategies)
+    return Plan("tiny-gpt", "local-cpu-4", 2, 1, 2, "1f1b", (stage,))
+
+
+def test_partial_recompute_is_counted_not_called_full() -> None:
+    partial = (LayerStrategy(recompute="full"),) * 9 + (LayerStrategy(),) * 17
+    label = _plan_with(partial).describe()
+    assert " rc:9/26" in label and "rc:full" not in label
+    assert " rc:full " in _plan_with((LayerStrategy(recompute="full"),) * 26).describe()
+    mixed = (LayerStrategy(recompute="selective"),) * 4 + (LayerStrategy(),) * 22
+    assert " rc:selective:4/26" in _plan_with(mixed).describe()
+
+
+def test_per_layer_tp_is_shown() -> None:
+    layers = (LayerStrategy(tp=2),) * 3 + (LayerStrategy(),) * 2
+    assert " ltp 2×3/4/4 " in _plan_with(layers).describe()
+    assert "ltp" not in _plan_with((LayerStrategy(),) * 5).describe()
+
+
+def test_tokens_are_printed_with_a_unit() -> None:
+    numbers = {"gpu_hours_per_billion_tokens": 1.0, "tokens_per_step": 1.0, "gpus": 8.0,
+               "tokens": 1e12, "steps": 10.0, "days": 1.0, "gpu_hours": 2.0}
+    assert training_lines(numbers)[-1].startswith("1T tokens: ")
