@@ -34,6 +34,7 @@ from hetplan.app.report import PlanReport, file_report
 from hetplan.app.whatif import WhatIfResult
 from hetplan.plan.file import PlanFile
 from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
+from hetplan.report.trace import stage_labels as dimension_labels
 from hetplan.report.text import breakdown, ranked_table, report_memory_table, workload_header
 from hetplan.report.training import training_lines
 from hetplan.report.whatif import whatif_table
@@ -77,12 +78,9 @@ def _items(lines: Sequence[str], css: str = "") -> str:
 
 
 def stage_labels(plan: Any, workload: Any) -> list[str]:
-    """The timeline's row labels: the stage, its GPU types and its dp and tp degrees."""
-    labels = []
-    for j, s in enumerate(plan.stages):
-        gpus = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
-        labels.append(f"stage {j}: {gpus} dp{s.dp} tp{s.tp}")
-    return labels
+    """The timeline's row labels: the stage's number and every dimension it runs
+    (``report.trace.stage_labels``)."""
+    return [f"stage {j}: {label}" for j, label in enumerate(dimension_labels(plan, workload))]
 
 
 def report_html(plan_file: PlanFile, index: int = 1, tokens: float | None = None,
