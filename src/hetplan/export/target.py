@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from hetplan.plan.workload import Workload
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION, TARGETS, TOOL_NAMES, exportable, try_render
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan, RankedPlan
@@ -178,7 +178,8 @@ def plans_for_target(ranked: Sequence[RankedPlan], workload: Workload, tool: str
     The best plan overall is the best of ``ranked`` and those uniform plans.
     A one-line HetplanError when the tool can run no plan."""
     if tool not in PLAN_TARGETS or tool == ANY:
-        raise HetplanError(f"unknown target {tool!r}; choose one of {', '.join((RUNTIME, *TARGETS))}")
+        known = (RUNTIME, *TARGETS)
+        raise HetplanError(f"unknown target {tool!r}{did_you_mean(tool, known)}; choose one of {', '.join(known)}")
     if uniform not in UNIFORM_MODES:
         raise ValueError(f"uniform must be one of {UNIFORM_MODES}, not {uniform!r}")
     if not ranked:
