@@ -4,6 +4,11 @@ counts as people say them (issue 33, item 4)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hetplan.cli import main
 
 from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
 from hetplan.report.training import training_lines
@@ -33,3 +38,21 @@ def test_tokens_are_printed_with_a_unit() -> None:
     numbers = {"gpu_hours_per_billion_tokens": 1.0, "tokens_per_step": 1.0, "gpus": 8.0,
                "tokens": 1e12, "steps": 10.0, "days": 1.0, "gpu_hours": 2.0}
     assert training_lines(numbers)[-1].startswith("1T tokens: ")
+
+
+def test_plan_output_explains_itself_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's wordings: the notation legend once, the bound once as '% above',
+    CPU processes not GPUs, no 'a amp-space'."""
+    assert main(["plan", "--model", "tiny-gpt", "--cluster", "local-cpu-4", "--global-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("plan notation:") == 1 and "docs/report.md#plan-notation" in out
+    assert out.count("lower bound") == 2  # the explanation's line and auto's note, which gives no second number
+    assert "% above the lower bound" in out and "within" not in out.split("lower bound")[0].splitlines()[-1]
+    assert "(4 CPU processes)" in out and "a amp-space" not in out
+
+
+def test_readme_commands_paste_as_they_read() -> None:
+    """A `|` in a README command line is a shell pipe when pasted: one choice per command line."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith(".venv/bin/hetplan")]
+    assert commands and not [line for line in commands if "|" in line.split("#")[0]]

@@ -167,11 +167,18 @@ def report_memory_table(report: PlanReport) -> str:
     return memory_table(report.chosen.plan, report.chosen.estimate, report.workload, report.memory)
 
 
+# Printed once under ``plan``'s table: what the plan column's words mean (the
+# whole notation, every label Plan.describe writes: docs/report.md "Plan notation").
+PLAN_NOTATION = ("plan notation: ppN [stage | stage ...] pipeline stages (one setting when all agree), dpD/tpT/cpC/epE "
+                 "data/tensor/context/expert-parallel degrees, NL layers, zK ZeRO stage, rc:full or rc:9/26 "
+                 "recomputed layers, mbs B x M (per replica) micro-batch size x count; docs/report.md#plan-notation")
+
+
 def plan_text(report: PlanReport, quiet: bool = False) -> str:
     """What ``hetplan plan`` prints: the header, the ranked plans, what the
     target cost, and (not ``quiet``) where the best plan's time and memory go,
     why, the time to train and the notes."""
-    blocks = [workload_header(report.workload, report.header_extra), ranked_table(report.ranked)]
+    blocks = [workload_header(report.workload, report.header_extra), ranked_table(report.ranked) + "\n" + PLAN_NOTATION]
     if report.target_lines:
         blocks.append("\n".join(report.target_lines))
     if not quiet:
