@@ -23,7 +23,8 @@ from hetplan.cli.options import (
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.export.tools import render, settings_notes
+from hetplan.export.target import export_way_out
+from hetplan.export.tools import settings_notes, try_render
 from hetplan.plan.spec import RankedPlan
 from hetplan.plan.file import read_plan_file, resolve_cluster, resolve_model
 from hetplan.report.compare import compare_text
@@ -219,7 +220,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     model = resolve_model(plan_file, args.model)
     cluster = resolve_cluster(plan_file, args.cluster)
     validate_plan(plan, model, cluster)  # never export a plan that cannot run
-    result = render(plan, model, args.format, cluster, args.torchtitan_version)
+    result, why = try_render(plan, model, args.format, cluster, args.torchtitan_version)
+    if result is None:
+        raise HetplanError(f"{why}; {export_way_out(plan_file, args.index, args.format, args.torchtitan_version)}")
     for note in [*result.notes, *settings_notes(plan_file.settings, args.format)]:
         print(f"note: {note}", file=sys.stderr)
     outputs = {args.out: result.text} if args.out else {}

@@ -144,7 +144,7 @@ def _alternatives_section(report: PlanReport, index: int) -> list[str]:
            f"<p>Every plan of the file, re-estimated with the model, cluster and settings it embeds "
            f"(# = its place in the file; the highlighted row is plan {index}, which this page describes).</p>"]
     if report.ranked:
-        table = ranked_table(report.ranked)
+        table = ranked_table(report.ranked, runs_on=report.runs_on)
         if list(report.positions) != list(range(1, len(report.ranked) + 1)):  # a skipped plan shifts the numbering
             table += "\n(file positions: " + ", ".join(str(k) for k in report.positions) + ")"
         row = report.chosen_row

@@ -13,6 +13,7 @@ from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.plan.workload import Workload
 from hetplan.plan.spec import Estimate, Plan, RankedPlan
 from hetplan.report.training import training_lines
+from hetplan.report.runs import LEGEND as RUNS_ON_LEGEND, best_per_tool_lines, runs_on_cell
 from hetplan.units import format_bytes, format_count, format_time
 
 
@@ -42,9 +43,11 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = None) -> str:
+def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = None,
+                 runs_on: Sequence[Sequence[str]] = ()) -> str:
     """The ranked plans; a planner's own cost is shown (``None``: automatically)
-    when it is not the estimate's iteration time (AMP's eq. 3-5, hetero-avg's)."""
+    when it is not the estimate's iteration time (AMP's eq. 3-5, hetero-avg's);
+    ``runs_on``: per plan, the codes that run it (a "runs on" column)."""
     if show_planner_cost is None:
         show_planner_cost = any(r.planner_cost_s is not None and
                                 abs(r.planner_cost_s - r.estimate.iteration_time_s) > 1e-9 * r.estimate.iteration_time_s
@@ -52,6 +55,8 @@ def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = 
     headers = ["#", "plan", "iter time", "samples/s", "tokens/s", "MFU", "max mem/GPU", "fits"]
     if show_planner_cost:
         headers.insert(3, "planner cost")
+    if runs_on:
+        headers.append("runs on")
     rows = []
     for i, r in enumerate(ranked, 1):
         e = r.estimate
@@ -60,6 +65,8 @@ def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = 
                              "yes" if e.fits else "OOM"]
         if show_planner_cost:
             row.insert(3, format_time(r.planner_cost_s) if r.planner_cost_s is not None else "-")
+        if runs_on:
+            row.append(runs_on_cell(runs_on[i - 1]))
         rows.append(row)
     return table(headers, rows, [True, False] + [True] * (len(headers) - 2))
 
@@ -178,7 +185,9 @@ def plan_text(report: PlanReport, quiet: bool = False) -> str:
     """What ``hetplan plan`` prints: the header, the ranked plans, what the
     target cost, and (not ``quiet``) where the best plan's time and memory go,
     why, the time to train and the notes."""
-    blocks = [workload_header(report.workload, report.header_extra), ranked_table(report.ranked) + "\n" + PLAN_NOTATION]
+    where = [RUNS_ON_LEGEND, *best_per_tool_lines(report.ranked, report.runs_on, report.positions)]
+    blocks = [workload_header(report.workload, report.header_extra),
+              "\n".join([ranked_table(report.ranked, runs_on=report.runs_on), PLAN_NOTATION, *where])]
     if report.target_lines:
         blocks.append("\n".join(report.target_lines))
     if not quiet:
