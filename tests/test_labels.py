@@ -10,6 +10,7 @@ import pytest
 
 from hetplan.cli import main
 
+from hetplan.plan.layout import PlanLayout
 from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
 from hetplan.report.training import training_lines
 
@@ -56,3 +57,12 @@ def test_readme_commands_paste_as_they_read() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     commands = [line for line in readme.splitlines() if line.startswith(".venv/bin/hetplan")]
     assert commands and not [line for line in commands if "|" in line.split("#")[0]]
+
+
+def test_the_training_header_says_the_plans_zero_and_schedule() -> None:
+    """A one-stage 'z2 ... 1f1b' plan runs its micro-batches in order (gpipe): the
+    header says so and keeps ZeRO-2, rather than a bare 'gpipe' with no ZeRO."""
+    stage = uniform_stage(range(3), [0, 1], 2, 1, 4, zero=2)
+    plan = Plan("tiny-gpt", "local-cpu-2", 8, 4, 2, "1f1b", (stage,))
+    header = PlanLayout.from_plan(plan, ["embed", "block", "head"]).describe()
+    assert "gpipe (plan: 1f1b; one stage runs micro-batches in order) zero=2 micro-batches=2" in header
