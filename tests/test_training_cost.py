@@ -45,7 +45,7 @@ def test_days_gpu_hours_and_cost_follow_from_the_step_time(tmp_path, capsys):
     assert n["gpu_hours"] == pytest.approx(16 * n["steps"] * t / 3600)
     assert n["usd_per_hour"] == pytest.approx(8 * 0.5 + 8 * 2.0)  # 8 T4 + 8 V100
     assert n["usd"] == pytest.approx(n["usd_per_hour"] * n["steps"] * t / 3600)
-    assert "GPU-hours per billion tokens" in out and "1e+10 tokens:" in out and "per billion tokens (prices from --price-per-gpu-hour)." in out
+    assert "GPU-hours per billion tokens" in out and "10B tokens:" in out and "per billion tokens (prices from --price-per-gpu-hour)." in out
 
 
 def test_a_gpu_without_a_price_is_an_error(tmp_path, capsys):

@@ -14,7 +14,7 @@ from hetplan.errors import HetplanError
 from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION
 from hetplan.plan.spec import RankedPlan
 from hetplan.search import get_planner
-from hetplan.export.target import TargetResult, search_for_target
+from hetplan.export.target import TargetResult, runners, search_for_target
 
 # The others' speed-up is against megatron's plan: the AMP paper's baseline (docs/planners/amp.md).
 BASELINE_PLANNER = "megatron"
@@ -41,6 +41,10 @@ class CompareResult:
     outcomes: tuple[PlannerOutcome, ...]
     tool: str | None
     explicit_target: bool
+
+    def runs_on(self, outcome: PlannerOutcome) -> tuple[str, ...]:
+        """The codes that run ``outcome``'s best plan (``export.target.runners``)."""
+        return runners(outcome.best.plan, self.workload) if outcome.best is not None else ()
 
     @property
     def baseline(self) -> PlannerOutcome | None:

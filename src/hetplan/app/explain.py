@@ -66,12 +66,13 @@ def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:
         for s in plan.stages:
             key = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
             layers_by_type.setdefault(key, []).append(s.num_layers)
-        per_type = [f"{key} stages run {sum(c)} layers ({len(c)} stage{'s' if len(c) > 1 else ''})"
+        per_type = [f"{key} stages run {sum(c)} layer{'s' if sum(c) > 1 else ''} "
+                    f"({len(c)} stage{'s' if len(c) > 1 else ''})"
                     for key, c in layers_by_type.items()]
         lines.append("heterogeneous GPUs: " + "; ".join(per_type) + ".")
     lines.append(f"tightest GPU has {format_bytes(e.min_headroom_bytes)} of memory to spare.")
     if e.bound_gap is not None:
-        lines.append(f"within {e.bound_gap:.0%} of the lower bound {format_time(e.lower_bound_s)}: no plan of "
-                     "this workload can be faster (all compute spread over every GPU at its best, plus the "
+        lines.append(f"step time {e.bound_gap:.0%} above the lower bound {format_time(e.lower_bound_s)}: no plan "
+                     "of this workload can be faster (all compute spread over every GPU at its best, plus the "
                      "optimizer step; communication, bubble and memory limits make real plans slower).")
     return lines

@@ -12,6 +12,7 @@ from hetplan.app.explain import explain, model_notes
 from hetplan.app.replay import ReplayOutcome
 from hetplan.app.training import training_numbers
 from hetplan.cost.model import CostModel
+from hetplan.export.target import runners
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import RankedPlan
@@ -33,7 +34,8 @@ class PlanReport:
     ``target_lines``: what the target restriction cost (``hetplan plan``);
     ``header_extra``: a last header line (the planner and its search time);
     ``replay``: the replay check of the ranked rows (``hetplan.app.replay``;
-    None: not asked for)."""
+    None: not asked for); ``runs_on``: per row of ``ranked``, the codes that
+    run it (``export.target.runners``)."""
 
     workload: Workload
     cost_model: CostModel
@@ -51,6 +53,7 @@ class PlanReport:
     positions: tuple[int, ...] = ()
     problems: tuple[str, ...] = ()
     replay: ReplayOutcome | None = None
+    runs_on: tuple[tuple[str, ...], ...] = ()
 
     @property
     def cp_ep(self) -> bool:
@@ -75,7 +78,8 @@ def plan_report(workload: Workload, cost_model: CostModel, ranked: Sequence[Rank
         training=training_numbers(plan, estimate, workload.cluster, workload.model.seq_len, tokens, prices),
         tokens=tokens, prices=prices, plan_notes=tuple(n for n in plan.notes if n),
         model_notes=model_notes(plan, workload.model), target_lines=tuple(target_lines), header_extra=header_extra,
-        positions=tuple(positions) or tuple(range(1, len(ranked) + 1)), problems=tuple(problems))
+        positions=tuple(positions) or tuple(range(1, len(ranked) + 1)), problems=tuple(problems),
+        runs_on=tuple(runners(r.plan, workload) for r in ranked))
 
 
 def file_report(plan_file: PlanFile, index: int, tokens: float | None = None,

@@ -24,11 +24,13 @@ from hetplan.cli.options import (
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError
-from hetplan.export.tools import render, settings_notes
+from hetplan.export.target import export_way_out
+from hetplan.export.tools import settings_notes, try_render
 from hetplan.plan.spec import RankedPlan
 from hetplan.plan.file import read_plan_file, resolve_cluster, resolve_model
 from hetplan.report.compare import compare_text
 from hetplan.report.svg import memory_svg, timeline_svg
+from hetplan.report.trace import chrome_trace_json, stage_labels
 from hetplan.report.text import estimate_text, plan_text, workload_header
 from hetplan.report.whatif import whatif_table
 from hetplan.search import get_planner, planner_names
@@ -54,6 +56,8 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--top", type=positive_int, default=DEFAULT_TOP, help="how many plans to show")
     p.add_argument("--quiet", action="store_true", help="only the table")
     p.add_argument("--timeline", default=None, help="write the best plan's pipeline timeline here (.svg)")
+    p.add_argument("--trace", default=None,
+                   help="write the best plan's predicted timeline here as a Chrome trace (.json, opens in Perfetto)")
     p.add_argument("--memory-chart", default=None, help="write the best plan's memory per GPU here (.svg)")
     p.add_argument("--smp-alpha", type=finite_nonneg_float, default=None,
                    help="--planner smp: weight of memory against compute in a module's cost, 0..1 (default 0.8)")
@@ -95,6 +99,8 @@ def _add_estimate(sub: Any) -> None:
     p.add_argument("--virtual-stages", type=positive_int, default=1,
                    help="model chunks per device for interleaved-1f1b")
     p.add_argument("--timeline", default=None, help="write the pipeline timeline here (.svg)")
+    p.add_argument("--trace", default=None,
+                   help="write the predicted timeline here as a Chrome trace (.json, opens in Perfetto)")
     p.add_argument("--memory-chart", default=None, help="write memory per GPU here (.svg)")
     p.add_argument("--simulate", action="store_true", help="replay the schedule event by event and compare")
     add_target_args(p)
@@ -172,15 +178,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _write_pictures(args: argparse.Namespace, workload: Workload, ranked: RankedPlan) -> None:
-    """--timeline and --memory-chart: SVG pictures of one plan."""
+    """--timeline, --trace and --memory-chart: pictures of one plan (SVG, Chrome trace)."""
     plan, estimate = ranked.plan, ranked.estimate
-    if args.timeline:
+    if args.timeline or args.trace:
         events = simulate_plan(CostModel(workload), plan, estimate)
-        labels = []
-        for s in plan.stages:
-            gpus = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
-            labels.append(f"{gpus} dp{s.dp} tp{s.tp}")
-        write_text(args.timeline, timeline_svg(events, labels, plan.describe(), estimate.iteration_time_s))
+        labels = stage_labels(plan, workload)
+        if args.timeline:
+            write_text(args.timeline, timeline_svg(events, labels, plan.describe(), estimate.iteration_time_s))
+        if args.trace:
+            write_text(args.trace, chrome_trace_json(events, labels, plan.describe()))
     if args.memory_chart:
         write_text(args.memory_chart, memory_svg(plan, estimate, workload, f"peak memory per GPU: {plan.describe()}"))
 
@@ -235,7 +241,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     model = resolve_model(plan_file, args.model)
     cluster = resolve_cluster(plan_file, args.cluster)
     validate_plan(plan, model, cluster)  # never export a plan that cannot run
-    result = render(plan, model, args.format, cluster, args.torchtitan_version)
+    result, why = try_render(plan, model, args.format, cluster, args.torchtitan_version)
+    if result is None:
+        raise HetplanError(f"{why}; {export_way_out(plan_file, args.index, args.format, args.torchtitan_version)}")
     for note in [*result.notes, *settings_notes(plan_file.settings, args.format)]:
         print(f"note: {note}", file=sys.stderr)
     outputs = {args.out: result.text} if args.out else {}

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Mapping
 
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.units import GIB
 
 TERA = 1e12
@@ -387,7 +387,7 @@ def get_gpu(name: str, custom: Mapping[str, GPUSpec] | None = None) -> GPUSpec:
     found = find_catalog_gpu(name)
     if found is None:
         known = [*GPU_CATALOG, *(custom or {})]
-        raise HetplanError(f"unknown GPU type {name!r}; known types: {', '.join(known)}")
+        raise HetplanError(f"unknown GPU type {name!r}{did_you_mean(name, known)}; known types: {', '.join(known)}")
     return found
 
 

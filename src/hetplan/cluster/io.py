@@ -53,7 +53,7 @@ from hetplan.cluster.catalog import (
     power_capped,
 )
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.units import GIB
 from hetplan.io.userfiles import read_yaml
 from hetplan.cost.calibration import calibration_from_dict, read_calibration
@@ -215,7 +215,7 @@ def gpu_types_from_dict(data: Any, source: str = "cluster") -> dict[str, GPUSpec
             found = find_catalog_gpu(wanted)
             if found is None:
                 known = [*GPU_CATALOG, *(n for n, _ in entries.values())]
-                raise HetplanError(f"{where}.base: unknown GPU type {wanted!r}; known types: {', '.join(known)}")
+                raise HetplanError(f"{where}.base: unknown GPU type {wanted!r}{did_you_mean(wanted, known)}; known types: {', '.join(known)}")
             return found
 
         built[name] = _build_gpu_type(name, entries[normalise_gpu_name(name)][1], where, base_of)

@@ -10,7 +10,7 @@ from typing import Callable
 
 from hetplan.cluster.catalog import get_gpu
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.limits import MAX_GPUS, MAX_LOCAL_PROCESSES, check_at_most
 
 # Link speeds per direction, Gbit/s.
@@ -260,6 +260,6 @@ def get_cluster(name: str) -> ClusterSpec:
     if m := _GENERIC.match(name):
         return homogeneous_cluster(_whole(m.group(1), "GPUs in the cluster", MAX_GPUS), m.group(2))
     raise HetplanError(
-        f"unknown cluster preset {name!r}; run 'hetplan clusters' to list presets, "
+        f"unknown cluster preset {name!r}{did_you_mean(name, _PRESETS)}; run 'hetplan clusters' to list presets, "
         "use the form 64xA100-80GB, or pass a cluster .yaml path"
     )

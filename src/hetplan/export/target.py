@@ -22,9 +22,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from hetplan.plan.workload import Workload
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION, TARGETS, TOOL_NAMES, exportable, try_render
 from hetplan.model.spec import ModelSpec
+from hetplan.cost.model import CostModel
+from hetplan.plan.file import PlanFile
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.units import format_time
 from hetplan.search.baselines.uniform import (
@@ -58,6 +60,31 @@ def refusal(plan: Plan, workload: Workload, tool: str,
     if tool == RUNTIME:
         return runtime_refusal(plan, workload.model)
     return exportable(plan, workload.model, tool, workload.cluster, torchtitan_version)
+
+
+RUNNERS = (RUNTIME, *TARGETS)  # the code a plan can run on, as the "runs on" column lists it
+
+
+def runners(plan: Plan, workload: Workload, torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> tuple[str, ...]:
+    """The codes of ``RUNNERS`` that run ``plan`` as costed (``refusal`` says "" for them)."""
+    return tuple(tool for tool in RUNNERS if not refusal(plan, workload, tool, torchtitan_version))
+
+
+def export_way_out(plan_file: PlanFile, index: int, tool: str,
+                   torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION) -> str:
+    """Said after ``hetplan export``'s refusal of plan ``index`` of ``plan_file``:
+    the first plan of the file ``tool`` runs and its step time against plan
+    ``index``'s (each costed with the workload it was made for), and the
+    ``--target`` that plans for the tool."""
+    how = f"make plans {tool_name(tool)} runs with 'hetplan plan ... --target {tool}'"
+    workload = plan_file.workload(index)
+    for k in range(1, len(plan_file.plans) + 1):
+        other = plan_file.plan(k)
+        if k != index and not refusal(other, plan_file.workload(k), tool, torchtitan_version):
+            ratio = (CostModel(plan_file.workload(k)).estimate(other).iteration_time_s
+                     / CostModel(workload).estimate(plan_file.plan(index)).iteration_time_s)
+            return f"plan {k} of this file runs on it at {ratio:.2f}x the step time (--index {k}), or {how}"
+    return how
 
 
 def plan_target(model: ModelSpec, given: str | None = None) -> str:
@@ -178,7 +205,8 @@ def plans_for_target(ranked: Sequence[RankedPlan], workload: Workload, tool: str
     The best plan overall is the best of ``ranked`` and those uniform plans.
     A one-line HetplanError when the tool can run no plan."""
     if tool not in PLAN_TARGETS or tool == ANY:
-        raise HetplanError(f"unknown target {tool!r}; choose one of {', '.join((RUNTIME, *TARGETS))}")
+        known = (RUNTIME, *TARGETS)
+        raise HetplanError(f"unknown target {tool!r}{did_you_mean(tool, known)}; choose one of {', '.join(known)}")
     if uniform not in UNIFORM_MODES:
         raise ValueError(f"uniform must be one of {UNIFORM_MODES}, not {uniform!r}")
     if not ranked:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.model.families import (
     bert_model,
     llama_decoder,
@@ -52,7 +52,7 @@ def get_model(name: str) -> ModelSpec:
     """The preset model called ``name``; a clear error lists the known names."""
     if name not in _PRESETS:
         raise HetplanError(
-            f"unknown model preset {name!r}; run 'hetplan models' to list presets, "
+            f"unknown model preset {name!r}{did_you_mean(name, _PRESETS)}; run 'hetplan models' to list presets, "
             "or pass a HF config.json path"
         )
     return _PRESETS[name][0]()

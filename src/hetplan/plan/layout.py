@@ -285,20 +285,28 @@ class PlanLayout:
         start, end = self.sample_range(stage, dp_index)
         return [k * mbs + i for k in range(self.plan.num_micro_batches) for i in range(start, end)]
 
+    def run_settings(self) -> str:
+        """The schedule as run and the plan's ZeRO stages: one stage runs its
+        micro-batches in order whatever the plan's schedule says (``from_plan``),
+        so the header names both rather than a bare "gpipe" for a 1f1b plan."""
+        zeros = sorted({st.zero for s in self.plan.stages for st in s.strategies})
+        schedule = self.schedule
+        if self.pp == 1 and self.plan.schedule != self.schedule:
+            schedule = f"{self.schedule} (plan: {self.plan.schedule}; one stage runs micro-batches in order)"
+        return f"{schedule} zero={'/'.join(map(str, zeros))} micro-batches={self.plan.num_micro_batches}"
+
     def describe(self) -> str:
         chunks = " | ".join(f"{self.layer_names[c[0]]}..{self.layer_names[c[-1]]}" for c in self.chunk_layers)
         if self.heterogeneous:
             stages = " | ".join(
                 f"dp{s.dp} tp{s.tp}" + ("" if len(set(s.dp_split)) == 1 else f" split {':'.join(map(str, s.dp_split))}")
                 for s in self.plan.stages)
-            return (f"{self.world_size} processes: pp={self.pp} heterogeneous [{stages}] {self.schedule} "
-                    f"m={self.plan.num_micro_batches} [{chunks}]")
+            return f"{self.world_size} processes: pp={self.pp} heterogeneous [{stages}] {self.run_settings()} [{chunks}]"
         split = "" if len(set(self.dp_split)) == 1 else f" split {':'.join(map(str, self.dp_split))}"
         cp_ep = (f" cp={self.cp}" if self.cp > 1 else "") + (f" ep={self.ep}" if self.ep > 1 else "")
         return (f"{self.world_size} processes: pp={self.pp} dp={self.dp}{cp_ep} tp={self.tp}{split}"
-                f"{' sp' if self.sequence_parallel else ''} {self.schedule}"
-                f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''} "
-                f"m={self.plan.num_micro_batches} [{chunks}]")
+                f"{' sp' if self.sequence_parallel else ''} {self.run_settings()}"
+                f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''} [{chunks}]")
 
 
 def _check_layer_degrees(plan: Plan) -> None:

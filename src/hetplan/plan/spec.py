@@ -196,13 +196,11 @@ class Plan:
 
         def extras(s: Stage) -> str:
             zeros = {st.zero for st in s.strategies}
-            recs = {st.recompute for st in s.strategies}
             offloaded = sum(st.offload for st in s.strategies)
             text = ""
             if zeros != {0}:
                 text += " z" + "/".join(str(z) for z in sorted(zeros))
-            if recs != {"none"}:
-                text += " rc:" + "/".join(sorted(r for r in recs if r != "none"))
+            text += _recompute_label(s) + _layer_tp_label(s)
             if offloaded:
                 text += " offload" + ("" if offloaded == s.num_layers else f":{offloaded}L")
             if s.sequence_parallel:
@@ -351,6 +349,30 @@ def _group_runs(values: Sequence[Any]) -> list[tuple[Any, int]]:
         else:
             runs.append((value, 1))
     return runs
+
+
+def _recompute_label(stage: Stage) -> str:
+    """' rc:full' when every layer recomputes; ' rc:9/26' when 9 of 26 layers
+    recompute in full, ' rc:selective:4/26' for a partial selective policy:
+    the label says how much of the stage recomputes, not only whether any does."""
+    total = len(stage.strategies)
+    parts = []
+    for policy in RECOMPUTE[1:]:
+        count = sum(st.recompute == policy for st in stage.strategies)
+        if count == total:
+            parts.append(policy)
+        elif count:
+            parts.append(("" if policy == "full" else policy + ":") + f"{count}/{total}")
+    return " rc:" + ",".join(parts) if parts else ""
+
+
+def _layer_tp_label(stage: Stage) -> str:
+    """' ltp 2×3/4' when layers run their own TP degree (Galvatron-BMW per-layer
+    tp), in layer order, run-length; '' when every layer keeps the stage's tp."""
+    degrees = [st.tp or stage.tp for st in stage.strategies]
+    if set(degrees) == {stage.tp}:
+        return ""
+    return " ltp " + "/".join(_runs(degrees))
 
 
 def _runs(values: Sequence[int]) -> list[str]:

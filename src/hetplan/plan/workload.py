@@ -17,7 +17,8 @@ from hetplan.cost.constants import (
     RUNTIME_STATE_BYTES,
     ZERO_IMPLEMENTATIONS,
 )
-from hetplan.errors import HetplanError
+from hetplan.cost.targets import target_optimizer
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.limits import MAX_STEP_BYTES
 from hetplan.model.spec import LAYER_BYTE_FIELDS
 from hetplan.limits import MAX_EXPERT_IMBALANCE
@@ -115,7 +116,7 @@ class Workload:
             raise HetplanError(f"unknown attention kernel {self.attention_kernel!r}; choose one of "
                                f"{', '.join(ATTENTION_KERNELS)}")
         if self.target not in TARGETS:
-            raise HetplanError(f"unknown target {self.target!r}; choose one of {', '.join(t for t in TARGETS if t)}")
+            raise HetplanError(f"unknown target {self.target!r}{did_you_mean(self.target, filter(None, TARGETS))}; choose one of {', '.join(t for t in TARGETS if t)}")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
         self._check_step_bytes()
@@ -156,10 +157,12 @@ class Workload:
     @property
     def state_bytes(self) -> tuple[int, int, int]:
         """(weight, gradient, optimizer-state) bytes per parameter: the
-        optimizer's, or what hetplan's runtime holds for it (``RUNTIME_STATE_BYTES``)."""
+        optimizer's as the target tool holds it (``cost.targets.target_optimizer``:
+        Megatron's bf16 keeps fp32 gradients), or what hetplan's runtime holds
+        for it (``RUNTIME_STATE_BYTES``)."""
         if self.target == "hetplan":
             return RUNTIME_STATE_BYTES[self.runtime_optimizer]
-        return OPTIMIZER_STATE_BYTES[self.optimizer]
+        return OPTIMIZER_STATE_BYTES[target_optimizer(self.target, self.precision, self.optimizer)]
 
     def device_capacity_bytes(self, device: int) -> int:
         """A device's memory, capped by ``memory_limit_bytes``; for hetplan's

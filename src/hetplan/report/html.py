@@ -34,6 +34,7 @@ from hetplan.app.report import PlanReport, file_report
 from hetplan.app.whatif import WhatIfResult
 from hetplan.plan.file import PlanFile
 from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
+from hetplan.report.trace import stage_labels as dimension_labels
 from hetplan.report.text import breakdown, ranked_table, report_memory_table, workload_header
 from hetplan.report.training import training_lines
 from hetplan.report.whatif import whatif_table
@@ -77,12 +78,9 @@ def _items(lines: Sequence[str], css: str = "") -> str:
 
 
 def stage_labels(plan: Any, workload: Any) -> list[str]:
-    """The timeline's row labels: the stage, its GPU types and its dp and tp degrees."""
-    labels = []
-    for j, s in enumerate(plan.stages):
-        gpus = "+".join(sorted({workload.cluster.devices[d].gpu.name for d in s.devices}))
-        labels.append(f"stage {j}: {gpus} dp{s.dp} tp{s.tp}")
-    return labels
+    """The timeline's row labels: the stage's number and every dimension it runs
+    (``report.trace.stage_labels``)."""
+    return [f"stage {j}: {label}" for j, label in enumerate(dimension_labels(plan, workload))]
 
 
 def report_html(plan_file: PlanFile, index: int = 1, tokens: float | None = None,
@@ -146,7 +144,7 @@ def _alternatives_section(report: PlanReport, index: int) -> list[str]:
            f"<p>Every plan of the file, re-estimated with the model, cluster and settings it embeds "
            f"(# = its place in the file; the highlighted row is plan {index}, which this page describes).</p>"]
     if report.ranked:
-        table = ranked_table(report.ranked)
+        table = ranked_table(report.ranked, runs_on=report.runs_on)
         if list(report.positions) != list(range(1, len(report.ranked) + 1)):  # a skipped plan shifts the numbering
             table += "\n(file positions: " + ", ".join(str(k) for k in report.positions) + ")"
         row = report.chosen_row

@@ -13,6 +13,7 @@ from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.plan.workload import Workload
 from hetplan.plan.spec import Estimate, Plan, RankedPlan
 from hetplan.report.training import training_lines
+from hetplan.report.runs import LEGEND as RUNS_ON_LEGEND, best_per_tool_lines, runs_on_cell
 from hetplan.units import format_bytes, format_count, format_time
 
 
@@ -43,12 +44,13 @@ def _is_number(text: str) -> bool:
 
 
 def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = None,
-                 replays: Sequence[Any] = ()) -> str:
+                 replays: Sequence[Any] = (), runs_on: Sequence[Sequence[str]] = ()) -> str:
     """The ranked plans; a planner's own cost is shown (``None``: automatically)
     when it is not the estimate's iteration time (AMP's eq. 3-5, hetero-avg's);
     ``replays`` (``hetplan.app.replay.ReplayCheck`` or None per row): a
     "replayed" column beside the analytic peak, and "fits" says "OOM (replay)"
-    for a plan the analytic model fits and the replay does not."""
+    for a plan the analytic model fits and the replay does not; ``runs_on``:
+    per plan, the codes that run it (a "runs on" column)."""
     if show_planner_cost is None:
         show_planner_cost = any(r.planner_cost_s is not None and
                                 abs(r.planner_cost_s - r.estimate.iteration_time_s) > 1e-9 * r.estimate.iteration_time_s
@@ -59,6 +61,8 @@ def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = 
         headers.insert(7, "replayed")
     if show_planner_cost:
         headers.insert(3, "planner cost")
+    if runs_on:
+        headers.append("runs on")
     rows = []
     for i, r in enumerate(ranked, 1):
         e = r.estimate
@@ -70,6 +74,8 @@ def ranked_table(ranked: Sequence[RankedPlan], show_planner_cost: bool | None = 
             row.insert(7, format_bytes(check.peak_bytes) if check is not None else "-")
         if show_planner_cost:
             row.insert(3, format_time(r.planner_cost_s) if r.planner_cost_s is not None else "-")
+        if runs_on:
+            row.append(runs_on_cell(runs_on[i - 1]))
         rows.append(row)
     return table(headers, rows, [True, False] + [True] * (len(headers) - 2))
 
@@ -197,11 +203,21 @@ def report_memory_table(report: PlanReport) -> str:
     return memory_table(report.chosen.plan, report.chosen.estimate, report.workload, report.memory)
 
 
+# Printed once under ``plan``'s table: what the plan column's words mean (the
+# whole notation, every label Plan.describe writes: docs/report.md "Plan notation").
+PLAN_NOTATION = ("plan notation: ppN [stage | stage ...] pipeline stages (one setting when all agree), dpD/tpT/cpC/epE "
+                 "data/tensor/context/expert-parallel degrees, NL layers, zK ZeRO stage, rc:full or rc:9/26 "
+                 "recomputed layers, mbs B x M (per replica) micro-batch size x count; docs/report.md#plan-notation")
+
+
 def plan_text(report: PlanReport, quiet: bool = False) -> str:
     """What ``hetplan plan`` prints: the header, the ranked plans, what the
     target cost, and (not ``quiet``) where the best plan's time and memory go,
     why, the time to train and the notes."""
-    blocks = [workload_header(report.workload, report.header_extra), ranked_table(report.ranked, None, _checks(report))]
+    where = [RUNS_ON_LEGEND, *best_per_tool_lines(report.ranked, report.runs_on, report.positions)]
+    blocks = [workload_header(report.workload, report.header_extra),
+              "\n".join([ranked_table(report.ranked, None, _checks(report), runs_on=report.runs_on), PLAN_NOTATION,
+                         *where])]
     if report.target_lines:
         blocks.append("\n".join(report.target_lines))
     if report.replay is not None and report.replay.line():

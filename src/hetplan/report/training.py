@@ -4,6 +4,8 @@ the HTML report print them."""
 
 from __future__ import annotations
 
+from hetplan.units import format_count
+
 
 def training_lines(numbers: dict[str, float]) -> list[str]:
     """The numbers of ``training_numbers`` as sentences."""
@@ -17,7 +19,7 @@ def training_lines(numbers: dict[str, float]) -> list[str]:
         lines.append(f"no cost: no price for {numbers['unpriced_gpus']} (give --price-per-gpu-hour, or "
                      "price_per_gpu_hour on the node in the cluster file).")
     if "tokens" in numbers:
-        text = (f"{numbers['tokens']:.3g} tokens: {numbers['steps']:,.0f} steps, {numbers['days']:,.1f} days, "
+        text = (f"{format_count(numbers['tokens'])} tokens: {numbers['steps']:,.0f} steps, {numbers['days']:,.1f} days, "
                 f"{numbers['gpu_hours']:,.0f} GPU-hours")
         lines.append(text + (f", ${numbers['usd']:,.0f}." if "usd" in numbers else "."))
     return lines

@@ -359,7 +359,7 @@ class _AutoSearch:
     def to_plan(self, shape: PlanShape, solution: PipelineSolution) -> Plan:
         how = "certified optimal" if solution.certified else \
             f"within {solution.iteration_s / solution.lower_bound_s - 1:.2%} of its optimum"
-        note = (f"auto: exact layer split and per-stage ZeRO/recompute/offload for a {shape.source} shape "
+        note = (f"auto: exact layer split and per-stage ZeRO/recompute/offload for a shape from {shape.source} "
                 f"({how} for that shape)")
         return Plan(model=self.workload.model.name, cluster=self.workload.cluster.name,
                     global_batch_size=self.workload.global_batch_size, micro_batch_size=shape.micro_batch_size,
@@ -395,7 +395,7 @@ class _AutoSearch:
         return out
 
     def notes(self, time_s: float, bound_s: float) -> tuple[str, ...]:
-        notes = [f"auto: within {time_s / bound_s - 1:.1%} of the lower bound {bound_s:.4g} s "
+        notes = [f"auto: {time_s / bound_s - 1:.1%} above the lower bound "
                  "(no plan of this workload can be faster; cost/bounds.py)"]
         if self.budget.exhausted:
             notes.append(self.budget.note("auto"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hetplan.errors import HetplanError
+from hetplan.errors import HetplanError, did_you_mean
 from hetplan.search.amp import AMPPlanner
 from hetplan.search.auto import AutoPlanner
 from hetplan.search.base import Planner
@@ -57,5 +57,5 @@ def planner_descriptions() -> dict[str, str]:
 
 def get_planner(name: str) -> Planner:
     if name not in PLANNERS:
-        raise HetplanError(f"unknown planner {name!r}; choose one of {', '.join(planner_names())}")
+        raise HetplanError(f"unknown planner {name!r}{did_you_mean(name, PLANNERS)}; choose one of {', '.join(planner_names())}")
     return PLANNERS[name][0]()
