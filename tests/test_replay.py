@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
 import pytest
 
 from hetplan.app import plan as plan_api
-from hetplan.app.replay import ReplayOutcome, replay_top
-from hetplan.plan.file import read_plan_file, resolve_model
+from hetplan.app.replay import ReplayCheck, ReplayOutcome, replay_top, rerank
+from hetplan.plan.file import read_plan_file, resolve_model, save_plan
 
 pytest.importorskip("torch")
 
@@ -49,10 +50,10 @@ def _fits_column(text: str, row: int) -> str:
     return line.split("  ")[-1].strip()
 
 
-def test_plan_does_not_recommend_a_plan_only_the_replay_shows_out_of_memory(capsys: pytest.CaptureFixture) -> None:
-    """A tiny model's plans, replayed; at a memory limit between one plan's
-    analytic and replayed peak the analytic model alone calls it fitting,
-    the replay does not, and ``hetplan plan`` ranks it below those that fit."""
+def test_the_replay_catches_a_plan_the_analytic_model_calls_fitting(capsys: pytest.CaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny model's plans, replayed; at a memory limit between one plan's analytic and replayed peak
+    the analytic model alone calls it fitting and the replay does not: ``hetplan estimate`` says so."""
     from hetplan.cli import main
 
     first = plan_api("tiny-gpt", "local-cpu-2", 8, top=3, replay=3)
@@ -60,16 +61,25 @@ def test_plan_does_not_recommend_a_plan_only_the_replay_shows_out_of_memory(caps
     assert short, "the analytic model is short of no replayed plan"
     ranked, check = max(short, key=lambda rc: rc[1].peak_bytes - rc[0].estimate.max_memory_bytes)
     limit = (ranked.estimate.max_memory_bytes + check.peak_bytes) / 2
-    assert main(["plan", "--model", "tiny-gpt", "--cluster", "local-cpu-2", "--global-batch", "8", "--top", "3",
-                 "--replay", "3", "--quiet", "--memory-limit", f"{limit / 2**20:.4f}MiB"]) == 0
+    monkeypatch.setenv("HETPLAN_REPLAY", "1")  # estimate's default (tests/conftest.py turns it off)
+    plan_file = os.path.join(tempfile.mkdtemp(), "p.json")
+    save_plan(plan_file, ranked.plan)
+    assert main(["estimate", plan_file, "--model", "tiny-gpt", "--cluster", "local-cpu-2",
+                 "--memory-limit", f"{limit / 2**20:.4f}MiB"]) == 0
     text = capsys.readouterr().out
-    rows = [line for line in text.splitlines() if line[:1].isdigit()]
-    described = ranked.plan.describe()
-    row = next(i for i, line in enumerate(rows, 1) if described in line)
-    assert _fits_column(text, row) == "OOM (replay)"
-    assert row == len(rows) or all(_fits_column(text, k) == "OOM (replay)" for k in range(row, len(rows) + 1))
-    assert _fits_column(text, 1) == "yes"
+    assert ranked.estimate.max_memory_bytes < limit < check.peak_bytes
+    assert _fits_column(text, 1) == "OOM (replay)"
     assert "do not fit by it and are ranked last" in text
+
+
+def test_plan_never_recommends_a_plan_the_replay_shows_out_of_memory() -> None:
+    """``rerank`` moves the plans whose replay does not fit after those that fit (or were not
+    replayed), each group in its order: the first plan is one that fits while any does."""
+    plans = plan_api("tiny-gpt", "local-cpu-2", 8, top=4, replay=0).plans
+    checks = (ReplayCheck(2, 1, False, 0.0), None, ReplayCheck(1, 2, True, 0.0), ReplayCheck(3, 1, False, 0.0))
+    order, outcome = rerank(plans, ReplayOutcome(checks))
+    assert order == [plans[1], plans[2], plans[0], plans[3]]
+    assert outcome.checks == (None, checks[2], checks[0], checks[3])
 
 
 def test_llama1b_best_plan_fits_by_the_replay() -> None:
@@ -95,7 +105,8 @@ def test_no_replay_prints_the_analytic_table_only(capsys: pytest.CaptureFixture)
     assert main([*args, "--replay", "0"]) == 0
     assert _untimed(capsys.readouterr().out) == off
     header = next(line for line in off.splitlines() if line.startswith("#  plan"))
-    assert header.split() == ["#", "plan", "iter", "time", "samples/s", "tokens/s", "MFU", "max", "mem/GPU", "fits"]
+    assert header.split() == ["#", "plan", "iter", "time", "samples/s", "tokens/s", "MFU", "max", "mem/GPU", "fits", "runs",
+                              "on"]
     assert "replay" not in off
 
 

@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hetplan.errors import HetplanError
+from hetplan.plan.layout import PlanLayout
 from hetplan.plan.spec import Plan
 
 # The optimizer the replay steps with: AdamW, whose two fp32 states per parameter the cost model
@@ -156,8 +157,6 @@ def replay_refusal(spec: Any) -> str:
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
     """Replay one rank of each distinct pipeline stage of ``plan`` (first dp, tp and cp index)."""
-    from hetplan.runtime.layout import PlanLayout
-
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     why = plan_refusal(plan, layout)
