@@ -45,6 +45,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each layer (RuntimeContext.parallelize)
     dropout: float = 0.0  # the built-in model's dropout (hetplan.runtime.dropout: plan-independent masks)
     resume_or_start: bool = False  # as resume, but start from step 0 when checkpoint_dir has none
+    optimizer_impl: str = ""  # for-loop / foreach / fused; default the device's (reference.make_optimizer)
 
 
 def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
@@ -62,10 +63,14 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     how = model_build(spec, cfg.dropout)
     model = ctx.parallelize(how.build, seed=cfg.seed, compile=cfg.compile, meta_init=how.meta_init,
                             example_inputs=how.example_inputs)
-    opt = ctx.optimizer(model, make_optimizer, name=cfg.optimizer, lr=cfg.lr)  # ZeRO-1: states sharded
+    opt = ctx.optimizer(model, make_optimizer, name=cfg.optimizer, lr=cfg.lr,  # ZeRO-1: states sharded
+                        implementation=cfg.optimizer_impl or None)
+    impl = getattr(getattr(opt, "inner", opt), "hetplan_implementation", "")
     for note in ctx.notes:
         if not cfg.quiet:
             ctx.print(f"note: {note}")
+    if not cfg.quiet:
+        ctx.print(f"optimizer: {cfg.optimizer}, {impl} implementation (docs/runtime.md, \"Optimizers\")")
     start = 0
     if cfg.load_from:
         start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
@@ -104,7 +109,8 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
               "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model),
-              "peak_memory_bytes": peak_memory_bytes(ctx.device), "device": ctx.device.type}
+              "peak_memory_bytes": peak_memory_bytes(ctx.device), "device": ctx.device.type,
+              "optimizer_implementation": impl}
     if ctx.rank == 0 and cfg.out:
         os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
@@ -162,10 +168,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--optimizer-impl", default="")
     a = p.parse_args(argv)
     return TrainConfig(a.plan, a.model, a.steps, a.seed, a.lr, a.optimizer, a.clip, a.out, a.export,
                        a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet,
-                       a.compile, a.dropout, resume_or_start=a.resume_or_start)
+                       a.compile, a.dropout, resume_or_start=a.resume_or_start,
+                       optimizer_impl=a.optimizer_impl)
 
 
 def main(argv: list[str] | None = None) -> int:
