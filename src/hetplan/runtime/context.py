@@ -318,9 +318,12 @@ class RuntimeContext:
 
     # --- training ---------------------------------------------------------------------
     def train_step(self, model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor],
-                   return_outputs: bool = True, *, inputs: dict[str, torch.Tensor] | None = None) -> float:
+                   return_outputs: bool = True, *, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward over all micro-batches of one step; returns the
-        global-batch mean loss on every rank. Gradients (synchronised across
+        global-batch mean loss on every rank, a 0-dim tensor on this rank's
+        device: the step does not wait for the device (no host sync, fp16's
+        overflow check aside), so ``float(loss)`` or ``f"{loss:.4f}"`` only on
+        the steps you print. Gradients (synchronised across
         data-parallel replicas and tied copies) are left in ``.grad`` for the
         user's optimizer. ``loss_fn(output, target)`` must return the *mean*
         loss of a micro-batch. With ``return_outputs`` the model outputs of the
@@ -336,9 +339,10 @@ class RuntimeContext:
         forward passes to it unchanged). See hetplan.runtime.step."""
         return steps.train_step(self, model, batch, loss_fn, return_outputs, inputs)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip gradients by their global norm over the whole model (all stages,
-        shards and replicas; a tied weight counted once). Returns the norm."""
+        shards and replicas; a tied weight counted once). Returns the norm, a
+        0-dim tensor on the device as ``torch.nn.utils.clip_grad_norm_`` does (no host sync)."""
         info = self.model_info(model)
         return steps.clip_grad_norm_(self, self._unwrap(model), info.aliases if info else {}, max_norm)
 

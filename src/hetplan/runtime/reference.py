@@ -228,7 +228,7 @@ def row_groups(layout: Any) -> list[list[int]]:
     return out
 
 
-def compare(losses: list[float], ref_losses: list[float], state: dict[str, torch.Tensor],
+def compare(losses: Sequence[float | torch.Tensor], ref_losses: list[float], state: dict[str, torch.Tensor],
             ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Largest relative loss difference, and the largest relative parameter difference.
 
@@ -239,6 +239,7 @@ def compare(losses: list[float], ref_losses: list[float], state: dict[str, torch
     keys), which hold only accumulated rounding noise that no two correct runs
     share; any real error in a tensor shows up against its own norm.
     """
+    losses = [float(v) for v in losses]  # train_step's losses may be device tensors
     if len(losses) != len(ref_losses):
         raise ValueError(f"{len(losses)} losses vs {len(ref_losses)} reference losses")
     loss_diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)), default=0.0)
