@@ -237,7 +237,14 @@ class RuntimeContext:
             expert_zero_sharded=self.ep_mesh is not None and self.ep_mesh["edp"].size() > 1,
             core_layers=frozenset(layer.name for layer in self.spec.layers if layer.attention_flops > 0),
             offloaded=spine.offloaded_layers(self.plan, self.layout), compile=compile, dp=dp,
-            dp_mesh=self.dp_mesh if dp > 1 else None)
+            dp_mesh=self.dp_mesh if dp > 1 else None, plain_ddp=self._plain_ddp(dp, zero))
+
+    def _plain_ddp(self, dp: int, zero: dict[str, int]) -> bool:
+        """Plain data parallelism (ZeRO-0 everywhere, no TP, PP, CP or EP) runs on
+        DDP: measured faster than FSDP2 ``replicate`` (docs/runtime.md, "Speed")."""
+        lay = self.layout
+        plain = dp > 1 and lay.pp == 1 and lay.max_tp == 1 and lay.cp == 1 and lay.ep == 1
+        return plain and all(z == 0 for z in zero.values())
 
     def _track_zero(self, local: nn.Module, how: spine.PartSettings, experts: set[nn.Parameter],
                     notes: list[str]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -441,8 +442,11 @@ def global_loss(ctx: TrainingRank, total: torch.Tensor) -> torch.Tensor:
     contributes = ctx.is_last_stage and ctx.position.tp_index == 0
     if not contributes:
         total = torch.zeros_like(total)
-    dist.all_reduce(total)
-    return total / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
+    mean = total / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
+    # a functional collective: it runs in the background and the tensor waits for it when first
+    # used (torch.distributed._functional_collectives.AsyncCollectiveTensor), so the step does not
+    # stop for the loss when nobody reads it (gloo's all_reduce blocks the host until done)
+    return funcol.all_reduce(mean, "sum", dist.group.WORLD)
 
 
 # --- gradient clipping ----------------------------------------------------------------------------
