@@ -21,6 +21,8 @@ CASES = {
     "dp2-zero0123-recompute-bf16-accumulate": (dict(dp=2, micro=2, strategies=MIXED), "bf16", 2, 0),
     # tensor parallelism with sequence parallelism, fp16 (the overflow verdict: one sync)
     "tp2-sp-fp16": (dict(tp=2, micro=1, sp=True), "fp16", 1, 1),
+    # plain data parallelism (DDP), fp32, 2 micro-batches per replica
+    "dp2-zero0-ddp-fp32": (dict(dp=2, micro=2), "fp32", 1, 0),
     # pipeline (tied embedding and head on two stages), fp32, 4 micro-batches
     "pp2-fp32": (dict(pp=2, micro=2), "fp32", 1, 0),
 }
