@@ -23,6 +23,7 @@ from typing import Any
 from hetplan.errors import HetplanError
 from hetplan.runtime import launch
 from hetplan.runtime.console import console, log_stderr
+from hetplan.runtime.profiling.timing import Stopwatch
 
 
 @dataclass
@@ -86,18 +87,20 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         elif not cfg.quiet:
             ctx.print(f"note: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0", file=sys.stderr)
     ctx.step = start  # dropout masks of a resumed run continue where it stopped
-    losses, clock = [], StepClock(ctx.device)
+    # step times without a host sync per step: CUDA events read once at the end (the host runs
+    # ahead of the GPU, so the host clock would time the launches), the host clock on CPU
+    losses, clock = [], Stopwatch(ctx.device)
     for step in range(start, cfg.steps):
         # next-token batches (HF: with a padded attention mask), or a pkg.mod:build model's own (user_model)
         x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, cfg.seed)
         t0 = time.perf_counter()
-        clock.start()
+        clock.mark()
         loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
         if cfg.clip:
             ctx.clip_grad_norm_(model, cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        clock.stop()
+        clock.mark()
         losses.append(loss)  # no grad; any op on it would wait for the loss's all-reduce
         if not cfg.quiet:  # the step's one host sync, for the printed loss (after it the step is done)
             value = float(loss)
@@ -108,7 +111,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             ctx.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
     losses = torch.stack(losses).tolist() if losses else []  # one sync for the whole run's losses
-    times = clock.times()
+    times = clock.laps()[::2]  # each step's start to its end, not the batch making between steps
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
               "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model),
@@ -123,43 +126,6 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     result["state"] = state
     ctx.close()
     return result
-
-
-class StepClock:
-    """Step times without a host sync per step. On CUDA the host runs ahead
-    of the GPU, so a host clock would time the kernel launches: CUDA events
-    around each step, read once at the end. On CPU, where each op runs when
-    called, the host clock."""
-
-    def __init__(self, device: Any) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def _mark(self) -> None:
-        import torch
-
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def start(self) -> None:
-        self._mark()
-
-    def stop(self) -> None:
-        self._mark()
-
-    def times(self) -> list[float]:
-        """Seconds of each step, in order."""
-        pairs = list(zip(self.marks[::2], self.marks[1::2]))
-        if not self.cuda:
-            return [b - a for a, b in pairs]
-        import torch
-
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) / 1e3 for a, b in pairs]  # elapsed_time is in milliseconds
 
 
 def peak_memory_bytes(device: Any) -> int:
