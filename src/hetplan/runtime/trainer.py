@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         if not cfg.quiet:
             ctx.print(f"note: {note}")
     if not cfg.quiet:
-        ctx.print(f"optimizer: {cfg.optimizer}, {impl} implementation (docs/runtime.md, \"Optimizers\")")
+        ctx.print(f"optimizer: {cfg.optimizer}, {impl} implementation (docs/runtime.md, \"Speed\")")
     start = 0
     if cfg.load_from:
         start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
