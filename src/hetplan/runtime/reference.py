@@ -134,7 +134,9 @@ def optimizer_implementation(params: Sequence[torch.Tensor], name: str, wanted: 
     parameters; layers without a TP plan) to the for-loop, since every foreach
     and fused op refuses "mixed torch.Tensor and DTensor" (torch 2.13)."""
     device = params[0].device.type if params else "cpu"
-    choice = wanted or OPTIMIZER_IMPLEMENTATION.get(device, "foreach")
+    # a device the table does not name: the for-loop, torch's own default where foreach kernels are
+    # not known to exist (torch/optim/optimizer.py, _default_to_fused_or_foreach)
+    choice = wanted or OPTIMIZER_IMPLEMENTATION.get(device, "for-loop")
     if choice not in IMPLEMENTATIONS:
         raise HetplanError(f"optimizer implementation {choice!r}: use one of {', '.join(IMPLEMENTATIONS)}")
     kinds = {isinstance(p, DTensor) for p in params}
