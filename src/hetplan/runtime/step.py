@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -442,11 +441,11 @@ def global_loss(ctx: TrainingRank, total: torch.Tensor) -> torch.Tensor:
     contributes = ctx.is_last_stage and ctx.position.tp_index == 0
     if not contributes:
         total = torch.zeros_like(total)
-    mean = total / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
-    # a functional collective: it runs in the background and the tensor waits for it when first
-    # used (torch.distributed._functional_collectives.AsyncCollectiveTensor), so the step does not
-    # stop for the loss when nobody reads it (gloo's all_reduce blocks the host until done)
-    return funcol.all_reduce(mean, "sum", dist.group.WORLD)
+    # a plain all_reduce: on NCCL the host only enqueues it. (A functional collective, which waits
+    # when first used, would spare gloo's blocking call, but its AsyncCollectiveTensor refuses
+    # f"{loss:.4f}" on torch 2.13: Tensor.__format__ formats only exact Tensors.)
+    dist.all_reduce(total)
+    return total / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
 
 
 # --- gradient clipping ----------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.mark()
-        losses.append(loss)  # no grad; any op on it would wait for the loss's all-reduce
+        losses.append(loss.detach())
         if not cfg.quiet:  # the step's one host sync, for the printed loss (after it the step is done)
             value = float(loss)
             ctx.print(f"step {step + 1:>4}  loss {value:.6f}  time {(time.perf_counter() - t0) * 1e3:8.1f} ms")
