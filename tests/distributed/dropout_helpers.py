@@ -73,7 +73,7 @@ def user_worker(plan_path: str, steps: int = STEPS) -> dict[str, Any]:
     losses = []
     for step in range(steps):
         x, y = synthetic_batch(ctx.spec.vocab_size, ctx.spec.seq_len, ctx.plan.global_batch_size, step, 0)
-        losses.append(ctx.train_step(model, (x, y), cross_entropy_loss, return_outputs=False))
+        losses.append(float(ctx.train_step(model, (x, y), cross_entropy_loss, return_outputs=False)))
         ctx.clip_grad_norm_(model, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

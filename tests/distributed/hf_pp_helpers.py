@@ -163,7 +163,7 @@ def worker(plan_path: str, name: str, steps: int = 2, accumulate: bool = False, 
     for step in range(steps):
         for k in ([2 * step, 2 * step + 1] if accumulate else [step]):
             x, y, inputs = batch(k, ctx.plan.global_batch_size, name)
-            losses.append(ctx.train_step(model, (x, y), loss, inputs=inputs))
+            losses.append(float(ctx.train_step(model, (x, y), loss, inputs=inputs)))
         opt.step()
         opt.zero_grad()
     if checkpoint:
@@ -263,7 +263,7 @@ def masked_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
     for step in range(steps):
         x, y = synthetic_batch(tiny.vocab_size, tiny.seq_len, ctx.plan.global_batch_size, step)
         mask = _mask(step, x.shape)
-        losses.append(ctx.train_step(model, (x, y), cross_entropy_loss, inputs={"mask": mask}))
+        losses.append(float(ctx.train_step(model, (x, y), cross_entropy_loss, inputs={"mask": mask})))
         ctx.clip_grad_norm_(model, 1.0)
         opt.step()
         opt.zero_grad()

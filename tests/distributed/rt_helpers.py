@@ -163,7 +163,7 @@ def build_worker(plan_path: str, model: str = "preset", steps: int = 1, change_s
     for step in range(steps):
         seq = spec.seq_len // 2 if change_shape and step == 1 else spec.seq_len
         x, y = synthetic_batch(spec.vocab_size, seq, ctx.plan.global_batch_size, step)
-        losses.append(ctx.train_step(model_, (x, y), cross_entropy_loss))
+        losses.append(float(ctx.train_step(model_, (x, y), cross_entropy_loss)))
         for p in model_.parameters():
             p.grad = None
     ctx.close()
@@ -202,7 +202,7 @@ def hf_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
     losses = []
     for step in range(steps):
         x, y = synthetic_batch(128, 16, ctx.plan.global_batch_size, step)
-        losses.append(ctx.train_step(model, (x, y), hf_loss))
+        losses.append(float(ctx.train_step(model, (x, y), hf_loss)))
         opt.step()
         opt.zero_grad()
     state = ctx.full_state_dict(model)
@@ -264,7 +264,7 @@ def accumulate_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
     for step in range(steps):
         for half in range(2):
             batch = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, 2 * step + half)
-            losses.append(ctx.train_step(model, batch, cross_entropy_loss))
+            losses.append(float(ctx.train_step(model, batch, cross_entropy_loss)))
         opt.step()
         opt.zero_grad()
     state = ctx.full_state_dict(model)
@@ -323,7 +323,7 @@ def long_skip_worker(plan_path: str) -> float:
     ctx = init(plan_path, spec)
     model = ctx.parallelize(LongSkip)
     x, y = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, 0)
-    return ctx.train_step(model, (x, y), cross_entropy_loss)
+    return float(ctx.train_step(model, (x, y), cross_entropy_loss))
 
 
 def torch_clip_worker(plan_path: str) -> dict[str, Any]:
@@ -347,7 +347,7 @@ def torch_clip_worker(plan_path: str) -> dict[str, Any]:
         torch_clip = "ran"
     except HetplanError as e:
         torch_clip = str(e)
-    norm = ctx.clip_grad_norm_(model, 1e9)
+    norm = float(ctx.clip_grad_norm_(model, 1e9))
     ctx.close()
     plain = torch.nn.Linear(2, 2)
     plain.weight.grad = torch.ones(2, 2)
@@ -370,7 +370,8 @@ def compiled_whole_worker(plan_path: str) -> dict[str, Any]:
     model = torch.compile(ctx.parallelize(lambda: build_preset_model(spec)))
     batch = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, 0)
     try:
-        result = {"loss": ctx.train_step(model, batch, cross_entropy_loss), "norm": ctx.clip_grad_norm_(model, 1e9),
+        result = {"loss": float(ctx.train_step(model, batch, cross_entropy_loss)),
+                  "norm": float(ctx.clip_grad_norm_(model, 1e9)),
                   "state": sorted(ctx.full_state_dict(model))}
     except HetplanError as e:
         result = {"error": str(e)}

@@ -52,7 +52,7 @@ def train_worker(plan: Any, spec: Any, name: str) -> dict[str, Any]:
     for step in range(STEPS):
         opt.zero_grad()
         x, y, kw = _data(name, step)
-        losses.append(ctx.train_step(model, (x, y), _loss(name), inputs=kw or None))
+        losses.append(float(ctx.train_step(model, (x, y), _loss(name), inputs=kw or None)))
         opt.step()
     state = ctx.full_state_dict(model)
     ctx.close()

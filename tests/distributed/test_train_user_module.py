@@ -152,7 +152,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
 losses = []
 for step in range(2):
     x, y, inputs = how.batch(ctx.plan.global_batch_size, step, 0)
-    losses.append(ctx.train_step(model, (x, y), how.loss, inputs=inputs))
+    losses.append(float(ctx.train_step(model, (x, y), how.loss, inputs=inputs)))
     opt.step()
     opt.zero_grad()
 state = ctx.full_state_dict(model)

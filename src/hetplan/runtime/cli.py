@@ -37,6 +37,7 @@ from hetplan.runtime import trainer
 from hetplan.runtime import launch
 from hetplan.plan.layout import PlanLayout
 from hetplan.plan.file import read_plan_file
+from hetplan.plan.runtime_facts import IMPLEMENTATIONS
 
 # Largest relative difference --verify accepts, by precision. fp32: rounding
 # only (a correct plan matches to ~1e-7). 16-bit: each matmul output is rounded
@@ -80,6 +81,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="sgd (momentum 0.9, default) or adamw; --verify needs sgd (see docs/runtime.md)")
+    p.add_argument("--optimizer-impl", choices=IMPLEMENTATIONS, default=None,
+                   help="the optimizer's torch implementation (default: fused on CUDA, for-loop on CPU: "
+                   "hetplan.plan.runtime_facts.OPTIMIZER_IMPLEMENTATION, what the cost model costs)")
     p.add_argument("--lr", type=finite_positive_float, default=None,
                    help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
     p.add_argument("--clip", type=finite_nonneg_float, default=1.0,
@@ -245,6 +249,8 @@ def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from:
         worker_args += ["--model", args.model]
     if args.compile:
         worker_args.append("--compile")
+    if args.optimizer_impl:
+        worker_args += ["--optimizer-impl", args.optimizer_impl]
     if args.dropout:
         worker_args += ["--dropout", repr(args.dropout)]
     if args.lr is not None:

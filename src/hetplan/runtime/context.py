@@ -238,7 +238,14 @@ class RuntimeContext:
             expert_zero_sharded=self.ep_mesh is not None and self.ep_mesh["edp"].size() > 1,
             core_layers=frozenset(layer.name for layer in self.spec.layers if layer.attention_flops > 0),
             offloaded=spine.offloaded_layers(self.plan, self.layout), compile=compile, dp=dp,
-            dp_mesh=self.dp_mesh if dp > 1 else None)
+            dp_mesh=self.dp_mesh if dp > 1 else None, plain_ddp=self._plain_ddp(dp, zero))
+
+    def _plain_ddp(self, dp: int, zero: dict[str, int]) -> bool:
+        """Plain data parallelism (ZeRO-0 everywhere, no TP, PP, CP or EP) runs on
+        DDP: measured faster than FSDP2 ``replicate`` (docs/runtime.md, "Speed")."""
+        lay = self.layout
+        plain = dp > 1 and lay.pp == 1 and lay.max_tp == 1 and lay.cp == 1 and lay.ep == 1
+        return plain and all(z == 0 for z in zero.values())
 
     def _track_zero(self, local: nn.Module, how: spine.PartSettings, experts: set[nn.Parameter],
                     notes: list[str]) -> None:
@@ -319,9 +326,12 @@ class RuntimeContext:
 
     # --- training ---------------------------------------------------------------------
     def train_step(self, model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: Callable[..., torch.Tensor],
-                   return_outputs: bool = True, *, inputs: dict[str, torch.Tensor] | None = None) -> float:
+                   return_outputs: bool = True, *, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward over all micro-batches of one step; returns the
-        global-batch mean loss on every rank. Gradients (synchronised across
+        global-batch mean loss on every rank, a 0-dim tensor on this rank's
+        device: the step does not wait for the device (no host sync, fp16's
+        overflow check aside), so ``float(loss)`` or ``f"{loss:.4f}"`` only on
+        the steps you print. Gradients (synchronised across
         data-parallel replicas and tied copies) are left in ``.grad`` for the
         user's optimizer. ``loss_fn(output, target)`` must return the *mean*
         loss of a micro-batch. With ``return_outputs`` the model outputs of the
@@ -337,9 +347,10 @@ class RuntimeContext:
         forward passes to it unchanged). See hetplan.runtime.step."""
         return steps.train_step(self, model, batch, loss_fn, return_outputs, inputs)
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip gradients by their global norm over the whole model (all stages,
-        shards and replicas; a tied weight counted once). Returns the norm."""
+        shards and replicas; a tied weight counted once). Returns the norm, a
+        0-dim tensor on the device as ``torch.nn.utils.clip_grad_norm_`` does (no host sync)."""
         info = self.model_info(model)
         return steps.clip_grad_norm_(self, self._unwrap(model), info.aliases if info else {}, max_norm)
 

@@ -420,6 +420,21 @@ def apply_dp(root: nn.Module, zero: dict[str, int], dp_mesh: Any, notes: list[st
     return wrapped
 
 
+def apply_ddp(root: nn.Module, dp_mesh: Any) -> list[tuple[nn.Module, bool]]:
+    """Plain data parallelism (every layer ZeRO-0, one stage, no TP/CP/EP): the
+    whole part under DDP (torch's composable ``replicate``: bucketed all-reduces
+    overlapping the backward, parameters plain tensors under their own names),
+    which measured faster than FSDP2 ``replicate`` per layer (docs/runtime.md,
+    "Speed"). DDP starts on the first forward, after the weights are materialised."""
+    from torch.distributed._composable.replicate import replicate as ddp
+
+    on_cuda = dp_mesh.device_type == "cuda"
+    # the group, not the mesh: a mesh sliced from the run's larger one makes replicate add DDP+TP's
+    # DTensor hooks to every forward (torch/distributed/_composable/replicate.py, "root_mesh != device_mesh")
+    ddp(root, process_group=dp_mesh.get_group(), **({"device_id": torch.cuda.current_device()} if on_cuda else {}))
+    return [(root, False)]
+
+
 def set_accumulating(sync_modules: Sequence[tuple[nn.Module, bool]], last: bool) -> None:
     """Before a micro-batch's backward: wrapped modules that reduce on every
     micro-batch (ZeRO-3) do; the others reduce their gradients only on the
@@ -427,7 +442,12 @@ def set_accumulating(sync_modules: Sequence[tuple[nn.Module, bool]], last: bool)
     (ZeRO-2: gathered once a step, as ZeRO keeps them and the cost model
     charges, not again for every micro-batch; torch pipelining does the same
     for its stages)."""
+    from torch.distributed._composable.replicate import DDP
+
     for module, every in sync_modules:
+        if isinstance(module, DDP):  # apply_ddp's whole part: no per-module flag
+            module.set_requires_gradient_sync(every or last)
+            continue
         module.set_requires_gradient_sync(every or last, recurse=False)
         if not every and hasattr(module, "set_reshard_after_backward"):
             module.set_reshard_after_backward(last, recurse=False)

@@ -54,17 +54,26 @@ class LossScaler:
 
     def unscale(self, grads: Iterable[torch.Tensor], device: torch.device, group: Any = None) -> bool:
         """Divide the gradients by the scale; whether all ranks' are finite (the
-        verdict is the same on every rank of ``group``)."""
+        verdict is the same on every rank of ``group``). One grouped kernel per
+        (device, dtype) checks and unscales (``_amp_foreach_non_finite_check_and_unscale_``,
+        what torch's GradScaler runs; multiplying by 1/scale is exact, the scale
+        being a power of two), one all-reduce shares the verdict, and reading it
+        is the one host sync (GradScaler.step reads it too)."""
         from torch.distributed.tensor import DTensor
 
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        bad = torch.zeros((), dtype=torch.float32, device=device)
-        for g in locals_:
-            g.div_(self.scale)
-            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+        for (dev, _), locals_ in by_kind.items():
+            found_here = torch.zeros(1, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                locals_, found_here, torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=dev))
+            found = torch.maximum(found, found_here.to(device))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
-        finite = not bool(bad)
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
+        finite = not bool(found)
         self._update(finite)
         return finite
 

@@ -15,7 +15,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from hetplan.errors import HetplanError
+from hetplan.plan.runtime_facts import IMPLEMENTATIONS, OPTIMIZER_IMPLEMENTATION
 from hetplan.runtime import dropout, hf_recompute
 from hetplan.runtime import parallelize as par
 from hetplan.runtime.precision import LossScaler, autocast
@@ -114,20 +117,63 @@ def build_reference(build_model: Callable[[], nn.Module], seed: int = 0,
 
 
 DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
+# torch.optim ops a DTensor parameter supports with ``fused=True``: DTensor registers
+# ``aten._fused_adam(w)_`` as pointwise ops (torch/distributed/tensor/_ops/_pointwise_ops.py,
+# "fused optimizer ops"), but not ``aten._fused_sgd_`` ("does not have a sharding strategy
+# registered" on torch 2.13); SGD over DTensors runs foreach instead. Checked on gloo: fused AdamW
+# and foreach ops take DTensors of different meshes in one list (a dp x tp and a dp parameter).
+FUSED_ON_DTENSOR = {"adamw": True, "sgd": False}
 
 
-def make_optimizer(params: Iterable[nn.Parameter], name: str = "sgd", lr: float | None = None
-                   ) -> torch.optim.Optimizer:
+def optimizer_implementation(params: Sequence[torch.Tensor], name: str, wanted: str | None = None) -> str:
+    """The implementation ``make_optimizer`` runs: ``wanted``, else the
+    runtime's for the parameters' device (``OPTIMIZER_IMPLEMENTATION``, which the
+    cost model costs). Where torch has no multi-tensor kernel for the
+    parameters it falls back: fused SGD over DTensors to foreach; DTensors and
+    plain tensors in one list (a ZeRO-1 optimizer's shards beside FSDP2 or TP
+    parameters; layers without a TP plan) to the for-loop, since every foreach
+    and fused op refuses "mixed torch.Tensor and DTensor" (torch 2.13)."""
+    device = params[0].device.type if params else "cpu"
+    # a device the table does not name: the for-loop, torch's own default where foreach kernels are
+    # not known to exist (torch/optim/optimizer.py, _default_to_fused_or_foreach)
+    choice = wanted or OPTIMIZER_IMPLEMENTATION.get(device, "for-loop")
+    if choice not in IMPLEMENTATIONS:
+        raise HetplanError(f"optimizer implementation {choice!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+    kinds = {isinstance(p, DTensor) for p in params}
+    if choice != "for-loop" and len(kinds) > 1:
+        return "for-loop"
+    if choice == "fused" and kinds == {True} and not FUSED_ON_DTENSOR.get(name, False):
+        return "foreach"
+    return choice
+
+
+def make_optimizer(params: Iterable[nn.Parameter], name: str = "sgd", lr: float | None = None,
+                   implementation: str | None = None) -> torch.optim.Optimizer:
     """SGD with momentum (the default: its update is linear in the gradient, so
     rounding differences stay rounding-sized) or AdamW (which turns the
     rounding noise of zero-in-theory gradients into full-size steps; a run can
-    then not be compared with a reference to 1e-5)."""
+    then not be compared with a reference to 1e-5).
+
+    ``implementation`` (``for-loop``, ``foreach``, ``fused``): default the
+    runtime's for the device (:func:`optimizer_implementation`); the optimizer
+    records it as ``hetplan_implementation``. Each implementation updates each
+    element with the same formula whatever the sharding, so a plan and its
+    ``--verify`` reference, both built here for the same device, step alike; the
+    CPU's for-loop form also keeps the reference bit-identical to torch's default
+    ``foreach=False`` loops the tests compare with."""
+    params = list(params)
     lr = DEFAULT_LR.get(name, 1e-3) if lr is None else lr
+    if name not in DEFAULT_LR:
+        raise ValueError(f"unknown optimizer {name!r}")
+    flat = [q for g in params for q in (g["params"] if isinstance(g, dict) else [g])]  # param groups too
+    how = optimizer_implementation(flat, name, implementation)
+    flags = {"fused": how == "fused", "foreach": how == "foreach"}
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=False)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=False)
-    raise ValueError(f"unknown optimizer {name!r}")
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, **flags)
+    else:
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
+    opt.hetplan_implementation = how  # type: ignore[attr-defined]
+    return opt
 
 
 def train_reference(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -184,7 +230,7 @@ def row_groups(layout: Any) -> list[list[int]]:
     return out
 
 
-def compare(losses: list[float], ref_losses: list[float], state: dict[str, torch.Tensor],
+def compare(losses: Sequence[float | torch.Tensor], ref_losses: list[float], state: dict[str, torch.Tensor],
             ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Largest relative loss difference, and the largest relative parameter difference.
 
@@ -195,6 +241,7 @@ def compare(losses: list[float], ref_losses: list[float], state: dict[str, torch
     keys), which hold only accumulated rounding noise that no two correct runs
     share; any real error in a tensor shows up against its own norm.
     """
+    losses = [float(v) for v in losses]  # train_step's losses may be device tensors
     if len(losses) != len(ref_losses):
         raise ValueError(f"{len(losses)} losses vs {len(ref_losses)} reference losses")
     loss_diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)), default=0.0)

@@ -70,6 +70,7 @@ class PartSettings:
     compile: bool = False
     dp: int = 1
     dp_mesh: Any = None
+    plain_ddp: bool = False  # plain data parallelism: DDP (parallelize.apply_ddp), not FSDP2 replicate
 
 
 @dataclass
@@ -158,6 +159,8 @@ def apply_data_parallel(part: nn.Module, chunk_names: list[str], how: PartSettin
     ``dp * cp`` ranks, leaving the step's experts alone."""
     if how.dp == 1:
         return []
+    if how.plain_ddp:
+        return par.apply_ddp(part, how.dp_mesh)
     return par.apply_dp(part, {n: how.zero[n] for n in chunk_names}, how.dp_mesh, notes, ignored=experts or None)
 
 

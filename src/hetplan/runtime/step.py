@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import Plan
@@ -53,6 +54,7 @@ class ModelInfo:
     step_inputs: dict[str, Any] = field(default_factory=dict)  # this train_step's keyword inputs (local rows)
     seed: int = 0  # parallelize's seed: initial values and dropout masks (hetplan.runtime.dropout)
     expert_fqns: list[str] = field(default_factory=list)  # expert-parallel experts (synced by the step)
+    syncing: bool | None = None  # what set_accumulating last told sync_modules (one stage): set again on a change only
 
 
 class TrainingRank(Protocol):
@@ -89,8 +91,10 @@ class TrainingRank(Protocol):
 
 def train_step(ctx: TrainingRank, model: nn.Module, batch: Sequence[torch.Tensor],
                loss_fn: Callable[..., torch.Tensor], return_outputs: bool,
-               inputs: dict[str, torch.Tensor] | None) -> float:
-    """One step of ``model`` (see the module doc and ``RuntimeContext.train_step``)."""
+               inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """One step of ``model`` (see the module doc and ``RuntimeContext.train_step``);
+    the global mean loss as a 0-dim tensor on the device: no host sync here
+    (fp16's overflow verdict aside, :func:`unscale`)."""
     info = step_info(ctx, model)
     if len(batch) != 2:
         raise HetplanError("batch must be (inputs, targets)")
@@ -201,7 +205,7 @@ def forward_backward(ctx: TrainingRank, model: nn.Module, info: ModelInfo, x: to
     b = ctx.position.samples_per_micro_batch
     outputs = []
     for k in range(m):
-        par.set_accumulating(info.sync_modules, k == m - 1)
+        _set_syncing(info, k == m - 1)
         kw = {name: v[k * b:(k + 1) * b] for name, v in info.step_inputs.items()}
         with microbatch.forward(k):  # its own autocast region (microbatch module doc)
             out = model(x[k * b:(k + 1) * b], **kw)
@@ -213,6 +217,15 @@ def forward_backward(ctx: TrainingRank, model: nn.Module, info: ModelInfo, x: to
         if return_outputs:
             outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
     ctx.last_outputs = outputs if return_outputs else None
+
+
+def _set_syncing(info: ModelInfo, last: bool) -> None:
+    """``set_accumulating`` only when the state changes (twice a step with
+    micro-batches, once a run without), not a Python walk over every wrapped
+    module per micro-batch; the flags persist on the FSDP2 modules."""
+    if info.syncing is not last:
+        par.set_accumulating(info.sync_modules, last)
+        info.syncing = last
 
 
 def pipeline_step(ctx: TrainingRank, info: ModelInfo, x: torch.Tensor, y: torch.Tensor,
@@ -297,15 +310,35 @@ def take_grads(ctx: TrainingRank, model: nn.Module, info: ModelInfo, every: bool
 
 
 def restore_grads(model: nn.Module, earlier: dict[str, torch.Tensor]) -> None:
-    """Add the gradients :func:`take_grads` set aside back to this call's."""
+    """Add the gradients :func:`take_grads` set aside back to this call's: one
+    ``_foreach_add_`` per (device, dtype) over the local tensors, not a kernel per parameter."""
+    into, add = [], []
     for fqn, grad in earlier.items():
         p = model.get_parameter(fqn)
         if p.grad is None:
             p.grad = grad
-        else:
-            if getattr(grad, "placements", None) != getattr(p.grad, "placements", None):
-                grad = grad.redistribute(p.grad.device_mesh, p.grad.placements)
-            p.grad.add_(grad)
+            continue
+        if getattr(grad, "placements", None) != getattr(p.grad, "placements", None):
+            grad = grad.redistribute(p.grad.device_mesh, p.grad.placements)
+        into.append(_local(p.grad))
+        add.append(_local(grad))
+    for a, b in _by_device_dtype(into, add):
+        torch._foreach_add_(a, b)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (grouped kernels take plain tensors of one device), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _by_device_dtype(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
+    """Parallel lists split by the first list's (device, dtype), as torch's grouped ``_foreach`` kernels need."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
+    for items in zip(*lists):
+        key = (items[0].device, items[0].dtype)
+        for out, t in zip(groups.setdefault(key, tuple([] for _ in lists)), items):
+            out.append(t)
+    return list(groups.values())
 
 
 def _tied_copies(ctx: TrainingRank, model: nn.Module,
@@ -314,8 +347,6 @@ def _tied_copies(ctx: TrainingRank, model: nn.Module,
     higher stage holding a copy, this rank's copy), its gradient set (zeros if
     none) and laid out as the parameter (a vocabulary-parallel embedding's
     gradient comes back replicated)."""
-    from torch.distributed.tensor import DTensor  # lazy: only pipelined runs with tied weights need it
-
     names, pos = ctx.layout.layer_names, ctx.position
     for canon, alias in info.tied_pairs:
         a, b = (ctx.layout.pp_index_of_layer(par.owner_layer(fqn, names)) for fqn in (canon, alias))
@@ -349,8 +380,6 @@ def _sync_tied_grads_full(ctx: TrainingRank, model: nn.Module, info: ModelInfo) 
     """Tied copies on stages of different (dp, tp) are sharded differently:
     sum the full gradients over both stages' ranks (each rank weighs its
     stage's copy by 1/ranks of the stage), then keep this rank's shard."""
-    from torch.distributed.tensor import DTensor, distribute_tensor  # lazy: as in _tied_copies
-
     for a, b, p in _tied_copies(ctx, model, info):
         full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
         full /= len(ctx.layout.stage_ranks(ctx.position.pp_index))
@@ -367,18 +396,31 @@ def sync_expert_grads(ctx: TrainingRank, model: nn.Module, info: ModelInfo) -> N
     expert-data-parallel group) and divide by ``dp * cp``, as FSDP averages
     the dense gradients over ``dp * cp`` (hetplan.runtime.ep)."""
     edp_group = ctx.ep_mesh["edp"].get_group() if ctx.ep_mesh["edp"].size() > 1 else None
+    grads = []
     for fqn in info.expert_fqns:
         p = model.get_parameter(fqn)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grads.append(_local(p.grad))
+    for (group,) in _by_device_dtype(grads):
         if edp_group is not None:
-            dist.all_reduce(g, group=edp_group)
-        g.div_(ctx.stage_dp * ctx.layout.cp)
+            all_reduce_coalesced(group, edp_group)
+        torch._foreach_div_(group, ctx.stage_dp * ctx.layout.cp)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` in one collective: flattened into one
+    buffer and copied back (as DDP's buckets do), not one all-reduce per tensor,
+    which pays the group's latency once per tensor."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
 
 def unscale(ctx: TrainingRank, model: nn.Module) -> bool:
-    """fp16: unscale this call's gradients; on overflow anywhere drop them all."""
+    """fp16: unscale this call's gradients; on overflow anywhere drop them all.
+    The step's one host sync: whether to skip the step is decided on the host,
+    as torch's GradScaler.step decides it (``found_inf.item()``)."""
     assert ctx.loss_scaler is not None
     params = [p for p in model.parameters() if p.grad is not None]
     if ctx.loss_scaler.unscale([p.grad for p in params], ctx.device):
@@ -391,23 +433,30 @@ def unscale(ctx: TrainingRank, model: nn.Module) -> bool:
     return False
 
 
-def global_loss(ctx: TrainingRank, total: torch.Tensor) -> float:
-    """The global-batch mean loss, on every rank: the last stage's replicas' sums added up."""
+def global_loss(ctx: TrainingRank, total: torch.Tensor) -> torch.Tensor:
+    """The global-batch mean loss, on every rank: the last stage's replicas'
+    sums added up. It stays on the device (a 0-dim tensor): reading it is the caller's sync."""
     if not ctx.distributed:
-        return float(total)
+        return total
     contributes = ctx.is_last_stage and ctx.position.tp_index == 0
     if not contributes:
         total = torch.zeros_like(total)
+    # a plain all_reduce: on NCCL the host only enqueues it. (A functional collective, which waits
+    # when first used, would spare gloo's blocking call, but its AsyncCollectiveTensor refuses
+    # f"{loss:.4f}" on torch 2.13: Tensor.__format__ formats only exact Tensors.)
     dist.all_reduce(total)
-    return float(total) / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
+    return total / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
 
 
 # --- gradient clipping ----------------------------------------------------------------------------
-def clip_grad_norm_(ctx: TrainingRank, model: nn.Module, aliases: dict[str, str], max_norm: float) -> float:
+def clip_grad_norm_(ctx: TrainingRank, model: nn.Module, aliases: dict[str, str], max_norm: float
+                    ) -> torch.Tensor:
     """Clip gradients by their global norm over the whole model (all stages,
-    shards and replicas; a tied weight counted once: ``aliases``). Returns the norm."""
-    from torch.distributed.tensor import DTensor  # lazy: a one-process run never loads it
-
+    shards and replicas; a tied weight counted once: ``aliases``). Returns the
+    norm, a 0-dim tensor on the device (no host sync), as
+    ``torch.nn.utils.clip_grad_norm_(foreach=True)`` computes it: one grouped
+    norm kernel per layout and one grouped multiply, the clip coefficient
+    clamped to 1 instead of a branch on its value."""
     grads = []
     # gradients laid out alike (one mesh, one placement) share one norm
     # and so one collective, not one per parameter (torchtitan's way)
@@ -423,7 +472,7 @@ def clip_grad_norm_(ctx: TrainingRank, model: nn.Module, aliases: dict[str, str]
         alike.setdefault(key, []).append(g)
     sq = torch.zeros((), device=ctx.device, dtype=torch.float32)
     for group in alike.values():
-        n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in group]))
+        n = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)))
         if isinstance(n, DTensor):
             n = n.full_tensor()
         sq += n * n
@@ -433,12 +482,9 @@ def clip_grad_norm_(ctx: TrainingRank, model: nn.Module, aliases: dict[str, str]
         dist.all_reduce(sq)
     norm = sq.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # 1e-6: torch.nn.utils.clip_grad_norm_'s own
-    for g in grads:
-        if isinstance(g, DTensor):
-            g.to_local().mul_(coef)
-        else:
-            g.mul_(coef)
-    return float(norm)
+    for (group,) in _by_device_dtype([_local(g) for g in grads]):
+        torch._foreach_mul_(group, coef.to(group[0].device))
+    return norm
 
 
 def why_torch_clipping_is_wrong(layout: PlanLayout) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 from hetplan.errors import HetplanError
 from hetplan.runtime import launch
 from hetplan.runtime.console import console, current_context, log_stderr
+from hetplan.runtime.profiling.timing import Stopwatch
 
 FAULT_ENV = "HETPLAN_FAULT_KILL"  # fault injection for tests: "RANK:STEP[:WORLD],..." (fault_kills)
 
@@ -47,6 +48,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each layer (RuntimeContext.parallelize)
     dropout: float = 0.0  # the built-in model's dropout (hetplan.runtime.dropout: plan-independent masks)
     resume_or_start: bool = False  # as resume, but start from step 0 when checkpoint_dir has none
+    optimizer_impl: str = ""  # for-loop / foreach / fused; default the device's (reference.make_optimizer)
 
 
 def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
@@ -64,10 +66,14 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     how = model_build(spec, cfg.dropout)
     model = ctx.parallelize(how.build, seed=cfg.seed, compile=cfg.compile, meta_init=how.meta_init,
                             example_inputs=how.example_inputs)
-    opt = ctx.optimizer(model, make_optimizer, name=cfg.optimizer, lr=cfg.lr)  # ZeRO-1: states sharded
+    opt = ctx.optimizer(model, make_optimizer, name=cfg.optimizer, lr=cfg.lr,  # ZeRO-1: states sharded
+                        implementation=cfg.optimizer_impl or None)
+    impl = getattr(getattr(opt, "inner", opt), "hetplan_implementation", "")
     for note in ctx.notes:
         if not cfg.quiet:
             ctx.print(f"note: {note}")
+    if not cfg.quiet:
+        ctx.print(f"optimizer: {cfg.optimizer}, {impl} implementation (docs/runtime.md, \"Speed\")")
     start = 0
     if cfg.load_from:
         start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
@@ -83,21 +89,24 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         elif not cfg.quiet:
             ctx.print(f"note: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0", file=sys.stderr)
     ctx.step = start  # dropout masks of a resumed run continue where it stopped
-    losses, times = [], []
+    # step times without a host sync per step: CUDA events read once at the end (the host runs
+    # ahead of the GPU, so the host clock would time the launches), the host clock on CPU
+    losses, clock = [], Stopwatch(ctx.device)
     for step in range(start, cfg.steps):
         # next-token batches (HF: with a padded attention mask), or a pkg.mod:build model's own (user_model)
         x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, cfg.seed)
         t0 = time.perf_counter()
+        clock.mark()
         loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
         if cfg.clip:
             ctx.clip_grad_norm_(model, cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        times.append(dt)
-        if not cfg.quiet:
-            ctx.print(f"step {step + 1:>4}  loss {loss:.6f}  time {dt * 1e3:8.1f} ms")
+        clock.mark()
+        losses.append(loss.detach())
+        if not cfg.quiet:  # the step's one host sync, for the printed loss (after it the step is done)
+            value = float(loss)
+            ctx.print(f"step {step + 1:>4}  loss {value:.6f}  time {(time.perf_counter() - t0) * 1e3:8.1f} ms")
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1)
         if cfg.die_after and step + 1 == cfg.die_after:
@@ -108,10 +117,13 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             ctx.barrier()  # its checkpoint complete on every rank first
             if faults.get(ctx.rank) == step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+    losses = torch.stack(losses).tolist() if losses else []  # one sync for the whole run's losses
+    times = clock.laps()[::2]  # each step's start to its end, not the batch making between steps
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
               "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model),
-              "peak_memory_bytes": peak_memory_bytes(ctx.device), "device": ctx.device.type}
+              "peak_memory_bytes": peak_memory_bytes(ctx.device), "device": ctx.device.type,
+              "optimizer_implementation": impl}
     if ctx.rank == 0 and cfg.out:
         os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "summary.json"), "w", encoding="utf-8") as f:
@@ -183,10 +195,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--optimizer-impl", default="")
     a = p.parse_args(argv)
     return TrainConfig(a.plan, a.model, a.steps, a.seed, a.lr, a.optimizer, a.clip, a.out, a.export,
                        a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet,
-                       a.compile, a.dropout, resume_or_start=a.resume_or_start)
+                       a.compile, a.dropout, resume_or_start=a.resume_or_start,
+                       optimizer_impl=a.optimizer_impl)
 
 
 def main(argv: list[str] | None = None) -> int:
