@@ -37,6 +37,7 @@ demo: $(STAMP)
 	$(BIN)/hetplan plan
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
