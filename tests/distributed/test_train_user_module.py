@@ -47,7 +47,7 @@ def test_smp_plan_of_a_build_function_trains_and_verifies(name: str, tmp_path) -
     plan = str(tmp_path / "p.json")
     _smp_plan(f"tests.smp_models:{name}", plan, "local-cpu-4")
     pf = read_plan_file(plan)
-    assert pf.model.meta["module_source"] == f"tests.smp_models:{name}" and pf.model.meta["module_hash"]
+    assert pf.model.source.reference == f"tests.smp_models:{name}" and pf.model.source.module_hash
     assert len(pf.plan().stages) == 2
     proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify")
     assert proc.returncode == 0, proc.stdout + proc.stderr
