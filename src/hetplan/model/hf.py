@@ -67,7 +67,6 @@ from hetplan.model.layers import (
 )
 from hetplan.model.origin import HFSource
 from hetplan.model.spec import MAX_LAYERS, MAX_PARAMS, MAX_SEQ_LEN, LayerSpec, ModelSpec, show_number
-from hetplan.model.trace import make_layer
 from hetplan.runtime.support import inspect_model
 from hetplan.model.trace import model_from_module
 
@@ -935,10 +934,9 @@ def _measured_params(
             params_tp_replicated=min(base.params_tp_replicated, count),
             tied_group="+".join(tied),
             tied_params=tied_params,
-            modules=tuple(paths),
             profile_key="",
         )
-        layers.append(make_layer(**values))
+        layers.append(LayerSpec(**values))
     return layers, layer_modules, tied_meta
 
 

@@ -9,7 +9,7 @@ returned alone may say it with an ``example_inputs()`` method. A third element,
 
 The ModelSpec's layers are the units the runtime can cut a pipeline between
 (:func:`pipeline_units`): the runtime runs a pipeline stage as a chain of
-modules, each taking the previous one's output (``hetplan.runtime.chain``), so
+modules, each taking the previous one's output (``hetplan.model.chain``), so
 the layers are the finest such chain found by expanding the model's modules
 into the modules they call, kept only where the runtime's own chain check
 passes and every unit holds parameters. If the model's forward is no chain at
@@ -135,7 +135,7 @@ def pipeline_units(model: Any, inputs: tuple[Any, ...]) -> tuple[list[str] | Non
 
     import torch
 
-    from hetplan.runtime.chain import check_chain, example_call
+    from hetplan.model.chain import check_chain, example_call
 
     with torch.device("meta"):
         probe = copy.deepcopy(model).to("meta")
@@ -177,7 +177,7 @@ def _call_tree(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
     """Module path -> the submodules its forward calls directly, in call order (one meta forward)."""
     import torch
 
-    from hetplan.runtime.chain import on_meta
+    from hetplan.model.chain import on_meta
 
     callees: dict[str, list[str]] = {}
     stack = [""]

@@ -187,7 +187,7 @@ class RuntimeContext:
         :class:`~hetplan.runtime.parallelize.PipelinePart` holding this rank's
         layers under their original names; use ``train_step`` to run it. With
         several stages the model's ``forward`` must be exactly the chain of its
-        layers (hetplan.runtime.chain), checked on a meta copy with
+        layers (hetplan.model.chain), checked on a meta copy with
         ``example_inputs`` (one micro-batch's inputs, the first positional, the
         rest by name, as ``train_step(..., inputs=)`` passes them) here, or else
         with the first ``train_step``'s micro-batch, before any pipeline message.

@@ -42,7 +42,7 @@ from torch import nn
 from hetplan.errors import HetplanError
 from hetplan.model.origin import ModuleSource, refuse_untrusted
 from hetplan.model.source import call_build, module_fingerprint, split_built
-from hetplan.runtime.chain import keyword_input_names
+from hetplan.model.chain import keyword_input_names
 from hetplan.runtime.parallelize import stable_seed
 
 

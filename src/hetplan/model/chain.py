@@ -17,6 +17,11 @@ they pipeline through hetplan.runtime.hf_stages.)
 memory, no compute) with hooks on the plan's layers and refuses, with one line
 naming the layer and the input, anything that is not a chain. It runs before
 any pipeline communication, on every rank alike, so all ranks fail the same way.
+
+It lives below the runtime, in ``hetplan.model``, because the model layer uses
+it too: ``hetplan.model.source`` finds a ``pkg.mod:build`` model's pipeline
+units with it. It needs torch (imported at the top: planner-side modules never
+import this one; ``tests/test_imports.py``).
 """
 
 from __future__ import annotations
