@@ -239,16 +239,3 @@ def example_inputs(spec: Any, config: Any = None) -> tuple[Any, ...] | None:
     if isinstance(size, int) and size > 0:
         return (torch.zeros(1, getattr(config, "num_channels", 3), size, size),)
     return None
-
-
-def pipeline_blocker(model: nn.Module, names: Sequence[str], inputs: tuple[Any, ...] | None,
-                     kwargs: dict[str, Any] | None = None) -> str:
-    """Why the runtime cannot run ``model`` in pipeline stages ("" if it can;
-    "unchecked: ..." when hetplan does not know the model's inputs)."""
-    if inputs is None:
-        return "unchecked: hetplan does not know this model's inputs"
-    try:
-        check_chain(model, names, inputs, kwargs)
-    except HetplanError as e:
-        return str(e)
-    return ""
