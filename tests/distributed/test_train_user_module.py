@@ -164,9 +164,9 @@ ctx.close(exit_process=True)
 
 @pytest.mark.slow
 def test_init_with_the_plan_alone_in_a_user_script(tmp_path) -> None:
-    from hetplan.plan.file import read_plan_file
     from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, train_reference, training_batch
+    from hetplan.runtime.setup import check_plan
 
     plan = str(tmp_path / "p.json")
     _smp_plan("tests.smp_models:gpt_lm", plan, "local-cpu-2")
@@ -176,7 +176,7 @@ def test_init_with_the_plan_alone_in_a_user_script(tmp_path) -> None:
     proc = _hetplan("run", plan, "--", str(script), plan, out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = torch.load(out)
-    spec = read_plan_file(plan).model
+    spec = check_plan(plan, trust_plan_code=True)[1]  # the reference imports the plan's code too
     how = model_build(spec)
     ref = build_reference(how.build, 0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
