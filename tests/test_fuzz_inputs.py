@@ -247,3 +247,37 @@ def test_command_lines(fifo: str) -> None:
 
     _fuzz("cli", body, st.tuples(st.sampled_from(CLI_BASES), st.sampled_from(CLI_OPTIONS), st.sampled_from(CLI_VALUES),
                                  st.booleans()))
+
+
+# A plan file's model source that names code: what hetplan would import and call if it trusted the file
+# (issue 32: "os:abort" aborted 'hetplan train'). None of these may be imported unless named.
+HOSTILE_REFERENCES = ("os:abort", "os:fork", "os:_exit", "sys:exit", "builtins:breakpoint", "subprocess:call",
+                      "hetplan_fuzz_never_there.mod:build")
+QUOTA["source"] = 60  # each 'train' input loads the plan and stops before the model: ~0.2 s
+
+
+def test_hostile_module_source(tmp_path: Any, plan_file: dict[str, Any]) -> None:
+    """A plan whose model source names code (as format 3's meta or format 4's typed source):
+    'train' refuses it before any import (one line saying what to pass), every other command
+    reads the plan without importing anything."""
+    import sys
+
+    def body(reference: str, legacy: bool, command: list[str]) -> None:
+        doc = json.loads(json.dumps(plan_file))
+        if legacy:
+            doc["model_spec"].pop("source", None)
+            doc["model_spec"]["meta"]["module_source"] = reference
+        else:
+            doc["model_spec"]["source"] = {"kind": "module", "reference": reference, "module_hash": ""}
+        path = fz.write(str(tmp_path), "plan.json", fz.to_json(doc))
+        argv = [command[0], *(["--plan"] if command[0] == "train" else []), path, *command[1:]]
+        outcome = fz.run_cli(argv)
+        fz.check_outcome(argv, outcome, command[0] == "train", f"{reference} legacy={legacy}")
+        if command[0] == "train":
+            assert "imports only when you name it" in outcome.stderr, outcome.stderr
+        assert "hetplan_fuzz_never_there" not in sys.modules
+
+    commands = st.sampled_from([["train", "--steps", "1"], ["estimate"], ["export", "--format", "torchtitan"]])
+    references = st.sampled_from(HOSTILE_REFERENCES) | st.from_regex(r"[a-z_]{1,8}(\.[a-z_]{1,8}){0,2}:[a-z_]{1,8}",
+                                                                      fullmatch=True)
+    _fuzz("source", body, st.tuples(references, st.booleans(), commands))

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.runtime.chain import check_chain  # noqa: E402
+from hetplan.model.chain import check_chain  # noqa: E402
 
 NAMES = ["embed", "blocks.0", "blocks.1", "head"]
 X = torch.zeros(2, 8, dtype=torch.long)
@@ -248,7 +248,7 @@ def test_example_inputs_after_the_first_are_passed_by_name():
 
 
 def test_example_inputs_without_forward_parameter_names_are_refused():
-    from hetplan.runtime.chain import example_call
+    from hetplan.model.chain import example_call
 
     class Unnamed(Masked):
         def forward(self, *inputs):

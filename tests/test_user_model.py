@@ -29,11 +29,11 @@ def specs() -> dict:
 
 def test_plan_spec_records_source_and_hash(specs: dict) -> None:
     spec = specs["gpt_lm"]
-    assert spec.meta["module_source"] == "tests.smp_models:gpt_lm"
-    assert len(spec.meta["module_hash"]) == 16
+    assert spec.source.reference == "tests.smp_models:gpt_lm"
+    assert len(spec.source.module_hash) == 16
     again = load_model("tests.smp_models:gpt_lm")
-    assert again.meta["module_hash"] == spec.meta["module_hash"]  # no dependence on run or hash seed
-    assert specs["encdec"].meta["module_hash"] != spec.meta["module_hash"]
+    assert again.source.module_hash == spec.source.module_hash  # no dependence on run or hash seed
+    assert specs["encdec"].source.module_hash != spec.source.module_hash
 
 
 def test_integer_inputs_drawn_below_the_embedding_they_feed(specs: dict) -> None:
@@ -130,6 +130,6 @@ def test_build_function_that_cannot_be_imported_says_pythonpath(specs: dict) -> 
     from dataclasses import replace
 
     spec = specs["gpt_lm"]
-    moved = replace(spec, meta={**spec.meta, "module_source": "no_such_pkg.models:gpt_lm"})
+    moved = replace(spec, source=replace(spec.source, reference="no_such_pkg.models:gpt_lm"))
     with pytest.raises(HetplanError, match="put it on PYTHONPATH"):
         model_build(moved)

@@ -72,7 +72,7 @@ def spec(name: str) -> Any:
 def build(name: str) -> Any:
     import transformers
 
-    return getattr(transformers, spec(name).meta["hf_class"])(config(name))
+    return getattr(transformers, spec(name).source.hf_class)(config(name))
 
 
 def plan(name: str, pp: int = 2, dp: int = 1, tp: int = 1, gbs: int = 8, micro: int = 2, cut: int = 0,

@@ -1,11 +1,11 @@
 """Plans of models given as Python code (``--model pkg.mod:build``) train with nothing but the plan file.
 
 ``hetplan plan --planner smp --model tests.smp_models:NAME ... --json p.json``
-records the build function and a hash of its parameters; ``hetplan train
+records the build function and a hash of its parameters; ``hetplan train --trust-plan-code
 --plan p.json --verify`` rebuilds the model from it, trains it on synthetic
 batches shaped like its example inputs (torchrun, gloo, pp2 x dp2) and matches
 the single-process reference; a changed or missing build function is refused
-in one line before any process starts; ``hr.init("p.json")`` + ``ctx.parallelize()``
+in one line before any process starts; ``hr.init("p.json", trust_plan_code=True)`` + ``ctx.parallelize()``
 in a user's script (``hetplan run``) needs no model either.
 """
 
@@ -47,9 +47,9 @@ def test_smp_plan_of_a_build_function_trains_and_verifies(name: str, tmp_path) -
     plan = str(tmp_path / "p.json")
     _smp_plan(f"tests.smp_models:{name}", plan, "local-cpu-4")
     pf = read_plan_file(plan)
-    assert pf.model.meta["module_source"] == f"tests.smp_models:{name}" and pf.model.meta["module_hash"]
+    assert pf.model.source.reference == f"tests.smp_models:{name}" and pf.model.source.module_hash
     assert len(pf.plan().stages) == 2
-    proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify")
+    proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify", "--trust-plan-code")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 processes" in proc.stdout and "verify: OK" in proc.stdout, proc.stdout
 
@@ -71,13 +71,13 @@ def test_changed_or_missing_build_function_is_refused_before_start(tmp_path) -> 
     plan = str(tmp_path / "p.json")
     _smp_plan("um_cli:build", plan, "local-cpu-2", path=str(code), pp=1)
     _write_module(code, 16)
-    proc = _hetplan("train", "--plan", plan, "--steps", "1", path=str(code))
+    proc = _hetplan("train", "--plan", plan, "--steps", "1", "--trust-plan-code", path=str(code))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "hetplan: error: the model built by um_cli:build differs from the one the plan was made for: "), lines
     assert "processes" not in proc.stdout  # refused before any process started
-    proc = _hetplan("train", "--plan", plan, "--steps", "1", path=str(tmp_path))  # um_cli not on the path
+    proc = _hetplan("train", "--plan", plan, "--steps", "1", "--trust-plan-code", path=str(tmp_path))  # not on the path
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot import 'um_cli'" in lines[0] and "PYTHONPATH" in lines[0], lines
@@ -135,7 +135,7 @@ def test_keyword_input_passed_on_to_each_block_trains_pipelined(tmp_path, monkey
     data["plans"] = [p for p in data["plans"] if p["plan"]["num_micro_batches"] == 2]  # the best has 1
     with open(plan, "w", encoding="utf-8") as f:
         json.dump(data, f)
-    proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify", path=str(code))
+    proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify", "--model", "um_mask:build", path=str(code))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pp=2" in proc.stdout and " m=2 " in proc.stdout and "verify: OK" in proc.stdout, proc.stdout
 
@@ -145,7 +145,7 @@ import sys
 import torch
 import hetplan.runtime as hr
 
-ctx = hr.init(sys.argv[1])  # the model: the pkg.mod:build the plan file records
+ctx = hr.init(sys.argv[1], trust_plan_code=True)  # the model: the pkg.mod:build the plan file records
 model = ctx.parallelize()
 how = ctx.model_build
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
@@ -164,9 +164,9 @@ ctx.close(exit_process=True)
 
 @pytest.mark.slow
 def test_init_with_the_plan_alone_in_a_user_script(tmp_path) -> None:
-    from hetplan.plan.file import read_plan_file
     from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, train_reference, training_batch
+    from hetplan.runtime.setup import check_plan
 
     plan = str(tmp_path / "p.json")
     _smp_plan("tests.smp_models:gpt_lm", plan, "local-cpu-2")
@@ -176,7 +176,7 @@ def test_init_with_the_plan_alone_in_a_user_script(tmp_path) -> None:
     proc = _hetplan("run", plan, "--", str(script), plan, out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = torch.load(out)
-    spec = read_plan_file(plan).model
+    spec = check_plan(plan, trust_plan_code=True)[1]  # the reference imports the plan's code too
     how = model_build(spec)
     ref = build_reference(how.build, 0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)

@@ -16,7 +16,7 @@ from hetplan.units import format_bytes, format_time
 
 def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
     """Said with a pipelined plan whose model hetplan's own runtime cannot split
-    (hetplan.runtime.chain): the plan is still valid for other tools."""
+    (hetplan.model.chain): the plan is still valid for other tools."""
     blocker = support_of(model).pipeline
     if plan.pp > 1 and not blocker:  # the model splits; this plan's split points may not (hetplan.model.hf)
         blocker = tied_span_refusal(model, {model.layers[i].name: j % plan.pp for j, stage in enumerate(plan.stages)

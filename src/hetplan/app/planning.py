@@ -16,6 +16,7 @@ from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.errors import HetplanError, OutOfMemoryError
 from hetplan.export.tools import DEFAULT_TORCHTITAN_VERSION
+from hetplan.model.origin import HFSource
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.file import workload_record
@@ -50,7 +51,7 @@ def _seq_len_hint(exc: OutOfMemoryError, model: ModelSpec) -> OutOfMemoryError:
     sequence (activations grow with it): say so, and how to change it. Not
     when the weights and optimizer states alone exceed the cluster."""
     text = str(exc)
-    if not model.meta.get("hf_class") or "optimizer states alone" in text:
+    if not isinstance(model.source, HFSource) or "optimizer states alone" in text:
         return exc
     how = "the default for this HF config" if model.meta.get("seq_len_default") else "from --seq-len"
     return OutOfMemoryError(f"{text}; or a shorter --seq-len (now {model.seq_len}, {how})")

@@ -262,7 +262,7 @@ def run_trial_subprocess(request: TrialRequest) -> Measurement:
     out = os.path.join(request.work_dir, "out")
     worker = ["-m", "hetplan.runtime.trainer", "--plan", request.plan_path,
               "--steps", str(request.warmup + request.steps), "--optimizer", request.optimizer,
-              "--out", out, "--quiet"]
+              "--out", out, "--quiet", "--trust-plan-code"]  # tune wrote the plan, of the model the user named
     env = {**child_env(), "HETPLAN_PG_TIMEOUT_S": repr(max(1.0, 0.8 * request.timeout_s))}
     if request.device == "cpu":
         env["HETPLAN_DEVICE"] = "cpu"

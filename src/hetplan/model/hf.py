@@ -65,8 +65,8 @@ from hetplan.model.layers import (
     lm_head_layer,
     transformer_block,
 )
+from hetplan.model.origin import HFSource
 from hetplan.model.spec import MAX_LAYERS, MAX_PARAMS, MAX_SEQ_LEN, LayerSpec, ModelSpec, show_number
-from hetplan.model.trace import make_layer
 from hetplan.runtime.support import inspect_model
 from hetplan.model.trace import model_from_module
 
@@ -833,8 +833,6 @@ def model_from_hf_config(
     layers, layer_modules, tied_meta = _measured_params(model, layout, analytic)
     meta: dict[str, Any] = {
         "source": where,
-        "model_type": config.model_type,
-        "hf_class": type(model).__name__,
         "layer_modules": layer_modules,
         "tied_params": tied_meta,
         "params": "measured on the meta-device model",
@@ -849,9 +847,6 @@ def model_from_hf_config(
     architecture = _architecture(config, family, facts)
     if architecture:
         meta["architecture"] = architecture
-    config_values = _json_config(config)
-    if config_values is not None:  # what 'hetplan train' builds the model from, the file deleted or not
-        meta["hf_config"] = config_values
     spec = ModelSpec(
         name=spec_name,
         family=family,
@@ -862,6 +857,7 @@ def model_from_hf_config(
         num_heads=facts["heads"],
         vocab_size=facts["vocab"],
         meta=meta,
+        source=_hf_source(config, model),
     )
     return _with_runtime_support(model, spec)
 
@@ -938,10 +934,9 @@ def _measured_params(
             params_tp_replicated=min(base.params_tp_replicated, count),
             tied_group="+".join(tied),
             tied_params=tied_params,
-            modules=tuple(paths),
             profile_key="",
         )
-        layers.append(make_layer(**values))
+        layers.append(LayerSpec(**values))
     return layers, layer_modules, tied_meta
 
 
@@ -1022,9 +1017,10 @@ def _traced(model: Any, config: Any, name: str, seq_len: int | None, dtype_bytes
             f"example {main_input!r}; build the model and call hetplan.model.trace.model_from_module"
         )
     spec = model_from_module(model, inputs, name=name, dtype_bytes=dtype_bytes, family=config.model_type, seq_len=seq)
-    spec.meta.update(source=where, model_type=config.model_type, hf_class=type(model).__name__,
-                     costs="traced on the meta device (hetplan.model.trace)", **seq_meta)
-    config_values = _json_config(config)
-    if config_values is not None:  # what 'hetplan train' builds the model from (ViT), as for the analytic families
-        spec.meta["hf_config"] = config_values
-    return _with_runtime_support(model, spec)
+    spec.meta.update(source=where, costs="traced on the meta device (hetplan.model.trace)", **seq_meta)
+    return _with_runtime_support(model, replace(spec, source=_hf_source(config, model)))
+
+
+def _hf_source(config: Any, model: Any) -> HFSource:
+    """What 'hetplan train' builds the model from, the config file deleted or not."""
+    return HFSource(type(model).__name__, config.model_type, _json_config(config))

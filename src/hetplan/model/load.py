@@ -8,7 +8,8 @@ from hetplan.errors import HetplanError
 from hetplan.io.userfiles import read_json
 from hetplan.model.presets import get_model, model_descriptions, model_names
 from hetplan.model.hf import model_from_hf_config
-from hetplan.model.source import is_reference, model_from_reference
+from hetplan.model.origin import is_reference
+from hetplan.model.source import model_from_reference
 from hetplan.model.spec import LayerSpec, ModelSpec
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hetplan.model.origin import HFSource, ModuleSource
 from hetplan.model.spec import LayerSpec, ModelSpec
 from hetplan.plan.support import builtin_refusal
 
@@ -353,12 +354,11 @@ def _block_shape(shape: DecoderShape, layer: LayerSpec, spec: ModelSpec) -> Deco
 def _decoder_shape(spec: ModelSpec, cuda: bool) -> DecoderShape | None:
     """The decoder shape of a model the runtime builds (its built-in decoder,
     or a HF Llama-style class); None for any other model."""
-    meta = spec.meta
     names = [layer.name for layer in spec.layers]
-    if meta.get("module_source") or len(names) < 3 or spec.layers[0].kind != "embedding" \
+    if isinstance(spec.source, ModuleSource) or len(names) < 3 or spec.layers[0].kind != "embedding" \
             or spec.layers[-1].kind != "head":
         return None
-    if meta.get("hf_class"):
+    if isinstance(spec.source, HFSource):
         return _hf_llama_shape(spec, cuda)
 
     if builtin_refusal(spec):
@@ -396,12 +396,12 @@ def _hf_llama_shape(spec: ModelSpec, cuda: bool) -> DecoderShape | None:
     """A HF Llama-style decoder (``HF_LLAMA_TYPES``) from the facts its import
     recorded (``meta["architecture"]``: key/value heads, MLP width, head
     width); None for other HF models and for Llama-style ones with biases."""
-    meta = spec.meta
-    arch = meta.get("architecture") or {}
-    if meta.get("model_type") not in HF_LLAMA_TYPES or not arch or arch.get("bias"):
+    arch = spec.meta.get("architecture") or {}
+    model_type = spec.source.model_type if isinstance(spec.source, HFSource) else ""
+    if model_type not in HF_LLAMA_TYPES or not arch or arch.get("bias"):
         return None
     h, a = spec.hidden_size, spec.num_heads
     return DecoderShape(hidden=h, heads=a, kv_heads=int(arch["kv_heads"]),
                         head_dim=int(arch.get("kv_channels") or h // a), ffn=int(arch["ffn"]), seq=spec.seq_len,
                         vocab=spec.vocab_size, norm="hf-rms", mlp="swiglu", bias=False, rope=True, hf=True,
-                        mask=True, qk_norm=meta.get("model_type") == "qwen3", cuda=cuda)
+                        mask=True, qk_norm=model_type == "qwen3", cuda=cuda)

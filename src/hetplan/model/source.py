@@ -9,39 +9,37 @@ returned alone may say it with an ``example_inputs()`` method. A third element,
 
 The ModelSpec's layers are the units the runtime can cut a pipeline between
 (:func:`pipeline_units`): the runtime runs a pipeline stage as a chain of
-modules, each taking the previous one's output (``hetplan.runtime.chain``), so
+modules, each taking the previous one's output (``hetplan.model.chain``), so
 the layers are the finest such chain found by expanding the model's modules
 into the modules they call, kept only where the runtime's own chain check
 passes and every unit holds parameters. If the model's forward is no chain at
 all (two inputs used apart, a skip around every module), the layers are the
 tracer's default (block stacks) and ``ModelSpec.runtime.pipeline`` says why the
-model trains in one pipeline stage (``hetplan.runtime.support``). The ModelSpec's name is the reference, so a
-plan file's model name rebuilds the model (``load_model``); ``meta["module_source"]``
-records the reference and ``meta["module_hash"]`` the parameter names and shapes it
-built (:func:`module_fingerprint`), so the runtime refuses a build function that
-has changed since the plan was made.
+model trains in one pipeline stage (``hetplan.runtime.support``). The ModelSpec's name is the reference, and
+its ``source`` (:class:`~hetplan.model.origin.ModuleSource`) records the reference
+and a hash of the parameter names and shapes it built (:func:`module_fingerprint`),
+so the runtime refuses a build function that has changed since the plan was made.
+The source made here is ``trusted``: the user named the function.
+
+This module describes such a model (torch on demand); the runtime's side --
+rebuilding it for a plan, its synthetic data and loss -- is
+``hetplan.runtime.user_model``.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from hetplan.errors import HetplanError
+from hetplan.model.origin import ModuleSource, is_reference
 from hetplan.model.spec import ModelSpec
 from hetplan.runtime.support import inspect_model
 from hetplan.model.trace import model_from_module
 
-REFERENCE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 # Chain checks (one meta forward each) spent looking for finer pipeline units: a work budget, not seconds.
 MAX_CHAIN_CHECKS = 64
-
-
-def is_reference(text: str) -> bool:
-    """``pkg.mod:function`` (a preset, a path or a HF name never has this form)."""
-    return bool(REFERENCE.fullmatch(text))
 
 
 def resolve(reference: str) -> Callable[[], Any]:
@@ -114,10 +112,8 @@ def module_spec(module: Any, example_inputs: Sequence[Any], name: str = "custom"
     spec = model_from_module(module, inputs, name=name, layer_names=units or None, dtype_bytes=dtype_bytes)
 
     meta = {**spec.meta, "pipeline_units": units is not None}
-    if source:
-        meta["module_source"] = source
-        meta["module_hash"] = module_fingerprint(module)
-    return inspect_model(module, replace(spec, meta=meta), pipeline=blocker)
+    origin = ModuleSource(source, module_fingerprint(module), trusted=True) if source else None
+    return inspect_model(module, replace(spec, meta=meta, source=origin), pipeline=blocker)
 
 
 def module_fingerprint(module: Any) -> str:
@@ -139,7 +135,7 @@ def pipeline_units(model: Any, inputs: tuple[Any, ...]) -> tuple[list[str] | Non
 
     import torch
 
-    from hetplan.runtime.chain import check_chain, example_call
+    from hetplan.model.chain import check_chain, example_call
 
     with torch.device("meta"):
         probe = copy.deepcopy(model).to("meta")
@@ -181,7 +177,7 @@ def _call_tree(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
     """Module path -> the submodules its forward calls directly, in call order (one meta forward)."""
     import torch
 
-    from hetplan.runtime.chain import on_meta
+    from hetplan.model.chain import on_meta
 
     callees: dict[str, list[str]] = {}
     stack = [""]

@@ -27,6 +27,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from hetplan.errors import HetplanError
+from hetplan.model.origin import LEGACY_META_KEYS, ModelSource, source_from_dict, source_from_meta
 
 # Limits on what a model may be: generous but finite, so that a typo or a
 # corrupt file (an extra zero, a stray exponent) is refused at once instead of
@@ -261,7 +262,11 @@ class ModelSpec:
             (2 for fp16/bf16 mixed precision, 4 for fp32).
         hidden_size, num_heads: for TP checks and reports (0 if not a transformer).
         vocab_size: 0 where there is no vocabulary.
-        meta: free-form facts about where the spec came from (config, source).
+        meta: free-form notes about where the spec came from (citations, how
+            costs were found); nothing reads it as a contract.
+        source: what the runtime builds the model from (a HF class and its
+            config values, a ``pkg.mod:build`` function and its hash; None:
+            the built-in model from the layers), ``hetplan.model.origin``.
         runtime: what hetplan's runtime can run of this model, found by the
             runtime's own checks when the model was imported (a HF config's
             class, a ``pkg.mod:build`` module); None for presets, which the
@@ -278,6 +283,7 @@ class ModelSpec:
     vocab_size: int = 0
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     runtime: RuntimeSupport | None = field(default=None, compare=False, hash=False)
+    source: ModelSource | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}" if isinstance(self.name, str) else "model"
@@ -333,6 +339,7 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["layers"] = [asdict(layer) for layer in self.layers]
+        data["source"] = self.source.to_dict() if self.source is not None else None
         return data
 
     @staticmethod
@@ -343,6 +350,14 @@ class ModelSpec:
         HetplanError naming the field and the layer, raised before any layer
         is built (``validate_model_dict``)."""
         values, layers = validate_model_dict(data, source)
+        if "source" in values:
+            stale = [k for k in LEGACY_META_KEYS if k in values.get("meta", {})]
+            if stale:
+                raise HetplanError(f"{source}: meta.{stale[0]} says how to build the model, which 'source' says now; "
+                                   "remove it from meta")
+            values["source"] = source_from_dict(values["source"], source)
+        else:  # written before ModelSpec.source (plan file format <= 3): meta said it
+            values["source"], values["meta"] = source_from_meta(values.get("meta", {}), source)
         return ModelSpec(layers=tuple(LayerSpec(**layer) for layer in layers), **values)
 
 
@@ -432,6 +447,8 @@ def _check_value(value: Any, name: str, rule: _Rule, where: str) -> Any:
     if rule.kind == "support":  # ModelSpec.runtime: checked by RuntimeSupport.from_dict
         if value is not None and not isinstance(value, (dict, RuntimeSupport)):
             raise HetplanError(f"{where}: {name} must be a JSON object or null, got {_describe(value)}")
+        return value
+    if rule.kind == "origin":
         return value
     whole = rule.kind == "int"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -535,6 +552,7 @@ _LAYER_RULES = _rules(LayerSpec, {
 _MODEL_RULES = _rules(ModelSpec, {
     "layers": _Rule("tuple"),
     "runtime": _Rule("support"),
+    "source": _Rule("origin"),  # checked by hetplan.model.origin.source_from_dict
     "seq_len": _Rule("int", minimum=1, maximum=MAX_SEQ_LEN, unit="tokens"),
     "dtype_bytes": _Rule("int", choices=(2, 4)),  # bf16/fp16 or fp32
 })

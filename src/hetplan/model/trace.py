@@ -43,15 +43,12 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import LayerSpec, ModelSpec
 from hetplan.progress import Progress
-
-_LAYER_FIELDS = {f.name for f in fields(LayerSpec)}
-
 
 def _import_torch() -> Any:
     try:
@@ -61,13 +58,6 @@ def _import_torch() -> Any:
             "tracing an nn.Module needs torch, which is not installed; run: pip install -e .[torch]"
         ) from None
     return torch
-
-
-def make_layer(**values: Any) -> LayerSpec:
-    """A LayerSpec from ``values``, passing optional fields (``tied_params``,
-    ``modules``) only when this version of LayerSpec has them."""
-    optional = {"tied_params", "modules"}
-    return LayerSpec(**{k: v for k, v in values.items() if k not in optional or k in _LAYER_FIELDS})
 
 
 # --------------------------------------------------------------------------- helpers
@@ -951,7 +941,7 @@ def _layer_spec(layer: _Layer, place: _Place, trace: _Trace) -> LayerSpec:
     stats = _sum_segments(layer.segments)
     numel, batch = trace.params.numel, trace.batch
     act, repl, core, lin, lin_repl = _split_saved(stats, layer.hidden_shape)
-    return make_layer(
+    return LayerSpec(
         name=place.name,
         kind=layer.kind,
         params=sum(numel[n] for n in layer.params_used),
@@ -973,7 +963,6 @@ def _layer_spec(layer: _Layer, place: _Place, trace: _Trace) -> LayerSpec:
         tp_max=stats["heads"],
         tied_group="+".join(place.tied_group),
         tied_params=place.tied_params,
-        modules=tuple(layer.modules),
     )
 
 

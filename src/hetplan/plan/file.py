@@ -7,9 +7,9 @@ made from a ``config.json`` and a cluster YAML could not be estimated, exported
 or trained anywhere else ("unknown model preset"). Format 2 and later
 (``hetplan plan`` / ``estimate --json`` write it) embed::
 
-    {"format_version": 3,
+    {"format_version": 4,
      "plans": [{"plan": ..., "estimate": ...}, ...],
-     "model_spec": ModelSpec.to_dict(),          # layers, costs, meta (source)
+     "model_spec": ModelSpec.to_dict(),          # layers, costs, source (how to build it), meta (notes)
      "cluster_spec": cluster_to_dict(cluster),   # the cluster YAML's form
      "settings": {"precision": ..., "optimizer": ..., "fp8": ..., "zero_implementation": ...,
                   "memory_limit_bytes": ..., "overlap_grad_sync": ..., "target": ...}}
@@ -17,6 +17,13 @@ or trained anywhere else ("unknown model preset"). Format 2 and later
 Format 3 writes each plan's ``micro_batch_size`` per data-parallel replica
 (Megatron's meaning) with the total in ``micro_batch_total``; older plans
 stored the total under ``micro_batch_size`` and load as such.
+
+Format 4 writes the model's typed ``source`` (``hetplan.model.origin``: a HF
+class and its config values, or a ``pkg.mod:build`` function and its hash);
+format 3 and older kept it in ``meta`` (``hf_class``, ``module_source``, ...),
+which ``ModelSpec.from_dict`` still reads. Reading a plan file never imports
+code: a plan whose model is Python code is built only when the user names the
+function or trusts the file (docs/inputs.md, "What a plan file can do").
 
 Every reader (``estimate``, ``export``, ``train``, ``run``, ``hetplan.runtime.init``)
 takes the model and cluster from the file. ``--model`` / ``--cluster`` still
@@ -42,6 +49,7 @@ from hetplan.limits import MAX_EXPERT_IMBALANCE
 from hetplan.plan.spec import Estimate, Plan
 from hetplan.io.userfiles import read_json
 from hetplan.plan.validate import validate_plan
+from hetplan.model.origin import ModuleSource, is_reference, untrusted_message
 from hetplan.model.spec import ModelSpec
 from hetplan.model.load import load_model
 from hetplan.cluster.io import cluster_to_dict
@@ -50,7 +58,7 @@ from hetplan.cluster.io import cluster_from_dict
 from hetplan.cluster.io import is_cluster_path, load_cluster
 from hetplan.cluster.presets import get_cluster
 
-PLAN_FILE_VERSION = 3
+PLAN_FILE_VERSION = 4  # 4: ModelSpec.source typed (hetplan.model.origin); 3: meta held it
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
                 "overlap_grad_sync", "expert_imbalance", "tp_comm_overlap", "target")
 
@@ -227,6 +235,8 @@ def resolve_model(pf: PlanFile, override: Any = None, seq_len: int | None = None
     if isinstance(override, ModelSpec):
         model = override
     else:
+        if override is None and is_reference(pf.plans[0].model):  # a format-1 file naming code: never imported
+            raise HetplanError(untrusted_message(pf.plans[0].model))
         model = load_model(override or pf.plans[0].model, seq_len=seq_len, dtype_bytes=dtype_bytes)
     if pf.model is not None:
         _check_same_model(model, pf.model)
@@ -250,6 +260,12 @@ def _check_same_model(given: Any, made_for: Any) -> None:
         (given.total_params, made_for.total_params, "parameters"),
         (given.seq_len, made_for.seq_len, "sequence length"),
     ) if a != b]
+    if isinstance(given.source, ModuleSource) and isinstance(made_for.source, ModuleSource) \
+            and made_for.source.module_hash and given.source.module_hash != made_for.source.module_hash:
+        raise HetplanError(
+            f"the model built by {given.source.reference} differs from the one the plan was made for: its parameter "
+            f"names or shapes changed (hash {given.source.module_hash}, the plan's {made_for.source.module_hash}); "
+            f"make the plan again ('hetplan plan --model {given.source.reference} ...') or restore the function")
     if what:
         label = what[0][2]
         detail = "" if label == "layers" else f" ({what[0][0]:,} vs {what[0][1]:,})"

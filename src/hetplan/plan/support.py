@@ -65,7 +65,7 @@ def support_of(spec: ModelSpec) -> RuntimeSupport:
     existed keeps the one it had (its pipeline blocker)."""
     if spec.runtime is not None:
         return spec.runtime
-    if spec.meta.get("hf_class") or spec.meta.get("module_source"):
+    if spec.source is not None:
         blocker = spec.meta.get("runtime_pipeline") or spec.meta.get("pipeline_blocker") or ""
         return RuntimeSupport(pipeline=str(blocker))
     why = builtin_refusal(spec)

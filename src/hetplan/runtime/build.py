@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.model.origin import HFSource, ModuleSource
 from hetplan.runtime import reference
 from hetplan.runtime.models import GPT, build_preset_model, config_from_spec, cross_entropy_loss
 from hetplan.runtime.user_model import user_model
@@ -54,9 +55,9 @@ def model_build(spec, dropout: float = 0.0) -> ModelBuild:  # noqa: ANN001
     the plan's (hetplan.runtime.user_model)."""
     if dropout:
         check_dropout(spec, dropout)
-    if spec.meta.get("hf_class"):
-        return _hf_build(spec)
-    if spec.meta.get("module_source"):
+    if isinstance(spec.source, HFSource):
+        return _hf_build(spec, spec.source)
+    if isinstance(spec.source, ModuleSource):
         user = user_model(spec)
         return ModelBuild(user.build, user.loss, user.meta_init, user.batch, user.example_inputs)
     if dropout:
@@ -70,7 +71,7 @@ def check_dropout(spec, dropout: float) -> None:  # noqa: ANN001
     holds them: 1 byte per element, docs/models.md)."""
     if not 0.0 <= dropout < 1.0:
         raise HetplanError(f"--dropout {dropout}: give a probability at least 0 and below 1 (GPT-2 uses 0.1)")
-    if spec.meta.get("hf_class"):
+    if isinstance(spec.source, HFSource):
         raise HetplanError(f"--dropout is for hetplan's built-in models; model {spec.name!r} is a HF model: set "
                            "the dropout fields of its config.json instead")
     if not spec.meta.get("architecture", {}).get("dropout"):
@@ -78,8 +79,8 @@ def check_dropout(spec, dropout: float) -> None:  # noqa: ANN001
                            "its plan's memory would not hold them; drop --dropout or use a GPT preset such as tiny-gpt")
 
 
-def _hf_build(spec) -> ModelBuild:  # noqa: ANN001
-    values, name = spec.meta.get("hf_config"), spec.meta["hf_class"]
+def _hf_build(spec, source: HFSource) -> ModelBuild:  # noqa: ANN001
+    values, name = source.config, source.hf_class
     if not isinstance(values, dict):
         raise HetplanError(f"model {spec.name!r} came from a HF config, but its plan file does not hold the config "
                            "values; make the plan again with this hetplan ('hetplan plan --model config.json')")
@@ -89,6 +90,9 @@ def _hf_build(spec) -> ModelBuild:  # noqa: ANN001
     if cls is None:
         raise HetplanError(f"transformers {transformers.__version__} has no class {name}; install the version "
                            "the plan was made with")
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise HetplanError(f"the plan's hf_class {name!r} is no transformers model class; make the plan again "
+                           "('hetplan plan --model config.json')")
     config = transformers.AutoConfig.for_model(**values)
 
     def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:

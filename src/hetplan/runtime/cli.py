@@ -66,8 +66,13 @@ def register(subparsers: Any) -> None:
     """Add ``train`` and ``run`` to the hetplan CLI's subparsers."""
     p = subparsers.add_parser("train", help="train the plan's model (preset, HF config or pkg.mod:build) with a plan "
                               "on this machine (needs torch)")
-    p.add_argument("--model", type=name_or_path, default=None, help="model preset (default: the plan's model)")
+    p.add_argument("--model", type=name_or_path, default=None,
+                   help="the plan's model by name (default: the one the plan file embeds); "
+                   "a plan of Python code runs it only if named here as pkg.mod:build, or with --trust-plan-code")
     p.add_argument("--plan", required=True, help="plan JSON from 'hetplan plan/estimate --json'")
+    p.add_argument("--trust-plan-code", action="store_true",
+                   help="import the Python code (pkg.mod:build) the plan file names as its model without naming it "
+                   "with --model (docs/inputs.md, 'What a plan file can do')")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
     p.add_argument("--verify", action="store_true",
                    help="compare with the single-process reference; exit 1 above a relative difference of "
@@ -202,7 +207,7 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
     from hetplan.runtime.preflight import preflight
     from hetplan.runtime.setup import check_plan_precision
 
-    plan, spec, cluster, layout, precision = check_plan_precision(plan_path, args.model)
+    plan, spec, cluster, layout, precision = check_plan_precision(plan_path, args.model, args.trust_plan_code)
     if args.precision and args.precision != precision:
         raise HetplanError(f"the plan trains in {precision}, not {args.precision}; make a plan with "
                            f"--precision {args.precision} (the cost model and the runtime use the plan's)")
@@ -247,6 +252,8 @@ def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from:
                    "--out", out]
     if args.model:
         worker_args += ["--model", args.model]
+    if args.trust_plan_code:
+        worker_args.append("--trust-plan-code")
     if args.compile:
         worker_args.append("--compile")
     if args.optimizer_impl:

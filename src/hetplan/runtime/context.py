@@ -188,7 +188,7 @@ class RuntimeContext:
         :class:`~hetplan.runtime.parallelize.PipelinePart` holding this rank's
         layers under their original names; use ``train_step`` to run it. With
         several stages the model's ``forward`` must be exactly the chain of its
-        layers (hetplan.runtime.chain), checked on a meta copy with
+        layers (hetplan.model.chain), checked on a meta copy with
         ``example_inputs`` (one micro-batch's inputs, the first positional, the
         rest by name, as ``train_step(..., inputs=)`` passes them) here, or else
         with the first ``train_step``'s micro-batch, before any pipeline message.
@@ -419,18 +419,22 @@ class RuntimeContext:
 
 
 def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *,
-         timeout_s: float | None = None, backend: str | None = None) -> RuntimeContext:
+         timeout_s: float | None = None, backend: str | None = None, trust_plan_code: bool = False
+         ) -> RuntimeContext:
     """Set up process groups and the device mesh for ``plan`` in this process.
 
     ``plan``: a Plan or a plan JSON path (default: ``$HETPLAN_PLAN``, which
     ``hetplan run`` sets). ``model``: the ModelSpec or preset name (default: the
     model a plan file embeds, else the plan's model name; one given must be
-    the same model). Launch with one process per device the plan uses
+    the same model; a ``pkg.mod:build`` reference equal to the plan's lets
+    ``parallelize()`` import that code). ``trust_plan_code``: import the
+    plan's model code without naming it (docs/inputs.md, "What a plan file
+    can do"). Launch with one process per device the plan uses
     (``hetplan run plan.json -- script.py`` does). Every check that can fail
     runs before the first collective, on every rank, with the same message
     (hetplan.runtime.setup).
     """
-    s = setup.set_up(plan, model, timeout_s=timeout_s, backend=backend)
+    s = setup.set_up(plan, model, timeout_s=timeout_s, backend=backend, trust_plan_code=trust_plan_code)
     ctx = RuntimeContext(s.plan, s.spec, s.layout, s.position, s.device, s.mesh, s.tie_groups, s.notes,
                          s.owns_process_group, s.precision, ep_mesh=s.ep_mesh, heartbeat=s.heartbeat)
     remember_context(ctx)  # for the one-line out-of-memory error (hetplan.runtime.launch.out_of_memory_line)

@@ -3,7 +3,7 @@
 A HF decoder or encoder is not a chain of its layers: its forward turns the
 2-D attention mask into a 4-D one, computes rotary embeddings or adds position
 embeddings, and passes all of that to every layer as keyword inputs. A
-pipeline of the bare layers would drop them (hetplan.runtime.chain refuses it).
+pipeline of the bare layers would drop them (hetplan.model.chain refuses it).
 
 A :class:`StagedForward` (one per HF family) says how that forward splits at
 layer boundaries: ``embed`` (first stage), ``context`` (what every layer also

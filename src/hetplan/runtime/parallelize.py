@@ -140,7 +140,7 @@ class PipelinePart(nn.Module):
     previous one's output; ``inputs`` are this micro-batch's keyword inputs of
     the model (``train_step(..., inputs=...)``), which every stage gets. A
     layer takes those of them ``kwarg_routes`` names (keyword inputs the
-    model's forward passes through unchanged, hetplan.runtime.chain). With
+    model's forward passes through unchanged, hetplan.model.chain). With
     ``staged`` (an HF model, hetplan.runtime.hf_stages) the stage runs that
     family's forward split at layer boundaries instead, and also holds its
     parameter-free helper modules (rotary embeddings)."""

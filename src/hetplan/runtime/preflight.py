@@ -8,7 +8,7 @@ differently from the plan: layer names that are no modules, parameters outside
 every layer, TP plans that cannot split a layer ``tp`` ways, dropout that
 cannot be plan-independent, what context and expert parallelism need of the
 model (what they need of the plan: ``layout._check_plan_cp_ep``), HF split
-points and the pipeline chain (hetplan.runtime.chain).
+points and the pipeline chain (hetplan.model.chain).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from hetplan.runtime import dropout as rng
 from hetplan.runtime import ep, hf_stages
 from hetplan.runtime import parallelize as par
 from hetplan.runtime import tp as tpr
-from hetplan.runtime.chain import check_chain, example_call
-from hetplan.runtime.chain import example_inputs as known_example_inputs
+from hetplan.model.chain import check_chain, example_call
+from hetplan.model.chain import example_inputs as known_example_inputs
 from hetplan.runtime.cp import check_sequence
 from hetplan.plan.layout import PlanLayout
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hetplan.errors import HetplanError
+from hetplan.model.origin import HFSource
 from hetplan.plan.runtime_facts import IMPLEMENTATIONS, OPTIMIZER_IMPLEMENTATION
 from hetplan.runtime import dropout, hf_recompute
 from hetplan.runtime import parallelize as par
@@ -42,9 +43,10 @@ def synthetic_inputs(spec: Any, batch_size: int, step: int, seed: int = 0) -> di
     padding (each sample keeps a random length from half the sequence to all of
     it), so ``--verify`` also checks that masks reach every pipeline stage;
     nothing for other models. The same for a given (step, seed) on every rank."""
-    name = (getattr(spec, "meta", None) or {}).get("hf_class")
-    if not name:
+    source = getattr(spec, "source", None)
+    if not isinstance(source, HFSource):
         return {}
+    name = source.hf_class
     import inspect
 
     import transformers

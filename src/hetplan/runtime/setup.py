@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.model.load import load_model
+from hetplan.model.origin import is_reference, trusted, untrusted_message
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan
 from hetplan.plan.file import read_plan_file, resolve_cluster, resolve_model
@@ -62,14 +63,15 @@ class ProcessSetup:
 
 
 def set_up(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *,
-           timeout_s: float | None = None, backend: str | None = None) -> ProcessSetup:
+           timeout_s: float | None = None, backend: str | None = None, trust_plan_code: bool = False
+           ) -> ProcessSetup:
     """Check ``plan`` and set up this process for it (see the module doc and
     ``hetplan.runtime.init``, which makes the RuntimeContext of it)."""
     if plan is None:
         plan = os.environ.get("HETPLAN_PLAN")
         if not plan:
             raise HetplanError("no plan given: pass one to hetplan.runtime.init or set HETPLAN_PLAN")
-    plan, spec, cluster, layout, precision = check_plan_precision(plan, model)
+    plan, spec, cluster, layout, precision = check_plan_precision(plan, model, trust_plan_code)
     notes = list(layout.notes)
     already = dist.is_available() and dist.is_initialized()
     rank = _this_rank(layout, already)
@@ -127,17 +129,23 @@ def env_timeout() -> float:
 
 
 # --- the plan ---------------------------------------------------------------------------------
-def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None) -> tuple[Plan, Any, Any, PlanLayout]:
+def check_plan(plan: Plan | str | os.PathLike[str], model: Any = None, trust_plan_code: bool = False
+               ) -> tuple[Plan, Any, Any, PlanLayout]:
     """Load and check a plan without torch.distributed: (plan, ModelSpec,
     ClusterSpec or None, PlanLayout). Raises HetplanError naming the problem."""
-    return check_plan_precision(plan, model)[:4]
+    return check_plan_precision(plan, model, trust_plan_code)[:4]
 
 
-def check_plan_precision(plan: Plan | str | os.PathLike[str], model: Any = None
+def check_plan_precision(plan: Plan | str | os.PathLike[str], model: Any = None, trust_plan_code: bool = False
                          ) -> tuple[Plan, Any, Any, PlanLayout, str]:
-    """``check_plan`` and the precision the plan trains in ("fp32", "bf16" or "fp16")."""
+    """``check_plan`` and the precision the plan trains in ("fp32", "bf16" or "fp16").
+    The plan's model code (a ``pkg.mod:build`` source) is imported later only if
+    ``model`` names it or ``trust_plan_code`` (hetplan.model.origin); a bare
+    plan naming code is refused here, before any import."""
     settings: dict[str, Any] = {}
     if isinstance(plan, Plan):
+        if model is None and is_reference(plan.model) and not trust_plan_code:
+            raise HetplanError(untrusted_message(plan.model))
         spec = model if isinstance(model, ModelSpec) else load_model(model or plan.model)
         cluster = _load_cluster(plan)
     else:  # a plan file: the model and cluster it embeds (format 2), or their names
@@ -147,6 +155,8 @@ def check_plan_precision(plan: Plan | str | os.PathLike[str], model: Any = None
         cluster = resolve_cluster(plan_file) if plan_file.cluster is not None else _load_cluster(plan)
         settings = plan_file.settings
         _refuse_unrun_settings(settings)
+    if trust_plan_code:
+        spec = replace(spec, source=trusted(spec.source))
     if spec.name != plan.model:
         raise HetplanError(f"the plan was made for model {plan.model!r}, not {spec.name!r}; make a plan for this model")
     if cluster is not None:

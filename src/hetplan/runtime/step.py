@@ -31,7 +31,7 @@ from hetplan.plan.spec import Plan
 from hetplan.runtime import dropout as rng
 from hetplan.runtime import microbatch
 from hetplan.runtime import parallelize as par
-from hetplan.runtime.chain import check_chain
+from hetplan.model.chain import check_chain
 from hetplan.plan.layout import PlanLayout, RankPosition
 from hetplan.runtime.precision import LossScaler
 

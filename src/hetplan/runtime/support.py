@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from hetplan.errors import HetplanError
+from hetplan.model.origin import HFSource
 from hetplan.model.spec import ModelSpec, RuntimeSupport
 from hetplan.plan.support import HF_SEQUENCE_PARALLEL, moe_sequence_parallel
 from hetplan.runtime import tp as tpr
@@ -36,7 +37,7 @@ def inspect_model(model: Any, spec: ModelSpec, pipeline: str = "") -> ModelSpec:
     whole = {} if tensor_parallel or expert_tp else measured_tp_whole(model, spec)
     layers = [_as_tp_runs(layer, layer.name in replicated, whole.get(layer.name)) for layer in spec.layers]
     moe = next((layer.name for layer in spec.layers if layer.is_moe), "")
-    hf = bool(spec.meta.get("hf_class"))
+    hf = isinstance(spec.source, HFSource)
     sequence = _sequence_parallel_refusal(model, names, moe, hf, replicated)
     support = RuntimeSupport(
         pipeline=pipeline,

@@ -49,6 +49,7 @@ class TrainConfig:
     dropout: float = 0.0  # the built-in model's dropout (hetplan.runtime.dropout: plan-independent masks)
     resume_or_start: bool = False  # as resume, but start from step 0 when checkpoint_dir has none
     optimizer_impl: str = ""  # for-loop / foreach / fused; default the device's (reference.make_optimizer)
+    trust_plan_code: bool = False  # import the plan's pkg.mod:build model unnamed (hetplan.model.origin)
 
 
 def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     from hetplan.runtime.context import init
     from hetplan.runtime.reference import make_optimizer, training_batch
 
-    ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None))
+    ctx = init(cfg.plan_path, spec if spec is not None else (cfg.model or None), trust_plan_code=cfg.trust_plan_code)
     plan, spec = ctx.plan, ctx.spec
     how = model_build(spec, cfg.dropout)
     model = ctx.parallelize(how.build, seed=cfg.seed, compile=cfg.compile, meta_init=how.meta_init,
@@ -196,11 +197,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--optimizer-impl", default="")
+    p.add_argument("--trust-plan-code", action="store_true")
     a = p.parse_args(argv)
     return TrainConfig(a.plan, a.model, a.steps, a.seed, a.lr, a.optimizer, a.clip, a.out, a.export,
                        a.checkpoint_dir, a.checkpoint_every, a.resume, a.load_from, a.die_after, a.quiet,
                        a.compile, a.dropout, resume_or_start=a.resume_or_start,
-                       optimizer_impl=a.optimizer_impl)
+                       optimizer_impl=a.optimizer_impl, trust_plan_code=a.trust_plan_code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,11 @@
 """Models given as Python code (``--model pkg.mod:build``) in ``hetplan train`` and ``ctx.parallelize()``.
 
 A plan made from ``pkg.mod:build`` records the reference and a hash of the
-module's parameter names and shapes (``meta["module_source"]``,
-``meta["module_hash"]``; hetplan.model.source). The runtime rebuilds the model
-from it, refuses a build function that now builds another model, and makes the
+module's parameter names and shapes (``ModelSpec.source``, a
+``hetplan.model.origin.ModuleSource``; hetplan.model.source describes the
+model, this module builds it for training). The runtime imports the function
+only if the user named it or trusted the plan file (``refuse_untrusted``),
+rebuilds the model from it, refuses a build function that now builds another model, and makes the
 data and loss ``hetplan train`` trains it with (docs/runtime.md, "Models given
 as Python code"):
 
@@ -38,8 +40,9 @@ import torch
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.model.origin import ModuleSource, refuse_untrusted
 from hetplan.model.source import call_build, module_fingerprint, split_built
-from hetplan.runtime.chain import keyword_input_names
+from hetplan.model.chain import keyword_input_names
 from hetplan.runtime.parallelize import stable_seed
 
 
@@ -112,8 +115,11 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def user_model(spec: Any) -> UserModel:
-    """The model ``spec.meta["module_source"]`` builds, checked against the plan's (``spec``)."""
-    reference = spec.meta["module_source"]
+    """The model ``spec.source`` (a ModuleSource) builds, checked against the plan's
+    (``spec``); refused before any import unless the user named or trusted it."""
+    source: ModuleSource = spec.source
+    refuse_untrusted(source)
+    reference = source.reference
     made = call_build(reference)
     targets = made[2] if isinstance(made, tuple) and len(made) == 3 else None
     module, inputs = split_built(made, reference)
@@ -136,7 +142,7 @@ def user_model(spec: Any) -> UserModel:
 
 def check_same_module(reference: str, module: nn.Module, spec: Any) -> None:
     """Refuse a model that is not the one the plan was made for (one line saying how it differs)."""
-    want = spec.meta.get("module_hash")
+    want = spec.source.module_hash if isinstance(spec.source, ModuleSource) else ""
     got = module_fingerprint(module)
     count = sum(p.numel() for p in module.parameters())
     missing = [n for n in (layer.name for layer in spec.layers) if not _has_module(module, n)]

@@ -27,7 +27,7 @@ here is ranked by the shared cost model (``rank_plans``: ``CostModel.estimate``)
 The leaves of the tree are the ModelSpec's layers: for a model given as
 ``module:function`` or an ``nn.Module`` (``hetplan.model.source``) these are
 the finest modules the runtime can cut between (its pipeline runs a chain of
-modules; ``hetplan.runtime.chain``), so every plan here can be trained.
+modules; ``hetplan.model.chain``), so every plan here can be trained.
 A leaf the algorithm gives several devices cannot be cut further: that
 pipeline degree is skipped (or refused when asked for), naming the module.
 """

@@ -17,6 +17,11 @@ they pipeline through hetplan.runtime.hf_stages.)
 memory, no compute) with hooks on the plan's layers and refuses, with one line
 naming the layer and the input, anything that is not a chain. It runs before
 any pipeline communication, on every rank alike, so all ranks fail the same way.
+
+It lives below the runtime, in ``hetplan.model``, because the model layer uses
+it too: ``hetplan.model.source`` finds a ``pkg.mod:build`` model's pipeline
+units with it. It needs torch (imported at the top: planner-side modules never
+import this one; ``tests/test_imports.py``).
 """
 
 from __future__ import annotations
@@ -234,16 +239,3 @@ def example_inputs(spec: Any, config: Any = None) -> tuple[Any, ...] | None:
     if isinstance(size, int) and size > 0:
         return (torch.zeros(1, getattr(config, "num_channels", 3), size, size),)
     return None
-
-
-def pipeline_blocker(model: nn.Module, names: Sequence[str], inputs: tuple[Any, ...] | None,
-                     kwargs: dict[str, Any] | None = None) -> str:
-    """Why the runtime cannot run ``model`` in pipeline stages ("" if it can;
-    "unchecked: ..." when hetplan does not know the model's inputs)."""
-    if inputs is None:
-        return "unchecked: hetplan does not know this model's inputs"
-    try:
-        check_chain(model, names, inputs, kwargs)
-    except HetplanError as e:
-        return str(e)
-    return ""
