@@ -108,6 +108,8 @@ def test_user_strings_are_escaped(plan_path: Path, tmp_path: Path) -> None:
     data["model_spec"]["layers"][0]["name"] = f"embed{EVIL}"
     data["cluster_spec"]["name"] = f"lab{EVIL}"
     data["plans"][0]["plan"]["notes"] = [f"note {EVIL}"]
+    for entry in data["plans"]:  # each plan names the specs the file embeds (hetplan.plan.file)
+        entry["plan"]["model"], entry["plan"]["cluster"] = f"gpt{EVIL}", f"lab{EVIL}"
     path = tmp_path / f"p{'<b>'}.json"
     path.write_text(json.dumps(data))
     page = report_html(read_plan_file(path), 1)
@@ -286,7 +288,7 @@ def test_plan_then_report_on_the_command_line(tmp_path: Path) -> None:
     (["--index", "0"], "must be positive"),
     (["--vary", "gpus=8,16"], "mixes GPU types"),
     (["--vary", "nodes=2"], "--vary takes WHAT=V1,V2"),
-    (["--price-per-gpu-hour", "H100=4"], "no price for GPU type"),
+    (["--price-per-gpu-hour", "H100=4"], "which the cluster does not have"),
 ])
 def test_bad_options_are_one_line_errors(plan_path: Path, tmp_path: Path, args: list[str], message: str) -> None:
     out = tmp_path / "r.html"

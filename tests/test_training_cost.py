@@ -123,4 +123,4 @@ def test_cluster_file_prices_its_nodes(tmp_path) -> None:  # type: ignore[no-unt
     assert n["usd_per_hour"] == pytest.approx(4 * 0.35 + 4 * 3.00)  # the file's T4 price, H100 by default
     assert "the cluster file" in n["price_source"] and "default prices" in n["price_source"]
     with pytest.raises(HetplanError, match="no price for GPU type H100"):
-        _numbers(cluster, {"V100-16GB": 1.0})  # given prices must cover what the file does not
+        _numbers(cluster, {"T4": 1.0})  # given prices must cover what the file does not

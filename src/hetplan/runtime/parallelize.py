@@ -431,7 +431,10 @@ def apply_ddp(root: nn.Module, dp_mesh: Any) -> list[tuple[nn.Module, bool]]:
     on_cuda = dp_mesh.device_type == "cuda"
     # the group, not the mesh: a mesh sliced from the run's larger one makes replicate add DDP+TP's
     # DTensor hooks to every forward (torch/distributed/_composable/replicate.py, "root_mesh != device_mesh")
-    ddp(root, process_group=dp_mesh.get_group(), **({"device_id": torch.cuda.current_device()} if on_cuda else {}))
+    # gradient_as_bucket_view: the gradients are views into DDP's reduce buckets, so DDP keeps them once, as
+    # FSDP2 and the cost model (model/runtime_memory.py) do, not once more in the buckets
+    ddp(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
+        **({"device_id": torch.cuda.current_device()} if on_cuda else {}))
     return [(root, False)]
 
 

@@ -240,6 +240,9 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
+            # plain data parallelism on FSDP2's replicate, not DDP: DDP's buckets read storage fake tensors
+            # lack; its gradients are bucket views (parallelize.apply_ddp), the bytes replicate holds
+            ctx.use_ddp = False
             live = LiveBytes()
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
