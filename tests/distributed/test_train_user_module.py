@@ -137,7 +137,7 @@ def test_keyword_input_passed_on_to_each_block_trains_pipelined(tmp_path, monkey
         json.dump(data, f)
     proc = _hetplan("train", "--plan", plan, "--steps", "2", "--verify", "--model", "um_mask:build", path=str(code))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "pp=2" in proc.stdout and " m=2 " in proc.stdout and "verify: OK" in proc.stdout, proc.stdout
+    assert "pp=2" in proc.stdout and "micro-batches=2" in proc.stdout and "verify: OK" in proc.stdout, proc.stdout
 
 
 SCRIPT = """
