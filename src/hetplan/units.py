@@ -47,7 +47,8 @@ def parse_memory_size(text: str | int | float) -> int:
         raise HetplanError(f"cannot read memory size {text!r}: write e.g. '8GB' or '16GiB'")
     value, unit = float(match.group(1)), (match.group(2) or "").lower()
     if not unit:
-        raise HetplanError(f"memory size {text!r} has no unit: write e.g. '{text.strip()}GB' or '{text.strip()}MB'")
+        shown = str(text).strip()
+        raise HetplanError(f"memory size {text!r} has no unit: write e.g. '{shown}GB' or '{shown}MB'")
     size = int(value * _FACTORS[unit])
     if size < MIN_MEMORY_LIMIT_BYTES:
         raise HetplanError(f"memory size {text!r} is {size:,} bytes, below 1 MiB: is the unit right?")

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 from hetplan.errors import HetplanError, did_you_mean
 from hetplan.units import GIB
@@ -418,7 +418,7 @@ def power_capped(spec: GPUSpec, power_cap_w: float, name: str = "") -> GPUSpec:
     (a ratio to the peak) kept. ``tdp_w`` becomes the cap, so capping a capped
     type again composes: (a/b)^k · (b/c)^k = (a/c)^k."""
     factor = power_cap_factor(power_cap_w, spec.tdp_w)
-    scaled = {attr: in_si(in_units(getattr(spec, attr), TERA) * factor, TERA) for attr in _COMPUTE_PEAKS}
+    scaled: dict[str, Any] = {attr: in_si(in_units(getattr(spec, attr), TERA) * factor, TERA) for attr in _COMPUTE_PEAKS}
     note = (f"power-capped at {power_cap_w:g} W of {spec.tdp_w:g} W: compute peaks x{factor:.4f} "
             f"= (cap/TDP)^(1/3), hetplan.cluster.catalog.POWER_CAP_CLOCK_EXPONENT")
     return replace(spec, name=name or spec.name, tdp_w=float(power_cap_w), source=f"{spec.source}; {note}",

@@ -135,7 +135,7 @@ _SCALE_WITH_PEAK = ("peak_flops_fp32", "peak_flops_fp8", "peak_flops_tf32")
 
 def _derived(base: GPUSpec, name: str, source: str, changes: Mapping[str, float | int]) -> GPUSpec:
     """``base`` with ``changes``; a changed 16-bit peak carries the others along."""
-    scaled = dict(changes)
+    scaled: dict[str, Any] = dict(changes)
     if "peak_flops" in changes:
         ratio = in_units(float(changes["peak_flops"]), TERA) / in_units(base.peak_flops, TERA)
         for attr in _SCALE_WITH_PEAK:

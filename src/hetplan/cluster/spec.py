@@ -168,7 +168,7 @@ class ClusterSpec:
 
     @cached_property
     def devices(self) -> tuple[Device, ...]:
-        devices = []
+        devices: list[Device] = []
         for node_index, node in enumerate(self.nodes):
             gpu = node.gpu
             memory = node.memory_bytes or gpu.memory_bytes

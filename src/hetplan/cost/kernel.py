@@ -143,7 +143,7 @@ class _DataParallelGroups:
     first group (its GPUs per node decide DeepSpeed's NIC sharing)."""
 
     representatives: tuple[tuple[int, ...], ...]
-    key: tuple[object, ...]  # (the distinct shapes, the first group's shape)
+    key: tuple[tuple[object, ...], object]  # (the distinct shapes, the first group's shape)
 
 
 # Segment tables kept per kernel (each is a few (L+1)^2 matrices; searches ask

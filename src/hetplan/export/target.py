@@ -176,7 +176,7 @@ def uniform_plans_for(workload: Workload, tool: str, top_k: int,
     candidates = list(planner.candidates(workload, cost))  # offloaded variants only where memory is short
     if not candidates:
         planner.plan(workload, top_k)  # raises its own reason (no data-parallel degree divides the batch)
-    refusals = Counter()
+    refusals: Counter[str] = Counter()
     kept = []
     for plan in candidates:
         why = refusal(plan, workload, tool, torchtitan_version)

@@ -48,7 +48,8 @@ TOOL_NAMES = {"torchtitan": "torchtitan", "megatron": "Megatron-LM", "deepspeed"
 TORCHTITAN_VERSIONS = ("0.3", "0.2")
 DEFAULT_TORCHTITAN_VERSION = "0.3"
 # The releases each export was checked against (docs/exports.md).
-VALIDATED = {"torchtitan": {"0.3": "0.3.0", "0.2": "0.2.2"}, "megatron": "Megatron-LM core_v0.16.1",
+# tool -> version checked against (torchtitan: per config format, a dict)
+VALIDATED: dict[str, Any] = {"torchtitan": {"0.3": "0.3.0", "0.2": "0.2.2"}, "megatron": "Megatron-LM core_v0.16.1",
              "deepspeed": "0.19.8"}
 
 _EDGE_KINDS = ("embedding", "head")
@@ -293,7 +294,8 @@ def architecture(model: ModelSpec, tool: str) -> Architecture:
         raise HetplanError(f"{tool} builds an embedding, decoder blocks and a head; model {model.name!r} has layers "
                            f"of kinds {sorted(set(kinds))} in another order")
     meta = model.meta if isinstance(model.meta, dict) else {}
-    moe_meta = meta.get("moe") if isinstance(meta.get("moe"), dict) else {}
+    moe = meta.get("moe")
+    moe_meta: dict[str, Any] = moe if isinstance(moe, dict) else {}
     if meta.get("latent_attention") or moe_meta.get("latent_attention"):
         raise HetplanError(f"{tool} export does not write multi-head latent attention (DeepSeek's MLA) yet; model "
                            f"{model.name!r} uses it — use the plan JSON and set the MLA ranks by hand")

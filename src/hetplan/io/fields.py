@@ -59,7 +59,7 @@ def text(where: str, value: Any, choices: Iterable[str] | None = None) -> str:
     return value
 
 
-def listing(where: str, value: Any, maximum: int | None = None) -> list[Any]:
+def listing(where: str, value: Any, maximum: int | None = None) -> list[Any] | tuple[Any, ...]:
     """A JSON list (of at most ``maximum`` items); a tuple too, as dataclasses' asdict gives."""
     if not isinstance(value, (list, tuple)):
         raise HetplanError(f"{where} must be a list, got {type(value).__name__}")

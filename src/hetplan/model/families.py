@@ -255,7 +255,7 @@ def t5_model(
     is one tensor, counted once (in ``decoder.layers.0``), but every decoder
     layer passes it on in a pipeline, so it is in their input/output bytes."""
     p = dtype_bytes
-    common = dict(hidden=hidden, heads=heads, ffn=ffn, bias=False, rms_norm=True, dropout=True,
+    common: dict[str, Any] = dict(hidden=hidden, heads=heads, ffn=ffn, bias=False, rms_norm=True, dropout=True,
                   activation="relu", mlp_dropout=True, norm_saves_normalized=True,
                   softmax_saves_input=softmax_saves_input)
     enc_shape = BlockShape(seq=encoder_seq, **common)

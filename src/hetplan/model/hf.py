@@ -98,7 +98,7 @@ _AUTO_CLASS = {
 # Shape fields a config.json must state: transformers would otherwise silently
 # fill in its defaults (a config without "n_layer" becomes a 12-layer GPT-2).
 # Each entry lists the accepted spellings.
-_REQUIRED = {
+_REQUIRED: dict[str, list[tuple[str, ...]]] = {
     "gpt": [("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
             ("vocab_size",)],
     "bert": [("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",), ("intermediate_size",),
@@ -110,7 +110,7 @@ _REQUIRED = {
             ("num_experts_per_tok",)],
 }
 # MoE fields per model type on top of the family's (the expert count, widths, dense layers, MLA ranks).
-_REQUIRED_MOE = {
+_REQUIRED_MOE: dict[str, list[tuple[str, ...]]] = {
     "mixtral": [("intermediate_size",), ("num_local_experts",)],
     "qwen2_moe": [("num_experts",), ("moe_intermediate_size",), ("shared_expert_intermediate_size",),
                   ("intermediate_size",)],
@@ -280,7 +280,7 @@ def check_config_values(data: dict[str, Any], model_type: str, where: str) -> di
         if value < minimum:
             raise HetplanError(f"{bad}: {key} = {value} must be >= {minimum}")
         if not isinstance(value, numbers.Integral):
-            fixed[key] = value = int(value)
+            fixed[key] = value = int(float(value))  # an integral float (checked above)
     for key, (low, high, low_ok) in _FLOAT_FIELDS.items():
         value = data.get(key)
         if value is None or family is None and isinstance(value, (list, dict)):
@@ -288,7 +288,8 @@ def check_config_values(data: dict[str, Any], model_type: str, where: str) -> di
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             shown = json.dumps(value) if isinstance(value, (bool, str)) else repr(value)
             raise HetplanError(f"{bad}: {key} must be a finite number, got {shown}")
-        if not (low <= value if low_ok else low < value) or value > high:
+        real = float(value)  # a finite real (checked above)
+        if not (low <= real if low_ok else low < real) or real > high:
             span = f"between {low:g} and {high:g}" if high < math.inf else f"above {low:g}"
             raise HetplanError(f"{bad}: {key} = {value} must be {span}")
     values = {**data, **fixed}
@@ -387,7 +388,8 @@ def build_meta_model(config: Any, where: str = "config") -> Any:
             except Exception as exc:
                 raise HetplanError(f"{where}: cannot build the {config.model_type} model: {_first_line(exc)}") from None
     raise HetplanError(
-        f"{where}: transformers has no model class for {config.model_type!r} ({_first_line(last_error)})"
+        f"{where}: transformers has no model class for {config.model_type!r}"
+        + (f" ({_first_line(last_error)})" if last_error else "")
     )
 
 

@@ -18,6 +18,7 @@ Training on GPU Clusters", eq. in §5.1): a multiply-add is 2 FLOPs, so a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hetplan.model.spec import LayerSpec
 
@@ -479,7 +480,7 @@ def transformer_block(
     layer = t.layer(name, kind, p * s * shape.hidden, shape.heads if mla is not None else shape.num_kv_heads)
     window = min(shape.attn_window, s) if shape.attn_window else 0
     attention = "sliding" if window else ("causal" if kind in CAUSAL_KINDS else "full")
-    extra: dict[str, object] = {}
+    extra: dict[str, Any] = {}
     if moe is not None:
         extra = dict(num_experts=moe.num_experts, top_k=moe.top_k, expert_ffn=moe.expert_ffn,
                      shared_expert_ffn=moe.shared_ffn, capacity_factor=float(moe.capacity_factor),

@@ -115,7 +115,7 @@ def _transgan_het() -> ModelSpec:
 # 4 x parameter bytes for fp32 Adam). See docs/models.md for how the activation
 # sizes of Table I follow from that setup.
 
-_GALVATRON = dict(dtype_bytes=4, softmax_saves_input=True)
+_GALVATRON: dict[str, Any] = dict(dtype_bytes=4, softmax_saves_input=True)
 _TABLE_I = "Galvatron-BMW (arXiv:2307.02031) Table I"
 
 

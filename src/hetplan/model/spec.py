@@ -392,10 +392,12 @@ def _rules(cls: type, overrides: dict[str, _Rule]) -> dict[str, _Rule]:
 
 def show_number(value: Any) -> str:
     """A number for a message: ints in full up to 16 digits, else 3 significant digits."""
-    if isinstance(value, numbers.Integral) and abs(value) < 10**16:
-        return str(value)
-    if isinstance(value, numbers.Integral) and abs(value) >= 10**300:
-        return f"{str(value)[:1]}e+{len(str(abs(value))) - 1}"
+    if isinstance(value, numbers.Integral):
+        whole = int(value)
+        if abs(whole) < 10**16:
+            return str(value)
+        if abs(whole) >= 10**300:
+            return f"{str(whole)[:1]}e+{len(str(abs(whole))) - 1}"
     return f"{value:.3g}" if abs(value) >= 1e6 or value != int(value) else str(int(value))
 
 
@@ -459,7 +461,7 @@ def _check_value(value: Any, name: str, rule: _Rule, where: str) -> Any:
     if whole and not isinstance(value, numbers.Integral):
         if not float(value).is_integer():
             raise HetplanError(f"{where}: {name} must be a whole number, got {value!r}")
-        value = int(value)
+        value = int(float(value))  # an integral float (checked above)
     shown = show_number(value)
     if rule.choices and value not in rule.choices:
         raise HetplanError(f"{where}: {name} must be {' or '.join(map(str, rule.choices))}, got {shown}")

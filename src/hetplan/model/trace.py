@@ -288,7 +288,7 @@ class _Tracer:
             # (T5 blocks also take a larger position-bias tensor)
             first = next(_tensors(args, self.torch), None)
             floating = first is not None and first.is_floating_point()
-            anchor.input_shape = tuple(first.shape) if floating else _main_shape(tensors)
+            anchor.input_shape = tuple(first.shape) if first is not None and floating else _main_shape(tensors)
         anchor.calls += 1
         self.segments.append(_Segment(anchor=index))
         if self.progress is not None:
@@ -375,7 +375,7 @@ def _make_modes(tracer: _Tracer) -> tuple[Any, Any]:
     linear = torch.nn.functional.linear
 
     class _FunctionMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is linear:
                 outer_linear, tracer.in_linear = tracer.in_linear, True
@@ -411,7 +411,7 @@ def _make_modes(tracer: _Tracer) -> tuple[Any, Any]:
             return out
 
     class _DispatchMode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             return tracer.on_op(func, args, kwargs, lambda: func(*args, **kwargs))
 
@@ -532,8 +532,8 @@ def _anchor_paths(
 ) -> tuple[list[str], list[int]]:
     """Pick the layer modules and their block-stack groups: the user's, else the blocks of each stack."""
     if layer_names:
-        paths = expand_layer_names(module, list(layer_names))
-        return paths, [0] * len(paths)
+        named = expand_layer_names(module, list(layer_names))
+        return named, [0] * len(named)
     paths: list[str] = []
     groups: list[int] = []
     for gi, cpath in enumerate(block_containers(module)):
@@ -628,6 +628,7 @@ def _meta_inputs(example_inputs: Any, dtype: Any, torch: Any) -> tuple[tuple, di
             return type(x)(to_meta(v) for v in x)
         return x
 
+    args: tuple[Any, ...]
     if isinstance(example_inputs, dict):
         args, kwargs = (), to_meta(example_inputs)
     elif isinstance(example_inputs, (tuple, list)):

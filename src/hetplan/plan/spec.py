@@ -464,7 +464,8 @@ class Estimate:
         parts = sum(max(0.0, numbers[k]) for k in self.TIME_PARTS)
         if abs(parts - total) > 1e-6 * total:
             raise RuntimeError(f"cost model bug: the parts of the step add up to {parts!r} s, not {total!r} s")
-        return replace(self, **{k: 0.0 for k, v in numbers.items() if v < 0})
+        negative: dict[str, Any] = {k: 0.0 for k, v in numbers.items() if v < 0}
+        return replace(self, **negative)
 
     @property
     def bound_gap(self) -> float | None:
@@ -521,7 +522,7 @@ class RankedPlan:
     planner_cost_s: float | None = None  # the planner's own objective, if it has one
 
     def to_dict(self) -> dict[str, Any]:
-        data = {"plan": self.plan.to_dict(), "estimate": self.estimate.to_dict()}
+        data: dict[str, Any] = {"plan": self.plan.to_dict(), "estimate": self.estimate.to_dict()}
         if self.planner_cost_s is not None:
             data["planner_cost_s"] = self.planner_cost_s
         return data

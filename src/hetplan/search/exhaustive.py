@@ -30,7 +30,7 @@ from hetplan.plan.spec import Plan, RankedPlan, uniform_stage
 from hetplan.search.amp import AmpCostModel
 from hetplan.search.base import cost_model_for, no_fit_error
 from hetplan.search.common.degrees import enumerate_degrees, micro_batch_sizes
-from hetplan.search.common.stage_partition import PipelinePartitioner
+from hetplan.search.common.stage_partition import PartitionTables, PipelinePartitioner
 from hetplan.search.common.placement import (
     Placement,
     canonical_placements,
@@ -154,7 +154,7 @@ class ExhaustivePlanner:
         return out
 
     @staticmethod
-    def _tables(cost_model: CostModel, strategy: Strategy) -> tuple[PipelinePartitioner, object]:
+    def _tables(cost_model: CostModel, strategy: Strategy) -> tuple[PipelinePartitioner, PartitionTables]:
         """The kernel's segment tables of a strategy's stages: every split is a lookup."""
         micro = strategy.dp * strategy.micro_batch
         gas = cost_model.workload.global_batch_size // micro

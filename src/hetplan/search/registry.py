@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 from hetplan.errors import HetplanError, did_you_mean
@@ -42,9 +43,9 @@ PLANNERS: dict[str, tuple[PlannerFactory, str]] = {
                                      "were the cluster's average GPU (Metis §3 baseline)"),
 }
 for _name, (_config, _description) in VARIANTS.items():
-    PLANNERS[_name] = (lambda c=_config: GalvatronPlanner(c), _description)
+    PLANNERS[_name] = (partial(GalvatronPlanner, _config), _description)
 for _name, (_baseline, _description) in BASELINES.items():
-    PLANNERS[_name] = (lambda c=_baseline: BaselinePlanner(c), _description)
+    PLANNERS[_name] = (partial(BaselinePlanner, _baseline), _description)
 
 
 def planner_names() -> list[str]:

@@ -86,7 +86,7 @@ class PipelineSolution:
 
 
 @dataclass(frozen=True)
-class _Tables:
+class PartitionTables:
     """Every stage's options as (k, q, span, span) windows (``PartitionProblem``'s
     layout: ``[j, o, x, y]`` is layers ``[j + x, j + 1 + y)``), and the links.
     ``members[j][o]``: the windows of the options option ``o`` of stage ``j``
@@ -143,7 +143,7 @@ class PipelinePartitioner:
         self.slowdown = kernel.overlap_slowdown
 
     # --- tables --------------------------------------------------------------------------
-    def tables(self, options: Sequence[Sequence[StageOption]]) -> _Tables:
+    def tables(self, options: Sequence[Sequence[StageOption]]) -> PartitionTables:
         """Every option of every stage, as one set of windows."""
         segments = [[self._segment(j, len(options), o) for o in stage] for j, stage in enumerate(options)]
         return self._assemble(options, segments, [[(t,) for t in stage] for stage in segments])
@@ -156,7 +156,7 @@ class PipelinePartitioner:
     def _assemble(self, options: Sequence[Sequence[StageOption]], segments: Sequence[Sequence[SegmentTables]],
                   members: Sequence[Sequence[tuple[SegmentTables, ...]]],
                   families: tuple[tuple[tuple[int, ...], ...], ...] = (),
-                  picks: Sequence[Sequence[np.ndarray | None]] = ()) -> _Tables:
+                  picks: Sequence[Sequence[np.ndarray | None]] = ()) -> PartitionTables:
         """Per-stage lists of windows stacked into (k, q, span, span) arrays
         (stages with fewer options padded with never-fitting ones)."""
         k, n = len(segments), self.kernel.num_layers
@@ -174,10 +174,10 @@ class PipelinePartitioner:
         for j in range(k - 1):
             rate = self.kernel.p2p_rate(options[j][0].devices, options[j + 1][0].devices)
             p2p[j, 1:n] = rate * output[:n - 1] * self.micro_batch_size
-        return _Tables(tuple(tuple(o) for o in options), per_mb, back, sync, post, opt, fits, p2p,
+        return PartitionTables(tuple(tuple(o) for o in options), per_mb, back, sync, post, opt, fits, p2p,
                        tuple(tuple(m) for m in members), families, tuple(tuple(p) for p in picks))
 
-    def merged(self, options: Sequence[Sequence[StageOption]]) -> _Tables:
+    def merged(self, options: Sequence[Sequence[StageOption]]) -> PartitionTables:
         """Options that differ only in recomputation merged into one *family* per
         stage, running at each layer range the fastest member that fits: members
         of a family share their ZeRO traffic and optimizer step and a member that
@@ -195,7 +195,7 @@ class PipelinePartitioner:
         return self._assemble(options, segments, members, families, picks)
 
     # --- the relaxation ---------------------------------------------------------------------
-    def relaxation(self, tables: _Tables, weights: np.ndarray) -> _Relaxation:
+    def relaxation(self, tables: PartitionTables, weights: np.ndarray) -> _Relaxation:
         """``L_λ`` for these weights: per cell the least over the members that
         fit of ``t + λ_i x_i − Λ_i back_i``, as an extra over the cell's time
         (the bottleneck term takes the least ``t``; both under-estimate, so the
@@ -217,7 +217,7 @@ class PipelinePartitioner:
                     np.isfinite(time), time, 0.0), 0.0)
         return _Relaxation(weights, extra, P2P_PASSES - after[:k - 1])
 
-    def _last_tail(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> int:
+    def _last_tail(self, tables: PartitionTables, bounds: Sequence[int], choice: Sequence[int]) -> int:
         """The stage whose gradient sync ends last in this split (``iteration_time``'s ``finish``)."""
         cells = [(j, o, bounds[j] - j, bounds[j + 1] - j - 1) for j, o in enumerate(choice)]
         ahead, last, latest = 0.0, 0, -INF
@@ -231,7 +231,7 @@ class PipelinePartitioner:
         return last
 
     # --- the true objective ---------------------------------------------------------------------
-    def iteration_s(self, tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> float:
+    def iteration_s(self, tables: PartitionTables, bounds: Sequence[int], choice: Sequence[int]) -> float:
         """``F`` of one split and option choice, from the tables (what ``estimate`` returns)."""
         k = len(choice)
         cells = [(j, choice[j], bounds[j] - j, bounds[j + 1] - j - 1) for j in range(k)]
@@ -285,7 +285,7 @@ class PipelinePartitioner:
             return PipelineSolution(self._stages(members, bounds, choice), true_f, true_f, True)
         return PipelineSolution(self._stages(tables, *best), true_f, lower, False)
 
-    def _staircase(self, tables: _Tables, relaxation: _Relaxation, incumbent: float = INF,
+    def _staircase(self, tables: PartitionTables, relaxation: _Relaxation, incumbent: float = INF,
                    max_stairs: int | None = None) -> _Staircase | None:
         """Exact ``min L_λ`` (module docstring), with the true ``F`` of the best
         split visited. Stops early (and may return None) once nothing left can
@@ -329,7 +329,7 @@ class PipelinePartitioner:
         k, q = len(options), max(len(o) for o in options)
         return comb(self.kernel.num_layers - 1, k - 1) * q ** k <= BRUTE_FORCE_LIMIT
 
-    def _brute_force(self, tables: _Tables) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+    def _brute_force(self, tables: PartitionTables) -> tuple[tuple[int, ...], tuple[int, ...], float]:
         """Every split and option choice (small instances)."""
         k, q = tables.per_mb.shape[:2]
         n = self.kernel.num_layers
@@ -346,7 +346,7 @@ class PipelinePartitioner:
         return best
 
     @staticmethod
-    def _stages(tables: _Tables, bounds: Sequence[int], choice: Sequence[int]) -> tuple[Stage, ...]:
+    def _stages(tables: PartitionTables, bounds: Sequence[int], choice: Sequence[int]) -> tuple[Stage, ...]:
         """The plan's stages; for merged tables, each stage runs its family's picked member."""
         stages = []
         for j, o in enumerate(choice):

@@ -137,7 +137,8 @@ def strategy_runs(labels: Sequence[str]) -> str:
     """Runs of identical strategies as 'label×N' (the paper's Fig. 7)."""
     out: list[str] = []
     prev, count = None, 0
-    for label in list(labels) + [None]:  # type: ignore[list-item]
+    ends: list[str | None] = [*labels, None]
+    for label in ends:
         if label == prev:
             count += 1
             continue
@@ -408,12 +409,14 @@ class _Search:
             self.solve_many(pp, batch, [(j, r, m) for m in counts for j, r in enumerate(partition_ranges(even))])
             bases = {m: self.search_partition(pp, even, batch, m) for m in counts}
             own = pp > 1 and mode in ("memory", "time")
-            found: dict[int, list[_Candidate]] = {m: [] if own or bases[m] is None else [bases[m]] for m in counts}
+            found: dict[int, list[_Candidate]] = {m: [c] if not own and (c := bases[m]) is not None else []
+                                                  for m in counts}
             if pp > 1 and mode != "even":
                 balanced = {m: self.balanced_partitions(pp, batch, m, bases[m]) for m in counts}
                 wanted = {"memory": (0,), "time": (1,), "bi-objective": (0, 1)}[mode]
-                self.solve_many(pp, batch, [(j, r, m) for m in counts for w in wanted if balanced[m][w] is not None
-                                            for j, r in enumerate(partition_ranges(balanced[m][w]))])
+                self.solve_many(pp, batch, [(j, r, m) for m in counts for w in wanted
+                                            if (part := balanced[m][w]) is not None
+                                            for j, r in enumerate(partition_ranges(part))])
                 for m in counts:
                     seen = {c.partition for c in found[m]}
                     for w in wanted:
@@ -441,7 +444,7 @@ class _Search:
         costs = self.costs_for(n)
         mbs = cand.batch // cand.num_micro_batches
         lines = [strategy_runs([costs.strategies[c].label() for c in sol.choices]) for sol in cand.solutions]
-        notes = ("per-layer strategies: " + stage_runs(lines, n),)
+        notes: tuple[str, ...] = ("per-layer strategies: " + stage_runs(lines, n),)
         if cand.pp > 1:
             notes += (f"pipeline partition [{strategy_runs([str(x) for x in cand.partition])}] layers "
                       f"({self.config.partition}), "

@@ -231,7 +231,7 @@ class GalvatronCosts:
                 best = (total, t.fwd_s, t.back_s, tpc)
                 continue
             slower = total > best[0]
-            best = tuple(np.where(slower, new, old)  # type: ignore[assignment]
+            best = tuple(np.where(slower, new, old)
                          for new, old in zip((total, t.fwd_s, t.back_s, tpc), best))
         assert best is not None
         return best[1], best[2], best[3]
@@ -240,7 +240,7 @@ class GalvatronCosts:
         """(layers, T, T): R entering each layer from a previous layer's TP
         degree (rows) to its own (columns), per iteration."""
         rates = np.array([[transform_rate(self.kernel, ctx.devices, a, b) for b in self.tps] for a in self.tps])
-        per_layer = self.kernel.arrays.input_bytes * ctx.micro_batch_size * ctx.num_micro_batches
+        per_layer: np.ndarray = self.kernel.arrays.input_bytes * ctx.micro_batch_size * ctx.num_micro_batches
         return per_layer[:, None, None] * rates[None]
 
 

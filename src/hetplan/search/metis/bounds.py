@@ -45,7 +45,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -83,11 +83,11 @@ class Bounds:
         speed = {d.gpu.name: d.gpu.peak_flops_for(self.model.dtype_bytes) for d in self.cluster.devices}
         self._types_by_speed = sorted(self._type_counts, key=lambda item: (speed[item[0]], item[0]))
         self._mem: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._cache: dict[tuple[object, ...], object] = {}
+        self._cache: dict[tuple[object, ...], Any] = {}  # mixed values: prefixes, holds, stage bounds
         self._stage_cache: dict[tuple[int, int, int], StageBound] = {}
         self._flights: dict[tuple[int, int], tuple[int, ...]] = {}
         self._hold: dict[tuple[object, ...], int] = {}
-        self._times: dict[tuple[object, ...], list[float]] = {}
+        self._times: dict[object, list[float]] = {}
         self._fastest: dict[tuple[int, int], list[float]] = {}
         gpus = {d.gpu.name: d.gpu for d in self.cluster.devices}
         self._gpus = [gpus[n] for n in sorted(gpus)]
@@ -291,7 +291,7 @@ class Bounds:
             if not math.isfinite(value):
                 value = 0.0
             self._cache[key] = value
-        return value  # type: ignore[return-value]
+        return value
 
     def multiset_options(self, sizes: Sequence[int], micro_batch: int,
                          num_micro_batches: int) -> list["StageBound"] | None:
@@ -308,7 +308,7 @@ class Bounds:
         return self._size_options(stages, micro_batch)
 
     def _size_options(self, stages: Sequence[tuple[int, float]], micro_batch: int) -> list["StageBound"] | None:
-        result = []
+        result: list[StageBound] = []
         total_hold = 0
         for size, in_flight in stages:
             key = ("size", size, in_flight, micro_batch)
@@ -370,7 +370,7 @@ class Bounds:
             unit = self._cache.get(key)
             if unit is None:
                 unit = self._cache[key] = self.costs.p2p_time_bytes(a, b, 1.0)
-            total += 2.0 * unit * self.min_output * micro_batch  # type: ignore[operator]
+            total += 2.0 * unit * self.min_output * micro_batch
         return total
 
 

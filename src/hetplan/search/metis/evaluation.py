@@ -5,12 +5,15 @@ a complete plan (eq. 1, as the shared model computes it)."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from hetplan.cost.pipeline import StageTail, iteration_time
 from hetplan.plan.workload import Workload
 from hetplan.search.metis.groups import DeviceGroup
 from hetplan.search.metis.stage_costs import Intra, MetisCosts, StageHandle, proportional_bounds
+
+if TYPE_CHECKING:  # the planner imports this module
+    from hetplan.search.metis.planner import MetisOptions
 
 
 class SearchContext(Protocol):
@@ -18,7 +21,7 @@ class SearchContext(Protocol):
 
     workload: Workload
     costs: MetisCosts
-    options: object  # MetisOptions
+    options: MetisOptions
     num_layers: int
     weights: list[float]
 

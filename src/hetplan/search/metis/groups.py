@@ -160,8 +160,8 @@ def enumerate_device_groups(cluster: ClusterSpec, sizes: Sequence[int] | None = 
         if size == 0 or (wanted is not None and size not in wanted):
             continue
         devices: list[int] = []
-        for (cls, nodes), picks in zip(ordered, combo):
-            for node, k in zip(nodes, picks):
+        for (_, class_nodes), counts in zip(ordered, combo):
+            for node, k in zip(class_nodes, counts):
                 devices += range(firsts[node], firsts[node] + k)
         groups.append(make_group(cluster, sorted(devices)))
     groups.sort(key=lambda g: (g.size, g.signature))
@@ -214,7 +214,7 @@ def merge_smallest(sizes: Sequence[int], max_permute_len: int) -> list[tuple[int
 
     Paper example: sizes 1,1,1,1,2 with length 3 give units (1,1), (1,1), (2).
     """
-    units = sorted(((s,) for s in sizes), key=lambda u: (sum(u), u))
+    units: list[tuple[int, ...]] = sorted(((s,) for s in sizes), key=lambda u: (sum(u), u))
     limit = max(1, max_permute_len)
     while len(units) > limit:
         merged = units[0] + units[1]

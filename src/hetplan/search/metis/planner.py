@@ -582,7 +582,8 @@ def _ranges(devices: Sequence[int]) -> str:
     parts = []
     ids = list(devices)
     start = prev = ids[0]
-    for d in ids[1:] + [None]:  # type: ignore[list-item]
+    ends: list[int | None] = [*ids[1:], None]
+    for d in ends:
         if d is not None and d == prev + 1:
             prev = d
             continue
