@@ -157,7 +157,7 @@ class Work:
         experts = (self.expert_s * batch, self.expert_tokens * batch) \
             if self.expert_s is not None and self.expert_tokens is not None else (None, None)
         return Work(self.gemm_s * batch, self.attention_s * batch, self.attention_backward_s * batch,
-                    self.memory_s * batch, self.launch_s, *experts, self.run)
+                    self.memory_s * batch, self.launch_s, expert_s=experts[0], expert_tokens=experts[1], run=self.run)
 
     def device_backward(self) -> np.ndarray:
         """Twice the forward matmuls (input and weight gradients), the attention

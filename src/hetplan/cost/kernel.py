@@ -29,7 +29,7 @@ import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -446,7 +446,8 @@ class CostKernel:
         if self.workload.tp_comm_overlap and times is not None:
             # split under the layer's own matmuls (Megatron-LM --tp-comm-overlap, torchtitan async TP):
             # only what outlasts its compute, and the slowdown of sharing the GPU, stays exposed
-            comm = overlapped_exposure(comm, times.fwd_s + times.bwd_s + times.recompute_s, self.overlap_slowdown)
+            comm = np.asarray(overlapped_exposure(comm, times.fwd_s + times.bwd_s + times.recompute_s,
+                                                  self.overlap_slowdown))
         return comm
 
     def supports_tp(self, tp: int) -> np.ndarray:
@@ -485,7 +486,7 @@ class CostKernel:
         self._sets_by_id[id(devices)] = (devices, number)
         return number
 
-    def device_array(self, devices: Sequence[int]) -> np.ndarray:
+    def device_array(self, devices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``devices`` as a read-only numpy array (cached: converting thousands
         of ids at every use showed up on 16,384 GPUs)."""
         if isinstance(devices, np.ndarray):
@@ -656,7 +657,7 @@ class CostKernel:
         """One-way transfer of one micro-batch's output of ``last_layer``."""
         return self.p2p_rate(sender, receiver) * float(self.arrays.output_bytes[last_layer]) * micro_batch_size
 
-    def optimizer_rate(self, devices: Sequence[int]) -> float:
+    def optimizer_rate(self, devices: Sequence[int] | np.ndarray) -> float:
         """Seconds per parameter of the (memory-bound) optimizer step on the
         stage's GPU with the least memory bandwidth."""
         array = self.device_array(devices)
@@ -717,9 +718,10 @@ class CostKernel:
                 tpc = tpc + self.cp_ep_comm_time(recompute, share, tp, parallel, attention, max(1.0, load))
             rec = t.recompute_s + self.offload_exposed_time(gpu, batch, tp, recompute, sequence_parallel) \
                 if offload else t.recompute_s
-            parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, rec, tpc)]
-            total = parts[0] + parts[1] + parts[2] + parts[3]
-            found = self._time_classes[key] = _TimeClass(*parts, total=total, total_list=total.tolist())
+            fwd, bwd, rec_sum, tpc_sum = (_prefix(x) for x in (t.fwd_s, t.bwd_s, rec, tpc))
+            total = fwd + bwd + rec_sum + tpc_sum
+            found = self._time_classes[key] = _TimeClass(fwd, bwd, rec_sum, tpc_sum, total=total,
+                                                         total_list=total.tolist())
         return found
 
     def activation_prefix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
@@ -771,8 +773,9 @@ class CostKernel:
         held_kind = np.repeat(first_appearance(held)[1], tp)
         firsts, device_class = first_appearance((np.repeat(shares, tp) * len(arrays.memory_kinds) + kinds)
                                                 * (int(held_kind.max()) + 1) + held_kind)
-        memory = tuple(_MemoryClass(int(shares[i // tp]), *arrays.memory_kinds[kinds[i]][:2], float(held[i // tp]),
-                                    arrays.memory_kinds[kinds[i]][2])
+        kind_of = arrays.memory_kinds
+        memory = tuple(_MemoryClass(int(shares[i // tp]), kind_of[kinds[i]][0], kind_of[kinds[i]][1], float(held[i // tp]),
+                                    kind_of[kinds[i]][2])
                        for i in firsts.tolist())
         optimizer = self.optimizer_rate(grid.reshape(-1))
         groups = self.dp_groups(devices, tp, grid) if dp * cp > 1 else None
@@ -811,7 +814,7 @@ class CostKernel:
         for zero in DATA_PARALLEL_ZERO:
             rates = [rate_of(name, tp, ranks, zero) for name in names]
             if all(r is not None for r in rates):
-                found[zero] = (max(r[0] for r in rates), max(r[1] for r in rates))  # type: ignore[index]
+                found[zero] = (max(r[0] for r in rates), max(r[1] for r in rates))
         return found
 
     def even_experts(self, ep: int) -> tuple[float, float]:
@@ -888,7 +891,7 @@ class CostKernel:
             firsts.setdefault(shape, group)
         return _DataParallelGroups(tuple(firsts.values()), (tuple(firsts), shapes[0]))
 
-    def cp_ep_comm_time(self, recompute: str, share: float, tp: int, parallel: tuple[object, ...],
+    def cp_ep_comm_time(self, recompute: str, share: float, tp: int, parallel: tuple[Any, ...],
                         attention_s: np.ndarray, send_scale: float | None = None) -> np.ndarray:
         """Per layer: a CP/EP rank's K/V exchanges and all-to-alls for a
         replica's ``share`` samples over one micro-batch's passes
@@ -900,7 +903,7 @@ class CostKernel:
         imbalance of an even split."""
         if not parallel or share <= 0:
             return np.zeros(self.num_layers)
-        cp, ep, (cp_rate, cp_latency), (ep_rate, ep_latency) = parallel  # type: ignore[misc]
+        cp, ep, (cp_rate, cp_latency), (ep_rate, ep_latency) = parallel
         a = self.arrays
         out = np.zeros(self.num_layers)
         if cp > 1:

@@ -282,7 +282,7 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         tensor = float(kernel.largest_tensor(tp, stage.ep)[index])
         largest = max(largest, tensor / group if strategy.zero >= 1 else tensor)
         if strategy.zero == 1 and group > 1 and kernel.runtime:  # memory.zero1_gather_bytes, layer by layer
-            zero1 += zero1_gather_bytes(held_params(kernel, stage, pos), group, 0.0)
+            zero1 += float(zero1_gather_bytes(held_params(kernel, stage, pos), group, 0.0))
             zero1_largest = max(zero1_largest, ZERO1_GATHER_BYTES * tensor)
     step = float(step_temporary_bytes(kernel.workload.runtime_optimizer, largest)) + zero1 \
         + (zero1_largest if zero1 else 0.0)

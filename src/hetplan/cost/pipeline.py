@@ -132,7 +132,8 @@ def iteration_time(stage_times: Sequence[float], p2p_times: Sequence[float], tai
     for j, tail in enumerate(tails):
         if j > 0:
             ahead += tails[j - 1].back_s + p2p_times[j - 1]
-        finish = max(finish, t_pipe - ahead + exposed_grad_sync(tail.sync_s, tail.back_s, overlap_grad_sync, slowdown))
+        exposed = float(exposed_grad_sync(tail.sync_s, tail.back_s, overlap_grad_sync, slowdown))
+        finish = max(finish, t_pipe - ahead + exposed)
     last = max(tails, key=step_after_sync)
     return IterationTime(t_pipe, finish, last.optimizer_s, last.post_step_s)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, cast
 
 import numpy as np
 
@@ -207,7 +207,7 @@ class StageCosts:
         group = o.dp * o.cp
         self._gather, self._scatter, self._sync, self._post, self._optimizer = \
             self._rates(self._layout.dp_rate, group, self._layout.measured_dp)
-        self._expert = (0.0,) * 5
+        self._expert: tuple[float, ...] = (0.0,) * 5
         if o.ep > 1:
             rate = self._layout.expert_rate or (lambda kind: 0.0)
             # the device holding the most experts (``Stage.ep_split``) sets the expert terms' pace
@@ -274,12 +274,11 @@ class StageCosts:
         self._host_act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp) if o.offload else None
         if o.offload:  # nothing kept per micro-batch in flight; a working set once (kernel.offload_working_bytes)
             self._act = np.zeros(self.num_layers + 1)
-            self._work = k.offload_working_bytes(o.tp, o.recompute, o.sequence_parallel)
+            work = k.offload_working_bytes(o.tp, o.recompute, o.sequence_parallel)
         else:
             self._act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp)
-            self._work = k.backward_working_bytes(o.tp, o.recompute, o.sequence_parallel, o.cp)
-        if not self._work.any():
-            self._work = None
+            work = k.backward_working_bytes(o.tp, o.recompute, o.sequence_parallel, o.cp)
+        self._work: np.ndarray | None = work if work.any() else None
         self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes if o.zero >= 3 and o.dp * o.cp > 1 \
             else None
         self._act_list = self._act.tolist()  # scalar lookups (one range) are faster on lists
@@ -488,7 +487,8 @@ class StageCosts:
         fits = recent.get((self.key, window, in_flight))
         if fits is None:
             fits = recent.put((self.key, window, in_flight), self._fits_table(in_flight, window))
-        return replace(times, fits=fits)
+        # one cache holds both kinds of entry, under different keys
+        return replace(cast(SegmentTables, times), fits=cast(np.ndarray, fits))
 
     def _cells(self, window: tuple[int, int] | None) -> tuple[slice, slice]:
         """Rows (``a``) and columns (``b``) of the table: contiguous, so slicing gives views."""

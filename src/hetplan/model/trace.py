@@ -375,7 +375,7 @@ def _make_modes(tracer: _Tracer) -> tuple[Any, Any]:
     linear = torch.nn.functional.linear
 
     class _FunctionMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             if func is linear:
                 outer_linear, tracer.in_linear = tracer.in_linear, True
@@ -411,7 +411,7 @@ def _make_modes(tracer: _Tracer) -> tuple[Any, Any]:
             return out
 
     class _DispatchMode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             return tracer.on_op(func, args, kwargs, lambda: func(*args, **kwargs))
 

@@ -220,7 +220,7 @@ class PartitionProblem:
         def same_shape(values: np.ndarray | None, what: str, dtype: type) -> np.ndarray | None:
             if values is None:
                 return None
-            arr = np.asarray(values, dtype=dtype)
+            arr: np.ndarray = np.asarray(values, dtype=dtype)
             arr = arr[:, None] if arr.ndim == 3 else arr
             if arr.shape != times.shape:
                 raise HetplanError(f"{what} must have the shape of segment_times {times.shape}, got {arr.shape}")

@@ -154,13 +154,13 @@ def canonical_placements(cluster: ClusterSpec, pp: int, dp: int, tp: int) -> Ite
     stack = [iter(candidates())]  # per open slot: the nodes still to try there
     undo: list[tuple[int, bool]] = []  # per filled slot: its node and whether it came into use there
     while stack:
-        q = next(stack[-1], None)
-        if q is None:  # every node tried at this slot: back to the previous one
+        node = next(stack[-1], None)
+        if node is None:  # every node tried at this slot: back to the previous one
             stack.pop()
             if undo:
                 give_back(*undo.pop())
             continue
-        undo.append((q, take(q)))
+        undo.append((node, take(node)))
         if len(labels) == slots:
             yield build()
             give_back(*undo.pop())

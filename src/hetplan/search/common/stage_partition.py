@@ -380,5 +380,5 @@ def _merge_family(members: Sequence[SegmentTables],
     best = np.where(fits, np.stack([m.per_micro_batch_s for m in members]), INF).argmin(axis=0)
     first = members[0]  # ZeRO traffic and optimizer step are the family's, whatever it recomputes
     merged = replace(first, per_micro_batch_s=np.choose(best, [m.per_micro_batch_s for m in members]),
-                     back_s=np.choose(best, [m.back_s for m in members]), fits=fits.any(axis=0))
+                     back_s=np.choose(best, [m.back_s for m in members]), fits=np.asarray(fits.any(axis=0)))
     return merged, np.asarray(indices)[best]

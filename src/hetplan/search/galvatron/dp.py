@@ -78,7 +78,7 @@ def stage_objective(sums: dict[str, np.ndarray], transform_mb: np.ndarray, m: np
     per_mb = stage_micro_batch_time(sums["f"], sums["bp"], sums["tpc"] + transform_mb, sums["g"], sums["sc"],
                                     slowdown)
     sync = exposed_grad_sync(sums["ar"], sums["bp"], overlap_grad_sync, slowdown)
-    return m * per_mb + sync + sums["opt"], per_mb
+    return np.asarray(m * per_mb + sync + sums["opt"]), np.asarray(per_mb)
 
 
 def default_granularity(capacity_bytes: float, bins: int = 256) -> float:
@@ -268,8 +268,9 @@ def _window_picks(costs: GalvatronCosts, p: _Packed, fw: _Forward, gran: float) 
         found = _backtrack(costs, p, fw, np.array(todo), cand)
         remaining = []
         for i, row in enumerate(todo):
-            if found[i] is not None:
-                picks[row] = found[i][p.fronts[row]:]
+            chosen = found[i]
+            if chosen is not None:
+                picks[row] = chosen[p.fronts[row]:]
                 continue
             below = int(lists[i][-1]) - 1  # nothing in this window fits: continue below it
             if below >= 0 and np.isfinite(fw.final[row, :below + 1]).any():
@@ -302,9 +303,9 @@ def _backtrack(costs: GalvatronCosts, p: _Packed, fw: _Forward, rows: np.ndarray
         return values[prob_axis, layer_axis, choices]
 
     working = working_beyond_stored(gather(p.act), gather(p.bwd), axis=0)
-    e_all = peak_memory_bytes(gather(p.fwd).sum(axis=0), 0.0, 0.0, working,
-                              gather(p.gathered).max(axis=0), p.overheads[rows][:, None])
-    fits = (e_all <= p.caps[rows][:, None]) & np.isfinite(fw.final[rows[:, None], cand])
+    e_all = np.asarray(peak_memory_bytes(gather(p.fwd).sum(axis=0), 0.0, 0.0, working,
+                                         gather(p.gathered).max(axis=0), p.overheads[rows][:, None]))
+    fits: np.ndarray = (e_all <= p.caps[rows][:, None]) & np.isfinite(fw.final[rows[:, None], cand])
     sums = {name: gather(p.parts[name]).sum(axis=0) for name in COMPONENTS}
     screen, _ = stage_objective(sums, _transform_sums(costs, p, rows, choices), p.ms[rows][:, None],
                                 costs.workload.overlap_grad_sync, costs.kernel.overlap_slowdown)

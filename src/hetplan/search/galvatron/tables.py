@@ -202,8 +202,8 @@ class GalvatronCosts:
         once = exposed_grad_sync(ar, bp, self.workload.overlap_grad_sync, k.overlap_slowdown) + opt
         return {
             "valid": valid, "mb": np.where(valid, mb, INF), "once": np.where(valid, once, INF),
-            "states": model_state_bytes(params, zero, s.dp, self.workload.state_bytes,
-                                        self.workload.zero_implementation),
+            "states": np.asarray(model_state_bytes(params, zero, s.dp, self.workload.state_bytes,
+                                                   self.workload.zero_implementation)),
             "act": k.activation_bytes(s.tp, recompute, False) * batch,
             "bwd": k.backward_working_bytes(s.tp, recompute, False) * batch,
             "gathered": k.params_per_device(s.tp) * k.weight_bytes if zero else np.zeros(n),
@@ -214,7 +214,7 @@ class GalvatronCosts:
                        recompute: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward, backward + recompute and TP comm of the slowest replica, per layer."""
         k = self.kernel
-        best: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        best: tuple[np.ndarray, ...] | None = None
         seen: set[tuple[object, ...]] = set()
         grid = k.device_array(ctx.devices).reshape(s.dp, s.tp)
         gpus, links, representatives = k.replica_classes(grid)  # alike replicas cost alike: one of each
