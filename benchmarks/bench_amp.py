@@ -26,17 +26,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hetplan.cluster.presets import get_cluster  # noqa: E402
-from hetplan.cluster.spec import ClusterSpec, NodeSpec  # noqa: E402
-from hetplan.cost.model import CostModel  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.model.presets import get_model  # noqa: E402
-from hetplan.report.text import table  # noqa: E402
-from hetplan.search import get_planner  # noqa: E402
-from hetplan.search.amp import AMPPlanner, AmpCostModel  # noqa: E402
-from hetplan.search.baselines.megatron import layer_split  # noqa: E402
-from hetplan.search.common.partition import PartitionProblem, fast_partition, reference_partition  # noqa: E402
-from hetplan.search.baselines.uniform import uniform_plan  # noqa: E402
+from hetplan.cluster.presets import get_cluster
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
+from hetplan.model.presets import get_model
+from hetplan.report.text import table
+from hetplan.search import get_planner
+from hetplan.search.amp import AMPPlanner, AmpCostModel
+from hetplan.search.baselines.megatron import layer_split
+from hetplan.search.common.partition import PartitionProblem, fast_partition, reference_partition
+from hetplan.search.baselines.uniform import uniform_plan
 
 SPEEDUP_TARGET = 100.0
 SEARCH_TARGET_S = 2.0
@@ -49,7 +49,7 @@ def check(ok: bool, what: str) -> str:
     return "ok" if ok else "MISSED"
 
 
-def best_of(fn, repeats: int) -> tuple[float, object]:  # type: ignore[no-untyped-def]
+def best_of(fn, repeats: int) -> tuple[float, object]:
     times, result = [], None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -69,12 +69,12 @@ def bench_partition(quick: bool) -> None:
         problem = PartitionProblem(layer, 8, links, num_stages=k)
         fast_s, fast = best_of(lambda: fast_partition(problem), 5)
         ref_s, ref = best_of(lambda: reference_partition(problem), 1)
-        same = math.isclose(fast.cost_s, ref.cost_s, rel_tol=1e-9)  # type: ignore[union-attr]
+        same = math.isclose(fast.cost_s, ref.cost_s, rel_tol=1e-9)
         speedup = ref_s / fast_s
         target = speedup >= SPEEDUP_TARGET if (n, k) == (96, 16) else True
         status = check(same, f"partition L={n} k={k}: costs differ") if not same else \
             check(target, f"partition L={n} k={k}: {speedup:.0f}x < {SPEEDUP_TARGET:.0f}x")
-        rows.append([n, k, f"{fast.cost_s:.4f}", f"{ref.cost_s:.4f}", "yes" if same else "NO",  # type: ignore[union-attr]
+        rows.append([n, k, f"{fast.cost_s:.4f}", f"{ref.cost_s:.4f}", "yes" if same else "NO",
                      f"{fast_s * 1e3:.2f} ms", f"{ref_s * 1e3:.0f} ms", f"{speedup:.0f}x", status])
     print("1. pipeline layer assignment: fast solver vs AMP's DP (eq. 6-8), 8 micro-batches")
     print(table(["L", "k", "fast cost", "AMP DP cost", "same", "fast", "AMP DP", "speed-up", "target"], rows))
@@ -99,7 +99,7 @@ def bench_search(quick: bool) -> None:
         strategies = len(AMPPlanner().search(workload))
         status = check(elapsed < SEARCH_TARGET_S, f"amp search {n}x{n}: {elapsed:.2f} s") if n == 16 else ""
         rows.append([f"{n}x{n}", n * n, strategies, f"{elapsed:.3f} s", f"{paper[n]:.1f} s",
-                     ranked[0].plan.describe(), status])  # type: ignore[index]
+                     ranked[0].plan.describe(), status])
     print("2. whole amp search, GPT-2 (26 layers) gbs 32 on n nodes of n V100 (AMP Table 2)")
     print(table(["cluster", "GPUs", "strategies", "hetplan", "paper", "AMP's best", "target <2 s"], rows,
                 [False, True, True, True, True, False, False]))
@@ -167,7 +167,7 @@ def bench_reproduction() -> None:
 
     # Fig. 3
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_amp_reproduction import GRID, fig3_speedups  # noqa: E402
+    from test_amp_reproduction import GRID, fig3_speedups
 
     fig_rows = []
     for gbs in (64, 16):

@@ -31,7 +31,7 @@ LINEAR_SLACK = 1.5
 BUDGETS_GB = (8, 12, 16, 20)
 
 
-def timed(fn):  # type: ignore[no-untyped-def]
+def timed(fn):
     cpu, wall = time.process_time(), time.perf_counter()
     out = fn()
     return out, time.process_time() - cpu, time.perf_counter() - wall

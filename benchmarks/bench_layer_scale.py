@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from hetplan.report.text import table  # noqa: E402
+from hetplan.report.text import table
 
 PLANNERS = ("auto", "amp", "metis", "megatron", "uniform", "galvatron-bmw", "smp")
 LAYERS = (1000, 10_000)
@@ -89,7 +89,7 @@ def main() -> int:
     for layers in map(int, args.layers.split(",")):
         for planner in args.planners.split(","):
             r = cell(planner, layers)
-            ok = not str(r["ended"]).startswith("killed") and float(r["rss_mb"]) <= RSS_TARGET_MB  # type: ignore[arg-type]
+            ok = not str(r["ended"]).startswith("killed") and float(r["rss_mb"]) <= RSS_TARGET_MB
             if not ok:
                 missed.append(f"{planner} at {layers} layers")
             rows.append([f"{layers:,}", planner, f"{r['cpu_s']:.1f}", f"{r['rss_mb']:.0f}", "ok" if ok else "MISSED",

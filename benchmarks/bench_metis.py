@@ -31,17 +31,17 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from hetplan.cluster.io import load_cluster  # noqa: E402
-from hetplan.cluster.spec import ClusterSpec, NodeSpec  # noqa: E402
-from hetplan.cost.model import CostModel  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model.presets import get_model, gpt_decoder  # noqa: E402
-from hetplan.profile.metis import metis_profile_runs, oracle_profile_runs  # noqa: E402
-from hetplan.report.text import table  # noqa: E402
-from hetplan.search import get_planner  # noqa: E402
-from hetplan.search.metis import MetisOptions, MetisPlanner  # noqa: E402
-from hetplan.search.baselines.uniform import UniformPlanner  # noqa: E402
+from hetplan.cluster.io import load_cluster
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
+from hetplan.errors import HetplanError
+from hetplan.model.presets import get_model, gpt_decoder
+from hetplan.profile.metis import metis_profile_runs, oracle_profile_runs
+from hetplan.report.text import table
+from hetplan.search import get_planner
+from hetplan.search.metis import MetisOptions, MetisPlanner
+from hetplan.search.baselines.uniform import UniformPlanner
 
 GATE_S = 2.0
 GATE_MODEL, GATE_CLUSTER, GATE_GBS = "gpt3-6.7b", "metis-mixed-64", 128
@@ -57,11 +57,11 @@ PAPER_ORACLE_SEARCH = {4: "17", 8: "108", 16: "480", 32: ">29K", 64: ">5M"}
 PAPER_ORACLE_PROFILE = {4: "96", 8: "228", 16: "270", 32: ">3171", 64: ">3294"}
 
 
-def _gpt350m():  # type: ignore[no-untyped-def]
+def _gpt350m():
     return gpt_decoder("gpt3-350m", num_layers=24, hidden=1024, heads=16, seq=1024, vocab=51200)
 
 
-def timed(planner, workload: Workload, top_k: int = 1):  # type: ignore[no-untyped-def]
+def timed(planner, workload: Workload, top_k: int = 1):
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         ranked = planner.plan(workload, top_k)

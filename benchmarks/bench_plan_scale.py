@@ -32,12 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hetplan.cluster.io import load_cluster  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.model.load import load_model  # noqa: E402
-from hetplan.report.text import table  # noqa: E402
-from hetplan.search import get_planner  # noqa: E402
-from cells import run_cell  # noqa: E402  (benchmarks/cells.py, beside this script)
+from hetplan.cluster.io import load_cluster
+from hetplan.plan.workload import Workload
+from hetplan.model.load import load_model
+from hetplan.report.text import table
+from hetplan.search import get_planner
+from cells import run_cell  # benchmarks/cells.py, beside this script
 
 MODEL = "gpt3-175b"
 PLANNERS = ("uniform", "megatron", "amp", "galvatron", "metis", "auto")
@@ -80,14 +80,14 @@ def cells(quick: bool) -> list[tuple[str, int]]:
 def missed_targets(results: dict[tuple[str, int], dict[str, object]]) -> list[str]:
     missed = []
     for (planner, n), r in results.items():
-        cpu = float(r["cpu_s"])  # type: ignore[arg-type]
+        cpu = float(r["cpu_s"])
         if "error" in r:
             missed.append(f"{planner} on {n} GPUs: {r['error']}")
         elif n in CAP_S and not cpu <= CAP_S[n]:
             missed.append(f"{planner} on {n} GPUs: {cpu:.1f} CPU s > {CAP_S[n]:.0f} s")
         smaller = results.get((planner, n // 4))
         if smaller is not None and "error" not in smaller and cpu >= MIN_TIMED_S:
-            ratio = cpu / max(float(smaller["cpu_s"]), MIN_TIMED_S)  # type: ignore[arg-type]
+            ratio = cpu / max(float(smaller["cpu_s"]), MIN_TIMED_S)
             if ratio > GROWTH:
                 missed.append(f"{planner}: {n // 4} -> {n} GPUs costs {ratio:.1f}x the time (target <= {GROWTH}x)")
     return missed
@@ -106,8 +106,8 @@ def main() -> int:
     for planner, n in cells(args.quick):
         r = results[(planner, n)] = cell(planner, n)
         iteration = f"{r['time_s']:.3f}" if "time_s" in r else "-"
-        rows.append([planner, n, global_batch(n), f"{float(r['cpu_s']):.2f}",  # type: ignore[arg-type]
-                     f"{float(r['wall_s']):.2f}", iteration,  # type: ignore[arg-type]
+        rows.append([planner, n, global_batch(n), f"{float(r['cpu_s']):.2f}",
+                     f"{float(r['wall_s']):.2f}", iteration,
                      str(r.get("plan", r.get("error", "")))[:80]])
         print("  ".join(str(x) for x in rows[-1]), file=sys.stderr, flush=True)
     print(table(["planner", "GPUs", "batch", "CPU s", "wall s", "iter s", "best plan"], rows,

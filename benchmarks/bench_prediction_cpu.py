@@ -84,10 +84,10 @@ def run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[st
 
 
 def write_plan(path: Path, workload: Workload, plan: object) -> None:
-    path.write_text(json.dumps({"plans": [{"plan": plan.to_dict()}], **workload_record(workload)}))  # type: ignore[attr-defined]
+    path.write_text(json.dumps({"plans": [{"plan": plan.to_dict()}], **workload_record(workload)}))
 
 
-def make_plan(workload: Workload, setting: tuple) -> object:  # type: ignore[type-arg]
+def make_plan(workload: Workload, setting: tuple) -> object:
     dp, tp, pp, mbs, zero, recompute, schedule, split = setting
     layer_split = None
     if split is not None:  # layer counts per stage
@@ -104,13 +104,13 @@ def measure(plan_path: Path, out: Path) -> float:
     return statistics.median(times[1:])
 
 
-def bench_cluster(cluster_name: str, plans: dict, work: Path, model_path: Path) -> list[list[str]]:  # type: ignore[type-arg]
+def bench_cluster(cluster_name: str, plans: dict, work: Path, model_path: Path) -> list[list[str]]:
     profile_path = work / f"profile-{cluster_name}.json"
     print(f"profiling on {cluster_name} ...", file=sys.stderr, flush=True)
     run(["profile", "--model", str(model_path), "--cluster", cluster_name, "--repeats", str(PROFILE_REPEATS),
          "-o", str(profile_path)])
     model, cluster, profile = bench_model(), load_cluster(cluster_name), load_profile(str(profile_path))
-    workload = Workload(model, cluster, GLOBAL_BATCH, profile=profile,  # type: ignore[arg-type]
+    workload = Workload(model, cluster, GLOBAL_BATCH, profile=profile,
                         calibration=effective_calibration(profile, cluster, None))  # as 'hetplan --profile' does
     predicted, paths = {}, {}
     for k, (name, setting) in enumerate(plans.items()):
@@ -158,7 +158,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hetplan-bench-") as tmp:
         work = Path(tmp)
         model_path = work / "model.json"
-        model_path.write_text(json.dumps(bench_model().to_dict()))  # type: ignore[attr-defined]
+        model_path.write_text(json.dumps(bench_model().to_dict()))
         rows = bench_cluster("local-cpu-2", PLANS_2, work, model_path)
         if not args.quick:
             rows += bench_cluster("local-cpu-4", PLANS_4, work, model_path)

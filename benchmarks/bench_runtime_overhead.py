@@ -29,13 +29,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-import torch  # noqa: E402
+import torch
 
-from hetplan.model.presets import gpt_decoder  # noqa: E402
-from hetplan.plan.spec import Plan, uniform_stage  # noqa: E402
-from hetplan.runtime.context import init  # noqa: E402
-from hetplan.runtime.models import build_preset_model, cross_entropy_loss  # noqa: E402
-from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch  # noqa: E402
+from hetplan.model.presets import gpt_decoder
+from hetplan.plan.spec import Plan, uniform_stage
+from hetplan.runtime.context import init
+from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+from hetplan.runtime.reference import build_reference, make_optimizer, synthetic_batch
 
 LIMIT = 0.05
 DP2_LIMIT = 0.10  # issue 30: hetplan train within 10% of a plain DDP loop with the same optimizer (CPU, dp2)

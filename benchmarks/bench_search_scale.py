@@ -33,13 +33,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mixed_clusters import homogeneous_cluster, mixed_cluster, scale_model  # noqa: E402
+from mixed_clusters import homogeneous_cluster, mixed_cluster, scale_model
 
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.report.text import table  # noqa: E402
-from hetplan.search import get_planner  # noqa: E402
-from hetplan.search.common.partition import PartitionProblem, fast_partition, reference_partition  # noqa: E402
-from cells import run_cell  # noqa: E402  (benchmarks/cells.py, beside this script)
+from hetplan.plan.workload import Workload
+from hetplan.report.text import table
+from hetplan.search import get_planner
+from hetplan.search.common.partition import PartitionProblem, fast_partition, reference_partition
+from cells import run_cell  # benchmarks/cells.py, beside this script
 
 PLANNERS = ("auto", "amp", "metis", "galvatron-bmw", "uniform")
 GLOBAL_BATCH = 512
@@ -80,13 +80,13 @@ def cells(quick: bool) -> list[tuple[str, str, int, int]]:
 
 def check_targets(planner: str, kind: str, n: int, blocks: int, r: dict[str, object]) -> list[str]:
     missed = []
-    cpu = float(r["cpu_s"])  # type: ignore[arg-type]
+    cpu = float(r["cpu_s"])
     if planner == "auto" and kind == "mixed" and blocks == 96 and n in AUTO_TARGETS_S:
         if "error" in r or not cpu <= AUTO_TARGETS_S[n]:
             missed.append(f"auto on {n} mixed GPUs: {cpu:.1f} s > {AUTO_TARGETS_S[n]} s or no plan")
     if planner == "metis" and kind == "mixed" and n == 4096 and ("error" in r or not cpu <= METIS_TARGET_S):
         missed.append(f"metis on 4096 mixed GPUs: {cpu:.1f} s, {r.get('error', 'plan found')}")
-    if n == 4096 and not float(r["rss_mb"]) <= RSS_TARGET_MB:  # type: ignore[arg-type]
+    if n == 4096 and not float(r["rss_mb"]) <= RSS_TARGET_MB:
         missed.append(f"{planner} on 4096 {kind} GPUs: peak RSS {r['rss_mb']:.0f} MB > {RSS_TARGET_MB:.0f} MB")
     return missed
 

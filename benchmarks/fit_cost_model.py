@@ -23,11 +23,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_runs import DEFAULT_RUNS, Case, load_cases  # noqa: E402
+from published_runs import DEFAULT_RUNS, Case, load_cases
 
-import hetplan.cost.compute as compute  # noqa: E402
-from hetplan.cost.constants import per_die as _per_die  # noqa: E402
-from hetplan.cost.model import CostModel  # noqa: E402
+import hetplan.cost.compute as compute
+from hetplan.cost.constants import per_die as _per_die
+from hetplan.cost.model import CostModel
 
 
 GRID: dict[str, list[object]] = {

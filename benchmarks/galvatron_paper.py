@@ -31,7 +31,7 @@ STRATEGIES_II = {
 _O = None  # OOM
 
 
-def _row(*cells):  # type: ignore[no-untyped-def]
+def _row(*cells):
     return dict(zip(MODELS_II, cells))
 
 

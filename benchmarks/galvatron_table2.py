@@ -33,21 +33,21 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from galvatron_paper import MODELS_II, STRATEGIES_II, TABLE_II  # noqa: E402
+from galvatron_paper import MODELS_II, STRATEGIES_II, TABLE_II
 
-from hetplan.cluster.io import load_cluster  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model.presets import get_model  # noqa: E402
-from hetplan.search.baselines.fixed import BASELINES, BaselinePlanner  # noqa: E402
-from hetplan.search.galvatron import get_variant  # noqa: E402
+from hetplan.cluster.io import load_cluster
+from hetplan.plan.workload import Workload
+from hetplan.errors import HetplanError
+from hetplan.model.presets import get_model
+from hetplan.search.baselines.fixed import BASELINES, BaselinePlanner
+from hetplan.search.galvatron import get_variant
 
 BUDGETS = (8, 12, 16, 20)
 FIXED = ("pure-dp", "pure-tp", "pure-pp", "pure-sdp", "deepspeed-3d")
 CLUSTER = "galvatron-8x-titan"
 
 
-def planner_for(name: str):  # type: ignore[no-untyped-def]
+def planner_for(name: str):
     if name in BASELINES:
         return BaselinePlanner(BASELINES[name][0])
     if name == "galvatron-1f1b-bi-obj":
@@ -97,7 +97,7 @@ def run(planners: list[str], models: list[str], budgets: list[int]) -> list[dict
     return rows
 
 
-def fmt(cell) -> str:  # type: ignore[no-untyped-def]
+def fmt(cell) -> str:
     return "OOM" if cell is None else f"{cell[0]:.2f} ({cell[1]})"
 
 

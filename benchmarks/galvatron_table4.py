@@ -19,12 +19,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from galvatron_paper import MODELS_IV, TABLE_IV  # noqa: E402
+from galvatron_paper import MODELS_IV, TABLE_IV
 
-from hetplan.cluster.io import load_cluster  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.model.presets import get_model  # noqa: E402
-from hetplan.search.galvatron import get_variant  # noqa: E402
+from hetplan.cluster.io import load_cluster
+from hetplan.plan.workload import Workload
+from hetplan.model.presets import get_model
+from hetplan.search.galvatron import get_variant
 
 LABELS = {"memory": "1F1B+Mem", "time": "1F1B+Time", "bi-objective": "1F1B+Bi-obj"}
 

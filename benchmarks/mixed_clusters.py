@@ -17,10 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hetplan.cluster.presets import NVLINK2_V100_GBPS, NVLINK3_A100_GBPS, NVLINK4_H100_GBPS, \
-    homogeneous_cluster as preset_homogeneous  # noqa: E402
-from hetplan.cluster.spec import ClusterSpec, NodeSpec  # noqa: E402
-from hetplan.model.presets import gpt_decoder  # noqa: E402
-from hetplan.model.spec import ModelSpec  # noqa: E402
+    homogeneous_cluster as preset_homogeneous
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
+from hetplan.model.presets import gpt_decoder
+from hetplan.model.spec import ModelSpec
 
 TYPES = ("H100", "A100-80GB", "A100-40GB", "V100-16GB")
 INTRA_GBPS = {"H100": NVLINK4_H100_GBPS, "A100-80GB": NVLINK3_A100_GBPS, "A100-40GB": NVLINK3_A100_GBPS,

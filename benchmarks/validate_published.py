@@ -30,11 +30,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_runs import DEFAULT_RUNS, Case, derived_oom_cases, load_cases  # noqa: E402
+from published_runs import DEFAULT_RUNS, Case, derived_oom_cases, load_cases
 
-from hetplan.cost.model import CostModel  # noqa: E402
-from hetplan.report.text import table  # noqa: E402
-from hetplan.units import GIB  # noqa: E402
+from hetplan.cost.model import CostModel
+from hetplan.report.text import table
+from hetplan.units import GIB
 
 TARGET_MEDIAN = 0.08
 TARGET_P90 = 0.20

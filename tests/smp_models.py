@@ -182,7 +182,7 @@ def encdec() -> tuple[nn.Module, torch.Tensor]:
 class TwoInputEncDec(EncoderDecoder):
     """The same model called the usual way, ``forward(src, tgt)``: not a chain, so one pipeline stage."""
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         return super().forward(torch.cat([src, tgt], dim=1))
 
 

@@ -91,7 +91,7 @@ def test_ranked_by_amp_cost_and_oom_visible() -> None:
     workload = Workload(get_model("gpt2-amp"), get_cluster("amp-heterogeneous"), 32, memory_limit_bytes=5 << 30)
     ranked = get_planner("amp").plan(workload, top_k=12)
     costs = [r.planner_cost_s for r in ranked]
-    assert all(c is not None for c in costs) and costs == sorted(costs)  # type: ignore[type-var]
+    assert all(c is not None for c in costs) and costs == sorted(costs)
     fits = [r.estimate.fits for r in ranked]
     assert False in fits and True in fits
     # an OOM plan ranked ahead of a fitting one: AMP's objective ignores memory (§4.5)
@@ -108,7 +108,7 @@ def test_reference_dp_gives_the_same_search() -> None:
     micro-batch every split costs Σ t + e — the two may pick different ones,
     whose DP sync then differs; the paper leaves that choice open.)"""
     workload = Workload(get_model("gpt2-amp"), get_cluster("8xV100-16GB"), 8)
-    key = lambda c: (c.pp, c.dp, c.tp, c.micro_batch)  # noqa: E731
+    key = lambda c: (c.pp, c.dp, c.tp, c.micro_batch)
     fast = {key(c): c for c in AMPPlanner("fast").search(workload)}
     reference = {key(c): c for c in AMPPlanner("reference").search(workload)}
     assert fast.keys() == reference.keys()
@@ -226,7 +226,7 @@ def test_same_ranked_list_whatever_the_hash_seed() -> None:
     assert len(json.loads(outputs[0])["amp"]) == 20
 
 
-def test_cli_plan_and_compare(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_plan_and_compare(tmp_path) -> None:
     out = tmp_path / "amp.json"
     result = subprocess.run([sys.executable, "-m", "hetplan.cli", "plan", "--planner", "amp", "--top", "4",
                              "--json", str(out)], capture_output=True, text=True, timeout=120)

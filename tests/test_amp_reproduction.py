@@ -70,7 +70,7 @@ def test_heterogeneous_cluster_gpt2() -> None:
     assert megatron_cost.dp_sync_s > megatron_cost.pipeline_s
 
 
-def _with_split(workload: Workload, candidate: AmpCandidate, ranges: list[range]):  # type: ignore[no-untyped-def]
+def _with_split(workload: Workload, candidate: AmpCandidate, ranges: list[range]):
     return uniform_plan(workload, candidate.dp, candidate.tp, candidate.pp, candidate.micro_batch,
                         layer_split=list(ranges), planner="amp")
 

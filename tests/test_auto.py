@@ -129,7 +129,7 @@ def test_a_plan_is_listed_once_whether_its_layers_write_out_their_tp_or_not() ->
     at 0 (the stage's): the same plan, one row (it was listed twice, e.g. on local-cpu-2)."""
     ranked = AutoPlanner().plan(Workload(get_model("tiny-gpt"), load_cluster("local-cpu-2"), 8), top_k=5)
 
-    def canonical(plan):  # noqa: ANN001, ANN202
+    def canonical(plan):
         return (plan.micro_batch_size, plan.num_micro_batches, plan.schedule, plan.virtual_stages,
                 tuple((st.layers, st.devices, st.dp, st.tp, st.dp_split, st.sequence_parallel,
                        tuple((ls.zero, ls.recompute, ls.tp or st.tp) for ls in st.strategies)) for st in plan.stages))

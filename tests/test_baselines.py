@@ -91,7 +91,7 @@ def test_random_search_is_reproducible_and_valid() -> None:
 
 
 # --- exhaustive -----------------------------------------------------------------------------
-def _orbit_key(cluster, placement) -> tuple:  # type: ignore[no-untyped-def]
+def _orbit_key(cluster, placement) -> tuple:
     """A placement up to swapping GPUs within a node and swapping identical nodes."""
     labels = [cluster.devices[d].node for stage in placement for d in stage]
     kinds = {q: (cluster.nodes[q].gpu.name, cluster.nodes[q].num_gpus, cluster.nodes[q].intra_bandwidth_gbps,

@@ -112,14 +112,14 @@ def test_latency_factor_scales_tp_latency() -> None:
     ({"format": "something-else"}, "format must be"),
     ({"format": "hetplan-calibration", "version": 7}, "not supported"),
 ])
-def test_bad_calibration_files_are_one_clear_error(tmp_path, bad, message) -> None:  # type: ignore[no-untyped-def]
+def test_bad_calibration_files_are_one_clear_error(tmp_path, bad, message) -> None:
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(bad))
     with pytest.raises(HetplanError, match=message):
         read_calibration(path)
 
 
-def test_cluster_file_carries_its_calibration(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cluster_file_carries_its_calibration(tmp_path) -> None:
     (tmp_path / "cal.json").write_text(json.dumps(TRUTH.to_dict()))
     (tmp_path / "c.yaml").write_text("nodes:\n  - {gpu: A100-80GB, gpus: 8, intra_node_bandwidth_gbps: 2400}\n"
                                      "calibration: cal.json\n")
@@ -129,13 +129,13 @@ def test_cluster_file_carries_its_calibration(tmp_path) -> None:  # type: ignore
     assert again.meta["calibration"] == TRUTH
 
 
-def _plan_file(tmp_path, workload: Workload, plan, name: str) -> str:  # type: ignore[no-untyped-def]
+def _plan_file(tmp_path, workload: Workload, plan, name: str) -> str:
     path = tmp_path / name
     path.write_text(json.dumps({"plans": [{"plan": plan.to_dict()}], **workload_record(workload)}))
     return str(path)
 
 
-def test_calibrate_cli_from_csv_then_estimate_with_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_calibrate_cli_from_csv_then_estimate_with_it(tmp_path) -> None:
     observations = _synthetic(TRUTH)[:6]
     rows = ["plan,measured_step_s"]
     for k, o in enumerate(observations):
@@ -154,7 +154,7 @@ def test_calibrate_cli_from_csv_then_estimate_with_it(tmp_path) -> None:  # type
     assert "rates    calibrated: compute A100-80GB x1.3" in est.stdout
 
 
-def test_train_summary_is_a_measurement(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_train_summary_is_a_measurement(tmp_path) -> None:
     o = _synthetic(TRUTH)[0]
     plan_path = _plan_file(tmp_path, o.workload, o.plan, "p.json")
     summary = tmp_path / "summary.json"
@@ -164,7 +164,7 @@ def test_train_summary_is_a_measurement(tmp_path) -> None:  # type: ignore[no-un
     assert found.plan == o.plan
 
 
-def test_bad_measurement_inputs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bad_measurement_inputs(tmp_path) -> None:
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(HetplanError, match="neither"):
         load_observations([str(tmp_path / "x.json")])
@@ -239,7 +239,7 @@ def test_profiled_tp_layers_keep_their_measured_collectives() -> None:
     cluster = load_cluster("local-cpu-2")
     keys = sorted({layer.profile_key for layer in model.layers})
 
-    def estimate(comm_inside: float):  # type: ignore[no-untyped-def]
+    def estimate(comm_inside: float):
         entries = [ProfileEntry(k, "CPU", 2, 4, 0.010, 0.020, tp_comm_fwd_s=comm_inside, tp_comm_bwd_s=comm_inside)
                    for k in keys]
         workload = Workload(model, cluster, 8, profile=ProfileDB(entries))

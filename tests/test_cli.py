@@ -31,7 +31,7 @@ def test_default_plan_prints_ranked_table_quickly() -> None:
     assert "time goes to" in out and "peak mem/GPU" in out
 
 
-def test_plan_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plan_json(tmp_path) -> None:
     out = tmp_path / "plans.json"
     result = run("plan", "--top", "3", "--json", str(out), "--quiet")
     assert result.returncode == 0, result.stderr
@@ -49,7 +49,7 @@ def test_plan_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert est2["iteration_time_s"] == pytest.approx(est["iteration_time_s"])
 
 
-def test_estimate_uniform_setting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_estimate_uniform_setting(tmp_path) -> None:
     out = tmp_path / "e.json"
     result = run("estimate", "--model", "gpt2-amp", "--cluster", "amp-homogeneous", "--global-batch", "32",
                  "--tp", "2", "--pp", "2", "--dp", "4", "--micro-batch", "2", "--zero", "1",
@@ -60,7 +60,7 @@ def test_estimate_uniform_setting(tmp_path) -> None:  # type: ignore[no-untyped-
     assert plan["num_micro_batches"] == 4
 
 
-def test_list_commands(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_list_commands(tmp_path) -> None:
     assert "gpt2-amp" in run("models").stdout
     clusters = run("clusters", "--json", str(tmp_path / "c.json"))
     assert "amp-heterogeneous" in clusters.stdout and "H100" in clusters.stdout
@@ -68,13 +68,13 @@ def test_list_commands(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "uniform" in run("planners").stdout
 
 
-def _model_file(tmp_path, layers: int, hidden: int, heads: int, name: str) -> str:  # type: ignore[no-untyped-def]
+def _model_file(tmp_path, layers: int, hidden: int, heads: int, name: str) -> str:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(gpt_decoder(name, layers, hidden, heads, 2048).to_dict()))
     return str(path)
 
 
-def _bad(tmp_path, *args: str) -> str:  # type: ignore[no-untyped-def]
+def _bad(tmp_path, *args: str) -> str:
     result = run(*args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
@@ -83,7 +83,7 @@ def _bad(tmp_path, *args: str) -> str:  # type: ignore[no-untyped-def]
     return lines[0]
 
 
-def test_bad_inputs_give_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_give_one_line(tmp_path) -> None:
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("nodes: [")
     assert "not valid YAML" in _bad(tmp_path, "plan", "--cluster", str(bad_yaml))
@@ -130,7 +130,7 @@ def test_fp8_on_a_gpu_without_it_is_one_line_error() -> None:
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_version_module_entry_and_planners_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_version_module_entry_and_planners_json(tmp_path) -> None:
     from hetplan import __version__
 
     version = subprocess.run([sys.executable, "-m", "hetplan", "--version"], capture_output=True, text=True,
@@ -143,7 +143,7 @@ def test_version_module_entry_and_planners_json(tmp_path) -> None:  # type: igno
     assert all(p["description"] for p in data["planners"])
 
 
-def _offload_inputs(tmp_path) -> list[str]:  # type: ignore[no-untyped-def]
+def _offload_inputs(tmp_path) -> list[str]:
     """A long-sequence model on one slow-compute H100 (its PCIe 5 host link)
     with 8.5 GiB usable: only offloading or recomputation fits, and offloading
     ranks first (tests/test_offload_search.py)."""
@@ -155,12 +155,12 @@ def _offload_inputs(tmp_path) -> list[str]:  # type: ignore[no-untyped-def]
     return ["--model", str(model), "--cluster", str(cluster), "--global-batch", "8", "--memory-limit", "8.5GB"]
 
 
-def _strategies(path) -> set[tuple[str, bool]]:  # type: ignore[no-untyped-def]
+def _strategies(path) -> set[tuple[str, bool]]:
     plan = json.loads(path.read_text())["plans"][0]["plan"]
     return {(s.get("recompute", "none"), s.get("offload", False)) for st in plan["stages"] for s in st["strategies"]}
 
 
-def test_plan_offload_auto_and_never(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plan_offload_auto_and_never(tmp_path) -> None:
     """`hetplan plan` offloads where memory is short by default, and
     `--offload never` keeps activations on the GPU (recomputing instead), slower."""
     inputs = _offload_inputs(tmp_path)
@@ -181,7 +181,7 @@ def test_plan_offload_auto_and_never(tmp_path) -> None:  # type: ignore[no-untyp
         pytest.approx(times["auto"])
 
 
-def test_estimate_offload_and_bad_offload_combinations(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_estimate_offload_and_bad_offload_combinations(tmp_path) -> None:
     """`hetplan estimate --offload` offloads every layer of the uniform plan
     (it fits where the plain plan does not); bad combinations are one line."""
     inputs = _offload_inputs(tmp_path)
@@ -201,7 +201,7 @@ def test_estimate_offload_and_bad_offload_combinations(tmp_path) -> None:  # typ
     assert "no plan fits in memory" in _bad(tmp_path, "plan", *inputs[:-1], "7GB", "--offload", "never")
 
 
-def test_train_refuses_a_plan_costed_with_fp8(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_train_refuses_a_plan_costed_with_fp8(tmp_path) -> None:
     """The runtime does not run FP8 matmuls, and an FP8 plan's memory counts
     one-byte saved linear inputs: ``hetplan train`` refuses it in one line."""
     plan = tmp_path / "fp8.json"

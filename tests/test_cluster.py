@@ -88,7 +88,7 @@ def test_example_files_load(path: str) -> None:
                    for a in cluster.devices for b in cluster.devices)
 
 
-def test_yaml_round_trip_with_matrix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_yaml_round_trip_with_matrix(tmp_path) -> None:
     data = {"name": "m", "nodes": [{"gpu": "T4", "gpus": 2, "intra_node_bandwidth_gbps": 50}],
             "bandwidth_matrix_gbps": [[0, 7], [7, 0]]}
     cluster = cluster_from_dict(data)
@@ -116,7 +116,7 @@ def test_yaml_round_trip_with_matrix(tmp_path) -> None:  # type: ignore[no-untyp
     ("nodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, memory_gb: .nan}", "memory_gb must be a finite"),
     ("nodes:\n  - {gpu: T4, gpus: 2, intra_node_bandwidth_gbps: 5}\nbandwidth_matrix_gbps: [[0, 1]]", "2x2"),
 ])
-def test_bad_yaml_gives_one_clear_line(tmp_path, text: str, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_yaml_gives_one_clear_line(tmp_path, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(HetplanError, match=message) as info:

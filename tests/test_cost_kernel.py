@@ -246,7 +246,7 @@ def test_exact_partition_tables_with_offload_are_the_estimate(seed: int) -> None
     assert solved > 0 and offloaded > 0
 
 
-def _solve_and_check(cost, base, options):  # type: ignore[no-untyped-def]
+def _solve_and_check(cost, base, options):
     """The exact partitioner's solution over ``options`` for ``base``'s stages,
     its plan and estimate (Nones when nothing fits); the plan fits and its time
     equals CostModel.estimate's."""

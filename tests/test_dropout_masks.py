@@ -12,9 +12,9 @@ from hetplan.model.presets import get_model
 
 torch = pytest.importorskip("torch")
 
-from hetplan.runtime import dropout as rng  # noqa: E402
-from hetplan.runtime.build import check_dropout  # noqa: E402
-from hetplan.runtime.models import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from hetplan.runtime import dropout as rng
+from hetplan.runtime.build import check_dropout
+from hetplan.runtime.models import GPT, GPTConfig, cross_entropy_loss
 
 M32 = 0xFFFFFFFF
 

@@ -84,7 +84,7 @@ def test_strategy_runs_compacts_like_fig7() -> None:
 
 
 # --- the per-stage dynamic program (Alg. 3) ---------------------------------------------------
-def _small_problem(budget_gb: float, paradigms=(DP, SDP, TP), overlap: bool = True):  # type: ignore[no-untyped-def]
+def _small_problem(budget_gb: float, paradigms=(DP, SDP, TP), overlap: bool = True):
     model = gpt_decoder("small", 4, 1024, 16, 512, vocab=8000, dtype_bytes=4)
     cluster = load_cluster("galvatron-8x-titan")
     w = Workload(model, cluster, 32, memory_limit_bytes=int(budget_gb * GIB), overlap_grad_sync=overlap)
@@ -93,7 +93,7 @@ def _small_problem(budget_gb: float, paradigms=(DP, SDP, TP), overlap: bool = Tr
     return w, costs, ctx
 
 
-def _enumerate(costs, layers, ctx):  # type: ignore[no-untyped-def]
+def _enumerate(costs, layers, ctx):
     """Every per-layer strategy combination: (combo, DP objective, exact cost, E_all)."""
     arr = stage_arrays(costs, layers, ctx)
     overhead = costs.overhead_bytes(ctx.devices)
@@ -240,7 +240,7 @@ def test_min_max_partition_is_optimal() -> None:
         assert max(model.stage_costs(part)) == pytest.approx(best)
 
 
-def _compositions(n: int, k: int):  # type: ignore[no-untyped-def]
+def _compositions(n: int, k: int):
     for cuts in itertools.combinations(range(1, n), k - 1):
         edges = (0,) + cuts + (n,)
         yield tuple(b - a for a, b in zip(edges, edges[1:]))
@@ -412,7 +412,7 @@ def test_table4_bi_objective_beats_balanced_partitions(model: str, budget: int) 
 
 
 # --- §VII-G: which layers prefer which strategy -------------------------------------------------
-def _mean_tp(plan, names):  # type: ignore[no-untyped-def]
+def _mean_tp(plan, names):
     tps = [st.tp or stage.tp for stage in plan.stages for i, st in zip(stage.layers, stage.strategies)
            if i in names]
     return sum(tps) / len(tps)

@@ -23,9 +23,9 @@ from hetplan.errors import HetplanError
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hetplan.model import hf  # noqa: E402
-from hetplan.model.hf import build_meta_model, load_hf_config, model_from_hf_config  # noqa: E402
-from hetplan.model.trace import model_from_module  # noqa: E402
+from hetplan.model import hf
+from hetplan.model.hf import build_meta_model, load_hf_config, model_from_hf_config
+from hetplan.model.trace import model_from_module
 
 # Shapes of the public config.json files (mistralai/Mixtral-8x7B-v0.1,
 # deepseek-ai/DeepSeek-V3, meta-llama/Llama-3.1-405B), written inline.

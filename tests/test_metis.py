@@ -242,7 +242,7 @@ def test_var_must_be_a_float_in_range() -> None:
     assert isinstance(MetisOptions(var=1).var, float)
     for bad in (-0.1, 1.5, "0.5"):
         with pytest.raises(HetplanError, match="var"):
-            MetisOptions(var=bad)  # type: ignore[arg-type]
+            MetisOptions(var=bad)
 
 
 def test_work_budget_returns_the_best_so_far() -> None:
@@ -263,8 +263,8 @@ def test_bound_pruning_does_not_change_the_best_cost(model: str, cluster: str) -
     workload = Workload(get_model(model), load_cluster(cluster), 64)
     fast = MetisPlanner(MetisOptions(exact_layers=False, max_evaluations=0))  # no work budget: the whole search
     slow = MetisPlanner(MetisOptions(exact_layers=False, prune=False, max_evaluations=0))
-    best_fast = min(r.planner_cost_s for r in fast.plan(workload, 5))  # type: ignore[type-var]
-    best_slow = min(r.planner_cost_s for r in slow.plan(workload, 5))  # type: ignore[type-var]
+    best_fast = min(r.planner_cost_s for r in fast.plan(workload, 5))
+    best_slow = min(r.planner_cost_s for r in slow.plan(workload, 5))
     assert best_fast == pytest.approx(best_slow, rel=1e-9)
     assert fast.stats.evaluations <= slow.stats.evaluations
 
@@ -273,7 +273,7 @@ def test_unpruned_search_is_never_worse_by_metis_cost() -> None:
     workload = Workload(get_model("gpt3-2.6b"), load_cluster("metis-p100-t4-8"), 64)
     pruned = MetisPlanner(MetisOptions(max_evaluations=0)).plan(workload, 1)[0]
     full = MetisPlanner(MetisOptions(var=1.0, max_permute_len=16, max_evaluations=0)).plan(workload, 5)
-    assert min(r.planner_cost_s for r in full) <= pruned.planner_cost_s * (1 + 1e-9)  # type: ignore[operator]
+    assert min(r.planner_cost_s for r in full) <= pruned.planner_cost_s * (1 + 1e-9)
 
 
 def test_tp_is_raised_only_when_memory_requires_it() -> None:
@@ -325,7 +325,7 @@ def test_entry_tuple_of_profile_is_a_profileentry() -> None:
     assert isinstance(entry, ProfileEntry)
 
 
-def test_cli_plan_shows_groups_types_degrees_layers_and_splits(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_plan_shows_groups_types_degrees_layers_and_splits(capsys) -> None:
     from hetplan.cli import main
 
     code = main(["plan", "--planner", "metis", "--model", "gpt3-1.3b", "--cluster", "metis-uneven-c",
@@ -339,7 +339,7 @@ def test_cli_plan_shows_groups_types_degrees_layers_and_splits(capsys) -> None: 
     assert any(gpu in out for gpu in ("P100", "V100-16GB"))
 
 
-def test_cli_compare_includes_metis(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_compare_includes_metis(capsys) -> None:
     from hetplan.cli import main
 
     code = main(["compare", "--planners", "metis,hetero-avg", "--model", "gpt3-1.3b", "--cluster",

@@ -90,7 +90,7 @@ def test_memory_interpolates_in_the_micro_batch() -> None:
     assert db.stage_memory(0, 3, 8, 2, 1.0) is None  # tp 8 not profiled
 
 
-def test_round_trip_and_plain_profiledb_compatibility(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_round_trip_and_plain_profiledb_compatibility(tmp_path) -> None:
     model = gpt_decoder("tiny", num_layers=3, hidden=128, heads=4, seq=32, vocab=500)
     db = synthesize(model, ["T4", "P100"], tps=(1, 2), mbs=(1, 2), k=1)
     path = tmp_path / "p.json"
@@ -105,7 +105,7 @@ def test_round_trip_and_plain_profiledb_compatibility(tmp_path) -> None:  # type
     assert len(plain) == len(db)
 
 
-def test_malformed_profile_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_profile_is_a_clear_error(tmp_path) -> None:
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"format": "hetplan-metis-profile", "entries": [{"layer": "x"}]}))
     with pytest.raises(HetplanError, match="malformed"):

@@ -16,11 +16,11 @@ from hetplan.model.spec import ModelSpec
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+from torch import nn
+from torch.nn import functional as F
 
-from hetplan.model.hf import build_meta_model, load_hf_config, model_from_hf_config  # noqa: E402
-from hetplan.model.trace import model_from_module  # noqa: E402
+from hetplan.model.hf import build_meta_model, load_hf_config, model_from_hf_config
+from hetplan.model.trace import model_from_module
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 

@@ -39,7 +39,7 @@ SLOW_H100 = replace(GPU_CATALOG["H100"], name="H100-slow", peak_flops=10e12, der
 
 
 def _workload(gpu: object, gpus: int, limit_gib: float, search_offload: bool = True, model=LONG) -> Workload:
-    cluster = ClusterSpec(f"{gpus}x", (NodeSpec(gpu, gpus, 600.0, 0.0, name="n0"),), 100.0)  # type: ignore[arg-type]
+    cluster = ClusterSpec(f"{gpus}x", (NodeSpec(gpu, gpus, 600.0, 0.0, name="n0"),), 100.0)
     return Workload(model, cluster, 8, memory_limit_bytes=int(limit_gib * GIB), search_offload=search_offload)
 
 

@@ -20,7 +20,7 @@ def plan(gpt2_hetero: Workload) -> Plan:
     return uniform_plan(gpt2_hetero, 2, 2, 4, 2, zero=1, recompute="selective")
 
 
-def test_plan_json_round_trip(plan: Plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plan_json_round_trip(plan: Plan, tmp_path) -> None:
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
     path = tmp_path / "p.json"
@@ -43,7 +43,7 @@ def test_estimate_json_round_trip(plan: Plan, gpt2_cost: CostModel) -> None:
         assert key in data
 
 
-def _restage(plan: Plan, index: int, **changes) -> Plan:  # type: ignore[no-untyped-def]
+def _restage(plan: Plan, index: int, **changes) -> Plan:
     stages = list(plan.stages)
     stages[index] = replace(stages[index], **changes)
     return plan.with_changes(stages=tuple(stages))
@@ -69,7 +69,7 @@ def test_valid_plan_passes(plan: Plan, gpt2_hetero: Workload) -> None:
     (lambda p: p.with_changes(schedule="zigzag"), "unknown schedule"),
     (lambda p: p.with_changes(model="other"), "made for model"),
 ])
-def test_validator_rejects_broken_plans(plan: Plan, gpt2_hetero: Workload, breaker, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_validator_rejects_broken_plans(plan: Plan, gpt2_hetero: Workload, breaker, message: str) -> None:
     broken = breaker(plan)
     with pytest.raises(InvalidPlanError, match=message):
         validate_plan(broken, gpt2_hetero.model, gpt2_hetero.cluster, check_names=True)

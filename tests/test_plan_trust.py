@@ -27,7 +27,7 @@ OLD = ROOT / "tests" / "data" / "planfiles_v3"
 UNTRUSTED = "imports only when you name it"
 
 
-def _edited(tmp_path: Path, name: str, edit) -> str:  # noqa: ANN001
+def _edited(tmp_path: Path, name: str, edit) -> str:
     data = json.loads((OLD / name).read_text())
     edit(data)
     path = tmp_path / name

@@ -39,7 +39,7 @@ def _full_db() -> ProfileDB:
 
 
 # --- the file format ---------------------------------------------------------------------------------
-def test_round_trip_keeps_everything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_round_trip_keeps_everything(tmp_path) -> None:
     db = _full_db()
     path = tmp_path / "p.json"
     path.write_text(db.to_json())
@@ -51,7 +51,7 @@ def test_round_trip_keeps_everything(tmp_path) -> None:  # type: ignore[no-untyp
     assert json.loads(path.read_text())["format"] == "hetplan-profile"
 
 
-def test_old_files_with_entries_only_still_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_old_files_with_entries_only_still_load(tmp_path) -> None:
     path = tmp_path / "old.json"
     old = {"entries": [{"layer": "blk", "gpu": "T4", "tp": 1, "batch": 4, "fwd_s": 0.01, "bwd_s": 0.02,
                         "memory_bytes": 5}]}
@@ -73,7 +73,7 @@ def test_old_files_with_entries_only_still_load(tmp_path) -> None:  # type: igno
     (lambda d: d["data_parallel"][0].pop("params"), "params"),
     (lambda d: d["chains"][0].update(layers="blk"), "layers"),
 ])
-def test_unknown_or_bad_keys_are_one_error_naming_them(tmp_path, change, named) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_or_bad_keys_are_one_error_naming_them(tmp_path, change, named) -> None:
     data = _full_db().to_dict()
     change(data)
     path = tmp_path / "bad.json"
@@ -239,7 +239,7 @@ def _hetplan(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess[str]
 
 
 @pytest.mark.distributed
-def test_profile_command_writes_a_file_estimate_uses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_profile_command_writes_a_file_estimate_uses(tmp_path) -> None:
     pytest.importorskip("torch")
     from hetplan.cost.compute import layer_times
     from hetplan.cost.layers import layer_arrays
@@ -268,7 +268,7 @@ def test_profile_command_writes_a_file_estimate_uses(tmp_path) -> None:  # type:
         assert (times.fwd_s[i], times.bwd_s[i]) == pytest.approx((fwd * chained, bwd * chained))
 
 
-def test_gpu_cluster_prints_a_torchrun_command_per_node(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_gpu_cluster_prints_a_torchrun_command_per_node(tmp_path, capsys) -> None:
     out = tmp_path / "p.json"
     assert main(["profile", "--model", MODEL, "--cluster", "16xA100-80GB", "-o", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -294,7 +294,7 @@ def test_gpu_cluster_prints_a_torchrun_command_per_node(tmp_path, capsys) -> Non
     (["--model", "bert-huge-32"], "cannot profile"),
     (["-o", "/nonexistent/dir/p.json"], "does not exist"),
 ])
-def test_bad_flags_are_one_error_line(argv, says, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_bad_flags_are_one_error_line(argv, says, tmp_path, capsys) -> None:
     pytest.importorskip("torch")
     base = {"--model": MODEL, "--cluster": "local-cpu-2", "-o": str(tmp_path / "p.json")}
     for flag, value in zip(argv[::2], argv[1::2]):

@@ -8,7 +8,7 @@ TOLERANCE = 0.15
 
 
 @pytest.mark.parametrize("row", KORTHIKANTI_2022, ids=lambda r: r.name)
-def test_iteration_time_near_korthikanti(row) -> None:  # type: ignore[no-untyped-def]
+def test_iteration_time_near_korthikanti(row) -> None:
     selective = predict(row, "selective")
     assert selective.fits
     assert selective.iteration_time_s == pytest.approx(row.selective_s, rel=TOLERANCE)

@@ -11,8 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from published_runs import load_cases  # noqa: E402
-from validate_published import (  # noqa: E402
+from published_runs import load_cases
+from validate_published import (
     TARGET_BIAS, TARGET_GROUP_MEDIAN, TARGET_MEDIAN, TARGET_P90, TARGET_SPEARMAN, predict, spearman,
 )
 
@@ -27,7 +27,7 @@ def errors() -> dict[str, tuple[str, tuple[str, str, int], float, float]]:
     return out
 
 
-def test_throughput_error_targets(errors) -> None:  # type: ignore[no-untyped-def]
+def test_throughput_error_targets(errors) -> None:
     e = np.array([p / m - 1 for _, _, p, m in errors.values()])
     assert len(e) >= 130
     assert np.median(np.abs(e)) <= TARGET_MEDIAN
@@ -36,12 +36,12 @@ def test_throughput_error_targets(errors) -> None:  # type: ignore[no-untyped-de
 
 
 @pytest.mark.parametrize("group", ["korthikanti", "megatron_sc21", "mosaic"])
-def test_group_median_error(errors, group: str) -> None:  # type: ignore[no-untyped-def]
+def test_group_median_error(errors, group: str) -> None:
     e = [p / m - 1 for g, _, p, m in errors.values() if g == group]
     assert np.median(np.abs(e)) <= TARGET_GROUP_MEDIAN
 
 
-def test_sweeps_rank_as_measured(errors) -> None:  # type: ignore[no-untyped-def]
+def test_sweeps_rank_as_measured(errors) -> None:
     sweeps: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     for _, sweep, p, m in errors.values():
         sweeps.setdefault(sweep, []).append((p, m))
@@ -51,7 +51,7 @@ def test_sweeps_rank_as_measured(errors) -> None:  # type: ignore[no-untyped-def
         assert spearman([m for _, m in members], [p for p, _ in members]) >= TARGET_SPEARMAN
 
 
-def test_3d_beats_deepspeed_zero3_as_measured(errors) -> None:  # type: ignore[no-untyped-def]
+def test_3d_beats_deepspeed_zero3_as_measured(errors) -> None:
     """SC21 Table 2: Megatron 3D over DeepSpeed ZeRO-3 by 1.06-3.3x, the gap
     growing with the GPU count; the predicted ratios keep that order."""
     pairs = []

@@ -121,7 +121,7 @@ def test_user_strings_are_escaped(plan_path: Path, tmp_path: Path) -> None:
 
 
 # --- the charts -----------------------------------------------------------------------
-def _timeline(workload: Workload, plan) -> tuple[ET.Element, float, float]:  # type: ignore[no-untyped-def]
+def _timeline(workload: Workload, plan) -> tuple[ET.Element, float, float]:
     cost = CostModel(workload)
     estimate = cost.estimate(plan)
     events = simulate_plan(cost, plan, estimate)

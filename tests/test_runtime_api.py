@@ -7,13 +7,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model.presets import get_model  # noqa: E402
-from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage  # noqa: E402
-from hetplan.runtime import tp as tpr  # noqa: E402
-from hetplan.runtime.context import init  # noqa: E402
-from hetplan.runtime.models import GPT, GPTConfig, build_preset_model, config_from_spec, cross_entropy_loss  # noqa: E402
-from hetplan.runtime.reference import (  # noqa: E402
+from hetplan.errors import HetplanError
+from hetplan.model.presets import get_model
+from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
+from hetplan.runtime import tp as tpr
+from hetplan.runtime.context import init
+from hetplan.runtime.models import GPT, GPTConfig, build_preset_model, config_from_spec, cross_entropy_loss
+from hetplan.runtime.reference import (
     build_reference,
     compare,
     make_optimizer,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from torch import nn
 
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model.chain import check_chain  # noqa: E402
+from hetplan.errors import HetplanError
+from hetplan.model.chain import check_chain
 
 NAMES = ["embed", "blocks.0", "blocks.1", "head"]
 X = torch.zeros(2, 8, dtype=torch.long)

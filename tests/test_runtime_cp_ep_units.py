@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model.presets import get_model  # noqa: E402
-from hetplan.plan.spec import Plan, uniform_stage  # noqa: E402
+from hetplan.errors import HetplanError
+from hetplan.model.presets import get_model
+from hetplan.plan.spec import Plan, uniform_stage
 
 
 def test_zigzag_split_by_hand() -> None:

@@ -19,11 +19,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
-import hf_pp_helpers as h  # noqa: E402
+import hf_pp_helpers as h
 
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.runtime import hf_stages  # noqa: E402
-from hetplan.runtime.parallelize import PipelinePart  # noqa: E402
+from hetplan.errors import HetplanError
+from hetplan.runtime import hf_stages
+from hetplan.runtime.parallelize import PipelinePart
 
 FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "gpt2", "bert"]
 

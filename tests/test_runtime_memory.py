@@ -19,16 +19,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from hetplan.model.presets import get_model  # noqa: E402
-from hetplan.model.families import moe_decoder  # noqa: E402
-from hetplan.model.hf import model_from_hf_config  # noqa: E402
-from hetplan.model.presets import gpt_decoder  # noqa: E402
-from hetplan.model.runtime_memory import runtime_memory  # noqa: E402
-from hetplan.runtime.models import build_preset_model, cross_entropy_loss  # noqa: E402
+from hetplan.model.presets import get_model
+from hetplan.model.families import moe_decoder
+from hetplan.model.hf import model_from_hf_config
+from hetplan.model.presets import gpt_decoder
+from hetplan.model.runtime_memory import runtime_memory
+from hetplan.runtime.models import build_preset_model, cross_entropy_loss
 
 BATCH = 4
 TOLERANCE = 0.02  # a few scalars (the loss, its weight) and fp32 rounding of shapes: well under 2%
@@ -72,19 +72,19 @@ class _Saved:
             self.bytes[(self.layer, kind)] = self.bytes.get((self.layer, kind), 0) + storage.nbytes()
         return tensor
 
-    def hooks(self):  # noqa: ANN201
+    def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
     def of(self, layer: str, kind: str) -> int:
         return self.bytes.get((layer, kind), 0)
 
 
-def _autocast(dtype_bytes: int):  # noqa: ANN202
+def _autocast(dtype_bytes: int):
     return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if dtype_bytes == 2 \
         else torch.autocast("cpu", enabled=False)
 
 
-def _builtin_saved(spec, fake: bool = True) -> tuple[_Saved, int]:  # noqa: ANN001
+def _builtin_saved(spec, fake: bool = True) -> tuple[_Saved, int]:
     """The built-in model of ``spec``, run layer by layer on a batch and its
     loss (the runtime's ``cross_entropy_loss``); the logits' bytes."""
     mode = FakeTensorMode() if fake else torch.autocast("cpu", enabled=False)
@@ -105,7 +105,7 @@ def _builtin_saved(spec, fake: bool = True) -> tuple[_Saved, int]:  # noqa: ANN0
         return saved, x.untyped_storage().nbytes()
 
 
-def _check(spec, saved: _Saved, logits: int, names=None) -> None:  # noqa: ANN001
+def _check(spec, saved: _Saved, logits: int, names=None) -> None:
     memory = runtime_memory(spec, cuda=False)
     assert memory is not None
     for layer, m in zip(spec.layers, memory):
@@ -165,7 +165,7 @@ class _Live(TorchDispatchMode):
         self.live = self.peak = 0
         self.seen: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in self.seen:

@@ -19,7 +19,7 @@ from hetplan.plan.spec import LayerStrategy, Plan
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
-from rt_helpers import make_plan  # noqa: E402
+from rt_helpers import make_plan
 
 MICRO = 2
 

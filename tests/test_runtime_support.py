@@ -15,18 +15,18 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hetplan.cli import main  # noqa: E402
-from hetplan.cluster.io import load_cluster  # noqa: E402
-from hetplan.cost.model import CostModel  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model.load import load_model  # noqa: E402
-from hetplan.plan.spec import LayerStrategy, Plan  # noqa: E402
-from hetplan.plan.file import read_plan_file  # noqa: E402
-from hetplan.plan.layout import PlanLayout  # noqa: E402
+from hetplan.cli import main
+from hetplan.cluster.io import load_cluster
+from hetplan.cost.model import CostModel
+from hetplan.plan.workload import Workload
+from hetplan.errors import HetplanError
+from hetplan.model.load import load_model
+from hetplan.plan.spec import LayerStrategy, Plan
+from hetplan.plan.file import read_plan_file
+from hetplan.plan.layout import PlanLayout
 from hetplan.plan.support import runtime_refusal
-from hetplan.plan.support import support_of  # noqa: E402
-from hetplan.search.baselines.uniform import uniform_plan  # noqa: E402
+from hetplan.plan.support import support_of
+from hetplan.search.baselines.uniform import uniform_plan
 
 ADAPTER = "tests.support_models:gpt_with_adapter"
 TWO_INPUTS = "tests.smp_models:encdec_two_inputs"  # its forward is no chain: the runtime cannot pipeline it

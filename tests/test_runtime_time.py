@@ -16,16 +16,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from hetplan.cluster.presets import get_cluster  # noqa: E402
-from hetplan.cost.kernel import CostKernel  # noqa: E402
-from hetplan.model.families import moe_decoder  # noqa: E402
-from hetplan.model.hf import model_from_hf_config  # noqa: E402
-from hetplan.model.presets import get_model, gpt_decoder  # noqa: E402
-from hetplan.model.runtime_time import MOE_EXPERT_OPS, runtime_time  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.runtime.models import build_preset_model, cross_entropy_loss  # noqa: E402
+from hetplan.cluster.presets import get_cluster
+from hetplan.cost.kernel import CostKernel
+from hetplan.model.families import moe_decoder
+from hetplan.model.hf import model_from_hf_config
+from hetplan.model.presets import get_model, gpt_decoder
+from hetplan.model.runtime_time import MOE_EXPERT_OPS, runtime_time
+from hetplan.plan.workload import Workload
+from hetplan.runtime.models import build_preset_model, cross_entropy_loss
 
 BATCH = 2
 # the MoE's per-expert loop skips no expert here (every expert gets tokens), but its
@@ -43,12 +43,12 @@ class _Count(TorchDispatchMode):
         super().__init__()
         self.ops = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
 
 
-def _passes(run) -> tuple[int, int]:  # noqa: ANN001
+def _passes(run) -> tuple[int, int]:
     """Operators of ``run()``'s forward and of its backward (seeded outside the count)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), _Count() as forward:
         out = run()
@@ -58,7 +58,7 @@ def _passes(run) -> tuple[int, int]:  # noqa: ANN001
     return forward.ops, backward.ops
 
 
-def _builtin_counts(spec, block: str) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+def _builtin_counts(spec, block: str) -> dict[str, tuple[int, int]]:
     """Per layer kind, the operators of the built-in model of ``spec``: one
     block (``block``), the head with the runtime's loss, the embedding."""
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def _builtin_counts(spec, block: str) -> dict[str, tuple[int, int]]:  # noqa: AN
             "embedding": _passes(lambda: model.get_submodule(spec.layers[0].name)(ids))}
 
 
-def _expected(spec, index: int) -> tuple[int, int]:  # noqa: ANN001
+def _expected(spec, index: int) -> tuple[int, int]:
     run = runtime_time(spec, cuda=False)
     assert run is not None
     return run[index].ops_fwd, run[index].ops_bwd

@@ -39,7 +39,7 @@ from hetplan.search.metis.groups import make_group
 from hetplan.search.metis.stage_costs import Intra, MetisCosts, proportional_bounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from mixed_clusters import mixed_cluster  # noqa: E402
+from mixed_clusters import mixed_cluster
 
 
 def _matrix_cluster() -> ClusterSpec:
@@ -135,13 +135,13 @@ def _dp_rate_by_group(kernel: object, kind: str, devices: tuple[int, ...], tp: i
     dp = len(devices) // tp
     if dp < 2:
         return 0.0
-    cluster = kernel.cluster  # type: ignore[attr-defined]
+    cluster = kernel.cluster
     groups = [tuple(devices[r * tp + t] for r in range(dp)) for t in range(tp)]
     latency = max(collective_latency(cluster, g, kind) for g in groups)
-    share = tp * kernel._nic_sharers(kind, groups[0])  # type: ignore[attr-defined]
+    share = tp * kernel._nic_sharers(kind, groups[0])
     rates = [{"allreduce": allreduce_time, "allgather": allgather_time,
               "reduce_scatter": reduce_scatter_time}[kind](cluster, g, 1.0, share) for g in groups]
-    return max(rates) + latency / kernel.message_bytes(kind, tp)  # type: ignore[attr-defined]
+    return max(rates) + latency / kernel.message_bytes(kind, tp)
 
 
 def test_symmetric_stages_share_their_costs_and_keep_their_numbers() -> None:

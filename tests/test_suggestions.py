@@ -22,7 +22,7 @@ from hetplan.search import get_planner
     (lambda: Workload(get_model("gpt2-amp"), get_cluster("8xH100"), 8, target="megatorn"),
      "did you mean 'megatron'?"),
 ])
-def test_a_close_name_is_suggested(call, suggestion: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_close_name_is_suggested(call, suggestion: str) -> None:
     with pytest.raises(HetplanError) as err:
         call()
     assert suggestion in str(err.value) and "\n" not in str(err.value)

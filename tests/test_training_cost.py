@@ -85,7 +85,7 @@ def test_whatif_refuses_to_resize_a_mixed_cluster(capsys):
     assert "mixes GPU types" in capsys.readouterr().err
 
 
-def _numbers(cluster, prices=None):  # type: ignore[no-untyped-def]
+def _numbers(cluster, prices=None):
     from hetplan.cost.model import CostModel
     from hetplan.plan.workload import Workload
     from hetplan.model.presets import get_model
@@ -111,7 +111,7 @@ def test_default_prices_are_named_and_used_only_for_their_gpus() -> None:
     assert _numbers(load_cluster("8xT4"), {"*": 0.5})["usd_per_hour"] == pytest.approx(4.0)
 
 
-def test_cluster_file_prices_its_nodes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cluster_file_prices_its_nodes(tmp_path) -> None:
     from hetplan.cluster.io import cluster_from_dict, cluster_to_dict, load_cluster_yaml
 
     path = tmp_path / "c.yaml"

@@ -14,11 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.model.load import load_model  # noqa: E402
-from hetplan.runtime.build import model_build  # noqa: E402
-from hetplan.runtime.reference import build_reference, training_batch  # noqa: E402
-from hetplan.runtime.user_model import default_loss, user_model  # noqa: E402
+from hetplan.errors import HetplanError
+from hetplan.model.load import load_model
+from hetplan.runtime.build import model_build
+from hetplan.runtime.reference import build_reference, training_batch
+from hetplan.runtime.user_model import default_loss, user_model
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_pp_helpers as h  # noqa: E402
-from rt_helpers import run, write_plan  # noqa: E402
+import hf_pp_helpers as h
+from rt_helpers import run, write_plan
 
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.runtime.reference import compare  # noqa: E402
+from hetplan.errors import HetplanError
+from hetplan.runtime.reference import compare
 
 TOL = 1e-5
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -19,12 +19,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_pp_helpers as h  # noqa: E402
-from rt_helpers import run, write_plan  # noqa: E402
+import hf_pp_helpers as h
+from rt_helpers import run, write_plan
 
-from hetplan.errors import HetplanError  # noqa: E402
-from hetplan.plan.spec import LayerStrategy  # noqa: E402
-from hetplan.runtime.reference import compare  # noqa: E402
+from hetplan.errors import HetplanError
+from hetplan.plan.spec import LayerStrategy
+from hetplan.runtime.reference import compare
 
 TOL = 1e-5
 FAMILIES = ("llama", "qwen2", "mistral", "mixtral", "gpt2", "bert", "t5", "vit")

@@ -20,10 +20,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_pp_helpers as h  # noqa: E402
-from rt_helpers import run, write_plan  # noqa: E402
+import hf_pp_helpers as h
+from rt_helpers import run, write_plan
 
-from hetplan.runtime.reference import compare  # noqa: E402
+from hetplan.runtime.reference import compare
 
 TOL = 1e-5
 FAMILIES = ("gpt2", "bert", "t5", "vit")

@@ -42,8 +42,8 @@ class _Store:
     def add(self, key: str, n: int) -> int:
         self.open.wait()
         with self.lock:
-            self.data[key] = int(self.data.get(key, 0)) + n  # type: ignore[arg-type]
-            return int(self.data[key])  # type: ignore[arg-type]
+            self.data[key] = int(self.data.get(key, 0)) + n
+            return int(self.data[key])
 
     def set(self, key: str, value: str) -> None:
         self.open.wait()
@@ -58,7 +58,7 @@ class _Store:
     def get(self, key: str) -> bytes:
         self.open.wait()
         with self.lock:
-            return self.data[key]  # type: ignore[return-value]
+            return self.data[key]
 
 
 def _pair(store: _Store, timeout_s: float = 0.6) -> tuple[list, list[list[str]]]:

@@ -19,14 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 torch = pytest.importorskip("torch")
 
-import smp_workers  # noqa: E402
-from rt_helpers import run  # noqa: E402
+import smp_workers
+from rt_helpers import run
 
-from hetplan.cluster.io import load_cluster  # noqa: E402
-from hetplan.plan.workload import Workload  # noqa: E402
-from hetplan.model.load import load_model  # noqa: E402
-from hetplan.runtime.reference import compare  # noqa: E402
-from hetplan.search.smp import SMPPlanner  # noqa: E402
+from hetplan.cluster.io import load_cluster
+from hetplan.plan.workload import Workload
+from hetplan.model.load import load_model
+from hetplan.runtime.reference import compare
+from hetplan.search.smp import SMPPlanner
 
 TOL = 1e-5
 

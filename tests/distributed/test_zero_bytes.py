@@ -74,7 +74,7 @@ def gather_count_worker(plan_path: str) -> int:
     calls = [0]
     gather = dist.all_gather_single  # what FSDP2 gathers a module's parameters with (DefaultAllGather)
 
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting(*args, **kwargs):
         calls[0] += 1
         return gather(*args, **kwargs)
 

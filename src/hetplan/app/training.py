@@ -93,12 +93,12 @@ def _price_of(gpu: str, prices: dict[str, float]) -> float | None:
 
 
 def training_numbers(plan: Plan, estimate: Estimate, cluster: Any, seq_len: int, tokens: float | None,
-                     prices: dict[str, float] | None) -> dict[str, float]:
+                     prices: dict[str, float] | None) -> dict[str, Any]:
     """GPU-hours (and cost) per step, per billion tokens and for ``tokens``."""
     gpus = plan.num_devices
     step_hours = estimate.iteration_time_s / SECONDS_PER_HOUR
     tokens_per_step = plan.global_batch_size * seq_len
-    out = {"gpus": float(gpus), "tokens_per_step": float(tokens_per_step),
+    out: dict[str, Any] = {"gpus": float(gpus), "tokens_per_step": float(tokens_per_step),
            "gpu_hours_per_billion_tokens": gpus * step_hours * BILLION / tokens_per_step}
     if tokens:
         steps = tokens / tokens_per_step
@@ -108,9 +108,9 @@ def training_numbers(plan: Plan, estimate: Estimate, cluster: Any, seq_len: int,
     if hourly is not None:
         out.update(usd_per_hour=hourly, usd_per_step=hourly * step_hours,
                    usd_per_billion_tokens=hourly * step_hours * BILLION / tokens_per_step)
-        out["price_source"] = "; ".join(sorted(sources))  # type: ignore[assignment]
+        out["price_source"] = "; ".join(sorted(sources))
         if tokens:
             out["usd"] = hourly * step_hours * out["steps"]
     elif missing:
-        out["unpriced_gpus"] = missing  # type: ignore[assignment]
+        out["unpriced_gpus"] = missing
     return out

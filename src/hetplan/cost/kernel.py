@@ -128,7 +128,7 @@ class _StagePlacement:
     index: int
     cp: int = 1
     ep: int = 1
-    parallel: tuple[object, ...] = ()  # (cp, ep, CP link, EP link) when cp or ep > 1 (``CostKernel.cp_ep_links``)
+    parallel: tuple[Any, ...] = ()  # (cp, ep, CP link, EP link) when cp or ep > 1 (``CostKernel.cp_ep_links``)
     expert_rate: Callable[[str], float] | None = None  # s/byte on the slowest expert-data-parallel group
     expert_scale: float = 1.0  # the most routed experts a device holds, over an even 1/ep share
     # ZeRO stage -> (fwd, bwd) s/parameter the runtime's data-parallel wrapper adds, as
@@ -694,7 +694,7 @@ class CostKernel:
 
     def time_class(self, gpu: GPUSpec, share: int, tp: int, recompute: str, sequence_parallel: bool,
                    tp_link: tuple[float, float], offload: bool = False,
-                   parallel: tuple[object, ...] = (), expert: tuple[float, float] | None = None) -> _TimeClass:
+                   parallel: tuple[Any, ...] = (), expert: tuple[float, float] | None = None) -> _TimeClass:
         """Prefix sums of forward, backward, recompute and TP-comm time of a
         replica (its slowest GPU, its share of a micro-batch, its TP link), cached.
         With ``offload`` the recompute time also holds the exposed host transfers
@@ -707,7 +707,7 @@ class CostKernel:
         key = (gpu.name, share, tp, recompute, sequence_parallel, tp_link, offload, parallel, expert)
         found = self._time_classes.get(key)
         if found is None:
-            cp, ep = (int(parallel[0]), int(parallel[1])) if parallel else (1, 1)  # type: ignore[call-overload]
+            cp, ep = (int(parallel[0]), int(parallel[1])) if parallel else (1, 1)
             batch = share / cp
             load, tokens = expert if expert is not None else self.even_experts(ep)
             t = self.layer_times(gpu, batch, tp, recompute, sequence_parallel, load, cp, tokens)
@@ -843,7 +843,7 @@ class CostKernel:
         if even and bool((tokens == tokens[0]).all()):
             load, per_expert = self.even_experts(ep)
             return np.full(rows, load), np.full(rows, per_expert), np.ones(rows)
-        share = np.full(ep, 1.0 / ep) if even else np.asarray(ep_split, dtype=float) / sum(ep_split)  # type: ignore[arg-type]
+        share = np.full(ep, 1.0 / ep) if even or ep_split is None else np.asarray(ep_split, dtype=float) / sum(ep_split)
         held = np.tile(share * ep, rows // ep)
         group = np.repeat(tokens.reshape(-1, ep).sum(axis=1), ep)
         load = self.workload.expert_imbalance

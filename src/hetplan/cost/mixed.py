@@ -83,10 +83,13 @@ def state_split(kernel: CostKernel, stage: Stage, position: int, zero: int, resi
     held, experts = held_params(kernel, stage, position), expert_share(kernel, stage, position)
     state, implementation = kernel.workload.state_bytes, kernel.state_implementation
     dense = split(zero, dp, state, implementation)
+    weights, grads, states = dense
     if not experts:
-        return tuple(held * x for x in dense)  # type: ignore[return-value]
-    expert = split(zero, dp // stage.ep, state, implementation)
-    return tuple((held - experts) * d + experts * e for d, e in zip(dense, expert))  # type: ignore[return-value]
+        return held * weights, held * grads, held * states
+    e_weights, e_grads, e_states = split(zero, dp // stage.ep, state, implementation)
+    dense_held = held - experts
+    return (dense_held * weights + experts * e_weights, dense_held * grads + experts * e_grads,
+            dense_held * states + experts * e_states)
 
 
 def expert_states(kernel: CostKernel, stage: Stage, position: int, zero: int) -> tuple[float, float, float]:

@@ -22,7 +22,7 @@ makespan (every speed 1).
 from __future__ import annotations
 
 from typing import Sequence
-from hetplan.simulate.schedule import build_schedule
+from hetplan.simulate.schedule import Action, build_schedule
 
 EPS = 1e-12
 
@@ -78,10 +78,10 @@ def pipeline_time(schedule_name: str, fwd_s: Sequence[float], bwd_s: Sequence[fl
                 del running[j]
 
 
-def _ready_at(action: object, stage: int, num_stages: int, done: dict[tuple[int, str, int], float],
+def _ready_at(action: Action, stage: int, num_stages: int, done: dict[tuple[int, str, int], float],
               p2p_s: Sequence[float]) -> float | None:
     """When ``action``'s input has arrived on ``stage`` (None: not yet sent)."""
-    kind, i = action.kind, action.micro_batch  # type: ignore[attr-defined]
+    kind, i = action.kind, action.micro_batch
     if kind == "F":
         if stage == 0:
             return 0.0

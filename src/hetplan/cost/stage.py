@@ -455,9 +455,10 @@ class StageCosts:
 
     def _profiled_memory(self, a: int, b: int, batch: float, in_flight: float) -> float | None:
         """Metis's measured layer-composition memory, where the profile covers this stage."""
-        if not self._use_profile:
+        profile = self.kernel.memory_profile
+        if not self._use_profile or profile is None:
             return None
-        return self.kernel.memory_profile.stage_memory(a, b, self.option.tp, batch, in_flight)  # type: ignore[union-attr]
+        return profile.stage_memory(a, b, self.option.tp, batch, in_flight)
 
     def device_memory(self, a: int, b: int, in_flight: float, first_backward: bool = False) -> list[int]:
         """Peak bytes of each device of the stage (in its device order)."""

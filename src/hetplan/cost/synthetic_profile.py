@@ -16,7 +16,7 @@ import numpy as np
 from hetplan.cluster.catalog import get_gpu
 from hetplan.cost.compute import layer_times
 from hetplan.cost.constants import OPTIMIZER_STATE_BYTES
-from hetplan.cost.layers import layer_arrays
+from hetplan.cost.layers import LayerArrays, layer_arrays
 from hetplan.cost.memory import activation_bytes
 from hetplan.model.spec import ModelSpec
 from hetplan.profile.db import ProfileEntry
@@ -50,7 +50,7 @@ def synthesize(model: ModelSpec, gpu_types: Sequence[str], tps: Sequence[int] = 
                           model.name)
 
 
-def _time_entries(model: ModelSpec, arrays: object, gpu_types: Sequence[str], tps: Sequence[int],
+def _time_entries(model: ModelSpec, arrays: LayerArrays, gpu_types: Sequence[str], tps: Sequence[int],
                   mbs: Sequence[int], noise: float) -> list[ProfileEntry]:
     """One entry per layer kind, GPU type, supported tp and micro-batch size."""
     firsts: dict[str, int] = {}
@@ -64,7 +64,7 @@ def _time_entries(model: ModelSpec, arrays: object, gpu_types: Sequence[str], tp
                 if not model.layers[index].supports_tp(tp):
                     continue
                 for b in mbs:
-                    t = layer_times(arrays, gpu, b, tp, "none", model.dtype_bytes)  # type: ignore[arg-type]
+                    t = layer_times(arrays, gpu, b, tp, "none", model.dtype_bytes)
                     tag = f"{key}|{gpu.name}|{tp}|{b}"
                     entries.append(ProfileEntry(key, gpu.name, tp, b,
                                                 float(t.fwd_s[index]) * (1 + _jitter(tag + "f", noise)),
@@ -72,7 +72,7 @@ def _time_entries(model: ModelSpec, arrays: object, gpu_types: Sequence[str], tp
     return entries
 
 
-def _memory_windows(model: ModelSpec, arrays: object, tps: Sequence[int], mbs: Sequence[int], k: int,
+def _memory_windows(model: ModelSpec, arrays: LayerArrays, tps: Sequence[int], mbs: Sequence[int], k: int,
                     memory_gpu: str, buffer_reuse: float) -> MetisMemoryProfile:
     """Analytic memory of every window of up to k + 1 layers, less the reused buffers."""
     optimizer = "adam-mixed" if model.dtype_bytes == 2 else "adam-fp32"
@@ -83,8 +83,8 @@ def _memory_windows(model: ModelSpec, arrays: object, tps: Sequence[int], mbs: S
     for tp in tps:
         if not all(layer.supports_tp(tp) for layer in model.layers):
             continue
-        states = arrays.params_per_device(tp) * per_param  # type: ignore[attr-defined]
-        act = activation_bytes(arrays, tp, "none", False)  # type: ignore[arg-type]
+        states = arrays.params_per_device(tp) * per_param
+        act = activation_bytes(arrays, tp, "none", False)
         for b in mbs:
             table = {}
             for i in range(n):

@@ -111,7 +111,7 @@ def read_json(path: str | os.PathLike[str], what: str, fix: str = "") -> Any:
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's C parser when installed: 10x faster
 
 
-class _StrictLoader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
+class _StrictLoader(_SAFE_LOADER):  # type: ignore[misc,valid-type]  # yaml's loader class is dynamic
     """SafeLoader that refuses a key given twice in one mapping."""
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:

@@ -278,7 +278,8 @@ class ProfileDB:
         near = min(points, key=lambda c: (abs(math.log(c.batch / batch)), c.batch))
         parts = [self.lookup(key, gpu, tp, near.batch, with_tp_comm=self.includes_tp_comm(key, gpu, tp))
                  for key in near.layers]
-        alone = sum(f + b for f, b in parts) if all(p is not None for p in parts) else 0.0  # type: ignore[misc]
+        known = [p for p in parts if p is not None]
+        alone = sum(f + b for f, b in known) if len(known) == len(parts) else 0.0
         return (near.fwd_s + near.bwd_s) / alone if alone > 0 else 1.0
 
     def data_parallel_rate(self, gpu: str, tp: int, ranks: int, zero: int) -> tuple[float, float] | None:

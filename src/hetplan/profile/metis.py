@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from hetplan.errors import HetplanError
 from hetplan.model.spec import ModelSpec
@@ -220,7 +220,8 @@ class MetisProfileDB(ProfileDB):
         return json.dumps(self.to_dict(), indent=None, separators=(",", ":"))
 
     @staticmethod
-    def from_dict(data: dict[str, object], source: str = "profile") -> MetisProfileDB:
+    def from_dict(data: Any, source: str = "profile") -> MetisProfileDB:
+        """A profile from parsed JSON of any shape: what is not a profile is one clear error."""
         if not isinstance(data, dict) or "entries" not in data:
             raise HetplanError(f"{source} is not a profile: it has no 'entries' list")
         try:
@@ -229,12 +230,12 @@ class MetisProfileDB(ProfileDB):
             raw = data.get("memory")
             if raw:
                 windows: dict[tuple[int, int], dict[tuple[int, int], float]] = {}
-                for key, rows in raw["windows"].items():  # type: ignore[index]
+                for key, rows in raw["windows"].items():
                     tp_text, mbs_text = key.split("_")
                     table = {(int(i), int(j)): float(v) for i, j, v in rows}
                     windows[(int(tp_text[2:]), int(mbs_text[3:]))] = table
-                memory = MetisMemoryProfile(str(raw["gpu"]), int(raw["k"]),  # type: ignore[index]
-                                            int(raw["num_layers"]), windows)  # type: ignore[index]
+                memory = MetisMemoryProfile(str(raw["gpu"]), int(raw["k"]),
+                                            int(raw["num_layers"]), windows)
             return MetisProfileDB(entries, memory, str(data.get("model", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise HetplanError(f"{source} is malformed: {exc}") from None
@@ -242,7 +243,7 @@ class MetisProfileDB(ProfileDB):
     @staticmethod
     def load(path: str | os.PathLike[str]) -> MetisProfileDB:
         path = os.fspath(path)
-        return MetisProfileDB.from_dict(read_profile_json(path), f"profile {path}")  # type: ignore[arg-type]
+        return MetisProfileDB.from_dict(read_profile_json(path), f"profile {path}")
 
 
 def load_example() -> MetisProfileDB:

@@ -47,7 +47,7 @@ def verdict(result: TuneResult) -> str:
         return text + "; the planner's #1 was not tried"
     if not first.ok:
         return text + f"; the planner's #1 {first.status}"
-    slower = 100 * (first.measured_step_s / best.measured_step_s - 1)  # type: ignore[operator]
+    slower = 100 * (first.measured_step_s / best.measured_step_s - 1)  # type: ignore[operator]  # measured plans only
     return text + f"; the planner's #1 ({first.plan.describe()}) measured {first.measured_step_s:.4g} s/step, " \
                   f"{slower:.1f}% slower"
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.model.origin import HFSource, ModuleSource
+from hetplan.model.spec import ModelSpec
 from hetplan.runtime import reference
 from hetplan.runtime.models import GPT, build_preset_model, config_from_spec, cross_entropy_loss
 from hetplan.runtime.user_model import user_model
@@ -47,7 +48,7 @@ class ModelBuild:
     example_inputs: tuple[Any, ...] | None = None
 
 
-def model_build(spec, dropout: float = 0.0) -> ModelBuild:  # noqa: ANN001
+def model_build(spec: ModelSpec, dropout: float = 0.0) -> ModelBuild:
     """The built-in model for hetplan's presets (with ``dropout`` at GPT-2's
     sites); for a model imported from a HF config, that HF class built from the
     config values the plan file embeds (its dropout is the config's); for a
@@ -65,7 +66,7 @@ def model_build(spec, dropout: float = 0.0) -> ModelBuild:  # noqa: ANN001
     return ModelBuild(lambda: build_preset_model(spec), cross_entropy_loss, True)
 
 
-def check_dropout(spec, dropout: float) -> None:  # noqa: ANN001
+def check_dropout(spec: ModelSpec, dropout: float) -> None:
     """``hetplan train --dropout P``: a probability in [0, 1), for a built-in
     model whose ModelSpec counts dropout masks (so the plan's memory estimate
     holds them: 1 byte per element, docs/models.md)."""
@@ -79,7 +80,7 @@ def check_dropout(spec, dropout: float) -> None:  # noqa: ANN001
                            "its plan's memory would not hold them; drop --dropout or use a GPT preset such as tiny-gpt")
 
 
-def _hf_build(spec, source: HFSource) -> ModelBuild:  # noqa: ANN001
+def _hf_build(spec: ModelSpec, source: HFSource) -> ModelBuild:
     values, name = source.config, source.hf_class
     if not isinstance(values, dict):
         raise HetplanError(f"model {spec.name!r} came from a HF config, but its plan file does not hold the config "
@@ -101,7 +102,7 @@ def _hf_build(spec, source: HFSource) -> ModelBuild:  # noqa: ANN001
     return ModelBuild(lambda: cls(config), loss, False, _hf_batch(spec, cls, config))
 
 
-def _hf_batch(spec, cls: Any, config: Any) -> Callable[[int, int, int], Any] | None:  # noqa: ANN001
+def _hf_batch(spec: ModelSpec, cls: Any, config: Any) -> Callable[[int, int, int], Any] | None:
     """The synthetic batches of a HF model that is no next-token model: an
     encoder-decoder's (T5) or an image classifier's (ViT); None for the others
     (hetplan.runtime.reference.training_batch)."""

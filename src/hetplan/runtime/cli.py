@@ -123,7 +123,7 @@ def register(subparsers: Any) -> None:
 def require_torch() -> None:
     """The runtime's commands (and ``hetplan tune``'s trials) need torch: say how to install it."""
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 -- only to see that torch is installed
     except ImportError:
         raise HetplanError("the runtime needs torch: pip install 'hetplan[torch]'") from None
 

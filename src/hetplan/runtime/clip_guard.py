@@ -58,6 +58,6 @@ def _install() -> None:
                 )
         return original(params, max_norm, *args, **kwargs)
 
-    clip_grad_norm_._hetplan_guard = True  # type: ignore[attr-defined]
+    clip_grad_norm_._hetplan_guard = True  # type: ignore[attr-defined]  # a marker torch does not declare
     utils.clip_grad_norm_ = clip_grad_norm_
     clip_grad.clip_grad_norm_ = clip_grad_norm_

@@ -251,7 +251,7 @@ def prepare(model: nn.Module) -> list[str]:
             module.site = name
         elif type(module) in (nn.Dropout, _PlanIndependentDropout):
             module.__class__ = _PlanIndependentDropout  # a class swap survives deepcopy and pickling
-            module._hetplan_site = name  # type: ignore[attr-defined]
+            module._hetplan_site = name  # type: ignore[attr-defined]  # a marker torch does not declare
         elif isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             notes.append(f"{name!r} ({type(module).__name__}, p={module.p}) draws from torch's generator: its masks "
                          "depend on the plan and --verify will differ; use nn.Dropout or hetplan.runtime.Dropout")

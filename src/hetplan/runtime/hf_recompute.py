@@ -157,7 +157,7 @@ def guard_selective(layer: nn.Module, name: str, modules: list[nn.Module]) -> No
                                    "recomputed; use recompute 'full' or 'none' for it")
         return out
 
-    layer.forward = forward  # type: ignore[method-assign]
+    layer.forward = forward  # type: ignore[method-assign]  # wrapped in place
 
 
 def _checkpointed_core(fn: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -187,5 +187,5 @@ def _wrap_interface() -> None:
     def get_interface(self: Any, attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
         return functools.partial(_checkpointed_core, original(self, attn_implementation, default))
 
-    get_interface._hetplan_selective = True  # type: ignore[attr-defined]
-    AttentionInterface.get_interface = get_interface  # type: ignore[method-assign]
+    get_interface._hetplan_selective = True  # type: ignore[attr-defined]  # a marker torch does not declare
+    AttentionInterface.get_interface = get_interface  # type: ignore[method-assign]  # wrapped in place

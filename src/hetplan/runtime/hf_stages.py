@@ -467,7 +467,7 @@ def example_model_inputs(model: nn.Module, seq_len: int, vocab_size: int) -> tup
     g = torch.Generator().manual_seed(0)
     cls = STAGED.get(type(model).__name__)
     if cls is None:  # no staged forward: token ids and a padded mask, what the base class makes
-        x, inputs = StagedForward.example(SimpleNamespace(config=model.config), model,  # type: ignore[arg-type]
+        x, inputs = StagedForward.example(SimpleNamespace(config=model.config), model,  # type: ignore[arg-type]  # a stand-in: only .config is read
                                           seq_len, vocab_size, g)
     else:  # example() reads only the config: the family's forward needs no layer names for it
         staged = cls.__new__(cls)

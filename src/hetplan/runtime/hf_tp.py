@@ -143,7 +143,7 @@ class Conv1DColwise(ParallelStyle):
             out = torch.addmm(bias(), x.reshape(-1, x.size(-1)), w)
             return out.view(*x.shape[:-1], w.size(1))
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward  # type: ignore[method-assign]  # wrapped in place
         return module
 
 
@@ -161,7 +161,7 @@ class Conv1DRowwise(ParallelStyle):
             out = expert_tp_output(x.reshape(-1, x.size(-1)) @ w, group)
             return (out + module.bias.to_local()).view(*x.shape[:-1], w.size(1))
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward  # type: ignore[method-assign]  # wrapped in place
         return module
 
 

@@ -406,7 +406,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
 
         if code == 0 and dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 -- a value that cannot be sent is reported as text
         pass
     sys.stdout.flush()
     sys.stderr.flush()

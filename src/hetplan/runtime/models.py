@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.model.spec import ModelSpec
 from hetplan.runtime.cp import context_parallel_attention
 from hetplan.runtime.dropout import Dropout
 from hetplan.runtime.ep import expert_tp_input, expert_tp_output, local_tensor, moe_dispatch_combine
@@ -468,7 +469,7 @@ def _check_heads(name: str, heads: int, kv_heads: int, tp: int) -> None:
 
 
 # --- presets ------------------------------------------------------------------------
-def config_from_spec(spec) -> GPTConfig:  # noqa: ANN001 - ModelSpec, kept torch-free at import
+def config_from_spec(spec: ModelSpec) -> GPTConfig:
     """A GPTConfig whose modules match a ModelSpec of hetplan's decoder presets.
 
     Names must be ``embed``, ``layers.0..N-1``, ``head``; sizes come from the
@@ -523,13 +524,13 @@ def config_from_spec(spec) -> GPTConfig:  # noqa: ANN001 - ModelSpec, kept torch
     return cfg
 
 
-def moe_layer_indices(spec) -> tuple[int, ...]:  # noqa: ANN001
+def moe_layer_indices(spec: ModelSpec) -> tuple[int, ...]:
     """Block indices (0 = ``layers.0``) of a decoder preset's mixture-of-experts layers."""
     return tuple(i - 1 for i, layer in enumerate(spec.layers)
                  if getattr(layer, "num_experts", 0) or layer.kind == "moe")
 
 
-def _moe_config(spec, moe: tuple[int, ...], rest: int, llama: bool) -> dict[str, Any]:  # noqa: ANN001
+def _moe_config(spec: ModelSpec, moe: tuple[int, ...], rest: int, llama: bool) -> dict[str, Any]:
     """Experts, top-k and expert width of the MoE blocks: the counts from the
     layer (or the spec's meta), the width from the block's parameter count
     (``rest``: its attention and norms; then a bias-free router of ``h x e`` and
@@ -548,7 +549,7 @@ def _moe_config(spec, moe: tuple[int, ...], rest: int, llama: bool) -> dict[str,
     return dict(num_experts=e, top_k=k, expert_ffn=f, moe_layers=moe)
 
 
-def _check_params(spec, cfg: GPTConfig) -> None:  # noqa: ANN001
+def _check_params(spec: ModelSpec, cfg: GPTConfig) -> None:
     with torch.device("meta"):
         model = GPT(cfg)
     for layer in spec.layers:
@@ -563,6 +564,6 @@ def _check_params(spec, cfg: GPTConfig) -> None:  # noqa: ANN001
             )
 
 
-def build_preset_model(spec) -> GPT:  # noqa: ANN001
+def build_preset_model(spec: ModelSpec) -> GPT:
     """The built-in runtime model for a decoder preset (on the current default device)."""
     return GPT(config_from_spec(spec))

@@ -184,4 +184,4 @@ def apply_offload(root: nn.Module, names: Sequence[str], pool: HostPool) -> None
                 return _inner(*args, **kwargs)
             return pool.run(_inner, parameter_storages(_module), args, kwargs)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward  # type: ignore[method-assign]  # wrapped in place

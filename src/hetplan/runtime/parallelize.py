@@ -309,7 +309,7 @@ def _checkpoint_forward(module: nn.Module, layer: str = "") -> None:
         hf_recompute.refuse_cache(layer or type(module).__name__, args, kwargs)  # a replay writes a KV cache twice
         return checkpoint(inner, *args, use_reentrant=False, **options, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward  # type: ignore[method-assign]  # wrapped in place
 
 
 def apply_recompute(root: nn.Module, recompute: dict[str, str], notes: list[str],

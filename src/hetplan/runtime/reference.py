@@ -174,7 +174,7 @@ def make_optimizer(params: Iterable[nn.Parameter], name: str = "sgd", lr: float 
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, **flags)
     else:
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
-    opt.hetplan_implementation = how  # type: ignore[attr-defined]
+    opt.hetplan_implementation = how  # type: ignore[attr-defined]  # a marker torch does not declare
     return opt
 
 

@@ -102,7 +102,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks: dict[int, Any] = {}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]  # Optimizer.step, narrowed
         for s in self.slices:
             s.take_grad()
         loss = self.inner.step(closure)

@@ -102,7 +102,7 @@ def is_local(cluster: Any) -> bool:
 
 def _torch_available() -> bool:
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 -- only to see that torch is installed
     except ImportError:
         return False
     return True

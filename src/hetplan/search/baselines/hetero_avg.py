@@ -142,7 +142,9 @@ def own_cost(kernel: CostKernel, plan: Plan, per_layer: np.ndarray, capacity_avg
     sync = 0.0
     for j, stage in enumerate(plan.stages):
         a, b = stage.layers[0], stage.layers[-1] + 1
-        costs = kernel.stage(StageOption.of_stage(stage))  # type: ignore[arg-type]
+        option = StageOption.of_stage(stage)
+        assert option is not None  # a uniform plan: one strategy per stage
+        costs = kernel.stage(option)
         timing = costs.timing(a, b)
         t = float(prefix[b] - prefix[a]) + timing.tp_comm_s
         if j + 1 < plan.pp:

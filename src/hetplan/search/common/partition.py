@@ -546,7 +546,9 @@ def reference_partition(problem: PartitionProblem) -> Partition | None:
     m_index = 0
     i = n
     for j in range(k - 1, 0, -1):
-        cut = int(choices[j][i, m_index])  # type: ignore[index]
+        chosen = choices[j]
+        assert chosen is not None  # set for every stage j >= 1 above
+        cut = int(chosen[i, m_index])
         m_index = max(int(index[j, cut, i]), m_index)
         bounds.append(cut)
         i = cut

@@ -29,7 +29,7 @@ the paper (each says why) are listed in ``docs/planners/galvatron.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -547,9 +547,9 @@ VARIANTS: dict[str, tuple[GalvatronConfig, str]] = {
 
 
 
-def get_variant(variant: str, **changes: object) -> GalvatronPlanner:
+def get_variant(variant: str, **changes: Any) -> GalvatronPlanner:
     """A Galvatron variant by name, optionally with changed settings (e.g.
     ``get_variant("galvatron-bmw", ckpt=False, name="galvatron-1f1b-bi-obj")``
     is Table II's Galvatron (1F1B+Bi-obj))."""
     config = VARIANTS[variant][0]
-    return GalvatronPlanner(replace(config, **changes) if changes else config)  # type: ignore[arg-type]
+    return GalvatronPlanner(replace(config, **changes) if changes else config)
