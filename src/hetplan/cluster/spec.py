@@ -185,10 +185,6 @@ class ClusterSpec:
         return len(self.nodes)
 
     @property
-    def max_gpus_per_node(self) -> int:
-        return max(node.num_gpus for node in self.nodes)
-
-    @property
     def gpu_types(self) -> tuple[str, ...]:
         """Distinct GPU types, in node order."""
         return tuple(gpu.name for gpu in self.gpu_specs)
@@ -240,9 +236,6 @@ class ClusterSpec:
         for d in group:
             by_node.setdefault(self.devices[d].node, []).append(d)
         return by_node
-
-    def total_memory_bytes(self) -> int:
-        return sum(d.memory_bytes for d in self.devices)
 
     def summary(self) -> str:
         """One line such as '3x4 V100-16GB + 1x4 T4 (16 GPUs)'."""

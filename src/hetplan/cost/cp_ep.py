@@ -101,12 +101,6 @@ def cp_activation_bytes(act: np.ndarray, kv_kept: np.ndarray, cp: int) -> np.nda
     return (act - kept) / cp + kept
 
 
-def ep_sent_bytes(dispatch_bytes: float, ep: int) -> float:
-    """Bytes one rank sends to other ranks in one all-to-all per sample: the
-    (ep−1)/ep of its token copies whose experts live elsewhere."""
-    return dispatch_bytes * (ep - 1) / ep if ep > 1 else 0.0
-
-
 def expert_groups(column: np.ndarray, ep: int) -> tuple[np.ndarray, np.ndarray]:
     """The EP groups (rows: ``ep`` consecutive ranks of the dp·cp devices
     sharing a TP rank) and the expert-data-parallel groups (rows: the dp·cp/ep

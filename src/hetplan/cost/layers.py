@@ -87,10 +87,6 @@ class LayerArrays:
         return np.where(self.tp_replicated, 1.0, 1.0 / tp)
 
     @property
-    def has_experts(self) -> bool:
-        return bool(np.any(self.column("expert_params") > 0))
-
-    @property
     def tied_duplicate(self) -> np.ndarray:
         return self.tied_previous >= 0
 

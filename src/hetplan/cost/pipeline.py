@@ -86,13 +86,6 @@ def pipeline_time(stage_times: Sequence[float], p2p_times: Sequence[float], num_
     return num_micro_batches * slowest + (sum(stage_times) - slowest) / v + P2P_PASSES * v * sum(p2p_times)
 
 
-def bubble_time(stage_times: Sequence[float], virtual_stages: int = 1) -> float:
-    """The fill-and-drain part of ``pipeline_time`` (time not spent at the bottleneck)."""
-    if not len(stage_times):
-        return 0.0
-    return (sum(stage_times) - max(stage_times)) / max(1, virtual_stages)
-
-
 @dataclass(frozen=True)
 class StageTail:
     """What a stage adds after its last backward pass."""

@@ -713,19 +713,6 @@ def _megatron_split(plan: Plan, model: ModelSpec) -> list[str]:
     return ["--pipeline-model-parallel-layout", "|".join(layout)]
 
 
-def megatron_commands(plan: Plan, model: ModelSpec, cluster: Any, master_addr: str = "NODE0_ADDRESS",
-                      master_port: int = DEFAULT_MASTER_PORT) -> tuple[list[tuple[int, str]], list[str]]:
-    """One ``torchrun ... pretrain_gpt.py`` command per node as (cluster node,
-    command), and notes. Megatron numbers ranks TP fastest, then DP, then PP
-    (order tp-cp-ep-dp-pp), and torchrun gives a node's processes consecutive
-    ranks: each node must hold one run of the plan's devices in that order
-    (``export.launch.node_runs``). ``CUDA_VISIBLE_DEVICES`` puts each rank on
-    the plan's GPU."""
-    args, notes = _megatron(plan, model)
-    runs = node_runs(plan, cluster, "Megatron-LM")
-    return _megatron_node_commands(args, runs, cluster, master_addr, master_port), notes + _uneven_note(runs)
-
-
 def _megatron_node_commands(args: Sequence[str], runs: Sequence[NodeRun], cluster: Any, master_addr: str,
                             master_port: int) -> list[tuple[int, str]]:
     commands = []

@@ -201,12 +201,6 @@ class LayerSpec:
         """A mixture-of-experts layer: expert parallelism applies to it."""
         return self.num_experts > 0
 
-    @property
-    def params_tp_sharded(self) -> int:
-        """Parameters that tensor parallelism splits across the TP group."""
-        return self.params - self.params_tp_replicated
-
-
 @dataclass(frozen=True)
 class RuntimeSupport:
     """What hetplan's runtime can run of one model: "" where it can, else one

@@ -207,10 +207,6 @@ class PlanLayout:
     def max_tp(self) -> int:
         return max(s.tp for s in self.plan.stages)
 
-    @property
-    def max_dp(self) -> int:
-        return max(s.dp for s in self.plan.stages)
-
     def stage_mesh_ranks(self, stage: int) -> list[list[int]]:
         """Ranks of one stage as a ``[dp][cp * tp]`` nested list (TP innermost)."""
         s = self.plan.stages[stage]

@@ -116,12 +116,6 @@ class Stage:
         """Runs of ``tp`` consecutive devices, one per (replica, cp rank)."""
         return [self.devices[g * self.tp:(g + 1) * self.tp] for g in range(len(self.devices) // self.tp)]
 
-    def cp_groups(self) -> list[tuple[int, ...]]:
-        """For each (replica, TP rank), the ``cp`` devices sharing one sample's sequence."""
-        size = self.cp * self.tp
-        return [tuple(self.devices[r * size + c * self.tp + t] for c in range(self.cp))
-                for r in range(self.dp) for t in range(self.tp)]
-
     def dp_groups(self) -> list[tuple[int, ...]]:
         """For each TP rank, the devices holding the same shard of a dense layer
         in every replica and CP rank (gradients of dense layers sync over

@@ -128,21 +128,3 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     mask = causal_mask(pos, shard.all_positions(s, q.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def probe_torch_context_parallel(mesh: Any) -> str:
-    """Run PyTorch's context-parallel API once on ``mesh`` (a 1-D CP mesh): ""
-    if it works here, else the error (for the docs and the tests)."""
-    try:
-        from torch.distributed.tensor.experimental import context_parallel
-
-        q = torch.randn(1, 2, 4 * mesh.size(), 4)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    except Exception as e:  # noqa: BLE001 - any failure is the answer
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-    return ""

@@ -100,12 +100,6 @@ def _through_expert_ranks(rows: torch.Tensor, counts: torch.Tensor,
     return all_to_all_single(back.new_empty(rows.size(0), back.size(1)), back, send_splits, recv_splits, group=group)
 
 
-def expert_shard(num_experts: int, ep: int, ep_rank: int) -> range:
-    """The experts EP rank ``ep_rank`` holds: ``num_experts / ep`` consecutive ones."""
-    local = num_experts // ep
-    return range(ep_rank * local, (ep_rank + 1) * local)
-
-
 # --- expert tensor parallelism ---------------------------------------------------------------------
 class _SumOverTP(torch.autograd.Function):
     """Forward: the sum of the TP ranks' partial expert outputs (all-reduce).

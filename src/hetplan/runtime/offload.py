@@ -64,10 +64,6 @@ class HostPool:
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._stream = torch.cuda.Stream(device) if cuda else None
 
-    def reset_counts(self) -> None:
-        self.moved_bytes = 0
-        self.peak_bytes = self.held_bytes
-
     # --- forward ----------------------------------------------------------------
     def run(self, forward: Any, params: set[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``forward(*args, **kwargs)`` with its saved tensors offloaded (parameters' storages in ``params`` kept)."""

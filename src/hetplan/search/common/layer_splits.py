@@ -36,8 +36,3 @@ def block_split(model: ModelSpec, pp: int) -> list[range]:
     ranges[0] = range(0, ranges[0].stop)
     ranges[-1] = range(ranges[-1].start, len(layers))
     return ranges
-
-
-def split_boundaries(ranges: list[range]) -> tuple[int, ...]:
-    """``(0, b_1, …, L)`` of contiguous ranges."""
-    return (ranges[0].start,) + tuple(r.stop for r in ranges)

@@ -108,10 +108,6 @@ def min_max_partition(costs: StageCostModel, num_layers: int, pp: int) -> Partit
     return out
 
 
-def stage_values(costs: StageCostModel, partition: Partition) -> list[float]:
-    return costs.stage_costs(partition)
-
-
 def adjust_candidates(partition: Partition, stage_times: Sequence[float]) -> list[Partition]:
     """PP_Partition_Adjust (Alg. 2 line 13): move a boundary layer of the slowest
     stage to the adjacent stage (the first layer backwards, the last layer

@@ -183,14 +183,6 @@ class StageHandle:
         """Per-micro-batch time of layers [a, b): the slowest replica."""
         return self.costs.per_micro_batch(a, b)
 
-    def time_bwd(self, a: int, b: int) -> tuple[float, float]:
-        """(time, backward time) of layers [a, b) on the slowest replica."""
-        t = self.costs.timing(a, b)
-        return t.per_micro_batch_s, t.back_s
-
-    def optimizer_time(self, a: int, b: int) -> float:
-        return self.costs.timing(a, b).optimizer_s
-
     def sync(self, a: int, b: int) -> float:
         """Gradient all-reduce time of layers [a, b) over the slowest dp group."""
         return self.costs.timing(a, b).grad_sync_s
