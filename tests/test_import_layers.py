@@ -177,6 +177,35 @@ def test_lazy_imports_are_the_torch_optional_ones() -> None:
     assert needless == [], "move these imports to the top of their files:\n" + "\n".join(needless)
 
 
+# The layers (README "How it works"): the shared floor and the planner side below, the trainer and the
+# application above. A lower module never imports an upper one, with one named exception: the model
+# importers record, when a HF config or a pkg.mod:build model is imported, what hetplan's runtime can run
+# of it (``ModelSpec.runtime``), found by the runtime's own rules (``runtime.support``, torch-free at
+# import, and the HF staged forwards). The facts must come from the code that trains (issue 27), and
+# every caller of an import -- planner, trainer, plan files -- needs them.
+LOWER = ("hetplan.model", "hetplan.cluster", "hetplan.plan", "hetplan.profile", "hetplan.io", "hetplan.errors",
+         "hetplan.units", "hetplan.limits", "hetplan.progress", "hetplan.published", "hetplan.cost",
+         "hetplan.search", "hetplan.simulate", "hetplan.export")
+UPPER = ("hetplan.runtime", "hetplan.app", "hetplan.cli", "hetplan.report")
+IMPORTERS_READ_THE_RUNTIME_RULES = {
+    "hetplan.model.hf -> hetplan.runtime", "hetplan.model.hf -> hetplan.runtime.support",
+    "hetplan.model.hf -> hetplan.runtime.hf_stages",
+    "hetplan.model.source -> hetplan.runtime", "hetplan.model.source -> hetplan.runtime.support",
+}
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_lower_layers_do_not_import_upper_ones() -> None:
+    modules = _graph()
+    upward = {f"{m.name} -> {target}" for m in modules.values() if _within(m.name, LOWER)
+              for target in {*m.top, *m.local} if _within(target, UPPER)}
+    assert upward - IMPORTERS_READ_THE_RUNTIME_RULES == set(), "a lower layer imports an upper one"
+    assert IMPORTERS_READ_THE_RUNTIME_RULES - upward == set(), "an exception no longer needed: remove it"
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     private = []
     for path in sorted((SRC / "hetplan").rglob("*.py")):

@@ -256,8 +256,17 @@ class ModelSpec:
             (2 for fp16/bf16 mixed precision, 4 for fp32).
         hidden_size, num_heads: for TP checks and reports (0 if not a transformer).
         vocab_size: 0 where there is no vocabulary.
-        meta: free-form notes about where the spec came from (citations, how
-            costs were found); nothing reads it as a contract.
+        meta: notes about where the spec came from (citations, how costs
+            were found), and facts recorded at import that some code reads
+            (not part of equality): ``architecture`` (the HF or preset shape
+            facts the runtime's memory/time model and the exports read),
+            ``layer_modules`` (a traced layer's module paths, for the runtime's
+            TP/recompute on multi-module layers), ``decoder_seq_len`` (T5's
+            target length), ``seq_len_default`` (no length was given),
+            ``precision`` ("fp16" for exports), ``moe`` and
+            ``latent_attention`` (export checks), ``tied_params``;
+            ``runtime_pipeline``/``pipeline_blocker`` only in model files
+            written before ``runtime`` existed (read by ``plan.support``).
         source: what the runtime builds the model from (a HF class and its
             config values, a ``pkg.mod:build`` function and its hash; None:
             the built-in model from the layers), ``hetplan.model.origin``.
