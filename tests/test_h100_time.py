@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from hetplan.app.estimate import UniformSetting, estimate
+from hetplan.app.planning import plan
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "h100"
 RUNS = json.loads((DATA / "h100-runs.json").read_text())
@@ -27,6 +28,8 @@ MEDIAN_TOLERANCE = 0.10  # issue 29
 MAX_TOLERANCE = 0.20  # issue 29
 PROFILE_TOLERANCE = 0.10  # issue 29
 RANK_AGREEMENT = 0.9  # Spearman within the gpt3-1.3b workload, issue 29
+# the recorded plans without recomputation, by micro-batch size (h100-runs.json "what")
+RECORDED_MICRO_BATCH = {"A_g13_mb8": 8, "B_g13_mb4": 4, "B2_g13_mb2": 2}
 # B2_g13_mb2 was a tune trial: its plan is the CLI's uniform one
 UNIFORM = {"B2_g13_mb2": UniformSetting(dp=1, tp=1, pp=1, micro_batch=2)}
 
@@ -79,3 +82,19 @@ def test_profile_based_estimates():
     for name in RUNS["profile"]["estimates_with_profile_s"]:
         run = next(r for r in RUNS["runs"] if r["name"] == name)
         assert _predicted(run, profile=profile) == pytest.approx(_measured(run), rel=PROFILE_TOLERANCE), name
+
+
+def test_fresh_plan_ranks_the_recorded_plans_in_measured_order(errors):
+    """``hetplan plan`` for the recorded workload (docs/cost-model.md "Time of
+    hetplan's runtime"): its first plan is 16 x 1 without recomputation
+    (unmeasured; predicted to fit), the recorded plans it lists follow in the
+    measured order, and the recomputing 16 x 1 (C_g13_rc) is not listed: the
+    same plan fits without recomputation, which is faster."""
+    ranked = plan("gpt3-1.3b", "1xH100", 16, top=10, replay=0).plans
+    settings = [(r.plan.micro_batch_size, {s.recompute for st in r.plan.stages for s in st.strategies})
+                for r in ranked]
+    assert settings[0] == (16, {"none"}) and ranked[0].estimate.fits
+    by_size = {size: name for name, size in RECORDED_MICRO_BATCH.items()}
+    listed = [by_size[size] for size, recompute in settings if size in by_size and recompute == {"none"}]
+    assert len(listed) >= 2 and listed == sorted(listed, key=lambda name: errors[name][1])
+    assert all(recompute == {"none"} for _, recompute in settings)
