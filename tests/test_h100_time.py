@@ -5,11 +5,11 @@ docs/cost-model.md "Time of hetplan's runtime".
 
 Issue 29's targets: median |error| <= 10%, every run within 20%, the
 gpt3-1.3b plans in the measured order (Spearman >= 0.9), and the profile-based
-estimates within 10%. Two are not met yet and are strict xfails below, so the
-day they pass the tolerance is tightened here: the full-recomputation run
-C_g13_rc is predicted 21.7% slow (its recomputed forward costs the model about
-125 ms; the measured step leaves it about 50 ms), and the profiled rows are
--10.1% and +11.1% (the profile replaces the modelled layers whole)."""
+estimates within 10%. The full-recomputation run C_g13_rc met the 20% bound once
+the model reran only what torch's checkpoint reruns (its early stop skips each
+block's last matmul and the LM head; the loss is outside the checkpoint), and
+the profiled rows met 10% once the loss, which the profile's head leaves out,
+was added to a measured head."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from hetplan.app.estimate import UniformSetting, estimate
+from hetplan.app.planning import plan
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "h100"
 RUNS = json.loads((DATA / "h100-runs.json").read_text())
@@ -27,6 +28,8 @@ MEDIAN_TOLERANCE = 0.10  # issue 29
 MAX_TOLERANCE = 0.20  # issue 29
 PROFILE_TOLERANCE = 0.10  # issue 29
 RANK_AGREEMENT = 0.9  # Spearman within the gpt3-1.3b workload, issue 29
+# the recorded plans without recomputation, by micro-batch size (h100-runs.json "what")
+RECORDED_MICRO_BATCH = {"A_g13_mb8": 8, "B_g13_mb4": 4, "B2_g13_mb2": 2}
 # B2_g13_mb2 was a tune trial: its plan is the CLI's uniform one
 UNIFORM = {"B2_g13_mb2": UniformSetting(dp=1, tp=1, pp=1, micro_batch=2)}
 
@@ -69,14 +72,29 @@ def test_gpt3_plans_in_measured_order(errors):
     assert n == 4 and spearman >= RANK_AGREEMENT
 
 
-@pytest.mark.xfail(strict=True, reason="C_g13_rc (full recomputation) is predicted 21.7% slow: module docstring")
 def test_every_run_within_max_error(errors):
-    assert max(abs(_relative(p)) for p in errors.values()) <= MAX_TOLERANCE
+    table = {name: f"{_relative(p):+.1%}" for name, p in errors.items()}
+    assert max(abs(_relative(p)) for p in errors.values()) <= MAX_TOLERANCE, table
 
 
-@pytest.mark.xfail(strict=True, reason="the profiled rows are -10.1% and +11.1%: module docstring")
 def test_profile_based_estimates():
     profile = str(DATA / RUNS["profile"]["file"])
     for name in RUNS["profile"]["estimates_with_profile_s"]:
         run = next(r for r in RUNS["runs"] if r["name"] == name)
         assert _predicted(run, profile=profile) == pytest.approx(_measured(run), rel=PROFILE_TOLERANCE), name
+
+
+def test_fresh_plan_ranks_the_recorded_plans_in_measured_order(errors):
+    """``hetplan plan`` for the recorded workload (docs/cost-model.md "Time of
+    hetplan's runtime"): its first plan is 16 x 1 without recomputation
+    (unmeasured; predicted to fit), the recorded plans it lists follow in the
+    measured order, and the recomputing 16 x 1 (C_g13_rc) is not listed: the
+    same plan fits without recomputation, which is faster."""
+    ranked = plan("gpt3-1.3b", "1xH100", 16, top=10, replay=0).plans
+    settings = [(r.plan.micro_batch_size, {s.recompute for st in r.plan.stages for s in st.strategies})
+                for r in ranked]
+    assert settings[0] == (16, {"none"}) and ranked[0].estimate.fits
+    by_size = {size: name for name, size in RECORDED_MICRO_BATCH.items()}
+    listed = [by_size[size] for size, recompute in settings if size in by_size and recompute == {"none"}]
+    assert len(listed) >= 2 and listed == sorted(listed, key=lambda name: errors[name][1])
+    assert all(recompute == {"none"} for _, recompute in settings)

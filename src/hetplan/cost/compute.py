@@ -170,6 +170,20 @@ class Work:
         device = self.device_backward()
         return device if self.run is None else self.run.backward(device)
 
+    def device_recompute(self) -> np.ndarray:
+        """The kernels full recomputation reruns: the whole forward, or where the
+        training code is known (``RunOverhead``) its share of the matmuls and of
+        the elementwise traffic, the attention core and the experts whole."""
+        if self.run is None:
+            return self.device_forward()
+        return (self.gemm_s * self.run.recompute_gemm_share + self.expert_time() + self.attention_s
+                + self.memory_s * self.run.recompute_traffic_share + self.launch_s)
+
+    def recompute(self) -> np.ndarray:
+        """``device_recompute``, and the training code's per-micro-batch costs where it has them."""
+        device = self.device_recompute()
+        return device if self.run is None else self.run.recompute(device)
+
 
 @dataclass(frozen=True)
 class RunOverhead:
@@ -183,9 +197,18 @@ class RunOverhead:
     weight_bwd_s: np.ndarray
     host_fwd_s: np.ndarray
     host_bwd_s: np.ndarray
+    # full recomputation (``runtime_time`` module docstring): the share of the matmuls and of the
+    # elementwise traffic it reruns, and the host time of the operators it adds to the backward
+    recompute_gemm_share: np.ndarray
+    recompute_traffic_share: np.ndarray
+    host_recompute_s: np.ndarray
 
     def forward(self, device: np.ndarray) -> np.ndarray:
         return np.maximum(device + self.weight_fwd_s, self.host_fwd_s)
+
+    def recompute(self, device: np.ndarray) -> np.ndarray:
+        """A recompute recasts every weight (each cast runs before the matmul that saves it)."""
+        return np.maximum(device + self.weight_fwd_s, self.host_recompute_s)
 
     def backward(self, device: np.ndarray) -> np.ndarray:
         return np.maximum(device + self.weight_bwd_s, self.host_bwd_s)
@@ -206,9 +229,18 @@ def run_detail(arrays: LayerArrays, unit: Work, gpu: GPUSpec, batch: float) -> t
     if unit.run is None:
         return zero, zero
     work = unit.scaled(batch)
-    bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
-    loss = arrays.column("loss_traffic_bytes") * batch * (1.0 + ELEMENTWISE_BACKWARD_RATIO) / bandwidth
-    return unit.run.host_excess(work.device_forward(), work.device_backward()), loss
+    loss_forward, loss_backward = loss_time(arrays, work)
+    return unit.run.host_excess(work.device_forward(), work.device_backward()), loss_forward + loss_backward
+
+
+def loss_time(arrays: LayerArrays, work: Work) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, forward and backward seconds of the loss's fp32 passes over the
+    logits in ``work`` (a micro-batch's): its share of the elementwise traffic,
+    ``ELEMENTWISE_BACKWARD_RATIO`` times that backward; zeros without run columns."""
+    traffic = arrays.fwd_mem_bytes
+    share = np.divide(arrays.column("loss_traffic_bytes"), traffic, out=np.zeros_like(traffic), where=traffic > 0)
+    forward = work.memory_s * share
+    return forward, ELEMENTWISE_BACKWARD_RATIO * forward
 
 
 def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int) -> RunOverhead | None:
@@ -219,9 +251,13 @@ def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int) -> RunOverhead | No
         return None
     bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
     share = arrays.tp_share(tp)
+    traffic = arrays.fwd_mem_bytes
+    rerun = np.divide(arrays.column("recompute_traffic_bytes"), traffic, out=np.zeros_like(traffic),
+                      where=traffic > 0)
     return RunOverhead(arrays.column("weight_fwd_bytes") * share / bandwidth,
                        arrays.column("weight_bwd_bytes") * share / bandwidth,
-                       arrays.host_ops_fwd * HOST_OP_S, arrays.host_ops_bwd * HOST_OP_S)
+                       arrays.host_ops_fwd * HOST_OP_S, arrays.host_ops_bwd * HOST_OP_S,
+                       arrays.column("recompute_gemm_share"), rerun, arrays.column("host_ops_recompute") * HOST_OP_S)
 
 
 def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
@@ -328,12 +364,23 @@ def roofline_passes(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, dt
 
 def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int, recompute: str,
                    dtype_bytes: int, measured: np.ndarray | None, unit: Work | None = None) -> np.ndarray:
-    """Forward work redone in the backward pass: the whole forward under full
-    recomputation; under selective recomputation the attention core (Korthikanti
-    et al. 2022 §5): its matmuls plus the softmax/dropout traffic over the
-    stored scores — or, for measured layers, the core's share of the forward."""
+    """Forward work redone in the backward pass: under full recomputation the
+    forward (what the training code reruns of it where it is known,
+    ``Work.recompute``; a measured layer its measured forward in the same share);
+    under selective recomputation the attention core (Korthikanti et al. 2022
+    §5): its matmuls plus the softmax/dropout traffic over the stored scores —
+    or, for measured layers, the core's share of the forward. ``fwd``: the
+    layers' forward without the loss (a measured head's as measured)."""
     if recompute == "full":
-        return fwd.copy()
+        if unit is None or unit.run is None:
+            return fwd.copy()
+        work = unit.scaled(batch)
+        rerun = work.recompute()
+        if measured is None:
+            return rerun
+        modelled = work.forward() - loss_time(arrays, work)[0]
+        share = np.divide(rerun, modelled, out=np.ones_like(rerun), where=modelled > 0)
+        return np.where(measured, fwd * share, rerun)
     if recompute != "selective":
         return np.zeros_like(fwd)
     core_mem = ATTENTION_CORE_PASSES * arrays.act_attention_core_bytes * batch * arrays.tp_share(tp)
@@ -359,10 +406,16 @@ def layer_times(arrays: LayerArrays, gpu: GPUSpec, batch: float, tp: int, recomp
         return LayerTimes(zero, zero, zero)
     fwd, bwd = roofline_passes(arrays, gpu, batch, tp, dtype_bytes, sequence_parallel, unit)
     measured = comm_measured = None
-    if profile is not None:
-        fwd, bwd, measured, comm_measured = _apply_profile(arrays, profile, gpu, batch, tp, fwd, bwd)
-    return LayerTimes(fwd, bwd, recompute_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured, unit),
-                      comm_measured)
+    if profile is None:
+        return LayerTimes(fwd, bwd, recompute_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, None, unit))
+    fwd, bwd, measured, comm_measured = _apply_profile(arrays, profile, gpu, batch, tp, fwd, bwd)
+    rerun = recompute_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured, unit)
+    if unit is not None and unit.run is not None:
+        # a profile times each layer's module alone; the loss runs outside the head's module
+        # (runtime/step.py), so a measured head gets the modelled loss on top
+        loss_fwd, loss_bwd = loss_time(arrays, unit.scaled(batch))
+        fwd, bwd = np.where(measured, fwd + loss_fwd, fwd), np.where(measured, bwd + loss_bwd, bwd)
+    return LayerTimes(fwd, bwd, rerun, comm_measured)
 
 
 def _apply_profile(arrays: LayerArrays, profile: ProfileDB, gpu: GPUSpec, batch: float, tp: int,

@@ -73,6 +73,9 @@ class LayerArrays:
     host_ops_fwd: np.ndarray | None = None  # operators the host dispatches per micro-batch, forward
     host_ops_bwd: np.ndarray | None = None  # and backward
     loss_traffic_bytes: np.ndarray | None = None  # per sample: the loss's part of fwd_mem_bytes
+    recompute_traffic_bytes: np.ndarray | None = None  # per sample: the part of fwd_mem_bytes full recompute reruns
+    recompute_gemm_share: np.ndarray | None = None  # share of the matmul FLOPs full recompute reruns
+    host_ops_recompute: np.ndarray | None = None  # operators full recompute adds to the backward per micro-batch
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
@@ -195,8 +198,10 @@ def runtime_time_arrays(arrays: LayerArrays, runs: Sequence[LayerRun]) -> LayerA
 
     fused = np.array([r.fused for r in runs]) | (arrays.column("attention_fused") > 0)
     return replace(arrays, fwd_mem_bytes=column("traffic"), attention_fused=fused,
-                   weight_fwd_bytes=column("weight_fwd"), weight_bwd_bytes=column("weight_bwd"), host_ops_fwd=column("ops_fwd"), loss_traffic_bytes=column("loss_traffic"),
-                   host_ops_bwd=column("ops_bwd"))
+                   weight_fwd_bytes=column("weight_fwd"), weight_bwd_bytes=column("weight_bwd"),
+                   host_ops_fwd=column("ops_fwd"), host_ops_bwd=column("ops_bwd"),
+                   loss_traffic_bytes=column("loss_traffic"), recompute_traffic_bytes=column("recompute_traffic"),
+                   recompute_gemm_share=column("recompute_gemm_share"), host_ops_recompute=column("ops_recompute"))
 
 
 def _expert_tokens(layer: LayerSpec, seq_len: int) -> float:

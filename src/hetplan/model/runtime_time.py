@@ -26,7 +26,19 @@ Written out from the runtime's code, like ``runtime_memory`` for its tensors:
   micro-batch (views and casts included: each costs the host its dispatch),
   counted once per layer kind with ``TorchDispatchMode`` on CPU under bf16
   autocast; ``tests/test_runtime_time.py`` recounts the modules and fails when
-  these numbers drift. The backward counts exclude the loss's seed gradient.
+  these numbers drift. The backward counts exclude the loss's seed gradient;
+* full recomputation (``runtime/parallelize.py`` ``_checkpoint_forward``:
+  non-reentrant ``torch.utils.checkpoint`` with its default ``early_stop=True``)
+  reruns a layer's forward only until every tensor the forward saved for
+  backward is back, and a matmul saves its inputs before it runs: the layer's
+  last linear (a block's MLP output projection, the LM head) is not rerun, nor
+  the residual add after it; the loss runs outside the head's checkpoint
+  (``runtime/step.py`` applies it to the head's output) and is not rerun either.
+  ``recompute_gemm_share`` is the share of the layer's matmul FLOPs rerun
+  (``tests/test_runtime_time.py`` sums the matmuls a recompute dispatches),
+  ``recompute_traffic`` its elementwise bytes per sample, ``ops_recompute`` the
+  operators the recompute adds to the backward (the checkpoint's own unpacking
+  included).
 
 Models the runtime builds itself and HF Llama-style decoders (the shapes
 ``runtime_memory.decoder_shape`` knows) are written out; for others
@@ -50,6 +62,13 @@ EMBED_OPS = {"gpt": (4, 6), "llama": (1, 2), "hf-llama": (0, 0)}
 # (``Experts.forward``): operators = base + per expert, forward and backward.
 MOE_BASE_OPS = {"gpt": (69, 118), "llama": (130, 175)}
 MOE_EXPERT_OPS = (12, 26)
+# Operators full recomputation adds to a layer's backward per micro-batch (module docstring), counted
+# by tests/test_runtime_time.py as the backward's operators with and without ``apply_recompute``.
+BLOCK_RECOMPUTE_OPS = {"gpt": 96, "llama": 182, "hf-llama": 155}
+HEAD_RECOMPUTE_OPS = {"gpt": 15, "llama": 25, "hf-llama": 8}
+EMBED_RECOMPUTE_OPS = {"gpt": 2, "llama": 0, "hf-llama": 0}
+MOE_BASE_RECOMPUTE_OPS = {"gpt": 114, "llama": 183}
+MOE_EXPERT_RECOMPUTE_OPS = {"gpt": 22, "llama": 32}
 # Bytes a parameter per micro-batch the weight casts (forward) and the gradient's cast and
 # accumulation (backward) move (module docstring); fp32 training: the accumulation alone.
 WEIGHT_FWD_BYTES_PER_PARAM = 4 + 2
@@ -71,6 +90,9 @@ class LayerRun:
         ops_fwd, ops_bwd: operators dispatched per micro-batch.
         fused: the attention core is one fused kernel (SDPA).
         loss_traffic: the loss's part of ``traffic`` (the head's fp32 passes over the logits).
+        recompute_traffic, recompute_gemm_share, ops_recompute: what full recomputation
+            reruns (module docstring): elementwise bytes per sample, share of the matmul
+            FLOPs, operators added to the backward per micro-batch.
     """
 
     traffic: float
@@ -80,6 +102,9 @@ class LayerRun:
     ops_bwd: int
     fused: bool
     loss_traffic: float = 0.0
+    recompute_traffic: float = 0.0
+    recompute_gemm_share: float = 1.0
+    ops_recompute: int = 0
 
 
 def _style(shape: DecoderShape) -> str:
@@ -129,9 +154,28 @@ def head_traffic(shape: DecoderShape, c: int) -> float:
     return float(_norm_traffic(shape, s) + _cast(s * shape.hidden, c) + LOSS_BYTES_PER_LOGIT * s * shape.vocab)
 
 
-def _moe_ops(style: str, experts: int) -> tuple[int, int]:
+def _moe_ops(style: str, experts: int) -> tuple[int, int, int]:
+    """Forward, backward and full-recompute operators of the built-in MoE block."""
     base = MOE_BASE_OPS[style]
-    return base[0] + MOE_EXPERT_OPS[0] * experts, base[1] + MOE_EXPERT_OPS[1] * experts
+    return (base[0] + MOE_EXPERT_OPS[0] * experts, base[1] + MOE_EXPERT_OPS[1] * experts,
+            MOE_BASE_RECOMPUTE_OPS[style] + MOE_EXPERT_RECOMPUTE_OPS[style] * experts)
+
+
+def _residual_add(shape: DecoderShape, c: int) -> float:
+    """Bytes per sample of one residual add: the fp32 stream plus a ``c``-byte branch, written in fp32."""
+    return float((FP32 + c + FP32) * shape.seq * shape.hidden)
+
+
+def block_recompute_gemm_share(shape: DecoderShape) -> float:
+    """Share of a block's matmul FLOPs full recomputation reruns: all but its
+    MLP's output projection (module docstring); a MoE block's experts all run
+    before its combine, which saves their outputs, so it reruns all of them."""
+    if shape.experts:
+        return 1.0
+    h, f = shape.hidden, shape.ffn
+    attention = 2 * h * shape.q_width + 2 * h * shape.kv_width
+    mlp = (3 if shape.mlp == "swiglu" else 2) * h * f
+    return 1.0 - f * h / (attention + mlp)
 
 
 def layer_run(layer: LayerSpec, shape: DecoderShape, c: int) -> LayerRun:
@@ -141,13 +185,21 @@ def layer_run(layer: LayerSpec, shape: DecoderShape, c: int) -> LayerRun:
     weights = (WEIGHT_FWD_BYTES_PER_PARAM * layer.params if cast else 0.0,
                (WEIGHT_BWD_BYTES_PER_PARAM if cast else FP32_GRAD_BYTES_PER_PARAM) * layer.params)
     if layer.kind == "embedding":  # nn.Embedding stays fp32 under autocast: its gradient is accumulated only
-        return LayerRun(2 * FP32 * shape.seq * shape.hidden, 0.0, FP32_GRAD_BYTES_PER_PARAM * layer.params,
-                        *EMBED_OPS[style], False)
-    if layer.kind == "head":
-        return LayerRun(head_traffic(shape, c), *weights, *HEAD_OPS[style], False,
-                        LOSS_BYTES_PER_LOGIT * shape.seq * shape.vocab)
-    ops = _moe_ops(style, shape.experts) if shape.experts else BLOCK_OPS[style]
-    return LayerRun(block_traffic(shape, c), *weights, *ops, layer.attention_flops > 0)
+        traffic = float(2 * FP32 * shape.seq * shape.hidden)  # no matmul: a recompute reruns the lookups at most
+        return LayerRun(traffic, 0.0, FP32_GRAD_BYTES_PER_PARAM * layer.params, *EMBED_OPS[style], False,
+                        recompute_traffic=traffic, recompute_gemm_share=0.0, ops_recompute=EMBED_RECOMPUTE_OPS[style])
+    if layer.kind == "head":  # a recompute reruns the final norm and casts, not the LM head nor the loss
+        loss = LOSS_BYTES_PER_LOGIT * shape.seq * shape.vocab
+        traffic = head_traffic(shape, c)
+        return LayerRun(traffic, *weights, *HEAD_OPS[style], False, loss, traffic - loss, 0.0,
+                        HEAD_RECOMPUTE_OPS[style])
+    if shape.experts:
+        ops_fwd, ops_bwd, ops_recompute = _moe_ops(style, shape.experts)
+    else:
+        (ops_fwd, ops_bwd), ops_recompute = BLOCK_OPS[style], BLOCK_RECOMPUTE_OPS[style]
+    traffic = block_traffic(shape, c)
+    return LayerRun(traffic, *weights, ops_fwd, ops_bwd, layer.attention_flops > 0, 0.0,
+                    traffic - _residual_add(shape, c), block_recompute_gemm_share(shape), ops_recompute)
 
 
 def runtime_time(spec: ModelSpec, cuda: bool = True) -> tuple[LayerRun, ...] | None:
