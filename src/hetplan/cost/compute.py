@@ -331,11 +331,38 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
     """Forward work redone in the backward pass: the whole forward under full
     recomputation; under selective recomputation the attention core (Korthikanti
     et al. 2022 §5): its matmuls plus the softmax/dropout traffic over the
-    stored scores — or, for measured layers, the core's share of the forward."""
+    stored scores — or, for measured layers, the core's share of the forward —
+    except on the layers a tool recomputes per op (``op_ac_time``)."""
     if recompute == "full":
         return fwd.copy()
     if recompute != "selective":
         return np.zeros_like(fwd)
+    extra = _core_recompute_time(arrays, fwd, gpu, batch, tp, dtype_bytes, measured, unit)
+    if arrays.op_ac_gemm_share is None:
+        return extra
+    op_ac = ~np.isnan(arrays.op_ac_gemm_share)
+    return np.where(op_ac, op_ac_time(arrays, fwd, gpu, batch, tp, dtype_bytes, measured, unit), extra)
+
+
+def op_ac_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int,
+               measured: np.ndarray | None, unit: Work | None) -> np.ndarray:
+    """What per-op selective checkpointing (``cost.targets``: torchtitan's)
+    redoes: its share of the linear matmuls and every memory-bound op and
+    launch; the attention core and the kept matmuls come from the saved
+    outputs. A measured layer redoes that share of its forward."""
+    share = np.nan_to_num(arrays.op_ac_gemm_share)
+    work = (unit or per_sample_work(arrays, gpu, tp, dtype_bytes)).scaled(batch)
+    analytic = work.gemm_s * share + work.memory_s + work.launch_s
+    if measured is None:
+        return analytic
+    total = work.device_forward()
+    share_of_forward = np.divide(analytic, total, out=np.zeros_like(fwd), where=total > 0)
+    return np.where(measured, fwd * share_of_forward, analytic)
+
+
+def _core_recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int,
+                         dtype_bytes: int, measured: np.ndarray | None, unit: Work | None) -> np.ndarray:
+    """Korthikanti's selective recomputation: the attention core redone."""
     core_mem = ATTENTION_CORE_PASSES * arrays.act_attention_core_bytes * batch * arrays.tp_share(tp)
     core = unit.attention_s * batch if unit is not None else attention_time(arrays, gpu, batch, tp, dtype_bytes)
     analytic = core + pass_time(0.0, core_mem, ATTENTION_CORE_KERNELS, gpu, dtype_bytes)

@@ -70,6 +70,7 @@ from hetplan.cost.memory import (
     host_offload_capacity_bytes,
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
+from hetplan.cost.targets import target_arrays
 from hetplan.plan.runtime_facts import OPTIMIZER_IMPLEMENTATION
 from hetplan.plan.workload import Workload
 from hetplan.profile.db import DATA_PARALLEL_ZERO
@@ -196,6 +197,8 @@ class CostKernel:
         runs = runtime_time(workload.model, cuda=cuda) if self.runtime else None
         if runs is not None:
             self.arrays = runtime_time_arrays(self.arrays, runs)
+        # what a tool's own recomputation keeps and redoes (cost.targets: torchtitan's op AC)
+        self.arrays = target_arrays(workload.target, self.arrays, workload.model)
         # bytes per parameter of the optimizer step: as the runtime's implementation runs it on this cluster
         self.optimizer_step_bytes = OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION[
             OPTIMIZER_IMPLEMENTATION["cuda" if cuda else "cpu"]] if self.runtime else OPTIMIZER_STEP_BYTES_PER_PARAM

@@ -73,6 +73,8 @@ class LayerArrays:
     host_ops_fwd: np.ndarray | None = None  # operators the host dispatches per micro-batch, forward
     host_ops_bwd: np.ndarray | None = None  # and backward
     loss_traffic_bytes: np.ndarray | None = None  # per sample: the loss's part of fwd_mem_bytes
+    # how the target tool recomputes under "selective" (``cost.targets.target_arrays``; None: the attention core)
+    op_ac_gemm_share: np.ndarray | None = None  # share of linear FLOPs torchtitan's op AC redoes (NaN: core)
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
