@@ -57,3 +57,17 @@ def test_op_ac_recomputes_more_than_the_attention_core_and_less_than_the_block()
         plan = uniform_plan(workload, 8, 1, 1, 2, zero=3, recompute=rc)
         recompute[target, rc] = CostModel(workload).estimate(plan).recompute_s
     assert recompute["", "selective"] < recompute["torchtitan", "selective"] < recompute["torchtitan", "full"]
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron", "deepspeed"])
+def test_tools_do_not_recompute_the_embedding_or_head(target: str) -> None:
+    """The tools checkpoint transformer blocks only: a plan that recomputes
+    every layer keeps the head's activations (its fp32 logits) and redoes none
+    of its forward; the papers' accounting (no target) keeps its input only."""
+    model, cluster = get_model("llama3-8b"), load_cluster("8xH100")
+    head = model.layers[-1]
+    for name, kept in ((target, head.act_bytes), ("", head.input_bytes)):
+        kernel = CostModel(Workload(model, cluster, 16, target=name)).kernel
+        assert kernel.activation_bytes(1, "full", False)[-1] == kept
+        redone = kernel.layer_times(cluster.devices[0].gpu, 1.0, 1, "full").recompute_s
+        assert (redone[-1] == 0.0) == bool(name) and redone[1] > 0.0

@@ -332,7 +332,14 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
     recomputation; under selective recomputation the attention core (Korthikanti
     et al. 2022 §5): its matmuls plus the softmax/dropout traffic over the
     stored scores — or, for measured layers, the core's share of the forward —
-    except on the layers a tool recomputes per op (``op_ac_time``)."""
+    except on the layers a tool recomputes per op (``op_ac_time``); nothing on
+    the layers a tool does not checkpoint (``LayerArrays.checkpointed``)."""
+    redone = _redone_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured, unit)
+    return redone if arrays.checkpointed is None else np.where(arrays.checkpointed, redone, 0.0)
+
+
+def _redone_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int, recompute: str,
+                 dtype_bytes: int, measured: np.ndarray | None, unit: Work | None) -> np.ndarray:
     if recompute == "full":
         return fwd.copy()
     if recompute != "selective":

@@ -90,9 +90,10 @@ class _TimeClass:
 
     fwd: np.ndarray
     bwd: np.ndarray
-    rec: np.ndarray
+    rec: np.ndarray  # recompute, and the exposed host transfers of offloading
     tpc: np.ndarray
     total: np.ndarray
+    off: np.ndarray  # the exposed host transfers alone (part of ``rec``: the breakdown's own row)
     total_list: list[float] = field(compare=False, repr=False)  # ``total`` for fast scalar lookups
 
 
@@ -718,11 +719,12 @@ class CostKernel:
                 work = self.unit_work(gpu, tp, sequence_parallel, load, cp, tokens)
                 attention = (work.attention_s + work.attention_backward_s) * batch
                 tpc = tpc + self.cp_ep_comm_time(recompute, share, tp, parallel, attention, max(1.0, load))
-            rec = t.recompute_s + self.offload_exposed_time(gpu, batch, tp, recompute, sequence_parallel) \
-                if offload else t.recompute_s
-            parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, rec, tpc)]
+            off = self.offload_exposed_time(gpu, batch, tp, recompute, sequence_parallel) if offload \
+                else np.zeros_like(t.recompute_s)
+            parts = [_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s + off, tpc)]
             total = parts[0] + parts[1] + parts[2] + parts[3]
-            found = self._time_classes[key] = _TimeClass(*parts, total=total, total_list=total.tolist())
+            found = self._time_classes[key] = _TimeClass(*parts, total=total, total_list=total.tolist(),
+                                                         off=_prefix(off))
         return found
 
     def activation_prefix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:

@@ -75,6 +75,7 @@ class LayerArrays:
     loss_traffic_bytes: np.ndarray | None = None  # per sample: the loss's part of fwd_mem_bytes
     # how the target tool recomputes under "selective" (``cost.targets.target_arrays``; None: the attention core)
     op_ac_gemm_share: np.ndarray | None = None  # share of linear FLOPs torchtitan's op AC redoes (NaN: core)
+    checkpointed: np.ndarray | None = None  # bool: the tool recomputes the layer when the plan says so (None: all)
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""

@@ -99,15 +99,37 @@ TORCHTITAN_LOSS_GRADIENT_BUFFERS = 2  # fp32, logits-sized
 TORCHTITAN_LOSS_FREED_LOGITS = 1  # 16-bit, logits-sized, reserved but unusable
 
 
+# The tools checkpoint transformer blocks only; the embedding and the head keep
+# what they save whatever the plan's recompute: torchtitan wraps the children of
+# ``model.layers`` (activation_checkpoint.py:152-163); Megatron-LM's full and
+# selective recompute live in its TransformerBlock and attention
+# (megatron/core/transformer/transformer_block.py:446 ``_checkpointed_forward``);
+# DeepSpeed's ``checkpoint`` keeps just the inputs of what it wraps
+# (deepspeed/runtime/activation_checkpointing/checkpointing.py:567-643:
+# ``CheckpointFunction.forward`` runs it under no_grad and saves its args), and
+# the exported PipelineModule wraps the blocks only (``checkpointable_layers``:
+# deepspeed/runtime/pipe/module.py:683-685; by default it would wrap every layer
+# with parameters, the embedding too, whose weights then get no gradient: its
+# comment at :673-675).
+TOOL_TARGETS = ("torchtitan", "megatron", "deepspeed")
+UNWRAPPED_KINDS = ("embedding", "head")
+
+
 def target_arrays(target: str, arrays: LayerArrays, model: ModelSpec) -> LayerArrays:
     """``arrays`` with what ``target`` keeps and recomputes where it differs
-    from the model's accounting: under torchtitan, its op AC for "selective"
-    on every dense Llama- or GPT-style block (``decoder_shape``) and its loss's
-    backward buffers (and the freed logits' reserved memory) on the head. Other models and targets keep the model's
-    accounting (Korthikanti's selective recomputation of the attention core)."""
-    if target != "torchtitan":
+    from the model's accounting: under a tool, the embedding and head keep all
+    they save and redo nothing when the plan recomputes them (above);
+    under torchtitan, its op AC for "selective" on every dense Llama- or
+    GPT-style block (``decoder_shape``) and its loss's backward buffers (and
+    the freed logits' reserved memory) on the head. Other models keep
+    Korthikanti's selective recomputation of the attention core."""
+    if target not in TOOL_TARGETS:
         return arrays
-    shapes = decoder_shape(model)
+    unwrapped = np.array([layer.kind in UNWRAPPED_KINDS for layer in model.layers])
+    outside = np.where(unwrapped, np.maximum(arrays.act_bytes - arrays.input_bytes, 0.0),
+                       arrays.column("act_outside_bytes"))
+    arrays = replace(arrays, act_outside_bytes=outside, checkpointed=~unwrapped)
+    shapes = decoder_shape(model) if target == "torchtitan" else None
     if shapes is None:
         return arrays
     core = arrays.act_attention_core_bytes.copy()
