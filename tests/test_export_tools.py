@@ -612,6 +612,7 @@ def test_deepspeed_pipeline_code(name: str) -> None:
     parts = module.PARTS
     assert parts == [0] + [sum(s.num_layers for s in plan.stages[:j + 1]) for j in range(plan.pp)]
     assert "activation_checkpoint_interval=1" in code
+    _assert_blocks_only_checkpointed(module, pipe.PipelineModule)
     if parts == ds_uniform(parts[-1], plan.pp):
         assert 'partition_method="uniform"' in code and not hasattr(module, "PlanPipelineModule")
         return
@@ -626,6 +627,23 @@ def test_deepspeed_pipeline_code(name: str) -> None:
     obj._layer_specs = [None] * (parts[-1] + 1)
     with pytest.raises(ValueError, match="splits"):
         obj._partition_layers()
+
+
+def _assert_blocks_only_checkpointed(module: types.ModuleType, pipeline_module: type) -> None:
+    """DeepSpeed's own ``_is_checkpointable`` on the exported build's
+    ``checkpointable_layers``: the blocks, never the embedding (whose weights a
+    reentrant checkpoint leaves without a gradient) or the head."""
+    import torch
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    kinds = {i: "Block" for i in module.BLOCKS}
+    classes = {name: type(name, (torch.nn.Linear,), {}) for name in ("Embed", "Block", "Head")}
+    layers = [classes[kinds.get(i, "Head" if i else "Embed")](1, 1) for i in range(module.PARTS[-1])]
+    owner = object.__new__(pipeline_module)
+    owner.activation_checkpoint_func = checkpointing.checkpoint
+    owner.checkpointable_layers = module.checkpointable_layers(layers)
+    wrapped = [pipeline_module._is_checkpointable(owner, [layer]) for layer in layers]
+    assert wrapped == [i in kinds for i in range(len(layers))]
 
 
 def test_partition_uniform_is_deepspeeds() -> None:

@@ -20,7 +20,7 @@ def test_megatron_bf16_holds_fp32_gradients(zero: int) -> None:
     peaks = {}
     for target in ("", "megatron"):
         workload = Workload(model, cluster, 8, target=target)
-        plan = uniform_plan(workload, 2, 4, 1, 1, zero=zero, recompute="full")
+        plan = uniform_plan(workload, 2, 4, 1, 1, zero=zero)  # no recompute: the tools keep the head whole under full
         peaks[target] = CostModel(workload).estimate(plan).peak_memory_bytes[0]
     params_per_gpu = model.total_params / 4  # tp4: each rank holds a quarter (embedding and head split too)
     extra = 2 * params_per_gpu / (2 if zero >= 2 else 1)

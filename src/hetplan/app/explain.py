@@ -54,7 +54,7 @@ def explain(plan: Plan, estimate: Estimate, workload: Workload) -> list[str]:
     biggest = max(
         [("the pipeline bubble", e.bubble_s), ("data-parallel gradient sync", e.dp_sync_s),
          ("tensor-parallel communication", e.tp_comm_s), ("pipeline transfers", e.p2p_s),
-         ("recomputation", e.recompute_s)], key=lambda x: x[1])
+         ("recomputation", e.recompute_s), ("activation offload transfers", e.offload_s)], key=lambda x: x[1])
     lines.append(f"{100 * e.compute_s / e.iteration_time_s:.0f}% of the step is useful compute on the slowest "
                  f"stage; the largest overhead is {biggest[0]} ({format_time(biggest[1])}).")
     if plan.pp > 1:

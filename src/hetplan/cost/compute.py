@@ -367,10 +367,18 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
     """Forward work redone in the backward pass: under full recomputation the
     forward (what the training code reruns of it where it is known,
     ``Work.recompute``; a measured layer its measured forward in the same share);
-    under selective recomputation the attention core (Korthikanti et al. 2022
-    §5): its matmuls plus the softmax/dropout traffic over the stored scores —
-    or, for measured layers, the core's share of the forward. ``fwd``: the
-    layers' forward without the loss (a measured head's as measured)."""
+    under selective recomputation the attention core (Korthikanti
+    et al. 2022 §5): its matmuls plus the softmax/dropout traffic over the
+    stored scores — or, for measured layers, the core's share of the forward —
+    except on the layers a tool recomputes per op (``op_ac_time``); nothing on
+    the layers a tool does not checkpoint (``LayerArrays.checkpointed``).
+    ``fwd``: the layers' forward without the loss (a measured head's as measured)."""
+    redone = _redone_time(arrays, fwd, gpu, batch, tp, recompute, dtype_bytes, measured, unit)
+    return redone if arrays.checkpointed is None else np.where(arrays.checkpointed, redone, 0.0)
+
+
+def _redone_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int, recompute: str,
+                 dtype_bytes: int, measured: np.ndarray | None, unit: Work | None) -> np.ndarray:
     if recompute == "full":
         if unit is None or unit.run is None:
             return fwd.copy()
@@ -383,6 +391,35 @@ def recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: fl
         return np.where(measured, fwd * share, rerun)
     if recompute != "selective":
         return np.zeros_like(fwd)
+    extra = _core_recompute_time(arrays, fwd, gpu, batch, tp, dtype_bytes, measured, unit)
+    if arrays.op_ac_gemm_share is None:
+        return extra
+    op_ac = ~np.isnan(arrays.op_ac_gemm_share)
+    return np.where(op_ac, op_ac_time(arrays, fwd, gpu, batch, tp, dtype_bytes, measured, unit), extra)
+
+
+def op_ac_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int, dtype_bytes: int,
+               measured: np.ndarray | None, unit: Work | None) -> np.ndarray:
+    """What per-op selective checkpointing (``cost.targets``: torchtitan's)
+    redoes: its share of the linear matmuls and every memory-bound op and
+    launch; the attention core and the kept matmuls come from the saved
+    outputs. A measured layer redoes that share of its forward."""
+    if arrays.op_ac_gemm_share is None:  # no tool's per-op policy on these layers
+        return np.zeros_like(fwd)
+    share = np.nan_to_num(arrays.op_ac_gemm_share)
+    # without the kernel's cached unit: the layers' own work (sequence parallelism changes only norm traffic)
+    work = (unit or per_sample_work(arrays, gpu, tp, dtype_bytes, False)).scaled(batch)
+    analytic = work.gemm_s * share + work.memory_s + work.launch_s
+    if measured is None:
+        return analytic
+    total = work.device_forward()
+    share_of_forward = np.divide(analytic, total, out=np.zeros_like(fwd), where=total > 0)
+    return np.where(measured, fwd * share_of_forward, analytic)
+
+
+def _core_recompute_time(arrays: LayerArrays, fwd: np.ndarray, gpu: GPUSpec, batch: float, tp: int,
+                         dtype_bytes: int, measured: np.ndarray | None, unit: Work | None) -> np.ndarray:
+    """Korthikanti's selective recomputation: the attention core redone."""
     core_mem = ATTENTION_CORE_PASSES * arrays.act_attention_core_bytes * batch * arrays.tp_share(tp)
     core = unit.attention_s * batch if unit is not None else attention_time(arrays, gpu, batch, tp, dtype_bytes)
     analytic = core + pass_time(0.0, core_mem, ATTENTION_CORE_KERNELS, gpu, dtype_bytes)

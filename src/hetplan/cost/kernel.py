@@ -70,6 +70,7 @@ from hetplan.cost.memory import (
     host_offload_capacity_bytes,
 )
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
+from hetplan.cost.targets import target_arrays
 from hetplan.plan.runtime_facts import OPTIMIZER_IMPLEMENTATION
 from hetplan.plan.workload import Workload
 from hetplan.profile.db import DATA_PARALLEL_ZERO
@@ -89,9 +90,10 @@ class _TimeClass:
 
     fwd: np.ndarray
     bwd: np.ndarray
-    rec: np.ndarray
+    rec: np.ndarray  # recompute, and the exposed host transfers of offloading
     tpc: np.ndarray
     total: np.ndarray
+    off: np.ndarray  # the exposed host transfers alone (part of ``rec``: the breakdown's own row)
     total_list: list[float] = field(compare=False, repr=False)  # ``total`` for fast scalar lookups
 
 
@@ -196,6 +198,8 @@ class CostKernel:
         runs = runtime_time(workload.model, cuda=cuda) if self.runtime else None
         if runs is not None:
             self.arrays = runtime_time_arrays(self.arrays, runs)
+        # what a tool's own recomputation keeps and redoes (cost.targets: torchtitan's op AC)
+        self.arrays = target_arrays(workload.target, self.arrays, workload.model)
         # bytes per parameter of the optimizer step: as the runtime's implementation runs it on this cluster
         self.optimizer_step_bytes = OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION[
             OPTIMIZER_IMPLEMENTATION["cuda" if cuda else "cpu"]] if self.runtime else OPTIMIZER_STEP_BYTES_PER_PARAM
@@ -716,12 +720,12 @@ class CostKernel:
                 work = self.unit_work(gpu, tp, sequence_parallel, load, cp, tokens)
                 attention = (work.attention_s + work.attention_backward_s) * batch
                 tpc = tpc + self.cp_ep_comm_time(recompute, share, tp, parallel, attention, max(1.0, load))
-            rec = t.recompute_s + self.offload_exposed_time(gpu, batch, tp, recompute, sequence_parallel) \
-                if offload else t.recompute_s
-            fwd, bwd, rec_sum, tpc_sum = (_prefix(x) for x in (t.fwd_s, t.bwd_s, rec, tpc))
+            off = self.offload_exposed_time(gpu, batch, tp, recompute, sequence_parallel) if offload \
+                else np.zeros_like(t.recompute_s)
+            fwd, bwd, rec_sum, tpc_sum = (_prefix(x) for x in (t.fwd_s, t.bwd_s, t.recompute_s + off, tpc))
             total = fwd + bwd + rec_sum + tpc_sum
             found = self._time_classes[key] = _TimeClass(fwd, bwd, rec_sum, tpc_sum, total=total,
-                                                         total_list=total.tolist())
+                                                         total_list=total.tolist(), off=_prefix(off))
         return found
 
     def activation_prefix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:

@@ -76,6 +76,9 @@ class LayerArrays:
     recompute_traffic_bytes: np.ndarray | None = None  # per sample: the part of fwd_mem_bytes full recompute reruns
     recompute_gemm_share: np.ndarray | None = None  # share of the matmul FLOPs full recompute reruns
     host_ops_recompute: np.ndarray | None = None  # operators full recompute adds to the backward per micro-batch
+    # how the target tool recomputes under "selective" (``cost.targets.target_arrays``; None: the attention core)
+    op_ac_gemm_share: np.ndarray | None = None  # share of linear FLOPs torchtitan's op AC redoes (NaN: core)
+    checkpointed: np.ndarray | None = None  # bool: the tool recomputes the layer when the plan says so (None: all)
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""

@@ -139,28 +139,31 @@ def replica_classes(kernel: CostKernel, stage: Stage, position: int,
 
 
 def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
-                     micro_batch_size: int) -> tuple[float, float, float, float]:
-    """(fwd, bwd, recompute, TP comm) of the slowest replica over the segment."""
-    worst: tuple[float, float, float, float, float] | None = None
+                     micro_batch_size: int) -> tuple[float, float, float, float, float]:
+    """(fwd, bwd, recompute, TP comm, offload) of the slowest replica over the
+    segment; the exposed host transfers of offloading are part of recompute
+    and apart (the breakdown's own row)."""
+    worst: tuple[float, float, float, float, float, float] | None = None
     tp = stage.layer_degrees(segment[0])[1]
     by_recompute: dict[tuple[str, bool], list[int]] = {}
     for pos in segment:
         strategy = stage.strategies[pos]
         by_recompute.setdefault((strategy.recompute, strategy.offload), []).append(stage.layers[pos])
     for gpu, batch, tp_link in replica_classes(kernel, stage, segment[0], micro_batch_size):
-        f = b = rc = c = 0.0
+        f = b = rc = c = off = 0.0
         for (recompute, offload), indices in by_recompute.items():
             t = kernel.layer_times(gpu, batch, tp, recompute, stage.sequence_parallel)
             f += float(t.fwd_s[indices].sum())
             b += float(t.bwd_s[indices].sum())
             rc += float(t.recompute_s[indices].sum())
             if offload:  # exposed host transfers count with recomputation (CostKernel.time_class)
-                rc += float(kernel.offload_exposed_time(gpu, batch, tp, recompute,
-                                                        stage.sequence_parallel)[indices].sum())
+                off += float(kernel.offload_exposed_time(gpu, batch, tp, recompute,
+                                                         stage.sequence_parallel)[indices].sum())
             c += float(kernel.tp_comm_time(recompute, batch, tp_link, t)[indices].sum())
+        rc += off
         total = f + b + rc + c
         if worst is None or total > worst[0]:
-            worst = (total, f, b, rc, c)
+            worst = (total, f, b, rc, c, off)
     assert worst is not None
     return worst[1:]
 
@@ -186,11 +189,11 @@ def transform_time(kernel: CostKernel, stage: Stage, before: int, after: int, mi
 def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) -> SegmentTiming:
     """What a stage with per-layer strategies charges (see the module docstring)."""
     check_uniform_cp_ep(stage)
-    fwd = bwd = rec = tpc = 0.0
+    fwd = bwd = rec = tpc = offload = 0.0
     segments = tp_segments(stage)
     for s_index, segment in enumerate(segments):
-        f, b, rc, c = _segment_compute(kernel, stage, segment, micro_batch_size)
-        fwd, bwd, rec, tpc = fwd + f, bwd + b, rec + rc, tpc + c
+        f, b, rc, c, off = _segment_compute(kernel, stage, segment, micro_batch_size)
+        fwd, bwd, rec, tpc, offload = fwd + f, bwd + b, rec + rc, tpc + c, offload + off
         if s_index > 0:
             tpc += transform_time(kernel, stage, segments[s_index - 1][-1], segment[0], micro_batch_size)
     gather = scatter = sync = post = optimizer = 0.0
@@ -211,7 +214,7 @@ def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) 
         else:
             sync += params * kernel.grad_bytes * rate("allreduce", stage.devices, tp)
     zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, gather, scatter, kernel.overlap_slowdown)) - fwd - bwd - rec
-    return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer)
+    return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer, offload)
 
 
 def mixed_stage_memory(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float,

@@ -174,14 +174,15 @@ class CostModel:
         slow = timings[slowest]
         compute = m * (slow.fwd_s + slow.bwd_s)
         recompute, tp_comm, zero3 = m * slow.recompute_s, m * slow.tp_comm_s, m * slow.zero3_exposed_s
+        offload = m * slow.offload_s  # part of recompute until the breakdown splits it off
         p2p_total = P2P_PASSES * v * sum(p2p)
         # processes sharing cores (cost/shared_cores.py) run the pipeline faster than
         # its closed form: its parts shrink by that speed-up, as they ran
         closed = pipeline_time(stage_times, p2p, m, v)
         speedup = step.pipeline_s / closed if closed > 0 else 1.0
-        compute, recompute, tp_comm, zero3, p2p_total = (
-            x * min(1.0, speedup) for x in (compute, recompute, tp_comm, zero3, p2p_total))
-        bubble = max(0.0, step.pipeline_s - compute - recompute - tp_comm - zero3 - p2p_total)
+        compute, recompute, tp_comm, zero3, p2p_total, offload = (
+            x * min(1.0, speedup) for x in (compute, recompute, tp_comm, zero3, p2p_total, offload))
+        bubble = max(0.0, step.pipeline_s - compute - recompute - tp_comm - zero3 - p2p_total)  # recompute holds offload
         host_dispatch, loss = self._run_detail(plan, slowest, m * min(1.0, speedup), compute)
 
         peak: dict[int, int] = {}
@@ -210,7 +211,8 @@ class CostModel:
             p2p_s=p2p_total,
             dp_sync_s=step.sync_tail_s + zero3 + step.post_step_s,
             tp_comm_s=tp_comm,
-            recompute_s=recompute,
+            recompute_s=recompute - offload,
+            offload_s=offload,
             optimizer_s=step.optimizer_s,
             samples_per_s=samples_per_s,
             tokens_per_s=samples_per_s * self.model.seq_len,

@@ -114,6 +114,7 @@ class SegmentTiming:
     grad_sync_s: float  # end-of-step gradient reduction, before overlap (once per step)
     post_step_s: float  # ZeRO-1/2 parameter all-gather after the optimizer step
     optimizer_s: float  # the optimizer step (once per step)
+    offload_s: float = 0.0  # part of recompute_s: offloaded activations' host transfers compute does not hide
 
     @property
     def back_s(self) -> float:
@@ -342,7 +343,7 @@ class StageCosts:
         if self._gather:  # ZeRO-3: its gathers and scatters, as far as compute does not hide them
             zero3 = float(stage_micro_batch_time(fwd, bwd + rec, 0.0, gather, scatter, self.kernel.overlap_slowdown)
                           - fwd - bwd - rec)
-        return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer)
+        return SegmentTiming(fwd, bwd, rec, tpc, zero3, sync, post, optimizer, float(worst.off[b] - worst.off[a]))
 
     def per_micro_batch(self, a: int, b: int) -> float:
         """Time of one micro-batch through layers [a, b) (fast path of ``timing``)."""

@@ -31,6 +31,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from hetplan.cost.targets import UNWRAPPED_KINDS
 from hetplan.errors import HetplanError
 from hetplan.export.launch import (DEFAULT_MASTER_PORT, NodeRun, deepspeed_hostfile, deepspeed_launch_script,
                                    deepspeed_runs, launch_files, launch_note, local_ids, node_runs, sbatch_script,
@@ -52,7 +53,6 @@ DEFAULT_TORCHTITAN_VERSION = "0.3"
 VALIDATED: dict[str, Any] = {"torchtitan": {"0.3": "0.3.0", "0.2": "0.2.2"}, "megatron": "Megatron-LM core_v0.16.1",
              "deepspeed": "0.19.8"}
 
-_EDGE_KINDS = ("embedding", "head")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class _Uniform:
 
 
 def _is_block(model: ModelSpec, index: int) -> bool:
-    return model.layers[index].kind not in _EDGE_KINDS
+    return model.layers[index].kind not in UNWRAPPED_KINDS
 
 
 def _uniform(plan: Plan, model: ModelSpec, tool: str) -> _Uniform:
@@ -136,7 +136,8 @@ def _uniform(plan: Plan, model: ModelSpec, tool: str) -> _Uniform:
                     (r == "full" or r == "selective" and model.layers[i].act_attention_core_bytes > 0)})
     if edges:
         notes.append(f"{tool} checkpoints transformer blocks only: {', '.join(edges)} keep their activations, "
-                     "which the plan recomputes (more memory than hetplan estimated for those stages)")
+                     "which the plan recomputes (more memory than estimated unless the plan was made with --target for "
+                     "this tool, which costs them that way)")
     if first.dp_split[0] < 1:
         raise HetplanError(f"{tool} needs at least one sample per replica and micro-batch; the plan gives "
                            f"{first.dp_split[0]}")
@@ -287,7 +288,7 @@ def architecture(model: ModelSpec, tool: str) -> Architecture:
         raise HetplanError(f"{tool} export covers GPT and Llama decoders and their MoE forms (pretrain_gpt.py); "
                            f"model {model.name!r} is family {model.family!r}")
     kinds = [layer.kind for layer in model.layers]
-    blocks = [k for k in kinds if k not in _EDGE_KINDS]
+    blocks = [k for k in kinds if k not in UNWRAPPED_KINDS]
     allowed = {"decoder", "moe"} if model.family == "moe" else {"decoder"}
     if kinds[0] != "embedding" or kinds[-1] != "head" or not blocks or not set(blocks) <= allowed or \
             "embedding" in kinds[1:] or "head" in kinds[:-1]:
@@ -849,9 +850,12 @@ def deepspeed_pipeline_code(plan: Plan, model: ModelSpec) -> str:
             *_layer_runs(model),
             "Stage j runs layers PARTS[j] to PARTS[j+1] - 1.", '"""', "",
             "from deepspeed.pipe import PipelineModule", "", f"PARTS = {parts}", ""]
+    if interval:
+        head += _checkpointable_code(model)
     if parts == partition_uniform(len(names), plan.pp):
         body = ["", "def build(layers, loss_fn=None, **kwargs):",
                 f'    """partition_method="uniform" gives the plan\'s split {parts}."""',
+                *(["    kwargs.setdefault(\"checkpointable_layers\", checkpointable_layers(layers))"] if interval else []),
                 f"    return PipelineModule(layers=layers, num_stages={plan.pp}, partition_method=\"uniform\", "
                 f"loss_fn=loss_fn, activation_checkpoint_interval={interval}, **kwargs)"]
     else:
@@ -865,9 +869,32 @@ def deepspeed_pipeline_code(plan: Plan, model: ModelSpec) -> str:
                 "        stage_id = self._topo.get_coord(self.global_rank).pipe",
                 "        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])", "", "",
                 "def build(layers, loss_fn=None, **kwargs):",
+                *(["    kwargs.setdefault(\"checkpointable_layers\", checkpointable_layers(layers))"] if interval else []),
                 f"    return PlanPipelineModule(layers=layers, num_stages={plan.pp}, loss_fn=loss_fn, "
                 f"activation_checkpoint_interval={interval}, **kwargs)"]
     return "\n".join(head + body) + "\n"
+
+
+def _checkpointable_code(model: ModelSpec) -> list[str]:
+    """Code naming the transformer blocks' classes as the PipelineModule's
+    ``checkpointable_layers``: by default DeepSpeed 0.19.8 checkpoints every
+    layer with parameters (deepspeed/runtime/pipe/module.py:683-689), the
+    embedding too, whose weights its reentrant checkpoint then leaves without
+    a gradient (its comment at :673-675); the cost model checkpoints the blocks
+    only (``cost.targets.UNWRAPPED_KINDS``)."""
+    blocks = [i for i, layer in enumerate(model.layers) if layer.kind not in UNWRAPPED_KINDS]
+    return ["# the transformer blocks: the layers activation checkpointing wraps (not the embedding or head)",
+            f"BLOCKS = {_ranges_code(blocks)}", "", "",
+            "def checkpointable_layers(layers):",
+            '    """The class names of the blocks (a deepspeed.pipe.LayerSpec\'s typename, or a module\'s class)."""',
+            '    return sorted({getattr(layers[i], "typename", type(layers[i])).__name__ for i in BLOCKS})', ""]
+
+
+def _ranges_code(indices: list[int]) -> str:
+    """``indices`` as Python: ``list(range(a, b))`` where they run without a gap."""
+    if indices and indices == list(range(indices[0], indices[-1] + 1)):
+        return f"list(range({indices[0]}, {indices[-1] + 1}))"
+    return repr(indices)
 
 
 def _layer_runs(model: ModelSpec) -> list[str]:

@@ -438,8 +438,11 @@ class Estimate:
     # passes wait for the host to dispatch their operators, and its loss's fp32 passes
     host_dispatch_s: float = 0.0
     loss_s: float = 0.0
+    # offloaded activations' host transfers that compute does not hide (not part of ``recompute_s``)
+    offload_s: float = 0.0
 
-    TIME_PARTS = ("compute_s", "bubble_s", "p2p_s", "dp_sync_s", "tp_comm_s", "recompute_s", "optimizer_s")
+    TIME_PARTS = ("compute_s", "bubble_s", "p2p_s", "dp_sync_s", "tp_comm_s", "recompute_s", "offload_s",
+                  "optimizer_s")
 
     def checked(self) -> Estimate:
         """This estimate with rounding noise clamped (a bubble of -2e-19 s is a

@@ -42,6 +42,7 @@ TIME_PARTS = (("compute (bottleneck stage)", "compute_s", "#4C78A8"),
               ("data-parallel sync (exposed)", "dp_sync_s", "#F58518"),
               ("tensor-parallel comm", "tp_comm_s", "#E45756"),
               ("recompute", "recompute_s", "#B279A2"),
+              ("activation offload (exposed)", "offload_s", "#9D755D"),
               ("optimizer step", "optimizer_s", "#54A24B"))
 GIB = 2**30
 

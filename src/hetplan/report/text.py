@@ -103,6 +103,7 @@ def breakdown(estimate: Estimate, cp_ep: bool = False) -> str:
         ("data-parallel sync (exposed)", estimate.dp_sync_s),
         ("tensor-parallel comm" + (" (+ CP K/V, EP all-to-all)" if cp_ep else ""), estimate.tp_comm_s),
         ("recompute", estimate.recompute_s),
+        ("activation offload (exposed)", estimate.offload_s),
         ("optimizer step", estimate.optimizer_s),
     ]
     total = estimate.iteration_time_s
