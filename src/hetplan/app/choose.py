@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from hetplan.app.planning import runnable_best
+from hetplan.app.records import ranked_record, write_json, write_text
 from hetplan.app.training import SECONDS_PER_HOUR
+from hetplan.cluster.io import dump_cluster_yaml
 from hetplan.cluster.pool import Pool, allocation_cluster, allocation_label, allocation_zones
 from hetplan.cost.bounds import sample_cost_matrix
 from hetplan.cost.calibration import effective_calibration
@@ -53,6 +56,7 @@ from hetplan.cost.kernel import CostKernel
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
 from hetplan.limits import check_at_most
+from hetplan.plan.file import workload_record
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.workload import Workload
 from hetplan.search.base import states_refusal
@@ -374,7 +378,7 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
             reasons.append(found)
         else:
             points.append(found)
-    if not points:
+    if not points and (objective == "frontier" or not pruned):  # else: the limit ruled every allocation out
         first = f": the first said: {reasons[0]}" if reasons else ""
         raise HetplanError(f"no allocation of pool {pool.name!r} has a plan{first}")
     chosen = pareto_front(points) if objective == "frontier" else \
@@ -387,3 +391,26 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
                      "allocations were not planned, so the answer is the best found, not proven")
     return ChooseResult(pool, objective, limit, tokens, tuple(chosen), len(candidates), planned, pruned,
                         len(reasons), unplanned, tuple(notes))
+
+
+# --- exports ------------------------------------------------------------------------
+def point_files(point: Point, planner: str, tokens: float) -> tuple[str, dict[str, Any]]:
+    """A point as a cluster file (YAML text) and a plan file (its best plan,
+    as ``hetplan plan --json`` writes one), which ``hetplan estimate``,
+    ``export`` and ``train`` read."""
+    workload = point.workload
+    record = ranked_record(point.best, CostModel(workload), tokens, None)
+    plan_file = {"planner": planner, "search_time_s": 0.0, "plans": [record], **workload_record(workload)}
+    return dump_cluster_yaml(workload.cluster), plan_file
+
+
+def write_points(result: ChooseResult, out_dir: str, planner: str) -> None:
+    """Each point's cluster and plan file in ``out_dir`` (``point-N.cluster.yaml``, ``point-N.plan.json``)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise HetplanError(f"--out-dir {out_dir}: cannot create it: {exc.strerror}") from None
+    for index, point in enumerate(result.points, 1):
+        cluster_text, plan_file = point_files(point, planner, result.tokens)
+        write_text(os.path.join(out_dir, f"point-{index}.cluster.yaml"), cluster_text)
+        write_json(os.path.join(out_dir, f"point-{index}.plan.json"), plan_file)
