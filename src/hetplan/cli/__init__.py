@@ -13,11 +13,13 @@
     hetplan calibrate fit the cost model's rates to measured step times
     hetplan report    one self-contained HTML page for a plan file
     hetplan replan    re-plan a plan file for the GPUs left when some fail or are taken away
+    hetplan choose    from a pool of GPU offers (types, zones, prices), the allocation and plan
+                      that trains cheapest by a deadline, fastest within a budget, or the frontier
 
 A user mistake prints one line ``hetplan: error: ...`` and exits with status 2.
 
 This package parses and dispatches: one module per command group registers
-its commands (``planning``, ``listing``, ``calibrate``, ``report``, ``replan``, ``tune``;
+its commands (``planning``, ``listing``, ``calibrate``, ``report``, ``replan``, ``choose``, ``tune``;
 the runtime's and the profiler's in ``hetplan.runtime.cli`` and
 ``hetplan.runtime.profiling.cli``); the work is ``hetplan.app``'s, the text and pages
 ``hetplan.report``'s.
@@ -32,6 +34,7 @@ from typing import Sequence
 from hetplan import __version__
 from hetplan.io.argtypes import EXIT_USAGE, OneLineParser
 from hetplan.cli import calibrate as calibrate_cli
+from hetplan.cli import choose as choose_cli
 from hetplan.cli import listing as listing_cli
 from hetplan.cli import planning as planning_cli
 from hetplan.cli import replan as replan_cli
@@ -59,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     runtime_cli.register(sub)
     report_cli.register(sub)
     replan_cli.register(sub)
+    choose_cli.register(sub)
     tune_cli.register(sub)
     profile_cli.register(sub)
     return parser
@@ -67,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Output files of the planning commands, checked before the search starts (a
 # wrong --json found after minutes of search loses them). tune, profile and
 # train check their own outputs; train's --out is a directory.
-_OUTPUT_FILES = (("json_path", "--json"), ("timeline", "--timeline"), ("memory_chart", "--memory-chart"))
+_OUTPUT_FILES = (("json_path", "--json"), ("timeline", "--timeline"), ("memory_chart", "--memory-chart"),
+                 ("chart", "--chart"))
 _COMMANDS_WITH_OUT_FILE = ("report", "calibrate", "export")
 
 

@@ -53,7 +53,8 @@ def text_width(text: str, size: float = FONT_SIZE) -> float:
     return len(text) * size * 0.64
 
 
-def _svg(width: float, height: float, body: list[str]) -> str:
+def svg_document(width: float, height: float, body: list[str]) -> str:
+    """One standalone SVG picture of ``body`` (its elements) on white."""
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
             f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" font-size="{FONT_SIZE}">\n'
             f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
@@ -130,7 +131,7 @@ def timeline_svg(events: Sequence[Event], stage_labels: Sequence[str], title: st
         body.append(f'<text x="{legend_end + 20:.1f}" y="{axis_y + 18}">{escape(note)}</text>')
         legend_end += 20 + text_width(note)
     width = max(width, legend_end + 8, 4 + text_width(title, TITLE_SIZE) + 8)
-    return _svg(width, axis_y + 30, body)
+    return svg_document(width, axis_y + 30, body)
 
 
 def _nice_step(top_value: float, ticks: int = 4) -> float:
@@ -228,7 +229,7 @@ def memory_svg(plan: Plan, estimate: Estimate, workload: Workload, title: str = 
     legend_body, legend_end = _legend(legend, 4, 36)
     body += legend_body
     width = max(x + 8, legend_end + 8, 4 + text_width(title, TITLE_SIZE) + 8)
-    return _svg(width, top + height + 40, body)
+    return svg_document(width, top + height + 40, body)
 
 
 def breakdown_svg(estimate: Estimate, title: str = "") -> str:
@@ -269,4 +270,4 @@ def breakdown_svg(estimate: Estimate, title: str = "") -> str:
         widest = max(widest, x + item - 16)
         x += item
     width = max(widest + 8, 4 + text_width(title, TITLE_SIZE) + 8)
-    return _svg(width, y + 12, body)
+    return svg_document(width, y + 12, body)

@@ -1,0 +1,416 @@
+"""Choose the GPUs too (``hetplan choose``): from a pool of offers (GPU type,
+node shape, zone, price), the allocation and plan that trains cheapest by a
+deadline, fastest within a budget, or the frontier of time to train vs $.
+
+Each allocation (a node count per offer, ``cluster.pool``) is planned with a
+hetplan planner (default ``auto``; its best plan hetplan's runtime runs,
+``app.planning.runnable_best``) and costed as
+
+    time to train = steps x the plan's iteration time (the shared cost model),
+    $ = every allocated GPU's price x time + egress,
+
+where egress is the bytes the plan sends out of a zone each step
+(``cross_zone_bytes``) x steps x that zone's $/GB.
+
+The search is exact and prunes only by proven bounds:
+
+* a lower bound on each allocation's iteration time, the cost model's own
+  (``cost/bounds.py``: compute at each GPU type's best rate + the optimizer
+  step), computed for every allocation at once from per-type numbers
+  (``AllocationBounds``; ``tests/test_choose.py`` checks it equals
+  ``iteration_lower_bound`` of each allocation's cluster). Time and $ of an
+  allocation are at least its bound x steps and that x its price per hour
+  (egress >= 0);
+* an allocation whose weights, gradients and optimizer states exceed its
+  memory has no plan (``search.base.states_refusal``).
+
+Allocations are planned in order of their bound ($ for the frontier and
+``--deadline``, time for ``--budget``); one is skipped when a planned point
+already beats its bound (frontier: dominates it; deadline: cheaper; budget:
+faster) or its bound misses the deadline or budget. Nothing else is pruned:
+hetplan's planners use every GPU of a cluster, so more GPUs may give a slower
+best plan and no monotonicity in counts holds. The work is counted in planner
+calls (``max_plans``); when that budget cuts the search, the notes say how
+many allocations were left unplanned, so the answer is not proven.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from hetplan.app.planning import runnable_best
+from hetplan.app.records import ranked_record, write_json, write_text
+from hetplan.app.training import SECONDS_PER_HOUR
+from hetplan.cluster.io import dump_cluster_yaml
+from hetplan.cluster.pool import Pool, allocation_cluster, allocation_label, allocation_zones
+from hetplan.cost.bounds import sample_cost_matrix
+from hetplan.cost.calibration import effective_calibration
+from hetplan.cost.constants import MEMORY_BANDWIDTH_EFFICIENCY, OPTIMIZER_STEP_BYTES_PER_PARAM
+from hetplan.cost.kernel import CostKernel
+from hetplan.cost.model import CostModel
+from hetplan.errors import HetplanError
+from hetplan.limits import check_at_most
+from hetplan.plan.file import workload_record
+from hetplan.plan.spec import Plan, RankedPlan
+from hetplan.plan.workload import Workload
+from hetplan.search.base import states_refusal
+
+# Allocations a pool may have (the product of nodes + 1 over its offers): each
+# costs a few microseconds to bound and 8 bytes per offer to hold, so 10^7 is
+# seconds and ~1 GB; a larger pool is a typo or wants a coarser pool file.
+MAX_ALLOCATIONS = 10_000_000
+# Planner calls one search may make by default: auto plans a 128-GPU
+# allocation of the issue-35 pool in ~0.8 CPU s on this project's machines,
+# so 200 calls stay within a few minutes; --max-plans changes it.
+DEFAULT_MAX_PLANS = 200
+# Bounds are taken this much lower before pruning, so that a difference in the
+# last bits between the vectorised bound and cost/bounds.py's (summation order)
+# can never prune an allocation the exact bound would keep.
+BOUND_ROUNDING = 1e-9
+BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
+OBJECTIVES = ("frontier", "deadline", "budget")
+NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
+                           "build them; stages mixing GPU types and TP degrees inside (Sailor's) are not searched")
+NOTE_ZONES = ("an allocation spanning zones runs every node's network at min(its NIC, the inter-zone link): "
+              "pessimistic for traffic inside a zone (cluster/pool.py)")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Node counts per offer, with its price and bounds."""
+
+    counts: tuple[int, ...]
+    label: str
+    gpus: int
+    usd_per_hour: float
+    bound_iteration_s: float
+
+
+@dataclass(frozen=True)
+class Point:
+    """An allocation with its best plan: time to train and $ (GPUs + egress)."""
+
+    allocation: Allocation
+    workload: Workload
+    best: RankedPlan
+    steps: float
+    egress_bytes_per_step: Mapping[str, float]
+    egress_usd: float
+
+    @property
+    def iteration_s(self) -> float:
+        return self.best.estimate.iteration_time_s
+
+    @property
+    def hours(self) -> float:
+        return self.steps * self.iteration_s / SECONDS_PER_HOUR
+
+    @property
+    def gpu_usd(self) -> float:
+        return self.hours * self.allocation.usd_per_hour
+
+    @property
+    def usd(self) -> float:
+        return self.gpu_usd + self.egress_usd
+
+    def key(self) -> tuple[float, float, str]:
+        return (self.hours, self.usd, self.allocation.label)
+
+    def record(self) -> dict[str, Any]:
+        """The point as JSON (``choose --json``)."""
+        a = self.allocation
+        return {"allocation": a.label, "counts": list(a.counts), "gpus": a.gpus, "cluster": self.workload.cluster.name,
+                "usd_per_hour": a.usd_per_hour, "iteration_s": self.iteration_s, "steps": self.steps,
+                "hours": self.hours, "gpu_usd": self.gpu_usd, "egress_usd": self.egress_usd,
+                "egress_gb_per_step": {z: b / BYTES_PER_GB for z, b in sorted(self.egress_bytes_per_step.items())},
+                "usd": self.usd, "plan": self.best.plan.describe(), "plan_record": self.best.to_dict()}
+
+
+@dataclass(frozen=True)
+class ChooseResult:
+    """``points``: the frontier (fastest first), or the one answer of
+    ``deadline``/``budget`` (empty: none meets it); the search's counts."""
+
+    pool: Pool
+    objective: str
+    limit: float | None
+    tokens: float
+    points: tuple[Point, ...]
+    allocations: int
+    planned: int
+    pruned: int
+    no_plan: int
+    unplanned: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def proven(self) -> bool:
+        """Every allocation was planned or pruned by a proven bound."""
+        return self.unplanned == 0
+
+    def record(self) -> dict[str, Any]:
+        return {"pool": self.pool.name, "objective": self.objective, "limit": self.limit, "tokens": self.tokens,
+                "allocations": self.allocations, "planned": self.planned, "pruned": self.pruned,
+                "no_plan": self.no_plan, "unplanned": self.unplanned, "proven": self.proven,
+                "notes": list(self.notes), "points": [p.record() for p in self.points]}
+
+
+# --- allocations and bounds ---------------------------------------------------------
+def all_counts(pool: Pool) -> list[tuple[int, ...]]:
+    """Every allocation of the pool (not all zero), in lexicographic order."""
+    total = math.prod(o.nodes + 1 for o in pool.offers) - 1
+    check_at_most(f"allocations of pool {pool.name!r}", total, MAX_ALLOCATIONS,
+                  "give fewer offers or fewer nodes per offer")
+    return [c for c in itertools.product(*(range(o.nodes + 1) for o in pool.offers)) if any(c)]
+
+
+class AllocationBounds:
+    """``cost/bounds.py``'s ``iteration_lower_bound`` for any allocation, from
+    per-type numbers computed once: the compute bound needs only each GPU
+    type's least seconds per sample of each layer (``sample_cost_matrix``)
+    and how many GPUs of each type there are; the optimizer bound only the
+    sum of the GPUs' memory bandwidths."""
+
+    def __init__(self, pool: Pool, workload: Workload) -> None:
+        full = allocation_cluster(pool, [o.nodes for o in pool.offers])
+        kernel = CostModel(replace(workload, cluster=full)).kernel
+        self.types = list(pool.gpu_types)
+        specs = {o.gpu.name: o.gpu for o in pool.offers}
+        self.batch = workload.global_batch_size
+        self.cost = sample_cost_matrix(kernel, [specs[t] for t in sorted(self.types)], self.batch)
+        self.sorted_types = sorted(self.types)
+        self.type_of_offer = [self.sorted_types.index(o.gpu.name) for o in pool.offers]
+        self.gpus_per_node = [o.gpus_per_node for o in pool.offers]
+        self.bandwidth = [o.gpu.memory_bandwidth_bytes_per_s * o.gpus_per_node for o in pool.offers]
+        self.optimizer_bytes = OPTIMIZER_STEP_BYTES_PER_PARAM * workload.model.total_params
+        self._weights: dict[tuple[int, ...], list[tuple[np.ndarray, float]]] = {}
+
+    def _weights_for(self, present: tuple[int, ...]) -> list[tuple[np.ndarray, float]]:
+        """(y, sum_l min_g y_g c[l, g]) for each weighting of ``compute_lower_bound`` over the present types."""
+        found = self._weights.get(present)
+        if found is None:
+            cost = self.cost[:, list(present)]
+            _, distinct = np.unique(cost, axis=0, return_index=True)
+            ys = [np.ones(len(present))] + [1.0 / cost[i] for i in sorted(distinct) if np.all(cost[i] > 0)]
+            found = self._weights[present] = [(y, float(np.min(cost * y, axis=1).sum())) for y in ys]
+        return found
+
+    def iteration_s(self, counts: Sequence[int]) -> float:
+        """The least iteration time any plan on this allocation can have."""
+        n = np.zeros(len(self.sorted_types))
+        bandwidth = 0.0
+        for i, count in enumerate(counts):
+            n[self.type_of_offer[i]] += count * self.gpus_per_node[i]
+            bandwidth += count * self.bandwidth[i]
+        present = tuple(int(g) for g in np.flatnonzero(n))
+        compute = max(self.batch * numerator / float(n[list(present)] @ y)
+                      for y, numerator in self._weights_for(present))
+        return compute + self.optimizer_bytes / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+
+
+def allocations(pool: Pool, workload: Workload) -> list[Allocation]:
+    """Every allocation of the pool with its price per hour and iteration bound."""
+    bounds = AllocationBounds(pool, workload)
+    out = []
+    for counts in all_counts(pool):
+        gpus = sum(n * o.gpus_per_node for n, o in zip(counts, pool.offers))
+        price = sum(n * o.gpus_per_node * o.price_per_gpu_hour for n, o in zip(counts, pool.offers))
+        out.append(Allocation(counts, allocation_label(pool, counts), gpus, price, bounds.iteration_s(counts)))
+    return out
+
+
+# --- one allocation ------------------------------------------------------------------
+def allocation_workload(pool: Pool, base: Workload, counts: Sequence[int]) -> Workload:
+    """``base`` (its model and settings) on the allocation's cluster."""
+    cluster = allocation_cluster(pool, counts)
+    return replace(base, cluster=cluster, calibration=effective_calibration(base.profile, cluster, base.calibration))
+
+
+def cross_zone_bytes(plan: Plan, workload: Workload, device_zones: Sequence[str]) -> dict[str, float]:
+    """Bytes one step sends out of each zone, from the cost kernel's volumes:
+
+    * pipeline: each boundary sends ``output_bytes`` of its last layer x the
+      micro-batch forward and its gradient back (``P2P_PASSES``), split over
+      ``min(senders, receivers)`` streams paired in order as ``cost/comm.py``'s
+      ``p2p_time`` pairs them; a stream whose ends are in two zones leaves the
+      sender's zone;
+    * data parallelism: each layer's dp groups run a ring in group order;
+      each link carries (n-1)/n x the held parameters x the bytes per
+      parameter of its ZeRO stage (all-reduce 2 x gradient bytes; ZeRO-1 + a
+      weight all-gather; ZeRO-2 a gradient reduce-scatter + weight all-gather;
+      ZeRO-3 two weight gathers and a reduce-scatter per micro-batch), and a
+      link between zones sends it out of its sender's zone.
+
+    TP groups lie inside nodes, so inside zones; context- and expert-parallel
+    groups across zones are refused (their traffic is not counted here)."""
+    kernel = CostModel(workload).kernel
+    out: dict[str, float] = {}
+
+    def send(a: int, b: int, num_bytes: float) -> None:
+        if device_zones[a] != device_zones[b]:
+            out[device_zones[a]] = out.get(device_zones[a], 0.0) + num_bytes
+
+    for j in range(plan.pp - 1):
+        src, dst = plan.stages[j].devices, plan.stages[j + 1].devices
+        streams = max(1, min(len(src), len(dst)))
+        per_stream = float(kernel.arrays.output_bytes[plan.stages[j].layers[-1]]) * plan.micro_batch_size / streams
+        for i in range(streams):
+            a, b = src[i % len(src)], dst[i % len(dst)]
+            send(a, b, per_stream * plan.num_micro_batches)  # forward
+            send(b, a, per_stream * plan.num_micro_batches)  # backward
+    for stage in plan.stages:
+        if len({device_zones[d] for d in stage.devices}) < 2:
+            continue
+        if stage.cp > 1 or stage.ep > 1:
+            raise HetplanError(f"a stage with context or expert parallelism spans zones ({plan.describe()}); "
+                               "choose counts no egress for it: use a pool in one zone for this model")
+        for position, layer in enumerate(stage.layers):
+            _, tp = stage.layer_degrees(position)
+            held = kernel.held_params(tp, layer, layer + 1)
+            per_param = _ring_bytes_per_param(kernel, stage.strategies[position].zero, plan.num_micro_batches)
+            for t in range(tp):
+                group = stage.devices[t::tp]
+                n = len(group)
+                for i in range(n):
+                    send(group[i], group[(i + 1) % n], (n - 1) / n * held * per_param)
+    return out
+
+
+def _ring_bytes_per_param(kernel: CostKernel, zero: int, micro_batches: int) -> float:
+    """Bytes per held parameter one ring link carries in a step, before (n-1)/n (``cost/stage.py``'s collectives)."""
+    grad, weight = kernel.grad_bytes, kernel.weight_bytes
+    return {0: 2 * grad, 1: 2 * grad + weight, 2: grad + weight}.get(zero, (2 * weight + grad) * micro_batches)
+
+
+def plan_allocation(pool: Pool, base: Workload, allocation: Allocation, planner: Any, steps: float,
+                    best_of: Callable[[Any, Workload], RankedPlan] = runnable_best) -> Point | str:
+    """The allocation's best plan as a Point, or why it has none (nothing fits)."""
+    workload = allocation_workload(pool, base, allocation.counts)
+    why = states_refusal(workload)
+    if why:
+        return why
+    try:
+        best = best_of(planner, workload)
+    except HetplanError as exc:
+        return str(exc)
+    node_zones = allocation_zones(pool, allocation.counts)
+    device_zones = [node_zones[d.node] for d in workload.cluster.devices]
+    egress = cross_zone_bytes(best.plan, workload, device_zones)
+    usd = sum(b / BYTES_PER_GB * pool.egress_usd_per_gb[z] for z, b in egress.items()) * steps
+    return Point(allocation, workload, best, steps, egress, usd)
+
+
+# --- the answer ---------------------------------------------------------------------
+def pareto_front(points: Sequence[Point]) -> list[Point]:
+    """The points no other beats in both time and $ (fastest first; of equal
+    points, the allocation whose label sorts first)."""
+    front: list[Point] = []
+    for point in sorted(points, key=Point.key):
+        if not front or point.usd < front[-1].usd:
+            front.append(point)
+    return front
+
+
+def best_point(points: Sequence[Point], objective: str, limit: float) -> Point | None:
+    """The cheapest within ``limit`` hours (deadline) or the fastest within ``limit`` $ (budget)."""
+    if objective == "deadline":
+        ok = [p for p in points if p.hours <= limit]
+        return min(ok, key=lambda p: (p.usd, p.hours, p.allocation.label), default=None)
+    ok = [p for p in points if p.usd <= limit]
+    return min(ok, key=Point.key, default=None)
+
+
+def _bound_point(a: Allocation, steps: float) -> tuple[float, float]:
+    """(hours, $) no plan of ``a`` can beat."""
+    hours = a.bound_iteration_s * (1 - BOUND_ROUNDING) * steps / SECONDS_PER_HOUR
+    return hours, hours * a.usd_per_hour
+
+
+def _beaten(bound: tuple[float, float], points: Sequence[Point], objective: str, limit: float | None) -> bool:
+    """Whether no plan of an allocation with this bound can be in the answer."""
+    hours, usd = bound
+    if objective == "deadline":
+        return hours > limit or any(p.hours <= limit and p.usd < usd for p in points)  # type: ignore[operator]
+    if objective == "budget":
+        return usd > limit or any(p.usd <= limit and p.hours < hours for p in points)  # type: ignore[operator]
+    return any(p.hours <= hours and p.usd <= usd and (p.hours < hours or p.usd < usd) for p in points)
+
+
+def search_order(candidates: Sequence[Allocation], objective: str, steps: float) -> list[Allocation]:
+    """Least bound first: by $ (frontier, deadline) or by time (budget); ties by label."""
+    def key(a: Allocation) -> tuple[float, float, str]:
+        hours, usd = _bound_point(a, steps)
+        return (hours, usd, a.label) if objective == "budget" else (usd, hours, a.label)
+    return sorted(candidates, key=key)
+
+
+def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: str = "frontier",
+           limit: float | None = None, max_plans: int = DEFAULT_MAX_PLANS,
+           best_of: Callable[[Any, Workload], RankedPlan] = runnable_best) -> ChooseResult:
+    """The answer of ``hetplan choose`` (module docstring): ``objective``
+    "frontier", "deadline" (``limit``: hours) or "budget" (``limit``: $);
+    ``base``: the workload (model, global batch, settings) on any cluster."""
+    if objective not in OBJECTIVES:
+        raise HetplanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if (limit is None) != (objective == "frontier"):
+        raise HetplanError("give a limit with the deadline or budget objective, and none for the frontier")
+    steps = tokens / (base.global_batch_size * base.model.seq_len)
+    candidates = allocations(pool, base)
+    points: list[Point] = []
+    reasons: list[str] = []
+    planned = pruned = unplanned = 0
+    for allocation in search_order(candidates, objective, steps):
+        if _beaten(_bound_point(allocation, steps), points, objective, limit):
+            pruned += 1
+            continue
+        if planned >= max_plans:
+            unplanned += 1
+            continue
+        planned += 1
+        found = plan_allocation(pool, base, allocation, planner, steps, best_of)
+        if isinstance(found, str):
+            reasons.append(found)
+        else:
+            points.append(found)
+    if not points and (objective == "frontier" or not pruned):  # else: the limit ruled every allocation out
+        first = f": the first said: {reasons[0]}" if reasons else ""
+        raise HetplanError(f"no allocation of pool {pool.name!r} has a plan{first}")
+    chosen = pareto_front(points) if objective == "frontier" else \
+        [p for p in [best_point(points, objective, limit)] if p is not None]  # type: ignore[arg-type]
+    notes = [NOTE_ONE_TYPE_PER_GROUP]
+    if len(set(pool.egress_usd_per_gb)) > 1:
+        notes.append(NOTE_ZONES)
+    if unplanned:
+        notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {unplanned} "
+                     "allocations were not planned, so the answer is the best found, not proven")
+    return ChooseResult(pool, objective, limit, tokens, tuple(chosen), len(candidates), planned, pruned,
+                        len(reasons), unplanned, tuple(notes))
+
+
+# --- exports ------------------------------------------------------------------------
+def point_files(point: Point, planner: str, tokens: float) -> tuple[str, dict[str, Any]]:
+    """A point as a cluster file (YAML text) and a plan file (its best plan,
+    as ``hetplan plan --json`` writes one), which ``hetplan estimate``,
+    ``export`` and ``train`` read."""
+    workload = point.workload
+    record = ranked_record(point.best, CostModel(workload), tokens, None)
+    plan_file = {"planner": planner, "search_time_s": 0.0, "plans": [record], **workload_record(workload)}
+    return dump_cluster_yaml(workload.cluster), plan_file
+
+
+def write_points(result: ChooseResult, out_dir: str, planner: str) -> None:
+    """Each point's cluster and plan file in ``out_dir`` (``point-N.cluster.yaml``, ``point-N.plan.json``)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise HetplanError(f"--out-dir {out_dir}: cannot create it: {exc.strerror}") from None
+    for index, point in enumerate(result.points, 1):
+        cluster_text, plan_file = point_files(point, planner, result.tokens)
+        write_text(os.path.join(out_dir, f"point-{index}.cluster.yaml"), cluster_text)
+        write_json(os.path.join(out_dir, f"point-{index}.plan.json"), plan_file)

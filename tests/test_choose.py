@@ -1,0 +1,195 @@
+"""``hetplan choose`` (issue 35): the pool file, the allocation bounds, egress,
+and the branch-and-bound search against brute force over every allocation."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from hetplan.app.choose import (
+    allocation_workload, allocations, best_point, choose, cross_zone_bytes, pareto_front, plan_allocation,
+)
+from hetplan.app.workload import WorkloadOptions, load_workload
+from hetplan.cli import main
+from hetplan.cluster.pool import allocation_cluster, pool_from_dict
+from hetplan.cost.bounds import iteration_lower_bound
+from hetplan.cost.constants import P2P_PASSES
+from hetplan.cost.model import CostModel
+from hetplan.errors import HetplanError
+from hetplan.plan.file import read_plan_file
+from hetplan.plan.spec import Plan, uniform_stage
+from hetplan.search import get_planner
+
+# The pool of issue 35, as written there.
+ISSUE_POOL = """
+name: two-zones
+zones:
+  a: {egress_usd_per_gb: 0.01}
+  b: {egress_usd_per_gb: 0.01}
+inter_zone_bandwidth_gbps: 8.7
+offers:
+  - {gpu: A100-40GB, gpus_per_node: 8, nodes: 4, zone: a, price_per_gpu_hour: 1.8, intra_node_bandwidth_gbps: 2400, inter_node_bandwidth_gbps: 48}
+  - {gpu: V100-16GB, gpus_per_node: 8, nodes: 12, zone: b, price_per_gpu_hour: 0.9, intra_node_bandwidth_gbps: 1200, inter_node_bandwidth_gbps: 48}
+"""
+
+
+def small_pool(egress_b: float = 0.05) -> dict:
+    """Three offers in two zones, 2 nodes of 2 GPUs each: 26 allocations."""
+    offer = {"gpus_per_node": 2, "nodes": 2, "intra_node_bandwidth_gbps": 600, "inter_node_bandwidth_gbps": 100}
+    return {"name": "small", "zones": {"a": {"egress_usd_per_gb": 0.02}, "b": {"egress_usd_per_gb": egress_b}},
+            "inter_zone_bandwidth_gbps": 10,
+            "offers": [{**offer, "gpu": "A100-40GB", "zone": "a", "price_per_gpu_hour": 1.8},
+                       {**offer, "gpu": "V100-16GB", "zone": "b", "price_per_gpu_hour": 0.9},
+                       {**offer, "gpu": "T4", "zone": "b", "price_per_gpu_hour": 0.35}]}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> object:
+    return load_workload(WorkloadOptions(model="tiny-gpt", global_batch=16))
+
+
+def test_issue_pool_reads_as_written():
+    pool = pool_from_dict(yaml.safe_load(ISSUE_POOL), "pool.yaml")
+    assert [(o.gpu.name, o.nodes, o.zone, o.price_per_gpu_hour) for o in pool.offers] == [
+        ("A100-40GB", 4, "a", 1.8), ("V100-16GB", 12, "b", 0.9)]
+    both = allocation_cluster(pool, (1, 1))
+    assert [n.inter_bandwidth_gbps for n in both.nodes] == [8.7, 8.7]  # across zones: the inter-zone link
+    assert [n.inter_bandwidth_gbps for n in allocation_cluster(pool, (0, 2)).nodes] == [48, 48]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["offers"][0].update(zone="c"), "offers[0].zone: 'c' is not under 'zones'"),
+    (lambda d: d.pop("inter_zone_bandwidth_gbps"), "no 'inter_zone_bandwidth_gbps'"),
+    (lambda d: d["offers"][1].update(gpus_per_node=0), "offers[1].gpus_per_node must be >= 1"),
+    (lambda d: d["offers"][0].update(colour="red"), "offers[0]: unknown key(s) ['colour']"),
+    (lambda d: d["offers"][0].pop("price_per_gpu_hour"), "price_per_gpu_hour"),
+    (lambda d: d["offers"][2].update(gpu="V100-16GB"), "offers[2] is named 'V100-16GB@b' like an earlier offer"),
+    (lambda d: d["zones"]["a"].update(egress_usd_per_gb=-1), "zones.a.egress_usd_per_gb must be zero or positive"),
+    (lambda d: d["offers"][0].update(gpu="A1000"), "offers[0].gpu: unknown GPU type 'A1000'"),
+])
+def test_pool_mistakes_are_one_line(change, message):
+    data = small_pool()
+    change(data)
+    with pytest.raises(HetplanError, match=None) as err:
+        pool_from_dict(data, "pool.yaml")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bounds_equal_the_cost_models_for_every_allocation(tiny):
+    pool = pool_from_dict(small_pool())
+    gpt2 = load_workload(WorkloadOptions(model="gpt2-amp", global_batch=64))
+    for base in (tiny, gpt2):
+        for a in allocations(pool, base):
+            exact = iteration_lower_bound(CostModel(allocation_workload(pool, base, a.counts)).kernel,
+                                          base.global_batch_size)
+            assert a.bound_iteration_s == pytest.approx(exact, rel=1e-12), a.label
+
+
+def test_egress_of_a_pipeline_across_zones_is_its_activations_both_ways(tiny):
+    pool = pool_from_dict({**small_pool(), "offers": small_pool()["offers"][:2]})
+    workload = allocation_workload(pool, tiny, (1, 1))  # devices 0,1 in zone a; 2,3 in zone b
+    mb, layers = 4, tiny.model.num_layers
+    plan = Plan(tiny.model.name, workload.cluster.name, 16, mb, 4, "1f1b",
+                (uniform_stage(range(3), (0,), 1, 1, mb), uniform_stage(range(3, layers), (2,), 1, 1, mb)))
+    sent = cross_zone_bytes(plan, workload, ["a", "a", "b", "b"])
+    one_way = float(CostModel(workload).kernel.arrays.output_bytes[2]) * mb * 4
+    assert sent == {"a": pytest.approx(one_way), "b": pytest.approx(one_way)}
+    assert P2P_PASSES == 2  # the forward activation and its gradient back, as counted above
+    # a data-parallel ring over zones: each of its 2 zone-crossing links carries (n-1)/n of 2 x grad bytes
+    dp_plan = Plan(tiny.model.name, workload.cluster.name, 16, 16, 1, "1f1b",
+                   (uniform_stage(range(layers), (0, 2), 2, 1, 16),))
+    kernel = CostModel(workload).kernel
+    held = sum(kernel.held_params(1, i, i + 1) for i in range(layers))
+    ring = cross_zone_bytes(dp_plan, workload, ["a", "a", "b", "b"])
+    assert ring == {"a": pytest.approx(held * kernel.grad_bytes), "b": pytest.approx(held * kernel.grad_bytes)}
+
+
+_PLANNED: dict[str, object] = {}
+
+
+def cached_best(planner, workload):
+    """The uniform planner's best plan, planned once per allocation for every search of this file."""
+    name = workload.cluster.name
+    if name not in _PLANNED:
+        _PLANNED[name] = planner.plan(workload, 1)[0]
+    return _PLANNED[name]
+
+
+@pytest.mark.parametrize("egress_b", [0.05, 5.0])
+def test_search_equals_brute_force(tiny, egress_b):
+    """Frontier, deadlines and budgets of the pruned search equal those of
+    planning every allocation (a cheap planner, each allocation planned once)."""
+    pool = pool_from_dict(small_pool(egress_b))
+    planner = get_planner("uniform")
+    tokens = 1e9
+    steps = tokens / (tiny.global_batch_size * tiny.model.seq_len)
+    every = [plan_allocation(pool, tiny, a, planner, steps, cached_best) for a in allocations(pool, tiny)]
+    points = [p for p in every if not isinstance(p, str)]
+    assert len(points) == 26
+    assert any(p.egress_usd > 0 for p in points)
+
+    def labels(found):
+        return [(p.allocation.label, round(p.usd, 9), round(p.hours, 9)) for p in found]
+
+    result = choose(pool, tiny, planner, tokens, best_of=cached_best)
+    assert labels(result.points) == labels(pareto_front(points)) and result.proven
+    pruned = 0
+    hours = sorted(p.hours for p in points)
+    dollars = sorted(p.usd for p in points)
+    for limit in (hours[0], hours[5], hours[-1], hours[0] / 2):
+        got = choose(pool, tiny, planner, tokens, "deadline", limit, best_of=cached_best)
+        want = best_point(points, "deadline", limit)
+        assert labels(got.points) == labels([want] if want else [])
+        pruned += got.pruned
+    for limit in (dollars[0], dollars[7], dollars[-1], dollars[0] / 2):
+        got = choose(pool, tiny, planner, tokens, "budget", limit, best_of=cached_best)
+        want = best_point(points, "budget", limit)
+        assert labels(got.points) == labels([want] if want else [])
+        pruned += got.pruned
+    assert pruned > 0  # the bounds did prune
+
+
+def test_a_cut_search_says_it_is_not_proven(tiny):
+    pool = pool_from_dict(small_pool())
+    result = choose(pool, tiny, get_planner("uniform"), 1e9, max_plans=2)
+    assert result.planned == 2 and result.unplanned > 0 and not result.proven
+    assert any("not proven" in n for n in result.notes)
+
+
+def test_cli_choose_writes_table_json_chart_and_point_files(tmp_path, capsys):
+    data = small_pool()
+    data["offers"] = data["offers"][:2]
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out.json"
+    code = main(["choose", "--pool", str(path), "--model", "tiny-gpt", "--global-batch", "16", "--tokens", "1B",
+                 "--planner", "uniform", "--json", str(out), "--chart", str(tmp_path / "f.svg"),
+                 "--out-dir", str(tmp_path / "pts"), "--price", "V100-16GB=0.5"])
+    text = capsys.readouterr().out
+    assert code == 0 and "allocation" in text and "(proven)" in text
+    record = json.loads(out.read_text())
+    assert record["points"] and record["proven"]
+    assert (tmp_path / "f.svg").read_text().startswith("<svg")
+    first = read_plan_file(tmp_path / "pts" / "point-1.plan.json")
+    assert first.plan(1).describe() == record["points"][0]["plan"]
+    v100 = [p for p in record["points"] if "V100" in p["allocation"] and "A100" not in p["allocation"]]
+    assert all(p["usd_per_hour"] == pytest.approx(0.5 * p["gpus"]) for p in v100)  # the --price what-if
+
+
+def test_cli_price_for_a_type_the_pool_lacks_is_refused(tmp_path, capsys):
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(small_pool()))
+    assert main(["choose", "--pool", str(path), "--model", "tiny-gpt", "--global-batch", "16", "--tokens", "1B",
+                 "--price", "H100=3"]) == 2
+    assert "--price names H100, which no offer of pool 'small' has" in capsys.readouterr().err
+
+
+def test_choose_workload_is_unchanged_by_the_cluster_it_starts_on(tiny):
+    """The base workload's own cluster plays no part: only its model and settings."""
+    pool = pool_from_dict(small_pool())
+    other = replace(tiny, cluster=allocation_cluster(pool, (1, 0, 0)))
+    a = allocations(pool, tiny)[3]
+    assert allocation_workload(pool, tiny, a.counts) == allocation_workload(pool, other, a.counts)
