@@ -18,12 +18,20 @@ def run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*HETPLAN, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+# How much longer the default plan may take than starting Python and importing hetplan, measured side
+# by side (a ratio, as these machines are loaded unevenly): about 2-7x on 2 cores, quiet or loaded.
+PLAN_OVER_STARTUP = 15
+
+
 def test_default_plan_prints_ranked_table_quickly() -> None:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import hetplan.cli"], check=True, timeout=120)
+    startup = time.perf_counter() - start
     start = time.perf_counter()
     result = run()
     elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
-    assert elapsed < 5.0
+    assert elapsed < PLAN_OVER_STARTUP * startup, f"plan took {elapsed:.1f} s, starting hetplan {startup:.1f} s"
     out = result.stdout
     assert "amp-heterogeneous" in out and "gpt2-amp" in out
     for column in ("iter time", "samples/s", "tokens/s", "MFU", "max mem/GPU", "fits"):
