@@ -17,7 +17,7 @@ from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
 from hetplan.plan.layout import PlanLayout
 from hetplan.runtime.launch import RankExit
-from hetplan.runtime.trainer import FAULT_ENV, fault_kills
+from hetplan.runtime.faults import KILL_ENV as FAULT_ENV, fault_kills
 
 
 def _plan(tmp_path: Path, cluster: str, capsys: pytest.CaptureFixture[str]) -> str:

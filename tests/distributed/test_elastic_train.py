@@ -2,25 +2,32 @@
 from the newest checkpoint, with the losses a run of the new plan from that checkpoint has.
 
 Four processes on ``local-cpu-4`` (tiny-gpt, global batch 8): the best plan is dp4. A rank kills itself
-with SIGKILL right after a step's checkpoint (``HETPLAN_FAULT_KILL``, the trainer's fault injection).
+with SIGKILL right after a step's checkpoint (``HETPLAN_FAULT_KILL``), a second one while a checkpoint is
+written (``HETPLAN_FAULT_KILL_SAVE``): hetplan.runtime.faults.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from hetplan.model.presets import get_model
+from hetplan.runtime.build import model_build
+from hetplan.runtime.reference import build_reference, make_optimizer, train_reference, training_batch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def _hetplan(*args: str, faults: str = "") -> subprocess.CompletedProcess[str]:
+def _hetplan(*args: str, faults: str = "", save_faults: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1",
-           "HETPLAN_FAULT_KILL": faults}
+           "HETPLAN_FAULT_KILL": faults, "HETPLAN_FAULT_KILL_SAVE": save_faults}
     return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True, text=True, env=env,
                           timeout=600, cwd=ROOT)
 
@@ -38,19 +45,33 @@ def _losses(out: Path) -> tuple[int, list[float]]:
     return summary["start_step"], summary["losses"]
 
 
+def _uninterrupted_losses(steps: int) -> list[float]:
+    """The losses of tiny-gpt trained in one process on the steps' batches (global batch 8, seed 0)."""
+    how = model_build(get_model("tiny-gpt"))
+    model = build_reference(how.build, 0)
+    batches = [training_batch(get_model("tiny-gpt"), how, 8, step, 0)[:2] for step in range(steps)]
+    return train_reference(model, batches, how.loss, make_optimizer(model.parameters(), "sgd", None), clip=1.0)
+
+
 @pytest.mark.slow
 def test_two_ranks_killed_the_run_replans_twice_and_continues_as_the_new_plan_would(tmp_path: Path) -> None:
     plan = _plan(tmp_path, "local-cpu-4")
     ckpt, out = tmp_path / "ck", tmp_path / "out"
     proc = _hetplan("train", "--plan", plan, "--steps", "9", "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                    "2", "--elastic", "--out", str(out), "--timeout", "60", faults="1:4:4,0:7:3")
+                    "2", "--elastic", "--out", str(out), "--timeout", "60", faults="1:4:4", save_faults="0:8:3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 1 " in proc.stderr and "killed by SIGKILL" in proc.stderr
     assert "re-planned for the 3 devices left" in proc.stdout and "re-planned for the 2 devices left" in proc.stdout
     assert proc.stdout.count("resuming from") == 2 and proc.stdout.count("fp32, 2 processes") == 1
-    # the second kill came after step 7: the last run started from step 6's checkpoint, one step lost
+    # rank 0 died while step 8's checkpoint was written: that one is skipped as incomplete, the last run
+    # started from step 6's, and only the steps since it were lost
+    assert "skipping checkpoint" in proc.stderr and "step_00000008: it is incomplete" in proc.stderr
     start, losses = _losses(out)
     assert start == 6 and len(losses) == 3
+    # data order: each step's last printed loss (4, then 3, then 2 processes) is the uninterrupted run's
+    printed = {int(k): float(v) for k, v in re.findall(r"^step +(\d+) +loss ([\d.]+)", proc.stdout, re.M)}
+    assert sorted(printed) == list(range(1, 10))
+    torch.testing.assert_close([printed[k] for k in range(1, 10)], _uninterrupted_losses(9), rtol=1e-5, atol=0)
     replanned = ckpt / "plan-replan-2.json"
     assert json.loads(replanned.read_text())["cluster_spec"]["nodes"][0]["gpus"] == 2
     alone = tmp_path / "alone"

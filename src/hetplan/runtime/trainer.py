@@ -23,9 +23,8 @@ from typing import Any
 from hetplan.errors import HetplanError
 from hetplan.runtime import launch
 from hetplan.runtime.console import console, current_context, log_stderr
+from hetplan.runtime.faults import fault_kills
 from hetplan.runtime.profiling.timing import Stopwatch
-
-FAULT_ENV = "HETPLAN_FAULT_KILL"  # fault injection for tests: "RANK:STEP[:WORLD],..." (fault_kills)
 
 
 @dataclass
@@ -75,20 +74,26 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             ctx.print(f"note: {note}")
     if not cfg.quiet:
         ctx.print(f"optimizer: {cfg.optimizer}, {impl} implementation (docs/runtime.md, \"Speed\")")
-    start = 0
+    start, extras = 0, {}
     if cfg.load_from:
-        start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
+        extras = ctx.load(cfg.load_from, model, opt)
+        start = int(extras.get("step", 0))
     elif (cfg.resume or cfg.resume_or_start) and cfg.checkpoint_dir:
         # newest checkpoint with a manifest (newer incomplete ones: a note on rank 0's stderr), none: an
         # error unless resume_or_start; ctx.load verifies its files on every rank before reading them
         found = ck.resume_checkpoint(cfg.checkpoint_dir, cfg.resume_or_start,
                                      note=lambda t: ctx.print(f"note: {t}", file=sys.stderr))
         if found:
-            start = int(ctx.load(found[0], model, opt).get("step", found[1]))
+            extras = ctx.load(found[0], model, opt)
+            start = int(extras.get("step", found[1]))
             if not cfg.quiet:
                 ctx.print(f"resumed from {found[0]} (step {start})")
         elif not cfg.quiet:
             ctx.print(f"note: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0", file=sys.stderr)
+    if "samples" in extras and int(extras["samples"]) != start * plan.global_batch_size and not cfg.quiet:
+        ctx.print(f"note: the checkpoint's run had drawn {int(extras['samples'])} samples in {start} steps, this plan "
+                  f"draws {plan.global_batch_size} a step: the samples from here on are not those the saved run "
+                  "would have seen (keep the global batch to keep them)", file=sys.stderr)
     ctx.step = start  # dropout masks of a resumed run continue where it stopped
     # step times without a host sync per step: CUDA events read once at the end (the host runs
     # ahead of the GPU, so the host clock would time the launches), the host clock on CPU
@@ -109,7 +114,9 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             value = float(loss)
             ctx.print(f"step {step + 1:>4}  loss {value:.6f}  time {(time.perf_counter() - t0) * 1e3:8.1f} ms")
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1)
+            # the sampler's position: step k's batch is drawn from (seed, k) with the global batch size
+            ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1,
+                     samples=(step + 1) * plan.global_batch_size)
         if cfg.die_after and step + 1 == cfg.die_after:
             ctx.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -134,20 +141,6 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     result["state"] = state
     ctx.close()
     return result
-
-
-def fault_kills(world_size: int) -> dict[int, int]:
-    """Rank -> the step after which it kills itself (``HETPLAN_FAULT_KILL=RANK:STEP[:WORLD],...``, fault
-    injection for the tests of ``hetplan train --elastic``; WORLD: only in a run of that many processes,
-    so a re-planned run does not die again). Every rank reads all of them: the ranks meet at a barrier
-    before one dies."""
-    kills = {}
-    for item in os.environ.get(FAULT_ENV, "").split(","):
-        parts = [p.strip() for p in item.split(":")]
-        if len(parts) in (2, 3) and all(p.isdigit() for p in parts) and int((parts + [str(world_size)])[2]) == \
-                world_size:
-            kills[int(parts[0])] = int(parts[1])
-    return kills
 
 
 def peak_memory_bytes(device: Any) -> int:
