@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetplan.cli import main
 from hetplan.model.presets import get_model
 from hetplan.runtime.build import model_build
 from hetplan.runtime.reference import build_reference, make_optimizer, train_reference, training_batch
@@ -33,10 +34,9 @@ def _hetplan(*args: str, faults: str = "", save_faults: str = "") -> subprocess.
 
 
 def _plan(tmp_path: Path, cluster: str) -> str:
-    plan = str(tmp_path / "p.json")
-    proc = _hetplan("plan", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8", "--quiet",
-                    "--json", plan)
-    assert proc.returncode == 0, proc.stderr
+    plan = str(tmp_path / "p.json")  # in this process: a process less to start
+    assert main(["plan", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8", "--quiet",
+                 "--json", plan]) == 0
     return plan
 
 
@@ -88,3 +88,21 @@ def test_elastic_needs_a_checkpoint_directory_and_no_verify(tmp_path: Path) -> N
         proc = _hetplan("train", "--plan", plan, *args)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_run_elastic_starts_the_users_script_again_with_the_new_plan_and_its_checkpoints(tmp_path: Path) -> None:
+    """``hetplan run --elastic``: rank 1 of examples/train.py dies while step 4's checkpoint is written; the
+    script starts again on the one device left and resumes from step 2's, the newest complete one."""
+    plan = _plan(tmp_path, "local-cpu-2")
+    ckpt = tmp_path / "ck"
+    proc = _hetplan("run", plan, "--elastic", "--checkpoint-dir", str(ckpt), "--timeout", "60", "--",
+                    os.path.join(ROOT, "examples", "train.py"), "--steps", "6", "--checkpoint-every", "2",
+                    save_faults="1:4:2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hetplan run: rank 1 " in proc.stderr and "killed by SIGKILL" in proc.stderr
+    assert "hetplan run: --elastic: re-planned for the 1 devices left" in proc.stdout
+    assert f"continuing from {ckpt / 'step_00000002'} (step 2)" in proc.stdout
+    assert f"resumed from {ckpt / 'step_00000002'}" in proc.stdout
+    assert [int(k) for k in re.findall(r"^step +(\d+) ", proc.stdout, re.M)] == [1, 2, 3, 4, 3, 4, 5, 6]
+    assert (ckpt / "step_00000006" / "hetplan-manifest.json").is_file()

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 from hetplan.app.records import write_json
 from hetplan.app.replan import replan_file
 from hetplan.errors import HetplanError
+from hetplan.runtime.checkpoint_dirs import latest_checkpoint
 from hetplan.units import format_time
 
 # Re-plans one elastic run may make before it gives up: each costs a restart (minutes on a GPU
@@ -50,15 +51,18 @@ class Attempt:
 
 
 def check_elastic_flags(args: argparse.Namespace) -> None:
+    """``--elastic`` with the other flags of ``hetplan train`` or ``hetplan run``, before any work."""
     if not args.checkpoint_dir:
         raise HetplanError("--elastic needs --checkpoint-dir: a re-planned run continues from the newest checkpoint "
                            "there (and --checkpoint-every N for one every N steps)")
-    if args.verify:
+    if getattr(args, "verify", False):
         raise HetplanError("--elastic and --verify exclude each other: --verify compares one plan's run from step 0 "
                            "with one process; check a plan with --verify, then train it with --elastic")
-    if args.load_from or args.resume:
+    if getattr(args, "load_from", "") or getattr(args, "resume", False):
         raise HetplanError("--elastic starts from the newest checkpoint in --checkpoint-dir (or step 0); drop --load "
                            "and --resume")
+    if getattr(args, "print_only", False):
+        raise HetplanError("--elastic supervises the processes it starts on this machine; drop --print (or --elastic)")
 
 
 def lost_devices(exits: Sequence[Any], layout: Any) -> tuple[int, ...]:
@@ -68,9 +72,11 @@ def lost_devices(exits: Sequence[Any], layout: Any) -> tuple[int, ...]:
     return tuple(sorted(layout.position(rank).device for rank in killed))
 
 
-def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], Attempt]) -> int:
+def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], Attempt],
+                  command: str = "hetplan train") -> int:
     """Run ``launch_plan(plan_path, resume)`` until it finishes, re-planning after each launch that
-    lost devices; one line and exit 1 when a launch failed for another reason."""
+    lost devices; one line and exit 1 when a launch failed for another reason. ``args``: ``plan`` and
+    ``checkpoint_dir``; ``command``: the command the progress lines name."""
     plan_path = args.plan
     for replans in range(MAX_REPLANS + 1):
         attempt = launch_plan(plan_path, replans > 0)
@@ -82,13 +88,13 @@ def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], A
             return attempt.status or 1
         if replans == MAX_REPLANS:
             break
-        plan_path = _replan(args, plan_path, attempt, replans + 1)
+        plan_path = _replan(args, plan_path, attempt, replans + 1, command)
     print(f"hetplan: error: {attempt.line}; --elastic re-planned {MAX_REPLANS} times already: look at the "
           "cluster before training on it", file=sys.stderr, flush=True)
     return 1
 
 
-def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: int) -> str:
+def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: int, command: str) -> str:
     """The plan for the devices left after ``attempt``, written as a plan file in the checkpoint directory."""
     try:
         replan = replan_file(plan_path, [str(d) for d in attempt.lost])
@@ -98,9 +104,18 @@ def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: i
     write_json(path, replan.result.record())
     new = replan.result.best
     left = replan.old_cluster.num_devices - len(replan.lost)
-    print(f"hetplan train: {attempt.line}", file=sys.stderr, flush=True)
-    print(f"hetplan train: --elastic: re-planned for the {left} devices left without device(s) "
+    print(f"{command}: {attempt.line}", file=sys.stderr, flush=True)
+    print(f"{command}: --elastic: re-planned for the {left} devices left without device(s) "
           f"{', '.join(map(str, replan.lost))}: {new.plan.describe()}, {format_time(new.estimate.iteration_time_s)}"
-          f"/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; continuing from the newest checkpoint",
+          f"/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; {continue_from(args.checkpoint_dir)}",
           flush=True)
     return path
+
+
+def continue_from(root: str) -> str:
+    """Where the re-planned run starts: the newest complete checkpoint in ``root`` (newer ones a kill cut
+    short are skipped), or step 0 when there is none yet (the run died before its first checkpoint)."""
+    found = latest_checkpoint(root, note=lambda text: None)
+    if found is None:
+        return f"no complete checkpoint in {root} yet: the new plan starts from step 0"
+    return f"continuing from {found[0]} (step {found[1]})"

@@ -15,6 +15,8 @@ from typing import Callable
 from hetplan.errors import HetplanError
 
 MANIFEST = "hetplan-manifest.json"
+# Where ``hetplan run --checkpoint-dir`` tells the user's script to keep its checkpoints (and to resume from).
+CHECKPOINT_DIR_ENV = "HETPLAN_CHECKPOINT_DIR"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
