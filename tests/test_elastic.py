@@ -16,6 +16,7 @@ from hetplan.cli import main
 from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
 from hetplan.plan.layout import PlanLayout
+from hetplan.runtime.checkpoint_dirs import MANIFEST
 from hetplan.runtime.launch import RankExit
 from hetplan.runtime.faults import KILL_ENV as FAULT_ENV, fault_kills
 
@@ -91,3 +92,43 @@ def test_fault_injection_names_rank_step_and_world_size(monkeypatch: pytest.Monk
     monkeypatch.setenv(FAULT_ENV, "1:4:4, 0:7:3,2:9,bad,3:x")
     assert fault_kills(4) == {1: 4, 2: 9}
     assert fault_kills(3) == {0: 7, 2: 9}
+
+
+def test_the_replan_line_says_where_the_new_run_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No checkpoint yet: step 0, said once; a newer checkpoint a kill cut short (no manifest) is passed over."""
+    plan = _plan(tmp_path, "local-cpu-4", capsys)
+    kills = iter([Attempt(False, "rank 1 killed", lost=(1,)), Attempt(False, "rank 0 killed", lost=(0,))])
+
+    def launch(path: str, resume: bool) -> Attempt:
+        if not resume:
+            return next(kills)
+        (tmp_path / "step_00000002").mkdir(exist_ok=True)
+        (tmp_path / "step_00000002" / MANIFEST).write_text("{}")
+        (tmp_path / "step_00000004").mkdir(exist_ok=True)  # its save did not finish
+        return next(kills, Attempt(True))
+
+    assert train_elastic(_args(plan, tmp_path), launch) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "--elastic: re-planned" in line]
+    assert lines[0].endswith(f"no complete checkpoint in {tmp_path} yet: the new plan starts from step 0")
+    assert lines[1].endswith(f"continuing from {tmp_path / 'step_00000002'} (step 2)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "--elastic needs --checkpoint-dir"),
+    (["--checkpoint-dir", "CK", "--print"], "--elastic supervises the processes it starts on this machine"),
+])
+def test_run_elastic_flags_are_one_line_each(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             flags: list[str], message: str) -> None:
+    plan = _plan(tmp_path, "local-cpu-2", capsys)
+    flags = [str(tmp_path / "ck") if f == "CK" else f for f in flags]
+    assert main(["run", plan, "--elastic", *flags, "--", "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hetplan: error: {message}") and len(err.splitlines()) == 1
+
+
+def test_run_elastic_refuses_a_plan_for_several_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(tmp_path, "metis-uneven-a", capsys)
+    assert main(["run", plan, "--elastic", "--checkpoint-dir", str(tmp_path / "ck"), "--", "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--elastic supervises one machine, and this plan spans" in err and len(err.splitlines()) == 1

@@ -296,10 +296,10 @@ def _start_checkpoint(args: argparse.Namespace, resume: bool = False) -> tuple[s
     if not (args.resume or args.resume_or_start or resume):
         return None
     found = ck.resume_checkpoint(args.checkpoint_dir, args.resume_or_start or resume)
-    if found is None:
-        why = "--resume-or-start" if args.resume_or_start else "--elastic"
-        print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 ({why})",
-              file=sys.stderr, flush=True)
+    if found is None:  # --elastic's supervisor said so in its line
+        if args.resume_or_start:
+            print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 (--resume-or-start)",
+                  file=sys.stderr, flush=True)
         return None
     ck.verify_here(found[0])
     if args.verify:
