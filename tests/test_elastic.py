@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ from hetplan.runtime.faults import KILL_ENV as FAULT_ENV, fault_kills
 
 def _plan(tmp_path: Path, cluster: str, capsys: pytest.CaptureFixture[str]) -> str:
     path = str(tmp_path / "p.json")
-    assert main(["plan", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8", "--quiet",
+    assert main(["plan", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8", "--quiet", "--no-replay",
                  "--json", path]) == 0
     capsys.readouterr()
     return path
@@ -132,3 +135,20 @@ def test_run_elastic_refuses_a_plan_for_several_nodes(tmp_path: Path, capsys: py
     assert main(["run", plan, "--elastic", "--checkpoint-dir", str(tmp_path / "ck"), "--", "train.py"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--elastic supervises one machine, and this plan spans" in err and len(err.splitlines()) == 1
+
+
+def test_every_node_computes_the_same_plan_from_the_same_file_and_lost_devices(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Multi-node agreement (docs/elastic.md): two "nodes", separate interpreters with other hash seeds,
+    given the lost devices in another order, write the same plan file (but for the search's wall time)."""
+    plan = _plan(tmp_path, "metis-uneven-d", capsys)
+    code = ("import sys; from hetplan.app.replan import replan_file; from hetplan.app.records import write_json; "
+            "write_json(sys.argv[2], replan_file(sys.argv[1], sys.argv[3:]).result.record())")
+    written = []
+    for node, (seed, lost) in enumerate((("0", ["3", "node:0"]), ("1", ["gpu:0", "3"]))):
+        out = tmp_path / f"node{node}.json"
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
+        subprocess.run([sys.executable, "-c", code, plan, str(out), *lost], check=True, env=env, timeout=120)
+        written.append({k: v for k, v in json.loads(out.read_text()).items() if k != "search_time_s"})
+    assert written[0] == written[1]
+    assert written[0]["cluster_spec"]["name"].endswith("without GPU 0, 3")
