@@ -3,7 +3,8 @@ from the newest checkpoint, with the losses a run of the new plan from that chec
 
 Four processes on ``local-cpu-4`` (tiny-gpt, global batch 8): the best plan is dp4. A rank kills itself
 with SIGKILL right after a step's checkpoint (``HETPLAN_FAULT_KILL``), a second one while a checkpoint is
-written (``HETPLAN_FAULT_KILL_SAVE``): hetplan.runtime.faults.
+written (``HETPLAN_FAULT_KILL_SAVE``), and a rank of the last run works 3x slower (``HETPLAN_FAULT_SLOW``):
+hetplan.runtime.faults.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from hetplan.runtime.reference import build_reference, make_optimizer, train_ref
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def _hetplan(*args: str, faults: str = "", save_faults: str = "") -> subprocess.CompletedProcess[str]:
+def _hetplan(*args: str, faults: str = "", save_faults: str = "", slow: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1",
-           "HETPLAN_FAULT_KILL": faults, "HETPLAN_FAULT_KILL_SAVE": save_faults}
+           "HETPLAN_FAULT_KILL": faults, "HETPLAN_FAULT_KILL_SAVE": save_faults, "HETPLAN_FAULT_SLOW": slow}
     return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True, text=True, env=env,
                           timeout=600, cwd=ROOT)
 
@@ -58,7 +59,8 @@ def test_two_ranks_killed_the_run_replans_twice_and_continues_as_the_new_plan_wo
     plan = _plan(tmp_path, "local-cpu-4")
     ckpt, out = tmp_path / "ck", tmp_path / "out"
     proc = _hetplan("train", "--plan", plan, "--steps", "9", "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                    "2", "--elastic", "--out", str(out), "--timeout", "60", faults="1:4:4", save_faults="0:8:3")
+                    "2", "--elastic", "--out", str(out), "--timeout", "60", faults="1:4:4", save_faults="0:8:3",
+                    slow="1:3:2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 1 " in proc.stderr and "killed by SIGKILL" in proc.stderr
     assert "re-planned for the 3 devices left" in proc.stdout and "re-planned for the 2 devices left" in proc.stdout
@@ -68,6 +70,9 @@ def test_two_ranks_killed_the_run_replans_twice_and_continues_as_the_new_plan_wo
     assert "skipping checkpoint" in proc.stderr and "step_00000008: it is incomplete" in proc.stderr
     start, losses = _losses(out)
     assert start == 6 and len(losses) == 3
+    # the last run's rank 1 works 3x slower (HETPLAN_FAULT_SLOW): reported; 3 steps left win back no restart
+    assert "straggler: rank 1 " in proc.stdout
+    assert [s["rank"] for s in json.loads((out / "summary.json").read_text())["stragglers"]] == [1]
     # data order: each step's last printed loss (4, then 3, then 2 processes) is the uninterrupted run's
     printed = {int(k): float(v) for k, v in re.findall(r"^step +(\d+) +loss ([\d.]+)", proc.stdout, re.M)}
     assert sorted(printed) == list(range(1, 10))

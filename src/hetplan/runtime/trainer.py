@@ -5,7 +5,7 @@ Run by torchrun (``python -m hetplan.runtime.trainer --plan p.json ...``), or
 in-process for a one-device plan, or by the tests through ``run_local``. Rank 0
 prints one line per step (loss, step time) and writes a JSON summary (and,
 for ``--verify``, the full state dict) to ``--out``. The summary holds the
-losses, rank 0's ``step_times_s``, ``peak_memory_bytes`` (the largest over the
+losses, rank 0's ``step_times_s``, the ``stragglers`` (hetplan.app.straggler), ``peak_memory_bytes`` (the largest over the
 ranks; on CPU the peak RSS, see ``peak_memory_bytes``) and the ``device`` type.
 """
 
@@ -15,15 +15,19 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hetplan.app.straggler import Straggler, find_stragglers, rank_work
+from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
+from hetplan.plan.file import read_plan_file
 from hetplan.runtime import launch
 from hetplan.runtime.console import console, current_context, log_stderr
-from hetplan.runtime.faults import fault_kills
+from hetplan.runtime.faults import fault_kills, fault_slowdown
 from hetplan.runtime.profiling.timing import Stopwatch
 
 
@@ -97,17 +101,21 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     ctx.step = start  # dropout masks of a resumed run continue where it stopped
     # step times without a host sync per step: CUDA events read once at the end (the host runs
     # ahead of the GPU, so the host clock would time the launches), the host clock on CPU
-    losses, clock = [], Stopwatch(ctx.device)
+    losses, clock, busy = [], Stopwatch(ctx.device), []
+    slow = fault_slowdown(ctx.rank, ctx.world_size)
     for step in range(start, cfg.steps):
         # next-token batches (HF: with a padded attention mask), or a pkg.mod:build model's own (user_model)
         x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, cfg.seed)
-        t0 = time.perf_counter()
+        t0, busy0 = time.perf_counter(), time.thread_time()
         clock.mark()
         loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
         if cfg.clip:
             ctx.clip_grad_norm_(model, cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if slow > 1.0:  # HETPLAN_FAULT_SLOW: this rank's work takes `slow` times as long
+            _busy_wait((slow - 1.0) * (time.thread_time() - busy0))
+        busy.append(time.thread_time() - busy0)  # this rank's own work: waits for its peers take no CPU time
         clock.mark()
         losses.append(loss.detach())
         if not cfg.quiet:  # the step's one host sync, for the printed loss (after it the step is done)
@@ -127,8 +135,10 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
                 os.kill(os.getpid(), signal.SIGKILL)
     losses = torch.stack(losses).tolist() if losses else []  # one sync for the whole run's losses
     times = clock.laps()[::2]  # each step's start to its end, not the batch making between steps
+    rank_busy, stragglers = check_stragglers(ctx, cfg.plan_path, busy)
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
+              "rank_busy_s": rank_busy, "stragglers": [s.record() for s in stragglers],
               "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model),
               "peak_memory_bytes": peak_memory_bytes(ctx.device), "device": ctx.device.type,
               "optimizer_implementation": impl}
@@ -141,6 +151,35 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     result["state"] = state
     ctx.close()
     return result
+
+
+def _busy_wait(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (a slower device's work, for the straggler tests)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def check_stragglers(ctx: Any, plan_path: str, busy: list[float]) -> tuple[list[float], list[Straggler]]:
+    """Each rank's median busy seconds a step, and the ranks slower than the plan says
+    (hetplan.app.straggler), the same on every rank (an all-gather of each rank's busy times; every rank
+    must call it); rank 0 prints a line for each straggler. CPU processes only: on a GPU the host thread's
+    time is not the device's."""
+    import torch.distributed as dist
+
+    if ctx.device.type != "cpu" or not ctx.distributed:
+        return [], []
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, busy)
+    plan_file = read_plan_file(plan_path)
+    cluster = plan_file.cluster or load_cluster(ctx.plan.cluster)
+    work = rank_work(ctx.layout, cluster, ctx.spec.dtype_bytes)
+    devices = [ctx.layout.position(r).device for r in range(ctx.world_size)]
+    stages = [ctx.layout.stage_ranks(s) for s in range(len(ctx.plan.stages))]
+    found = find_stragglers(everyone, work, devices, stages)
+    for straggler in found:
+        ctx.print(straggler.line())
+    return [statistics.median(b) if b else 0.0 for b in everyone], found
 
 
 def peak_memory_bytes(device: Any) -> int:
