@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from hetplan.app import elastic
-from hetplan.app.elastic import Attempt, lost_devices, train_elastic
+from hetplan.app.elastic import Attempt, lost_devices, train_elastic, with_stragglers
+from hetplan.app.straggler import STRAGGLER_FILE
 from hetplan.cli import main
 from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
@@ -152,3 +153,24 @@ def test_every_node_computes_the_same_plan_from_the_same_file_and_lost_devices(
         written.append({k: v for k, v in json.loads(out.read_text()).items() if k != "search_time_s"})
     assert written[0] == written[1]
     assert written[0]["cluster_spec"]["name"].endswith("without GPU 0, 3")
+
+
+def test_ranks_stopped_for_a_straggler_are_replanned_with_its_measured_rate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(tmp_path, "local-cpu-2", capsys)
+    (tmp_path / STRAGGLER_FILE).write_text(json.dumps({"slow": {"1": 4.0}, "line": "stopping to re-plan"}))
+    stopped = with_stragglers(Attempt(False, "rank 0 exited with 3", status=1), str(tmp_path))
+    assert stopped.slow == ((1, 4.0),) and not (tmp_path / STRAGGLER_FILE).exists()
+    assert with_stragglers(Attempt(False, "boom"), str(tmp_path)) == Attempt(False, "boom")  # read once
+    plans = []
+
+    def launch(path: str, resume: bool) -> Attempt:
+        plans.append(read_plan_file(path))
+        return Attempt(True) if resume else stopped
+
+    assert train_elastic(_args(plan, tmp_path), launch) == 0
+    assert "re-planned with device 1 4.00x slower (measured)" in capsys.readouterr().out
+    new = plans[1]
+    assert new.cluster.num_devices == 2 and new.cluster.devices[1].gpu.peak_flops_fp32 * 4 == pytest.approx(
+        new.cluster.devices[0].gpu.peak_flops_fp32)
+    assert new.plan().stages[0].dp_split == (7, 1)  # the slow device takes less of the batch

@@ -1,4 +1,5 @@
-"""``hetplan train --elastic``: when a process (a GPU) dies, re-plan for the ones left and go on.
+"""``hetplan train --elastic`` and ``hetplan run --elastic``: when a process (a GPU) dies, re-plan for the
+ones left and go on; ``hetplan train --elastic`` also re-plans around a straggler (hetplan.app.straggler).
 
 A run that loses a rank stops, as every run does: torchrun stops the other ranks, and the launch names
 the rank that was killed (``runtime.launch.failure_line``). With ``--elastic`` the supervisor (this
@@ -21,6 +22,7 @@ planners are deterministic: ``tests/test_determinism.py``, ``tests/test_replan.p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hetplan.app.records import write_json
-from hetplan.app.replan import replan_file
+from hetplan.app.replan import replan_file, replan_slower
+from hetplan.app.straggler import STRAGGLER_FILE
 from hetplan.errors import HetplanError
 from hetplan.runtime.checkpoint_dirs import latest_checkpoint
 from hetplan.units import format_time
@@ -41,13 +44,14 @@ MAX_REPLANS = 8
 @dataclass(frozen=True)
 class Attempt:
     """One launch of a plan: whether it finished, why not (one line; "" when a rank said it already) and
-    the plan devices of the ranks killed from outside (what an elastic run re-plans without);
-    ``status``: the command's exit status."""
+    the plan devices of the ranks killed from outside (what an elastic run re-plans without), or of the
+    stragglers the ranks stopped for (``slow``, hetplan.app.straggler); ``status``: the command's exit status."""
 
     ok: bool
     line: str = ""
     lost: tuple[int, ...] = ()
     status: int = 0
+    slow: tuple[tuple[int, float], ...] = ()  # (plan device, measured slowdown): the ranks stopped to re-plan
 
 
 def check_elastic_flags(args: argparse.Namespace) -> None:
@@ -82,7 +86,7 @@ def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], A
         attempt = launch_plan(plan_path, replans > 0)
         if attempt.ok:
             return attempt.status
-        if not attempt.lost:
+        if not attempt.lost and not attempt.slow:
             if attempt.line:
                 print(f"hetplan: error: {attempt.line}", file=sys.stderr, flush=True)
             return attempt.status or 1
@@ -95,21 +99,41 @@ def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], A
 
 
 def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: int, command: str) -> str:
-    """The plan for the devices left after ``attempt``, written as a plan file in the checkpoint directory."""
-    try:
-        replan = replan_file(plan_path, [str(d) for d in attempt.lost])
+    """The plan for the devices left after ``attempt`` (or for its stragglers as slow as measured), written
+    as a plan file in the checkpoint directory."""
+    try:  # no replayed step: a run waits for the plan
+        replan = replan_slower(plan_path, dict(attempt.slow), replay=0) if attempt.slow else \
+            replan_file(plan_path, [str(d) for d in attempt.lost], replay=0)
     except HetplanError as exc:
         raise HetplanError(f"{attempt.line}; --elastic cannot re-plan: {exc}") from None
     path = os.path.join(args.checkpoint_dir, f"plan-replan-{count}.json")
     write_json(path, replan.result.record())
     new = replan.result.best
-    left = replan.old_cluster.num_devices - len(replan.lost)
+    if attempt.slow:
+        what = "with " + ", ".join(f"device {d} {f:.2f}x slower" for d, f in attempt.slow) + " (measured)"
+    else:
+        left = replan.old_cluster.num_devices - len(replan.lost)
+        what = f"for the {left} devices left without device(s) {', '.join(map(str, replan.lost))}"
     print(f"{command}: {attempt.line}", file=sys.stderr, flush=True)
-    print(f"{command}: --elastic: re-planned for the {left} devices left without device(s) "
-          f"{', '.join(map(str, replan.lost))}: {new.plan.describe()}, {format_time(new.estimate.iteration_time_s)}"
-          f"/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; {continue_from(args.checkpoint_dir)}",
-          flush=True)
+    print(f"{command}: --elastic: re-planned {what}: {new.plan.describe()}, "
+          f"{format_time(new.estimate.iteration_time_s)}/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; "
+          f"{continue_from(args.checkpoint_dir)}", flush=True)
     return path
+
+
+def with_stragglers(attempt: Attempt, root: str) -> Attempt:
+    """``attempt`` as the stop of ranks that left ``STRAGGLER_FILE`` in ``root`` for a re-plan around
+    stragglers (the file is read once and removed); unchanged when there is none."""
+    path = os.path.join(root, STRAGGLER_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        os.remove(path)
+        slow = tuple(sorted((int(d), float(v)) for d, v in data["slow"].items()))
+        line = str(data["line"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return attempt
+    return Attempt(False, f"the ranks stopped after a checkpoint: {line}", slow=slow, status=1)
 
 
 def continue_from(root: str) -> str:

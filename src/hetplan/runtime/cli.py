@@ -26,9 +26,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
-from hetplan.app.elastic import Attempt, check_elastic_flags, lost_devices, train_elastic
+from hetplan.app.elastic import Attempt, check_elastic_flags, lost_devices, train_elastic, with_stragglers
+from hetplan.app.straggler import LAUNCHED_AT_ENV, RESTART_COST_ENV
 from hetplan.io.argtypes import (
     EXIT_USAGE, OneLineParser, finite_nonneg_float, finite_positive_float, name_or_path, positive_int,
 )
@@ -108,7 +110,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=finite_positive_float, default=None, metavar="SECONDS", help=_TIMEOUT_HELP)
     p.add_argument("--elastic", action="store_true",
                    help="when a process (GPU) dies, re-plan for the ones left and continue from the newest "
-                   "checkpoint (needs --checkpoint-dir; docs/elastic.md)")
+                   "checkpoint; re-plan around a straggler when that wins back the restart (needs --checkpoint-dir; "
+                   "docs/elastic.md)")
+    p.add_argument("--restart-cost", type=finite_nonneg_float, default=None, metavar="SECONDS",
+                   help="with --elastic: what a restart costs, weighed against a straggler re-plan's predicted gain "
+                   "(default: measured, this launch's start to its first step)")
     p.set_defaults(func=cmd_train)
 
     p = subparsers.add_parser("run", help="start a training script with a plan via torchrun (needs torch)")
@@ -180,6 +186,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
                            f"{resume} from the newest in --checkpoint-dir; give one")
     if getattr(args, "elastic", False):
         check_elastic_flags(args)
+    elif getattr(args, "restart_cost", None) is not None:
+        raise HetplanError("--restart-cost weighs --elastic's re-plans around stragglers; add --elastic (or drop it)")
     if args.verify and args.load_from:
         raise HetplanError("--verify compares a run from step 0; drop --load (or --verify)")
     if args.verify and args.optimizer != "sgd":
@@ -229,7 +237,7 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
           f"{plan.global_batch_size} samples, {precision}, {n} process{'es' if n > 1 else ''}", flush=True)
     print(f"plan: {layout.describe()}", flush=True)
-    env = {**child_env(), **_timeout_env(args)}
+    env = {**child_env(), **_timeout_env(args), **_elastic_env(args)}
     if len(nodes) > 1:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
         env.update(HETPLAN_ONE_MACHINE="1", HETPLAN_DEVICE=env.get("HETPLAN_DEVICE", "cpu"))
         print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
@@ -246,10 +254,21 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
         else:
             attempt = _run_ranks(n, worker_args, env, layout, args.out)
             if not attempt.ok:
-                return attempt
+                return with_stragglers(attempt, args.checkpoint_dir) if args.elastic else attempt
         if args.verify:
             return Attempt(True, status=_verify(args, plan, spec, out, precision))
     return Attempt(True)
+
+
+def _elastic_env(args: argparse.Namespace) -> dict[str, str]:
+    """What tells the ranks of an ``--elastic`` launch when it started and what a restart costs
+    (hetplan.app.straggler: the stragglers check at each checkpoint)."""
+    if not getattr(args, "elastic", False):
+        return {}
+    env = {LAUNCHED_AT_ENV: repr(time.time())}
+    if args.restart_cost is not None:
+        env[RESTART_COST_ENV] = repr(args.restart_cost)
+    return env
 
 
 def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from: tuple[str, int | None] | None

@@ -21,7 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hetplan.app.straggler import Straggler, find_stragglers, rank_work
+from hetplan.app.straggler import (
+    EXIT_REPLAN, LAUNCHED_AT_ENV, RESTART_COST_ENV, STRAGGLER_FILE, Straggler, Verdict, find_stragglers,
+    peer_groups, weigh_replan,
+)
 from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
@@ -101,9 +104,11 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     ctx.step = start  # dropout masks of a resumed run continue where it stopped
     # step times without a host sync per step: CUDA events read once at the end (the host runs
     # ahead of the GPU, so the host clock would time the launches), the host clock on CPU
-    losses, clock, busy = [], Stopwatch(ctx.device), []
+    losses, clock, busy, walls = [], Stopwatch(ctx.device), [], []
     slow = fault_slowdown(ctx.rank, ctx.world_size)
+    watch = ElasticWatch.from_env()
     for step in range(start, cfg.steps):
+        watch.first_step()
         # next-token batches (HF: with a padded attention mask), or a pkg.mod:build model's own (user_model)
         x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, cfg.seed)
         t0, busy0 = time.perf_counter(), time.thread_time()
@@ -116,6 +121,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         if slow > 1.0:  # HETPLAN_FAULT_SLOW: this rank's work takes `slow` times as long
             _busy_wait((slow - 1.0) * (time.thread_time() - busy0))
         busy.append(time.thread_time() - busy0)  # this rank's own work: waits for its peers take no CPU time
+        walls.append(time.perf_counter() - t0)
         clock.mark()
         losses.append(loss.detach())
         if not cfg.quiet:  # the step's one host sync, for the printed loss (after it the step is done)
@@ -125,6 +131,10 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             # the sampler's position: step k's batch is drawn from (seed, k) with the global batch size
             ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1,
                      samples=(step + 1) * plan.global_batch_size)
+            if watch.stop_for_stragglers(ctx, cfg, busy, walls, cfg.steps - step - 1):
+                ctx.close()
+                sys.stdout.flush()
+                os._exit(EXIT_REPLAN)  # every rank, right after the checkpoint: the supervisor re-plans
         if cfg.die_after and step + 1 == cfg.die_after:
             ctx.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -160,11 +170,64 @@ def _busy_wait(seconds: float) -> None:
         pass
 
 
-def check_stragglers(ctx: Any, plan_path: str, busy: list[float]) -> tuple[list[float], list[Straggler]]:
+@dataclass
+class ElasticWatch:
+    """Under ``--elastic`` (the supervisor set ``LAUNCHED_AT_ENV``): what a restart costs, and the
+    stragglers check at each checkpoint (hetplan.app.straggler)."""
+
+    launched_at: float | None = None  # None: not under --elastic
+    restart_s: float | None = None  # given (--restart-cost), else measured at the first step
+    said: bool = False  # the "going on with this plan" line, once a launch
+
+    @staticmethod
+    def from_env() -> ElasticWatch:
+        launched = os.environ.get(LAUNCHED_AT_ENV)
+        given = os.environ.get(RESTART_COST_ENV)
+        return ElasticWatch(float(launched) if launched else None, float(given) if given else None)
+
+    def first_step(self) -> None:
+        """The launch's start to its first step: processes, imports, model, checkpoint load."""
+        if self.launched_at is not None and self.restart_s is None:
+            self.restart_s = max(0.0, time.time() - self.launched_at)
+
+    def stop_for_stragglers(self, ctx: Any, cfg: TrainConfig, busy: list[float], walls: list[float],
+                            steps_left: int) -> bool:
+        """After a checkpoint: whether every rank stops for a re-plan around the stragglers (the same
+        answer on every rank: rank 0 weighs it and broadcasts; every rank must call it). Rank 0 then
+        leaves ``STRAGGLER_FILE`` in the checkpoint directory for the supervisor."""
+        import torch.distributed as dist
+
+        if self.launched_at is None or not walls:
+            return False
+        found = check_stragglers(ctx, cfg.plan_path, busy, report=False)[1]
+        if not found:
+            return False
+        verdict: list[Any] = [None]
+        if ctx.rank == 0:
+            try:
+                verdict[0] = weigh_replan(cfg.plan_path, found, statistics.median(walls), steps_left,
+                                          self.restart_s or 0.0)
+            except HetplanError as exc:  # the run goes on as planned; the line says why
+                verdict[0] = Verdict(False, f"--elastic: cannot re-plan around the straggler(s): {exc}")
+        dist.broadcast_object_list(verdict, src=0)
+        if ctx.rank == 0 and (verdict[0].replan or not self.said):
+            for straggler in found:
+                ctx.print(straggler.line())
+            ctx.print(verdict[0].line)
+            self.said = True
+        if verdict[0].replan and ctx.rank == 0:
+            with open(os.path.join(cfg.checkpoint_dir, STRAGGLER_FILE), "w", encoding="utf-8") as f:
+                json.dump({"slow": {str(s.device): s.slowdown for s in found}, "line": verdict[0].line}, f)
+        ctx.barrier()
+        return bool(verdict[0].replan)
+
+
+def check_stragglers(ctx: Any, plan_path: str, busy: list[float], report: bool = True
+                     ) -> tuple[list[float], list[Straggler]]:
     """Each rank's median busy seconds a step, and the ranks slower than the plan says
     (hetplan.app.straggler), the same on every rank (an all-gather of each rank's busy times; every rank
-    must call it); rank 0 prints a line for each straggler. CPU processes only: on a GPU the host thread's
-    time is not the device's."""
+    must call it); rank 0 prints a line for each straggler (``report``). CPU processes only: on a GPU the
+    host thread's time is not the device's."""
     import torch.distributed as dist
 
     if ctx.device.type != "cpu" or not ctx.distributed:
@@ -173,11 +236,9 @@ def check_stragglers(ctx: Any, plan_path: str, busy: list[float]) -> tuple[list[
     dist.all_gather_object(everyone, busy)
     plan_file = read_plan_file(plan_path)
     cluster = plan_file.cluster or load_cluster(ctx.plan.cluster)
-    work = rank_work(ctx.layout, cluster, ctx.spec.dtype_bytes)
     devices = [ctx.layout.position(r).device for r in range(ctx.world_size)]
-    stages = [ctx.layout.stage_ranks(s) for s in range(len(ctx.plan.stages))]
-    found = find_stragglers(everyone, work, devices, stages)
-    for straggler in found:
+    found = find_stragglers(everyone, devices, peer_groups(ctx.layout, cluster))
+    for straggler in found if report else []:
         ctx.print(straggler.line())
     return [statistics.median(b) if b else 0.0 for b in everyone], found
 
