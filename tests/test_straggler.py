@@ -53,6 +53,7 @@ def test_peers_have_the_same_stage_rows_and_gpu_type() -> None:
     assert peer_groups(_layout(((0, 1), 2, (4, 4)), ((2, 3), 2, (4, 4))), cluster) == [[0, 1], [2, 3]]
     slowed = slowed_cluster(cluster, {1: 2.0})  # a straggler re-planned around is a type of its own
     assert peer_groups(_layout(((0, 1, 2, 3), 4, (2, 2, 2, 2))), slowed) == [[0, 2, 3]]
+    assert peer_groups(_layout(((0, 1, 2, 3), 4, (2, 2, 2, 2))), None) == [[0, 1, 2, 3]]  # no cluster: no types
 
 
 def test_the_slowed_cluster_keeps_device_ids_and_links_and_divides_the_rates() -> None:

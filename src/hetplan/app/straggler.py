@@ -65,14 +65,16 @@ class Straggler:
 
 def peer_groups(layout: Any, cluster: Any) -> list[list[int]]:
     """Groups of ranks the plan gives the same work: the same stage, the same rows of each micro-batch and
-    the same GPU type (a rank alone in its group has no peer and is not checked). Ranks with other shares
-    or types are not compared: a step's fixed costs (the optimizer, each forward's overhead) make time
-    per row differ between shares, far from the plan's proportions on a small model."""
+    the same GPU type (``cluster`` None: not told apart by type); a rank alone in its group has no peer
+    and is not checked. Ranks with other shares or types are not compared: a step's fixed costs (the
+    optimizer, each forward's overhead) make time per row differ between shares, far from the plan's
+    proportions on a small model."""
     groups: dict[tuple[int, int, str], list[int]] = {}
     for rank in range(layout.world_size):
         pos = layout.position(rank)
         rows = layout.stage_split(pos.pp_index)[pos.dp_index]
-        groups.setdefault((pos.pp_index, rows, cluster.devices[pos.device].gpu.name), []).append(rank)
+        gpu = cluster.devices[pos.device].gpu.name if cluster is not None else ""
+        groups.setdefault((pos.pp_index, rows, gpu), []).append(rank)
     return [ranks for ranks in groups.values() if len(ranks) > 1]
 
 

@@ -234,8 +234,10 @@ def check_stragglers(ctx: Any, plan_path: str, busy: list[float], report: bool =
         return [], []
     everyone: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(everyone, busy)
-    plan_file = read_plan_file(plan_path)
-    cluster = plan_file.cluster or load_cluster(ctx.plan.cluster)
+    try:  # a plan file of the old format names its cluster; without it, peers are not told apart by type
+        cluster = read_plan_file(plan_path).cluster or load_cluster(ctx.plan.cluster)
+    except (HetplanError, OSError):
+        cluster = None
     devices = [ctx.layout.position(r).device for r in range(ctx.world_size)]
     found = find_stragglers(everyone, devices, peer_groups(ctx.layout, cluster))
     for straggler in found if report else []:
