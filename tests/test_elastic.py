@@ -174,3 +174,10 @@ def test_ranks_stopped_for_a_straggler_are_replanned_with_its_measured_rate(
     assert new.cluster.num_devices == 2 and new.cluster.devices[1].gpu.peak_flops_fp32 * 4 == pytest.approx(
         new.cluster.devices[0].gpu.peak_flops_fp32)
     assert new.plan().stages[0].dp_split == (7, 1)  # the slow device takes less of the batch
+
+
+def test_restart_cost_without_elastic_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(tmp_path, "local-cpu-2", capsys)
+    assert main(["train", "--plan", plan, "--restart-cost", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hetplan: error: --restart-cost weighs --elastic's re-plans") and len(err.splitlines()) == 1
