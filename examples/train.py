@@ -9,12 +9,15 @@ optimizer, learning-rate schedule, gradient clipping and loop; the runtime
 splits the model (pipeline stages, tensor parallelism, FSDP2, recomputation),
 feeds each rank its share of every batch and returns the global loss on every
 rank. Run it again with --checkpoint-dir after killing it, or with another
-plan: it resumes from the newest complete checkpoint.
+plan: it resumes from the newest complete checkpoint. ``hetplan run --elastic
+--checkpoint-dir DIR`` does that by itself when a process dies, with a plan for
+the devices left (docs/elastic.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -25,7 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--checkpoint-dir", default="")
+    # hetplan run --checkpoint-dir DIR (and --elastic, which restarts this script with a new plan) passes DIR here
+    p.add_argument("--checkpoint-dir", default=os.environ.get("HETPLAN_CHECKPOINT_DIR", ""))
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--export", default="", help="write the full state dict here at the end")
     args = p.parse_args()

@@ -2,34 +2,43 @@
 from the newest checkpoint, with the losses a run of the new plan from that checkpoint has.
 
 Four processes on ``local-cpu-4`` (tiny-gpt, global batch 8): the best plan is dp4. A rank kills itself
-with SIGKILL right after a step's checkpoint (``HETPLAN_FAULT_KILL``, the trainer's fault injection).
+with SIGKILL right after a step's checkpoint (``HETPLAN_FAULT_KILL``), a second one while a checkpoint is
+written (``HETPLAN_FAULT_KILL_SAVE``), and a rank works 4x slower (``HETPLAN_FAULT_SLOW``):
+hetplan.runtime.faults.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from hetplan.cli import main
+from hetplan.model.presets import get_model
+from hetplan.plan.file import read_plan_file
+from hetplan.runtime.build import model_build
+from hetplan.runtime.reference import build_reference, make_optimizer, train_reference, training_batch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def _hetplan(*args: str, faults: str = "") -> subprocess.CompletedProcess[str]:
+def _hetplan(*args: str, faults: str = "", save_faults: str = "", slow: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1",
-           "HETPLAN_FAULT_KILL": faults}
+           "HETPLAN_FAULT_KILL": faults, "HETPLAN_FAULT_KILL_SAVE": save_faults, "HETPLAN_FAULT_SLOW": slow}
     return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True, text=True, env=env,
                           timeout=600, cwd=ROOT)
 
 
 def _plan(tmp_path: Path, cluster: str) -> str:
-    plan = str(tmp_path / "p.json")
-    proc = _hetplan("plan", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8", "--quiet",
-                    "--json", plan)
-    assert proc.returncode == 0, proc.stderr
+    plan = str(tmp_path / "p.json")  # in this process: a process less to start
+    assert main(["plan", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8", "--quiet",
+                 "--json", plan]) == 0
     return plan
 
 
@@ -38,24 +47,46 @@ def _losses(out: Path) -> tuple[int, list[float]]:
     return summary["start_step"], summary["losses"]
 
 
+def _uninterrupted_losses(steps: int) -> list[float]:
+    """The losses of tiny-gpt trained in one process on the steps' batches (global batch 8, seed 0)."""
+    how = model_build(get_model("tiny-gpt"))
+    model = build_reference(how.build, 0)
+    batches = [training_batch(get_model("tiny-gpt"), how, 8, step, 0)[:2] for step in range(steps)]
+    return train_reference(model, batches, how.loss, make_optimizer(model.parameters(), "sgd", None), clip=1.0)
+
+
 @pytest.mark.slow
-def test_two_ranks_killed_the_run_replans_twice_and_continues_as_the_new_plan_would(tmp_path: Path) -> None:
+def test_two_kills_and_a_straggler_the_run_replans_three_times_and_continues_as_the_new_plan_would(
+        tmp_path: Path) -> None:
+    """4 processes; rank 1 killed after step 4 (3 left), rank 0 killed while step 8's checkpoint is written
+    (2 left, from step 6), rank 1 of those works 4x slower: at step 10's checkpoint the run stops and goes
+    on from it with a plan that gives that device less (``--restart-cost 0``: any gain pays)."""
     plan = _plan(tmp_path, "local-cpu-4")
     ckpt, out = tmp_path / "ck", tmp_path / "out"
-    proc = _hetplan("train", "--plan", plan, "--steps", "9", "--checkpoint-dir", str(ckpt), "--checkpoint-every",
-                    "2", "--elastic", "--out", str(out), "--timeout", "60", faults="1:4:4,0:7:3")
+    proc = _hetplan("train", "--plan", plan, "--steps", "12", "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+                    "2", "--elastic", "--restart-cost", "0", "--out", str(out), "--timeout", "60", faults="1:4:4",
+                    save_faults="0:8:3", slow="1:4:2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 1 " in proc.stderr and "killed by SIGKILL" in proc.stderr
     assert "re-planned for the 3 devices left" in proc.stdout and "re-planned for the 2 devices left" in proc.stdout
-    assert proc.stdout.count("resuming from") == 2 and proc.stdout.count("fp32, 2 processes") == 1
-    # the second kill came after step 7: the last run started from step 6's checkpoint, one step lost
+    assert proc.stdout.count("resuming from") == 3 and proc.stdout.count("fp32, 2 processes") == 2
+    # rank 0 died while step 8's checkpoint was written: that one is skipped as incomplete, the third run
+    # started from step 6's, and only the steps since it were lost
+    assert "skipping checkpoint" in proc.stderr and "step_00000008: it is incomplete" in proc.stderr
+    # the straggler: reported once, at step 10's checkpoint, re-planned with its measured rate
+    assert proc.stdout.count("straggler: rank 1 (device 1)") == 1 and "stopping to re-plan" in proc.stdout
+    assert "re-planned with device 1 " in proc.stdout and "continuing from " + str(ckpt / "step_00000010") in proc.stdout
+    split = read_plan_file(str(ckpt / "plan-replan-3.json")).plan().stages[0].dp_split
+    assert split[0] > split[1]
     start, losses = _losses(out)
-    assert start == 6 and len(losses) == 3
-    replanned = ckpt / "plan-replan-2.json"
-    assert json.loads(replanned.read_text())["cluster_spec"]["nodes"][0]["gpus"] == 2
+    assert start == 10 and len(losses) == 2
+    # data order: each step's last printed loss (4, 3, 2, then 2 processes unevenly) is the uninterrupted run's
+    printed = {int(k): float(v) for k, v in re.findall(r"^step +(\d+) +loss ([\d.]+)", proc.stdout, re.M)}
+    assert sorted(printed) == list(range(1, 13))
+    torch.testing.assert_close([printed[k] for k in range(1, 13)], _uninterrupted_losses(12), rtol=1e-5, atol=0)
     alone = tmp_path / "alone"
-    proc = _hetplan("train", "--plan", str(replanned), "--steps", "9", "--load", str(ckpt / "step_00000006"),
-                    "--out", str(alone))
+    proc = _hetplan("train", "--plan", str(ckpt / "plan-replan-3.json"), "--steps", "12", "--load",
+                    str(ckpt / "step_00000010"), "--out", str(alone))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _losses(alone) == (start, losses)
 
@@ -67,3 +98,21 @@ def test_elastic_needs_a_checkpoint_directory_and_no_verify(tmp_path: Path) -> N
         proc = _hetplan("train", "--plan", plan, *args)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_run_elastic_starts_the_users_script_again_with_the_new_plan_and_its_checkpoints(tmp_path: Path) -> None:
+    """``hetplan run --elastic``: rank 1 of examples/train.py dies while step 4's checkpoint is written; the
+    script starts again on the one device left and resumes from step 2's, the newest complete one."""
+    plan = _plan(tmp_path, "local-cpu-2")
+    ckpt = tmp_path / "ck"
+    proc = _hetplan("run", plan, "--elastic", "--checkpoint-dir", str(ckpt), "--timeout", "60", "--",
+                    os.path.join(ROOT, "examples", "train.py"), "--steps", "6", "--checkpoint-every", "2",
+                    save_faults="1:4:2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hetplan run: rank 1 " in proc.stderr and "killed by SIGKILL" in proc.stderr
+    assert "hetplan run: --elastic: re-planned for the 1 devices left" in proc.stdout
+    assert f"continuing from {ckpt / 'step_00000002'} (step 2)" in proc.stdout
+    assert f"resumed from {ckpt / 'step_00000002'}" in proc.stdout
+    assert [int(k) for k in re.findall(r"^step +(\d+) ", proc.stdout, re.M)] == [1, 2, 3, 4, 3, 4, 5, 6]
+    assert (ckpt / "step_00000006" / "hetplan-manifest.json").is_file()

@@ -1,4 +1,5 @@
-"""``hetplan train --elastic``: when a process (a GPU) dies, re-plan for the ones left and go on.
+"""``hetplan train --elastic`` and ``hetplan run --elastic``: when a process (a GPU) dies, re-plan for the
+ones left and go on; ``hetplan train --elastic`` also re-plans around a straggler (hetplan.app.straggler).
 
 A run that loses a rank stops, as every run does: torchrun stops the other ranks, and the launch names
 the rank that was killed (``runtime.launch.failure_line``). With ``--elastic`` the supervisor (this
@@ -21,6 +22,7 @@ planners are deterministic: ``tests/test_determinism.py``, ``tests/test_replan.p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -28,8 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hetplan.app.records import write_json
-from hetplan.app.replan import replan_file
+from hetplan.app.replan import replan_file, replan_slower
+from hetplan.app.straggler import STRAGGLER_FILE
 from hetplan.errors import HetplanError
+from hetplan.runtime.checkpoint_dirs import latest_checkpoint
 from hetplan.units import format_time
 
 # Re-plans one elastic run may make before it gives up: each costs a restart (minutes on a GPU
@@ -40,25 +44,29 @@ MAX_REPLANS = 8
 @dataclass(frozen=True)
 class Attempt:
     """One launch of a plan: whether it finished, why not (one line; "" when a rank said it already) and
-    the plan devices of the ranks killed from outside (what an elastic run re-plans without);
-    ``status``: the command's exit status."""
+    the plan devices of the ranks killed from outside (what an elastic run re-plans without), or of the
+    stragglers the ranks stopped for (``slow``, hetplan.app.straggler); ``status``: the command's exit status."""
 
     ok: bool
     line: str = ""
     lost: tuple[int, ...] = ()
     status: int = 0
+    slow: tuple[tuple[int, float], ...] = ()  # (plan device, measured slowdown): the ranks stopped to re-plan
 
 
 def check_elastic_flags(args: argparse.Namespace) -> None:
+    """``--elastic`` with the other flags of ``hetplan train`` or ``hetplan run``, before any work."""
     if not args.checkpoint_dir:
         raise HetplanError("--elastic needs --checkpoint-dir: a re-planned run continues from the newest checkpoint "
                            "there (and --checkpoint-every N for one every N steps)")
-    if args.verify:
+    if getattr(args, "verify", False):
         raise HetplanError("--elastic and --verify exclude each other: --verify compares one plan's run from step 0 "
                            "with one process; check a plan with --verify, then train it with --elastic")
-    if args.load_from or args.resume:
+    if getattr(args, "load_from", "") or getattr(args, "resume", False):
         raise HetplanError("--elastic starts from the newest checkpoint in --checkpoint-dir (or step 0); drop --load "
                            "and --resume")
+    if getattr(args, "print_only", False):
+        raise HetplanError("--elastic supervises the processes it starts on this machine; drop --print (or --elastic)")
 
 
 def lost_devices(exits: Sequence[Any], layout: Any) -> tuple[int, ...]:
@@ -68,39 +76,70 @@ def lost_devices(exits: Sequence[Any], layout: Any) -> tuple[int, ...]:
     return tuple(sorted(layout.position(rank).device for rank in killed))
 
 
-def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], Attempt]) -> int:
+def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], Attempt],
+                  command: str = "hetplan train") -> int:
     """Run ``launch_plan(plan_path, resume)`` until it finishes, re-planning after each launch that
-    lost devices; one line and exit 1 when a launch failed for another reason."""
+    lost devices; one line and exit 1 when a launch failed for another reason. ``args``: ``plan`` and
+    ``checkpoint_dir``; ``command``: the command the progress lines name."""
     plan_path = args.plan
     for replans in range(MAX_REPLANS + 1):
         attempt = launch_plan(plan_path, replans > 0)
         if attempt.ok:
             return attempt.status
-        if not attempt.lost:
+        if not attempt.lost and not attempt.slow:
             if attempt.line:
                 print(f"hetplan: error: {attempt.line}", file=sys.stderr, flush=True)
             return attempt.status or 1
         if replans == MAX_REPLANS:
             break
-        plan_path = _replan(args, plan_path, attempt, replans + 1)
+        plan_path = _replan(args, plan_path, attempt, replans + 1, command)
     print(f"hetplan: error: {attempt.line}; --elastic re-planned {MAX_REPLANS} times already: look at the "
           "cluster before training on it", file=sys.stderr, flush=True)
     return 1
 
 
-def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: int) -> str:
-    """The plan for the devices left after ``attempt``, written as a plan file in the checkpoint directory."""
-    try:
-        replan = replan_file(plan_path, [str(d) for d in attempt.lost])
+def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: int, command: str) -> str:
+    """The plan for the devices left after ``attempt`` (or for its stragglers as slow as measured), written
+    as a plan file in the checkpoint directory."""
+    try:  # no replayed step: a run waits for the plan
+        replan = replan_slower(plan_path, dict(attempt.slow), replay=0) if attempt.slow else \
+            replan_file(plan_path, [str(d) for d in attempt.lost], replay=0)
     except HetplanError as exc:
         raise HetplanError(f"{attempt.line}; --elastic cannot re-plan: {exc}") from None
     path = os.path.join(args.checkpoint_dir, f"plan-replan-{count}.json")
     write_json(path, replan.result.record())
     new = replan.result.best
-    left = replan.old_cluster.num_devices - len(replan.lost)
-    print(f"hetplan train: {attempt.line}", file=sys.stderr, flush=True)
-    print(f"hetplan train: --elastic: re-planned for the {left} devices left without device(s) "
-          f"{', '.join(map(str, replan.lost))}: {new.plan.describe()}, {format_time(new.estimate.iteration_time_s)}"
-          f"/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; continuing from the newest checkpoint",
-          flush=True)
+    if attempt.slow:
+        what = "with " + ", ".join(f"device {d} {f:.2f}x slower" for d, f in attempt.slow) + " (measured)"
+    else:
+        left = replan.old_cluster.num_devices - len(replan.lost)
+        what = f"for the {left} devices left without device(s) {', '.join(map(str, replan.lost))}"
+    print(f"{command}: {attempt.line}", file=sys.stderr, flush=True)
+    print(f"{command}: --elastic: re-planned {what}: {new.plan.describe()}, "
+          f"{format_time(new.estimate.iteration_time_s)}/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; "
+          f"{continue_from(args.checkpoint_dir)}", flush=True)
     return path
+
+
+def with_stragglers(attempt: Attempt, root: str) -> Attempt:
+    """``attempt`` as the stop of ranks that left ``STRAGGLER_FILE`` in ``root`` for a re-plan around
+    stragglers (the file is read once and removed); unchanged when there is none."""
+    path = os.path.join(root, STRAGGLER_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        os.remove(path)
+        slow = tuple(sorted((int(d), float(v)) for d, v in data["slow"].items()))
+        line = str(data["line"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return attempt
+    return Attempt(False, f"the ranks stopped after a checkpoint: {line}", slow=slow, status=1)
+
+
+def continue_from(root: str) -> str:
+    """Where the re-planned run starts: the newest complete checkpoint in ``root`` (newer ones a kill cut
+    short are skipped), or step 0 when there is none yet (the run died before its first checkpoint)."""
+    found = latest_checkpoint(root, note=lambda text: None)
+    if found is None:
+        return f"no complete checkpoint in {root} yet: the new plan starts from step 0"
+    return f"continuing from {found[0]} (step {found[1]})"

@@ -13,15 +13,17 @@ checkpoint: ``hetplan train --plan NEW --load CHECKPOINT``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from hetplan.app.planning import DEFAULT_TOP, PlanResult, plan_loaded
 from hetplan.app.workload import DEFAULT_PLANNER
+from hetplan.cluster.catalog import GPUSpec
 from hetplan.cluster.spec import ClusterSpec
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
-from hetplan.plan.file import read_plan_file
+from hetplan.plan.file import PlanFile, read_plan_file
 from hetplan.plan.spec import Estimate, Plan
+from hetplan.plan.workload import Workload
 from hetplan.search.registry import planner_names
 
 
@@ -125,20 +127,72 @@ def layer_moves(old: Plan, new: Plan, num_layers: int) -> tuple[LayerMove, ...]:
 
 def replan_file(path: str, without: Sequence[str], index: int = 1, planner: str | None = None,
                 top: int = DEFAULT_TOP, tokens: float | None = None,
-                prices: dict[str, float] | None = None) -> ReplanResult:
+                prices: dict[str, float] | None = None, replay: int | None = None) -> ReplanResult:
     """The ``index``-th plan of the plan file at ``path``, re-planned without the GPUs ``without``
-    names, by ``planner`` (default: the planner the file was made by) with the file's settings."""
+    names, by ``planner`` (default: the planner the file was made by) with the file's settings;
+    ``replay``: as ``plan_loaded``'s (0: no replayed step, what ``--elastic`` asks while a run waits)."""
     plan_file = read_plan_file(path)
-    old_plan = plan_file.plan(index)
     base = plan_file.workload(index)
     lost = lost_devices(base.cluster, without)
-    workload = replace(base, cluster=cluster_without(base.cluster, lost))
+    return _replan_on(plan_file, index, base, cluster_without(base.cluster, lost), lost, planner, top, tokens,
+                      prices, replay)
+
+
+def replan_slower(path: str, slow: Mapping[int, float], index: int = 1, replay: int | None = None) -> ReplanResult:
+    """The ``index``-th plan of the plan file at ``path``, re-planned by its own planner for its cluster
+    with each device of ``slow`` (device id -> measured slowdown) as slow as measured (``slowed_cluster``);
+    the old plan is costed on that cluster too, so ``slowdown`` below 1 is what the re-plan wins."""
+    plan_file = read_plan_file(path)
+    base = plan_file.workload(index)
+    slowed = slowed_cluster(base.cluster, slow)
+    return _replan_on(plan_file, index, replace(base, cluster=slowed), slowed, (), None, DEFAULT_TOP, None, None,
+                      replay)
+
+
+def _replan_on(plan_file: PlanFile, index: int, base: Workload, cluster: ClusterSpec, lost: tuple[int, ...],
+               planner: str | None, top: int, tokens: float | None, prices: dict[str, float] | None,
+               replay: int | None) -> ReplanResult:
+    """The plan file's plan re-planned on ``cluster`` (``base``'s cluster less ``lost``, or made slower)."""
+    old_plan = plan_file.plan(index)
+    workload = replace(base, cluster=cluster)
     name = planner or _own_planner(plan_file.planner or old_plan.planner)
     result = plan_loaded(workload, name, top, explicit_target=False, any_target=not workload.target,
-                         tokens=tokens, prices=prices)
+                         tokens=tokens, prices=prices, replay=replay)
     old_estimate = CostModel(base).estimate(old_plan)
     moves = layer_moves(old_plan, result.best.plan, base.model.num_layers)
     return ReplanResult(old_plan, old_estimate, base.cluster, lost, result, moves)
+
+
+def slowed_cluster(cluster: ClusterSpec, slow: Mapping[int, float]) -> ClusterSpec:
+    """``cluster`` with each device of ``slow`` (device id -> measured slowdown) a GPU type of its own,
+    derived from its type with the rates divided by the slowdown: the measured rate in the cost model, as a
+    calibration's compute factor is for a whole type. A node holding such a device is cut into runs of
+    devices of one type (the same device ids, in order); the links keep their bandwidths (a device-to-device
+    matrix of the old cluster's)."""
+    matrix = cluster.bandwidth_matrix_gbps or tuple(
+        tuple(0.0 if a == b else cluster.link_gbps(a, b) for b in range(cluster.num_devices))
+        for a in range(cluster.num_devices))
+    nodes = []
+    for index, node in enumerate(cluster.nodes):
+        runs: list[tuple[GPUSpec, int]] = []
+        for device in cluster.node_devices(index):
+            gpu = _slowed_gpu(node.gpu, device, slow[device]) if device in slow else node.gpu
+            if runs and runs[-1][0] == gpu:
+                runs[-1] = (gpu, runs[-1][1] + 1)
+            else:
+                runs.append((gpu, 1))
+        nodes += [replace(node, gpu_type=gpu, gpu_spec=gpu, num_gpus=count) for gpu, count in runs]
+    label = ", ".join(f"GPU {d} {f:.2f}x slower" for d, f in sorted(slow.items()))
+    return replace(cluster, name=f"{cluster.name} with {label}", nodes=tuple(nodes), bandwidth_matrix_gbps=matrix,
+                   description=f"{cluster.name}, {label} (measured: hetplan --elastic)")
+
+
+def _slowed_gpu(gpu: GPUSpec, device: int, factor: float) -> GPUSpec:
+    """``gpu`` as device ``device`` measured it: every rate divided by ``factor``."""
+    return replace(gpu, name=f"{gpu.name} GPU{device} x{factor:.2f} slower", derived_from=gpu.catalog_name,
+                   peak_flops=gpu.peak_flops / factor, peak_flops_fp32=gpu.peak_flops_fp32 / factor,
+                   peak_flops_fp8=gpu.peak_flops_fp8 / factor, peak_flops_tf32=gpu.peak_flops_tf32 / factor,
+                   memory_bandwidth_bytes_per_s=gpu.memory_bandwidth_bytes_per_s / factor)
 
 
 def _own_planner(name: str) -> str:

@@ -249,5 +249,5 @@ class ClusterSpec:
                 runs.append([key, 1])
         for (count, gpu), repeat in runs:
             parts.append(f"{repeat}x{count} {gpu}")
-        unit = "CPU processes" if all(d.gpu.name == "CPU" for d in self.devices) else "GPUs"
+        unit = "CPU processes" if all(d.gpu.catalog_name == "CPU" for d in self.devices) else "GPUs"
         return f"{' + '.join(parts)} ({self.num_devices} {unit})"

@@ -187,14 +187,14 @@ class CostKernel:
         self.model = workload.model
         self.calibration = workload.calibration
         self.cluster = calibrated_cluster(workload.cluster, workload.calibration)  # links at calibrated rates
-        self.overlap_slowdown = overlap_slowdown(g.name for g in self.cluster.gpu_specs)
+        self.overlap_slowdown = overlap_slowdown(g.catalog_name for g in self.cluster.gpu_specs)
         self.arrays: LayerArrays = layer_arrays(workload.model)
         self.num_layers = self.arrays.num_layers
         self.dtype_bytes = workload.model.dtype_bytes
         # the code that trains: hetplan's runtime (its tensors: model.runtime_memory; its work:
         # model.runtime_time), or what the model counts
         self.runtime = workload.target == "hetplan"
-        cuda = any(d.gpu.name != "CPU" for d in workload.cluster.devices)
+        cuda = any(d.gpu.catalog_name != "CPU" for d in workload.cluster.devices)
         runs = runtime_time(workload.model, cuda=cuda) if self.runtime else None
         if runs is not None:
             self.arrays = runtime_time_arrays(self.arrays, runs)
@@ -203,7 +203,7 @@ class CostKernel:
         # bytes per parameter of the optimizer step: as the runtime's implementation runs it on this cluster
         self.optimizer_step_bytes = OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION[
             OPTIMIZER_IMPLEMENTATION["cuda" if cuda else "cpu"]] if self.runtime else OPTIMIZER_STEP_BYTES_PER_PARAM
-        memory = runtime_memory(workload.model, cuda=any(d.gpu.name != "CPU" for d in self.cluster.devices)) \
+        memory = runtime_memory(workload.model, cuda=any(d.gpu.catalog_name != "CPU" for d in self.cluster.devices)) \
             if self.runtime else None
         self.memory_arrays: LayerArrays = self.arrays if memory is None else runtime_arrays(self.arrays, memory)
         # how ZeRO shards are kept: the runtime's own ways (cost.memory.resident_bytes_split), else the workload's
@@ -233,7 +233,7 @@ class CostKernel:
         self._corrections: dict[int, list[tuple[int, int, float]]] = {}
         self._params_prefix: dict[tuple[int, int], list[float]] = {}
         self._capacity = [workload.device_capacity_bytes(d.id) for d in self.cluster.devices]
-        self._overhead = [framework_overhead_bytes(d.gpu.name == "CPU") for d in self.cluster.devices]
+        self._overhead = [framework_overhead_bytes(d.gpu.catalog_name == "CPU") for d in self.cluster.devices]
         host_per_node = [host_offload_capacity_bytes(node) for node in self.cluster.nodes]
         self._host = [host_per_node[d.node] for d in self.cluster.devices]
         self._cluster_arrays: ClusterArrays | None = None
@@ -388,7 +388,7 @@ class CostKernel:
     def host_link_rate(self, gpu: GPUSpec) -> float:
         """Bytes/s one GPU copies to or from host memory (``GPU_HOST_LINK``); a
         CPU "device" copies within its own memory."""
-        if gpu.name == "CPU":
+        if gpu.catalog_name == "CPU":
             return gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
         kind = GPU_HOST_LINK.get(gpu.catalog_name or gpu.name, DEFAULT_HOST_LINK)
         return HOST_LINK_BYTES_PER_S[kind]
@@ -801,7 +801,7 @@ class CostKernel:
         they are (``cost/shared_cores.py``); None otherwise."""
         machine = getattr(self.workload.profile, "machine", None) or {}
         cores, processes = machine.get("cores"), machine.get("processes")
-        if not cores or not processes or any(d.gpu.name != "CPU" for d in self.cluster.devices):
+        if not cores or not processes or any(d.gpu.catalog_name != "CPU" for d in self.cluster.devices):
             return None
         return (int(cores), int(processes)) if cores < self.cluster.num_devices else None
 

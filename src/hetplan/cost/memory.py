@@ -217,7 +217,7 @@ def host_offload_capacity_bytes(node: NodeSpec) -> float:
     """Bytes of offloaded activations one GPU of ``node`` may keep in host
     memory: its share of the node's, less ``HOST_MEMORY_RESERVE_FRACTION``,
     in whole bytes. Unlimited for a CPU "device", which offloads within its own memory."""
-    if node.gpu.name == "CPU":
+    if node.gpu.catalog_name == "CPU":
         return math.inf
     return float(math.floor(node_host_memory_bytes(node) / node.num_gpus * (1.0 - HOST_MEMORY_RESERVE_FRACTION)))
 

@@ -169,7 +169,7 @@ class Workload:
         runtime what a GPU reports to CUDA (``DEVICE_REPORTED_FRACTION``)."""
         spec = self.cluster.devices[device]
         capacity = spec.memory_bytes
-        if self.target == "hetplan" and spec.gpu.name != "CPU":
+        if self.target == "hetplan" and spec.gpu.catalog_name != "CPU":
             capacity = int(capacity * DEVICE_REPORTED_FRACTION)
         if self.memory_limit_bytes:
             capacity = min(capacity, self.memory_limit_bytes)

@@ -12,7 +12,7 @@ stages under their own names; with one stage only the first name may exist.
 On load a name missing from the checkpoint is read from its tied twin.
 
 A checkpoint directory is complete when it has a manifest,
-``hetplan-manifest.json``: once DCP has written every rank's data and its
+``hetplan-manifest.json`` (the directories alone: hetplan.runtime.checkpoint_dirs, torch-free): once DCP has written every rank's data and its
 ``.metadata`` (and every rank has passed a barrier), the files are hashed
 (each rank hashes its own ``__<rank>_*.distcp`` files, rank 0 the rest) and
 rank 0 writes the manifest LAST and atomically (temporary file in the same
@@ -26,10 +26,10 @@ Every load verifies the manifest before reading anything: no manifest
 another checksum (corrupted), or a data file the manifest does not list, is a
 :class:`~hetplan.errors.HetplanError` naming the file. The ranks share the
 hashing and agree on the verdict (an all-gather), so every rank fails with the
-same message and none is left waiting. :func:`latest_checkpoint` picks the
+same message and none is left waiting. ``latest_checkpoint`` picks the
 newest checkpoint with a manifest and notes, on stderr, newer ones it skipped
 as incomplete, so a run killed while saving resumes from the previous
-checkpoint; :func:`resume_checkpoint` (``hetplan train --resume``) refuses a
+checkpoint; ``resume_checkpoint`` (``hetplan train --resume``) refuses a
 directory with none (``--resume-or-start`` starts from step 0 then), and
 ``hetplan train`` runs :func:`verify_here` on the checkpoint it starts from
 before any process starts.
@@ -41,20 +41,23 @@ import hashlib
 import json
 import os
 import re
-import sys
-from typing import Any, Callable
+import signal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hetplan.errors import HetplanError
+from hetplan.runtime.checkpoint_dirs import (  # noqa: F401 - checkpoint_dir ... stay reachable here (hr, trainer)
+    MANIFEST, checkpoint_dir, latest_checkpoint, resume_checkpoint,
+)
+from hetplan.runtime.faults import KILL_SAVE_ENV, fault_kills
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 EXTRA_PREFIX = "extra."
 
-MANIFEST = "hetplan-manifest.json"
 MANIFEST_FORMAT = "hetplan-checkpoint"
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 20  # hash in 1 MiB reads
@@ -281,7 +284,16 @@ def save(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
     os.makedirs(path, exist_ok=True)
     dcp.save(state, checkpoint_id=path, no_dist=not ctx.distributed)
     ctx.barrier()  # every rank's data and DCP's .metadata are written
+    _fault_before_manifest(ctx, extra.get("step"))
     _write_manifest(ctx, path)
+
+
+def _fault_before_manifest(ctx: Any, step: Any) -> None:
+    """Fault injection for the tests of ``--elastic`` (``HETPLAN_FAULT_KILL_SAVE``, hetplan.runtime.faults):
+    the rank named for this step dies with every rank's data written and no manifest yet, a save cut short."""
+    rank, world = _rank_world(ctx)
+    if isinstance(step, int) and fault_kills(world, KILL_SAVE_ENV).get(rank) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tied_twin(key: str, prefix: str, aliases: dict[str, str], available: set[str]) -> str | None:
@@ -414,64 +426,6 @@ def full_state_dict(ctx: Any, model: nn.Module) -> dict[str, torch.Tensor]:
         elif canon not in sd and name in sd:
             sd[canon] = sd[name]
     return sd
-
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def checkpoint_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
-
-
-def latest_checkpoint(root: str, note: Callable[[str], None] | None = None) -> tuple[str, int] | None:
-    """The newest complete ``root/step_N`` checkpoint (one with a manifest) and its step, or None.
-
-    Newer directories without a manifest (saves that did not finish) are
-    skipped, each with a note: ``note(text)``, by default printed on stderr.
-    Only the manifest's presence is checked here; :func:`load` verifies the files.
-    """
-    if not os.path.isdir(root):
-        return None
-    note = note or _note_on_stderr
-    steps = []
-    for entry in os.listdir(root):
-        m = _STEP_DIR.match(entry)
-        if m and os.path.isdir(os.path.join(root, entry)):
-            steps.append((int(m.group(1)), os.path.join(root, entry)))
-    for step, path in sorted(steps, reverse=True):
-        if os.path.isfile(os.path.join(path, MANIFEST)):
-            return path, step
-        note(f"skipping checkpoint {path}: it is incomplete (no {MANIFEST}: its save did not finish)")
-    return None
-
-
-def _note_on_stderr(text: str) -> None:
-    print(f"note: {text}", file=sys.stderr, flush=True)
-
-
-def resume_checkpoint(root: str, or_start: bool = False, note: Callable[[str], None] | None = None
-                      ) -> tuple[str, int] | None:
-    """The checkpoint ``--resume`` continues from: the newest complete one in
-    ``root`` (:func:`latest_checkpoint`; the newer incomplete ones it skips are
-    noted). When there is none, a HetplanError saying what to do: starting from
-    step 0 instead would retrain from scratch, and a job-scheduler restart would
-    never notice a wrong ``--checkpoint-dir``. ``or_start``
-    (``--resume-or-start``): None instead, the run starts from step 0."""
-    skipped: list[str] = []
-    found = latest_checkpoint(root, note=skipped.append)
-    if found is not None or or_start:
-        for text in skipped:
-            (note or _note_on_stderr)(text)
-        return found
-    if not os.path.isdir(root):
-        why = "it does not exist"
-    elif skipped:
-        why = (f"{len(skipped)} incomplete: no {MANIFEST}, {'its save' if len(skipped) == 1 else 'their saves'} "
-               "did not finish")
-    else:
-        why = "it holds no step_N checkpoint"
-    raise HetplanError(f"--resume: no complete checkpoint in {root} ({why}); drop --resume to start from step 0, "
-                       "or use --resume-or-start, which starts from step 0 when there is none")
 
 
 def verify_here(path: str) -> None:

@@ -8,10 +8,11 @@
         data and seed and exits 1 if a loss or parameter differs by more than
         1e-5 (relative, fp32).
 
-    hetplan run plan.json [--print] -- train.py [args]
+    hetplan run plan.json [--print] [--elastic --checkpoint-dir DIR] -- train.py [args]
         start a training script with the plan: torchrun with one process per
         device on this node (HETPLAN_PLAN tells hetplan.runtime.init where the
-        plan is); for a multi-node plan (or --print) print the torchrun command
+        plan is, HETPLAN_CHECKPOINT_DIR the script where its checkpoints go);
+        for a multi-node plan (or --print) print the torchrun command
         for every node.
 
 Importing this module does not import torch; the commands do.
@@ -25,13 +26,16 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
-from hetplan.app.elastic import Attempt, check_elastic_flags, lost_devices, train_elastic
+from hetplan.app.elastic import Attempt, check_elastic_flags, lost_devices, train_elastic, with_stragglers
+from hetplan.app.straggler import LAUNCHED_AT_ENV, RESTART_COST_ENV
 from hetplan.io.argtypes import (
     EXIT_USAGE, OneLineParser, finite_nonneg_float, finite_positive_float, name_or_path, positive_int,
 )
 from hetplan.errors import HetplanError
+from hetplan.runtime.checkpoint_dirs import CHECKPOINT_DIR_ENV
 from hetplan.runtime.heartbeat import describe_rank
 from hetplan.runtime import trainer
 from hetplan.runtime import launch
@@ -106,7 +110,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=finite_positive_float, default=None, metavar="SECONDS", help=_TIMEOUT_HELP)
     p.add_argument("--elastic", action="store_true",
                    help="when a process (GPU) dies, re-plan for the ones left and continue from the newest "
-                   "checkpoint (needs --checkpoint-dir; docs/elastic.md)")
+                   "checkpoint; re-plan around a straggler when that wins back the restart (needs --checkpoint-dir; "
+                   "docs/elastic.md)")
+    p.add_argument("--restart-cost", type=finite_nonneg_float, default=None, metavar="SECONDS",
+                   help="with --elastic: what a restart costs, weighed against a straggler re-plan's predicted gain "
+                   "(default: measured, this launch's start to its first step)")
     p.set_defaults(func=cmd_train)
 
     p = subparsers.add_parser("run", help="start a training script with a plan via torchrun (needs torch)")
@@ -116,6 +124,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--master-addr", default="NODE0_ADDRESS", help="address of the first node (multi-node)")
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--timeout", type=finite_positive_float, default=None, metavar="SECONDS", help=_TIMEOUT_HELP)
+    p.add_argument("--elastic", action="store_true",
+                   help="when a process (GPU) dies, re-plan for the ones left and start the script again with the "
+                   "new plan; it resumes from the newest checkpoint in --checkpoint-dir (docs/elastic.md)")
+    p.add_argument("--checkpoint-dir", default="",
+                   help="the script's checkpoint directory, passed to it as $%s (--elastic writes its plans there)"
+                   % CHECKPOINT_DIR_ENV)
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     p.set_defaults(func=cmd_run)
 
@@ -172,6 +186,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
                            f"{resume} from the newest in --checkpoint-dir; give one")
     if getattr(args, "elastic", False):
         check_elastic_flags(args)
+    elif getattr(args, "restart_cost", None) is not None:
+        raise HetplanError("--restart-cost weighs --elastic's re-plans around stragglers; add --elastic (or drop it)")
     if args.verify and args.load_from:
         raise HetplanError("--verify compares a run from step 0; drop --load (or --verify)")
     if args.verify and args.optimizer != "sgd":
@@ -221,7 +237,7 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
           f"{plan.global_batch_size} samples, {precision}, {n} process{'es' if n > 1 else ''}", flush=True)
     print(f"plan: {layout.describe()}", flush=True)
-    env = {**child_env(), **_timeout_env(args)}
+    env = {**child_env(), **_timeout_env(args), **_elastic_env(args)}
     if len(nodes) > 1:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
         env.update(HETPLAN_ONE_MACHINE="1", HETPLAN_DEVICE=env.get("HETPLAN_DEVICE", "cpu"))
         print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
@@ -238,10 +254,21 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
         else:
             attempt = _run_ranks(n, worker_args, env, layout, args.out)
             if not attempt.ok:
-                return attempt
+                return with_stragglers(attempt, args.checkpoint_dir) if args.elastic else attempt
         if args.verify:
             return Attempt(True, status=_verify(args, plan, spec, out, precision))
     return Attempt(True)
+
+
+def _elastic_env(args: argparse.Namespace) -> dict[str, str]:
+    """What tells the ranks of an ``--elastic`` launch when it started and what a restart costs
+    (hetplan.app.straggler: the stragglers check at each checkpoint)."""
+    if not getattr(args, "elastic", False):
+        return {}
+    env = {LAUNCHED_AT_ENV: repr(time.time())}
+    if args.restart_cost is not None:
+        env[RESTART_COST_ENV] = repr(args.restart_cost)
+    return env
 
 
 def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from: tuple[str, int | None] | None
@@ -288,10 +315,10 @@ def _start_checkpoint(args: argparse.Namespace, resume: bool = False) -> tuple[s
     if not (args.resume or args.resume_or_start or resume):
         return None
     found = ck.resume_checkpoint(args.checkpoint_dir, args.resume_or_start or resume)
-    if found is None:
-        why = "--resume-or-start" if args.resume_or_start else "--elastic"
-        print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 ({why})",
-              file=sys.stderr, flush=True)
+    if found is None:  # --elastic's supervisor said so in its line
+        if args.resume_or_start:
+            print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 (--resume-or-start)",
+                  file=sys.stderr, flush=True)
         return None
     ck.verify_here(found[0])
     if args.verify:
@@ -387,17 +414,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra.add_argument("--master-addr", default=args.master_addr)
         extra.add_argument("--master-port", type=int, default=args.master_port)
         extra.add_argument("--timeout", type=finite_positive_float, default=args.timeout)
+        extra.add_argument("--elastic", action="store_true")
+        extra.add_argument("--checkpoint-dir", default=args.checkpoint_dir)
         more, unknown = extra.parse_known_args(head)
         if unknown:
             raise HetplanError(f"unknown option(s) for 'hetplan run': {' '.join(unknown)}")
         args.print_only = args.print_only or more.print_only
         args.master_addr, args.master_port = more.master_addr, more.master_port
-        args.timeout = more.timeout
+        args.timeout, args.checkpoint_dir = more.timeout, more.checkpoint_dir
+        args.elastic = args.elastic or more.elastic
     if not script:
         raise HetplanError("no training script: use 'hetplan run plan.json -- train.py [args]'")
+    if args.elastic:
+        check_elastic_flags(args)
+    if args.checkpoint_dir:
+        _check_writable_dir("--checkpoint-dir", args.checkpoint_dir)
     plan_file = read_plan_file(args.plan_file)
     plan = plan_file.plan()
     nodes = launch.plan_nodes(plan, plan_file.cluster)
+    if args.elastic and len(nodes) > 1:
+        raise HetplanError(f"--elastic supervises one machine, and this plan spans {len(nodes)} nodes: run each node's "
+                           "command of 'hetplan run --print' under your scheduler's restarts (docs/elastic.md)")
     if args.print_only or len(nodes) > 1:
         cmds = launch.torchrun_commands(plan, args.plan_file, script, args.master_addr, args.master_port,
                                         cluster=plan_file.cluster, env=_timeout_env(args))
@@ -409,21 +446,38 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(cmd)
         return 0
     require_torch()
-    n = len(nodes[0][1])
-    env = {**child_env(), **_timeout_env(args)}
-    env["HETPLAN_PLAN"] = os.path.abspath(args.plan_file)
+    if args.elastic:
+        args.plan = args.plan_file
+        return train_elastic(args, lambda plan_path, resume: _run_plan_script(args, plan_path, script),
+                             command="hetplan run")
+    attempt = _run_plan_script(args, args.plan_file, script)
+    if attempt.line:
+        print(f"hetplan: {attempt.line}", file=sys.stderr, flush=True)
+    return attempt.status
+
+
+def _run_plan_script(args: argparse.Namespace, plan_path: str, script: list[str]) -> Attempt:
+    """One run of the user's script under the one-node plan at ``plan_path`` (``$HETPLAN_PLAN``; the
+    script's checkpoints in ``$HETPLAN_CHECKPOINT_DIR`` when ``--checkpoint-dir`` is given)."""
+    plan_file = read_plan_file(plan_path)
+    plan = plan_file.plan()
+    n = len(launch.plan_nodes(plan, plan_file.cluster)[0][1])
+    env = {**child_env(), **_timeout_env(args), "HETPLAN_PLAN": os.path.abspath(plan_path)}
+    if args.checkpoint_dir:
+        env[CHECKPOINT_DIR_ENV] = os.path.abspath(args.checkpoint_dir)
     layout = PlanLayout.from_plan(plan, [layer.name for layer in plan_file.model.layers]) \
         if plan_file.model is not None else None  # names each rank in a failure line; None: ranks by number
     return _run_user_script(n, script, env, layout)
 
 
-def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any) -> int:
+def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any) -> Attempt:
     """The user's script on ``n`` processes (torchrun), each rank's stderr in a
     log. A HetplanError or CUDA out-of-memory error of a rank is one line,
     printed once (rank 0's, else the first failing rank's:
     hetplan.runtime.launch.run_user_script), exit 2; any other error shows the
     traceback of the rank that failed first (not of those that lost a peer)
-    and the line naming it, with the script's exit status."""
+    and returns the line naming it, with the script's exit status and the
+    devices of the ranks killed from outside (what ``--elastic`` re-plans without)."""
     import shutil
 
     logs = tempfile.mkdtemp(prefix="hetplan-run-logs-")
@@ -435,15 +489,15 @@ def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any
         print(f"hetplan: error: {line}" if line.startswith("rank ") else f"hetplan: error (rank {rank}): {line}",
               file=sys.stderr, flush=True)
         shutil.rmtree(logs, ignore_errors=True)
-        return EXIT_USAGE
+        return Attempt(False, status=EXIT_USAGE)
     if code:
-        line = launch.failure_line(launch.read_exits(logs), logs, lambda r: describe_rank(layout, r))
+        exits = launch.read_exits(logs)
+        line = launch.failure_line(exits, logs, lambda r: describe_rank(layout, r))
         failed = re.search(r"\(traceback: (.*)\)$", line)
         if failed and os.path.isfile(failed.group(1)):
             with open(failed.group(1), encoding="utf-8", errors="replace") as f:
                 sys.stderr.write(f.read())
         line = line or f"the script failed (exit status {code}); the ranks' output is in {logs}"
-        print(f"hetplan: {line}", file=sys.stderr, flush=True)
-        return code
+        return Attempt(False, line, lost_devices(exits, layout) if layout is not None else (), status=code)
     shutil.rmtree(logs, ignore_errors=True)
-    return 0
+    return Attempt(True)

@@ -5,7 +5,7 @@ Run by torchrun (``python -m hetplan.runtime.trainer --plan p.json ...``), or
 in-process for a one-device plan, or by the tests through ``run_local``. Rank 0
 prints one line per step (loss, step time) and writes a JSON summary (and,
 for ``--verify``, the full state dict) to ``--out``. The summary holds the
-losses, rank 0's ``step_times_s``, ``peak_memory_bytes`` (the largest over the
+losses, rank 0's ``step_times_s``, the ``stragglers`` (hetplan.app.straggler), ``peak_memory_bytes`` (the largest over the
 ranks; on CPU the peak RSS, see ``peak_memory_bytes``) and the ``device`` type.
 """
 
@@ -15,17 +15,23 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hetplan.app.straggler import (
+    EXIT_REPLAN, LAUNCHED_AT_ENV, RESTART_COST_ENV, STRAGGLER_FILE, Straggler, Verdict, find_stragglers,
+    peer_groups, weigh_replan,
+)
+from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
+from hetplan.plan.file import read_plan_file
 from hetplan.runtime import launch
 from hetplan.runtime.console import console, current_context, log_stderr
+from hetplan.runtime.faults import fault_kills, fault_slowdown
 from hetplan.runtime.profiling.timing import Stopwatch
-
-FAULT_ENV = "HETPLAN_FAULT_KILL"  # fault injection for tests: "RANK:STEP[:WORLD],..." (fault_kills)
 
 
 @dataclass
@@ -75,41 +81,60 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             ctx.print(f"note: {note}")
     if not cfg.quiet:
         ctx.print(f"optimizer: {cfg.optimizer}, {impl} implementation (docs/runtime.md, \"Speed\")")
-    start = 0
+    start, extras = 0, {}
     if cfg.load_from:
-        start = int(ctx.load(cfg.load_from, model, opt).get("step", 0))
+        extras = ctx.load(cfg.load_from, model, opt)
+        start = int(extras.get("step", 0))
     elif (cfg.resume or cfg.resume_or_start) and cfg.checkpoint_dir:
         # newest checkpoint with a manifest (newer incomplete ones: a note on rank 0's stderr), none: an
         # error unless resume_or_start; ctx.load verifies its files on every rank before reading them
         found = ck.resume_checkpoint(cfg.checkpoint_dir, cfg.resume_or_start,
                                      note=lambda t: ctx.print(f"note: {t}", file=sys.stderr))
         if found:
-            start = int(ctx.load(found[0], model, opt).get("step", found[1]))
+            extras = ctx.load(found[0], model, opt)
+            start = int(extras.get("step", found[1]))
             if not cfg.quiet:
                 ctx.print(f"resumed from {found[0]} (step {start})")
         elif not cfg.quiet:
             ctx.print(f"note: no complete checkpoint in {cfg.checkpoint_dir}: starting from step 0", file=sys.stderr)
+    if "samples" in extras and int(extras["samples"]) != start * plan.global_batch_size and not cfg.quiet:
+        ctx.print(f"note: the checkpoint's run had drawn {int(extras['samples'])} samples in {start} steps, this plan "
+                  f"draws {plan.global_batch_size} a step: the samples from here on are not those the saved run "
+                  "would have seen (keep the global batch to keep them)", file=sys.stderr)
     ctx.step = start  # dropout masks of a resumed run continue where it stopped
     # step times without a host sync per step: CUDA events read once at the end (the host runs
     # ahead of the GPU, so the host clock would time the launches), the host clock on CPU
-    losses, clock = [], Stopwatch(ctx.device)
+    losses, clock, busy, walls = [], Stopwatch(ctx.device), [], []
+    slow = fault_slowdown(ctx.rank, ctx.world_size)
+    watch = ElasticWatch.from_env()
     for step in range(start, cfg.steps):
+        watch.first_step()
         # next-token batches (HF: with a padded attention mask), or a pkg.mod:build model's own (user_model)
         x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, cfg.seed)
-        t0 = time.perf_counter()
+        t0, busy0 = time.perf_counter(), time.thread_time()
         clock.mark()
         loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
         if cfg.clip:
             ctx.clip_grad_norm_(model, cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if slow > 1.0:  # HETPLAN_FAULT_SLOW: this rank's work takes `slow` times as long
+            _busy_wait((slow - 1.0) * (time.thread_time() - busy0))
+        busy.append(time.thread_time() - busy0)  # this rank's own work: waits for its peers take no CPU time
+        walls.append(time.perf_counter() - t0)
         clock.mark()
         losses.append(loss.detach())
         if not cfg.quiet:  # the step's one host sync, for the printed loss (after it the step is done)
             value = float(loss)
             ctx.print(f"step {step + 1:>4}  loss {value:.6f}  time {(time.perf_counter() - t0) * 1e3:8.1f} ms")
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1)
+            # the sampler's position: step k's batch is drawn from (seed, k) with the global batch size
+            ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1,
+                     samples=(step + 1) * plan.global_batch_size)
+            if watch.stop_for_stragglers(ctx, cfg, busy, walls, cfg.steps - step - 1):
+                ctx.close()
+                sys.stdout.flush()
+                os._exit(EXIT_REPLAN)  # every rank, right after the checkpoint: the supervisor re-plans
         if cfg.die_after and step + 1 == cfg.die_after:
             ctx.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -120,8 +145,10 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
                 os.kill(os.getpid(), signal.SIGKILL)
     losses = torch.stack(losses).tolist() if losses else []  # one sync for the whole run's losses
     times = clock.laps()[::2]  # each step's start to its end, not the batch making between steps
+    rank_busy, stragglers = check_stragglers(ctx, cfg.plan_path, busy)
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
+              "rank_busy_s": rank_busy, "stragglers": [s.record() for s in stragglers],
               "layout": ctx.layout.describe(), "parameters": ctx.parameter_layout(model),
               "peak_memory_bytes": peak_memory_bytes(ctx.device), "device": ctx.device.type,
               "optimizer_implementation": impl}
@@ -136,18 +163,86 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     return result
 
 
-def fault_kills(world_size: int) -> dict[int, int]:
-    """Rank -> the step after which it kills itself (``HETPLAN_FAULT_KILL=RANK:STEP[:WORLD],...``, fault
-    injection for the tests of ``hetplan train --elastic``; WORLD: only in a run of that many processes,
-    so a re-planned run does not die again). Every rank reads all of them: the ranks meet at a barrier
-    before one dies."""
-    kills = {}
-    for item in os.environ.get(FAULT_ENV, "").split(","):
-        parts = [p.strip() for p in item.split(":")]
-        if len(parts) in (2, 3) and all(p.isdigit() for p in parts) and int((parts + [str(world_size)])[2]) == \
-                world_size:
-            kills[int(parts[0])] = int(parts[1])
-    return kills
+def _busy_wait(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (a slower device's work, for the straggler tests)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@dataclass
+class ElasticWatch:
+    """Under ``--elastic`` (the supervisor set ``LAUNCHED_AT_ENV``): what a restart costs, and the
+    stragglers check at each checkpoint (hetplan.app.straggler)."""
+
+    launched_at: float | None = None  # None: not under --elastic
+    restart_s: float | None = None  # given (--restart-cost), else measured at the first step
+    said: bool = False  # the "going on with this plan" line, once a launch
+
+    @staticmethod
+    def from_env() -> ElasticWatch:
+        launched = os.environ.get(LAUNCHED_AT_ENV)
+        given = os.environ.get(RESTART_COST_ENV)
+        return ElasticWatch(float(launched) if launched else None, float(given) if given else None)
+
+    def first_step(self) -> None:
+        """The launch's start to its first step: processes, imports, model, checkpoint load."""
+        if self.launched_at is not None and self.restart_s is None:
+            self.restart_s = max(0.0, time.time() - self.launched_at)
+
+    def stop_for_stragglers(self, ctx: Any, cfg: TrainConfig, busy: list[float], walls: list[float],
+                            steps_left: int) -> bool:
+        """After a checkpoint: whether every rank stops for a re-plan around the stragglers (the same
+        answer on every rank: rank 0 weighs it and broadcasts; every rank must call it). Rank 0 then
+        leaves ``STRAGGLER_FILE`` in the checkpoint directory for the supervisor."""
+        import torch.distributed as dist
+
+        if self.launched_at is None or not walls:
+            return False
+        found = check_stragglers(ctx, cfg.plan_path, busy, report=False)[1]
+        if not found:
+            return False
+        verdict: list[Any] = [None]
+        if ctx.rank == 0:
+            try:
+                verdict[0] = weigh_replan(cfg.plan_path, found, statistics.median(walls), steps_left,
+                                          self.restart_s or 0.0)
+            except HetplanError as exc:  # the run goes on as planned; the line says why
+                verdict[0] = Verdict(False, f"--elastic: cannot re-plan around the straggler(s): {exc}")
+        dist.broadcast_object_list(verdict, src=0)
+        if ctx.rank == 0 and (verdict[0].replan or not self.said):
+            for straggler in found:
+                ctx.print(straggler.line())
+            ctx.print(verdict[0].line)
+            self.said = True
+        if verdict[0].replan and ctx.rank == 0:
+            with open(os.path.join(cfg.checkpoint_dir, STRAGGLER_FILE), "w", encoding="utf-8") as f:
+                json.dump({"slow": {str(s.device): s.slowdown for s in found}, "line": verdict[0].line}, f)
+        ctx.barrier()
+        return bool(verdict[0].replan)
+
+
+def check_stragglers(ctx: Any, plan_path: str, busy: list[float], report: bool = True
+                     ) -> tuple[list[float], list[Straggler]]:
+    """Each rank's median busy seconds a step, and the ranks slower than the plan says
+    (hetplan.app.straggler), the same on every rank (an all-gather of each rank's busy times; every rank
+    must call it); rank 0 prints a line for each straggler (``report``). CPU processes only: on a GPU the
+    host thread's time is not the device's."""
+    import torch.distributed as dist
+
+    if ctx.device.type != "cpu" or not ctx.distributed:
+        return [], []
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, busy)
+    try:  # a plan file of the old format names its cluster; without it, peers are not told apart by type
+        cluster = read_plan_file(plan_path).cluster or load_cluster(ctx.plan.cluster)
+    except (HetplanError, OSError):
+        cluster = None
+    devices = [ctx.layout.position(r).device for r in range(ctx.world_size)]
+    found = find_stragglers(everyone, devices, peer_groups(ctx.layout, cluster))
+    for straggler in found if report else []:
+        ctx.print(straggler.line())
+    return [statistics.median(b) if b else 0.0 for b in everyone], found
 
 
 def peak_memory_bytes(device: Any) -> int:
