@@ -132,3 +132,14 @@ def test_a_pkg_mod_build_model_is_replayed() -> None:
     result = plan_api("tests.smp_models:gpt_lm", "local-cpu-2", 8, top=1, replay=1)
     check = result.report.replay.checks[0]
     assert check is not None and check.fits and not result.report.replay.notes
+
+
+def test_a_plan_file_written_with_the_replay_reads_back(tmp_path) -> None:
+    """``hetplan plan --json`` records each plan's replay; the file is still a plan file that
+    ``estimate``, ``train --plan`` and ``replan`` read (it was refused: "unknown key 'replay'")."""
+    result = plan_api("tiny-gpt", "local-cpu-2", 8, top=2, replay=1)
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(result.record()))
+    assert json.loads(path.read_text())["plans"][0]["replay"]["peak_memory_bytes"] > 0
+    pf = read_plan_file(str(path))
+    assert pf.plans[0] == result.best.plan

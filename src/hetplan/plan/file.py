@@ -184,7 +184,10 @@ def _check_embedded_names(plans: tuple[Plan, ...], model: ModelSpec | None, clus
 # "torchtitan_version": what it adds with --target (hetplan.export.target.target_json)
 _FILE_KEYS = ("format_version", "plans", "model_spec", "cluster_spec", "settings", "planner", "search_time_s",
               "target", "slowdown", "best_overall", "target_notes", "torchtitan_version")
-_ENTRY_KEYS = ("plan", "estimate", "planner_cost_s", "training")
+_ENTRY_KEYS = ("plan", "estimate", "planner_cost_s", "training", "replay")
+# "replay": the replay check's record ('hetplan plan --json' with torch, hetplan.app.replay.replay_record),
+# what was found when the file was written; it is costed again, not trusted, when the file is read
+_REPLAY_KEYS = ("peak_memory_bytes", "capacity_bytes", "fits", "seconds")
 
 
 def _plan_of(where: str, entry: Any) -> Any:
@@ -193,6 +196,8 @@ def _plan_of(where: str, entry: Any) -> Any:
         entry = fields.mapping(where, entry, _ENTRY_KEYS)
         if "planner_cost_s" in entry:
             fields.number(f"{where}.planner_cost_s", entry["planner_cost_s"], 0.0, strict=False)
+        if entry.get("replay") is not None:
+            fields.mapping(f"{where}.replay", entry["replay"], _REPLAY_KEYS)
         return entry["plan"]
     return entry
 
