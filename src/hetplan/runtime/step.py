@@ -9,7 +9,8 @@ global-batch mean (``b_r * dp / B``, also for uneven splits, times the fp16
 loss scale); then the gradients the data-parallel wrappers do not sync: copies
 of a weight tied across stages (summed, as Megatron's embedding group does)
 and expert-parallel experts (summed over their expert-data-parallel group);
-fp16 unscaling (an overflow skips the step); and the global mean loss.
+fp16 unscaling (an overflow skips the step); and the global mean loss,
+its all-reduce left running until the loss is read (hetplan.runtime.pending).
 
 Gradients held from earlier ``train_step`` calls (accumulation) are set aside
 and added back at the end, so that only this call's are synced and scaled.
@@ -31,6 +32,7 @@ from hetplan.plan.spec import Plan
 from hetplan.runtime import dropout as rng
 from hetplan.runtime import microbatch
 from hetplan.runtime import parallelize as par
+from hetplan.runtime import pending
 from hetplan.model.chain import check_chain
 from hetplan.plan.layout import PlanLayout, RankPosition
 from hetplan.runtime.precision import LossScaler
@@ -72,6 +74,7 @@ class TrainingRank(Protocol):
     stage_dp: int
     ep_mesh: Any
     tie_groups: dict[tuple[int, int, int, int], Any]
+    pending_loss: torch.Tensor | None  # the last step's loss, its all-reduce maybe in flight (pending.py)
 
     @property
     def distributed(self) -> bool: ...
@@ -435,17 +438,17 @@ def unscale(ctx: TrainingRank, model: nn.Module) -> bool:
 
 def global_loss(ctx: TrainingRank, total: torch.Tensor) -> torch.Tensor:
     """The global-batch mean loss, on every rank: the last stage's replicas'
-    sums added up. It stays on the device (a 0-dim tensor): reading it is the caller's sync."""
+    sums added up. It stays on the device (a 0-dim tensor): reading it is the
+    caller's sync. The all-reduce is not waited for here (a blocking one stops
+    the host every step, which a plain DDP loop does not): the loss waits for
+    it when first used (hetplan.runtime.pending), and ``ctx.close`` at the latest."""
     if not ctx.distributed:
         return total
     contributes = ctx.is_last_stage and ctx.position.tp_index == 0
     if not contributes:
         total = torch.zeros_like(total)
-    # a plain all_reduce: on NCCL the host only enqueues it. (A functional collective, which waits
-    # when first used, would spare gloo's blocking call, but its AsyncCollectiveTensor refuses
-    # f"{loss:.4f}" on torch 2.13: Tensor.__format__ formats only exact Tensors.)
-    dist.all_reduce(total)
-    return total / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
+    ctx.pending_loss = pending.mean_over(total, ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
+    return ctx.pending_loss
 
 
 # --- gradient clipping ----------------------------------------------------------------------------
