@@ -13,7 +13,8 @@ import pytest
 
 from hetplan.plan.spec import LayerStrategy
 from rt_helpers import make_plan, run
-from speed_helpers import sync_count_worker, write_plan
+from rt_helpers import write_plan as write_plan_file
+from speed_helpers import sync_count_worker, tied_sync_worker, write_plan
 
 MIXED = {0: LayerStrategy(0), 1: LayerStrategy(1, "full"), 2: LayerStrategy(2), 3: LayerStrategy(3, "selective"),
          4: LayerStrategy(1), 5: LayerStrategy(3)}
@@ -115,3 +116,15 @@ def test_optimizer_launches_do_not_grow_with_parameters(name: str, implementatio
 
     assert launches(4, implementation) == launches(32, implementation)
     assert launches(4, "for-loop") < launches(32, "for-loop")
+
+
+# --- weights tied across stages --------------------------------------------------------------------
+def test_tied_sync_collectives_do_not_grow_with_tied_weights(tmp_path: Any) -> None:
+    """The tied copies' gradients are summed in one all-reduce per tie group,
+    not one per tied weight (each rank's copy ``i`` ends as the sum of both
+    ranks' gradients: (1 + i) + (2 + i))."""
+    path = write_plan_file(tmp_path, make_plan(pp=2))
+    for rank, result in enumerate(run(tied_sync_worker, 2, path, (1, 3))):
+        for pairs, got in result.items():
+            assert got["grads"] == [[[3.0 + 2 * i] * 2] * 3 for i in range(pairs)], (rank, pairs, got)
+        assert result[1]["calls"] == result[3]["calls"] == 1, (rank, result)
