@@ -99,3 +99,53 @@ def test_zero2_gathers_once_a_step_and_zero3_on_every_micro_batch(tmp_path) -> N
             counts[zero, micro] = run(gather_count_worker, 2, write_plan(tmp_path, plan, f"z{zero}m{micro}.json"))[0]
     assert counts[2, 8] > 0 and counts[2, 2] == counts[2, 8], counts
     assert counts[3, 2] == 4 * counts[3, 8] > 0, counts
+
+
+# ops that write a copy of tensor data (the bytes of their output): what ZeRO-1's gather may cost
+COPY_OPS = frozenset({"aten.copy_", "aten.cat", "aten.clone", "aten._foreach_copy_", "aten._to_copy"})
+
+
+def zero1_copy_worker(plan_path: str) -> tuple[int, int]:
+    """(bytes the second ZeRO-1 optimizer step copies, bytes of this rank's
+    parameters), the inner optimizer's own copies aside (SGD without momentum
+    copies nothing)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import hetplan.runtime as hr
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import synthetic_batch
+
+    class CopyBytes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func.overloadpacket) in COPY_OPS:
+                written = args[0] if func.overloadpacket is torch.ops.aten._foreach_copy_ else out
+                self.bytes += sum(t.numel() * t.element_size() for t in
+                                  (written if isinstance(written, (list, tuple)) else [written]))
+            return out
+
+    ctx = hr.init(plan_path)
+    model = ctx.parallelize(lambda: build_preset_model(ctx.spec))
+    opt = ctx.optimizer(model, torch.optim.SGD, lr=1e-3)
+    x, y = synthetic_batch(ctx.spec.vocab_size, ctx.spec.seq_len, ctx.plan.global_batch_size, 0, 0)
+    for step in range(2):
+        ctx.train_step(model, (x, y), cross_entropy_loss, return_outputs=False)
+        with CopyBytes() as counter:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctx.close()
+    return counter.bytes, params
+
+
+def test_zero1_step_copies_each_weight_once(tmp_path) -> None:
+    """ZeRO-1's step copies the gathered slices into the weights, each byte
+    once: no staging copy of the slice before the all-gather, no whole
+    parameter put together before it is copied in."""
+    for copied, params in run(zero1_copy_worker, 2, write_plan(tmp_path, make_plan(2, zero=1))):
+        assert 0 < copied <= params, (copied, params)

@@ -253,11 +253,11 @@ RUNTIME_OPTIMIZER = {"adam-mixed": "adamw", "adam-mixed-fp32-grads": "adamw", "a
 # _single_tensor_sgd: buf.mul_().add_(), param.add_()).
 OPTIMIZER_STEP_TEMPORARIES = {"adamw": 2, "sgd": 0}
 # The runtime's ZeRO-1 optimizer (runtime/zero1.py) steps an fp32 copy of this
-# rank's 1/dp slice of each parameter (_Slice.shard, kept: counted with the
-# optimizer states), and after the step gathers every rank's slices into one
-# fp32 buffer of the stage's parameters (gather_slices: ``mine`` and
-# ``gathered``) and one whole parameter at a time (_Slice.assign:
-# torch.cat(parts)): fp32 bytes per ZeRO-1 parameter, and of the largest one.
+# rank's 1/dp slice of each parameter (_Slice.shard, a view into its bucket's
+# send buffer, kept: counted with the optimizer states), and after the step
+# gathers every rank's slices into one fp32 buffer of the stage's parameters
+# (_Bucket.gather: ``gathered``, copied straight into the weights): fp32 bytes
+# per ZeRO-1 parameter.
 ZERO1_SLICE_COPY_BYTES = 4
 ZERO1_GATHER_BYTES = 4
 # FSDP2 reduces one layer's gradients at a time: it copies the layer's fp32

@@ -106,14 +106,13 @@ def step_temporary_bytes(optimizer: str, largest_shard: np.ndarray | float) -> n
     return OPTIMIZER_STEP_TEMPORARIES[optimizer] * FP32_BYTES * largest_shard
 
 
-def zero1_gather_bytes(params: np.ndarray | float, dp: int, largest: np.ndarray | float) -> np.ndarray | float:
+def zero1_gather_bytes(params: np.ndarray | float, dp: int) -> np.ndarray | float:
     """Bytes hetplan's runtime's ZeRO-1 adds after its optimizer step to gather
     the updated slices of ``params`` parameters over ``dp`` ranks (``ZERO1_GATHER_BYTES``:
-    the rank's slices, every rank's, then one whole parameter at a time, the
-    largest of ``largest`` elements)."""
+    every rank's slices, copied from there into the weights)."""
     if dp <= 1:
         return 0.0
-    return ZERO1_GATHER_BYTES * (params * (1.0 + 1.0 / dp) + largest)
+    return ZERO1_GATHER_BYTES * params
 
 
 def activation_bytes(arrays: LayerArrays, tp: int, recompute: str, sequence_parallel: bool,

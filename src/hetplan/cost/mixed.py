@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.cluster.catalog import GPUSpec
-from hetplan.cost.constants import OFFLOAD_RESIDENT_LAYERS, TRANSFORM_PASSES, ZERO1_GATHER_BYTES, ZERO3_GATHERED_LAYERS
+from hetplan.cost.constants import OFFLOAD_RESIDENT_LAYERS, TRANSFORM_PASSES, ZERO3_GATHERED_LAYERS
 from hetplan.cost.groups import first_appearance
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
@@ -269,7 +269,6 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         check_uniform_cp_ep(stage)
     per_layer = []
     weights = grads = optimizer = gathered = kept_per_mb = rebuilt_per_mb = reduce = largest = zero1 = 0.0
-    zero1_largest = 0.0
     experts = np.zeros(3)  # the routed experts' part of weights, grads, optimizer
     for pos, strategy in enumerate(stage.strategies):
         dp, tp = stage.layer_degrees(pos)
@@ -288,10 +287,8 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         tensor = float(kernel.largest_tensor(tp, stage.ep)[index])
         largest = max(largest, tensor / group if strategy.zero >= 1 else tensor)
         if strategy.zero == 1 and group > 1 and kernel.runtime:  # memory.zero1_gather_bytes, layer by layer
-            zero1 += float(zero1_gather_bytes(held_params(kernel, stage, pos), group, 0.0))
-            zero1_largest = max(zero1_largest, ZERO1_GATHER_BYTES * tensor)
-    step = float(step_temporary_bytes(kernel.workload.runtime_optimizer, largest)) + zero1 \
-        + (zero1_largest if zero1 else 0.0)
+            zero1 += float(zero1_gather_bytes(held_params(kernel, stage, pos), group))
+    step = float(step_temporary_bytes(kernel.workload.runtime_optimizer, largest)) + zero1
     positions = {layer.tp: pos for pos, layer in enumerate(per_layer)}  # one layer of each TP degree
     shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
               for tp, pos in positions.items()}  # a replica's share of a micro-batch, per TP degree

@@ -325,7 +325,7 @@ class StageCosts:
         dp = o.dp * o.cp
         step = step_temporary_bytes(k.workload.runtime_optimizer, largest / dp if o.zero >= 1 else largest)
         if o.zero == 1 and k.runtime:
-            step = step + zero1_gather_bytes(held, dp, largest)
+            step = step + zero1_gather_bytes(held, dp)
         return step
 
     # --- one range -----------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from hetplan.runtime.build import ModelBuild, model_build
 from hetplan.runtime.cp import ContextShard, check_sequence
 from hetplan.plan.layout import PlanLayout, RankPosition
 from hetplan.runtime.offload import HostPool
+from hetplan.runtime.pending import PendingLoss
 from hetplan.runtime.console import remember_context
 from hetplan.runtime.step import ModelInfo
 from hetplan.runtime.zero1 import Zero1Optimizer
@@ -94,6 +95,7 @@ class RuntimeContext:
         self.mesh = mesh
         self.ep_mesh = ep_mesh
         self.tie_groups = tie_groups
+        self.pending_loss: torch.Tensor | None = None  # the last train_step's loss (hetplan.runtime.pending)
         self.notes = notes
         self.last_outputs: Any = None
         self.stage_dp = layout.stage_dp(position.pp_index)  # this rank's stage
@@ -413,6 +415,9 @@ class RuntimeContext:
         if self._heartbeat is not None:  # before the process group (and maybe the store) goes
             self._heartbeat.stop()
             self._heartbeat = None
+        if isinstance(self.pending_loss, PendingLoss):  # its all-reduce done before the group goes
+            self.pending_loss.settle()
+        self.pending_loss = None
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.mesh = None

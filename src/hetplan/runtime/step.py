@@ -9,7 +9,8 @@ global-batch mean (``b_r * dp / B``, also for uneven splits, times the fp16
 loss scale); then the gradients the data-parallel wrappers do not sync: copies
 of a weight tied across stages (summed, as Megatron's embedding group does)
 and expert-parallel experts (summed over their expert-data-parallel group);
-fp16 unscaling (an overflow skips the step); and the global mean loss.
+fp16 unscaling (an overflow skips the step); and the global mean loss,
+its all-reduce left running until the loss is read (hetplan.runtime.pending).
 
 Gradients held from earlier ``train_step`` calls (accumulation) are set aside
 and added back at the end, so that only this call's are synced and scaled.
@@ -31,6 +32,7 @@ from hetplan.plan.spec import Plan
 from hetplan.runtime import dropout as rng
 from hetplan.runtime import microbatch
 from hetplan.runtime import parallelize as par
+from hetplan.runtime import pending
 from hetplan.model.chain import check_chain
 from hetplan.plan.layout import PlanLayout, RankPosition
 from hetplan.runtime.precision import LossScaler
@@ -72,6 +74,7 @@ class TrainingRank(Protocol):
     stage_dp: int
     ep_mesh: Any
     tie_groups: dict[tuple[int, int, int, int], Any]
+    pending_loss: torch.Tensor | None  # the last step's loss, its all-reduce maybe in flight (pending.py)
 
     @property
     def distributed(self) -> bool: ...
@@ -363,32 +366,50 @@ def _tied_copies(ctx: TrainingRank, model: nn.Module,
 def sync_tied_grads(ctx: TrainingRank, model: nn.Module, info: ModelInfo) -> None:
     """Copies of a weight tied across stages (embedding / LM head) get the
     sum of both gradients, as the single tied tensor would (Megatron's
-    embedding group); equal values and equal updates keep them in sync."""
+    embedding group); equal values and equal updates keep them in sync. One
+    coalesced all-reduce per tie group (and dtype), however many weights it
+    ties, the groups in one order on every rank (each rank's collectives a
+    subsequence of one global order: no two ranks wait on each other)."""
     if not info.tied_pairs:
         return
     if ctx.layout.heterogeneous:
         _sync_tied_grads_full(ctx, model, info)
         return
     pos = ctx.position
-    for a, b, p in _tied_copies(ctx, model, info):
-        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        row = pos.dp_index * ctx.layout.cp + pos.cp_index
-        dist.all_reduce(g, group=ctx.tie_groups[(a, b, row, pos.tp_index)])
+    row = pos.dp_index * ctx.layout.cp + pos.cp_index
+    for key, params in _by_tie_group(_tied_copies(ctx, model, info), (row, pos.tp_index)):
+        for (grads,) in _by_device_dtype([_local(p.grad) for p in params]):
+            all_reduce_coalesced(grads, ctx.tie_groups[key])
+
+
+def _by_tie_group(copies: Iterator[tuple[int, int, nn.Parameter]],
+                  where: tuple[int, int]) -> list[tuple[tuple[int, int, int, int], list[nn.Parameter]]]:
+    """This rank's tied copies by the tie group that joins them (the stages
+    ``a < b`` and ``where``: this rank's (dp x cp row, tp index), or (-1, -1)),
+    in sorted group order."""
+    groups: dict[tuple[int, int, int, int], list[nn.Parameter]] = {}
+    for a, b, p in copies:
+        groups.setdefault((a, b, *where), []).append(p)
+    return sorted(groups.items(), key=lambda item: item[0])
 
 
 def _sync_tied_grads_full(ctx: TrainingRank, model: nn.Module, info: ModelInfo) -> None:
     """Tied copies on stages of different (dp, tp) are sharded differently:
     sum the full gradients over both stages' ranks (each rank weighs its
-    stage's copy by 1/ranks of the stage), then keep this rank's shard."""
-    for a, b, p in _tied_copies(ctx, model, info):
-        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-        full /= len(ctx.layout.stage_ranks(ctx.position.pp_index))
-        dist.all_reduce(full, group=ctx.tie_groups[(a, b, -1, -1)])
-        if isinstance(p.grad, DTensor):
-            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            p.grad.to_local().copy_(local)
-        else:
-            p.grad.copy_(full)
+    stage's copy by 1/ranks of the stage), then keep this rank's shard; one
+    coalesced all-reduce per tie group and dtype."""
+    ranks = len(ctx.layout.stage_ranks(ctx.position.pp_index))
+    for key, params in _by_tie_group(_tied_copies(ctx, model, info), (-1, -1)):
+        fulls = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in params]
+        torch._foreach_div_(fulls, ranks)
+        for (group,) in _by_device_dtype(fulls):
+            all_reduce_coalesced(group, ctx.tie_groups[key])
+        for p, full in zip(params, fulls):
+            if isinstance(p.grad, DTensor):
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.grad.to_local().copy_(local)
+            else:
+                p.grad.copy_(full)
 
 
 def sync_expert_grads(ctx: TrainingRank, model: nn.Module, info: ModelInfo) -> None:
@@ -411,7 +432,11 @@ def sync_expert_grads(ctx: TrainingRank, model: nn.Module, info: ModelInfo) -> N
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
     """Sum ``tensors`` over ``group`` in one collective: flattened into one
     buffer and copied back (as DDP's buckets do), not one all-reduce per tensor,
-    which pays the group's latency once per tensor."""
+    which pays the group's latency once per tensor. One contiguous tensor is
+    reduced in place (no copy)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0], group=group)
+        return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
     torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
@@ -435,17 +460,17 @@ def unscale(ctx: TrainingRank, model: nn.Module) -> bool:
 
 def global_loss(ctx: TrainingRank, total: torch.Tensor) -> torch.Tensor:
     """The global-batch mean loss, on every rank: the last stage's replicas'
-    sums added up. It stays on the device (a 0-dim tensor): reading it is the caller's sync."""
+    sums added up. It stays on the device (a 0-dim tensor): reading it is the
+    caller's sync. The all-reduce is not waited for here (a blocking one stops
+    the host every step, which a plain DDP loop does not): the loss waits for
+    it when first used (hetplan.runtime.pending), and ``ctx.close`` at the latest."""
     if not ctx.distributed:
         return total
     contributes = ctx.is_last_stage and ctx.position.tp_index == 0
     if not contributes:
         total = torch.zeros_like(total)
-    # a plain all_reduce: on NCCL the host only enqueues it. (A functional collective, which waits
-    # when first used, would spare gloo's blocking call, but its AsyncCollectiveTensor refuses
-    # f"{loss:.4f}" on torch 2.13: Tensor.__format__ formats only exact Tensors.)
-    dist.all_reduce(total)
-    return total / (ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
+    ctx.pending_loss = pending.mean_over(total, ctx.layout.stage_dp(ctx.layout.pp - 1) * ctx.layout.cp)
+    return ctx.pending_loss
 
 
 # --- gradient clipping ----------------------------------------------------------------------------

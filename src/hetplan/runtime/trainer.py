@@ -123,7 +123,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         busy.append(time.thread_time() - busy0)  # this rank's own work: waits for its peers take no CPU time
         walls.append(time.perf_counter() - t0)
         clock.mark()
-        losses.append(loss.detach())
+        losses.append(loss)  # no grad; a detach would wait for its all-reduce (runtime/pending.py)
         if not cfg.quiet:  # the step's one host sync, for the printed loss (after it the step is done)
             value = float(loss)
             ctx.print(f"step {step + 1:>4}  loss {value:.6f}  time {(time.perf_counter() - t0) * 1e3:8.1f} ms")

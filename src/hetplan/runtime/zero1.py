@@ -5,8 +5,9 @@ FSDP2 has no ZeRO-1 (``fully_shard`` always shards gradients and, between
 steps, weights), so a ZeRO-1 layer runs under ``replicate`` (whole weights,
 gradients all-reduced) and this optimizer shards what remains: each dp rank
 keeps the optimizer states of one contiguous 1/dp slice of every ZeRO-1
-parameter (flattened, its TP-local tensor), updates only that slice, and the
-updated slices are all-gathered back into the whole parameter -- the
+parameter (flattened, its TP-local tensor), updates only that slice (in place, in
+the buffer the all-gather sends), and the updated slices are all-gathered
+back into the whole parameter, each element copied once -- the
 all-reduce + all-gather of ZeRO-1 that the cost model charges
 (``cost.stage.zero12_gradient_collective``). Parameters of other layers go to
 the wrapped optimizer unchanged. Get one with ``ctx.optimizer(cls, **kwargs)``.
@@ -35,47 +36,71 @@ class _Slice:
         self.param, self.group = param, group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.size = size
-        flat = _local(param).detach().reshape(-1)
-        self.numel = flat.numel()
+        self.numel = _local(param).numel()
         self.chunk = math.ceil(self.numel / size)
         self.start, self.stop = min(rank * self.chunk, self.numel), min((rank + 1) * self.chunk, self.numel)
-        self.shard = flat[self.start:self.stop].clone()  # what the inner optimizer updates
+        self.shard = torch.empty(0)  # what the inner optimizer updates: a view into its bucket's send buffer
+        self.offset = 0  # where its chunk starts in that buffer (and in each rank's row of the gathered one)
 
     def take_grad(self) -> None:
         grad = self.param.grad
         self.shard.grad = None if grad is None else _local(grad).reshape(-1)[self.start:self.stop]
 
-    def padded(self) -> torch.Tensor:
-        """This rank's updated slice, zero-padded to the common chunk length."""
-        padded = torch.zeros(self.chunk, dtype=self.shard.dtype, device=self.shard.device)
-        padded[:self.stop - self.start] = self.shard.detach()
-        return padded
+    def pieces(self, per_rank: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(parts of the flat local parameter, every rank's updated slice of it
+        in the gathered ``per_rank`` rows): the copies that put it back together."""
+        flat = _local(self.param).detach().view(-1)
+        into, out = [], []
+        for r in range(self.size):
+            lo, hi = min(r * self.chunk, self.numel), min((r + 1) * self.chunk, self.numel)
+            if hi > lo:
+                into.append(flat[lo:hi])
+                out.append(per_rank[r, self.offset:self.offset + hi - lo])
+        return into, out
 
-    def assign(self, parts: list[torch.Tensor]) -> None:
-        """The whole (local) parameter from every rank's padded slice, in rank order."""
-        with torch.no_grad():
-            _local(self.param).view(-1).copy_(torch.cat(parts)[:self.numel])
 
+class _Bucket:
+    """The ZeRO-1 parameters of one (group, dtype, device): their slices laid
+    end to end, each zero-padded to its chunk length, in one send buffer the
+    inner optimizer updates in place (its shards are views into it), so the
+    all-gather sends it as it is, with no copy into a staging buffer."""
 
-def gather_slices(slices: list[_Slice]) -> None:
-    """Every rank's updated slices back into the whole parameters: one
-    all-gather per (group, dtype, device) of all its slices laid end to end,
-    as the cost model charges one all-gather of the stage's bytes (a
-    collective per parameter pays the group's latency once per tensor, which
-    on gloo costs more than the bytes)."""
-    buckets: dict[tuple[int, torch.dtype, torch.device], list[_Slice]] = {}
-    for s in slices:
-        buckets.setdefault((id(s.group), s.shard.dtype, s.shard.device), []).append(s)
-    for bucket in buckets.values():
-        group, size = bucket[0].group, bucket[0].size
-        mine = torch.cat([s.padded() for s in bucket])
-        gathered = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
-        per_rank = gathered.view(size, mine.numel())
+    def __init__(self, slices: list[_Slice]) -> None:
+        self.slices, self.group, self.size = slices, slices[0].group, slices[0].size
+        first = _local(slices[0].param)
+        self.send = torch.zeros(sum(s.chunk for s in slices), dtype=first.dtype, device=first.device)
         offset = 0
-        for s in bucket:
-            s.assign([per_rank[r, offset:offset + s.chunk] for r in range(size)])
+        for s in slices:
+            s.offset = offset
+            s.shard = self.send[offset:offset + s.stop - s.start]
+            s.shard.copy_(_local(s.param).detach().reshape(-1)[s.start:s.stop])
             offset += s.chunk
+
+    def gather(self) -> None:
+        """Every rank's updated slices back into the whole parameters: one
+        all-gather, then each parameter element copied once (a grouped copy)."""
+        gathered = torch.empty(self.size * self.send.numel(), dtype=self.send.dtype, device=self.send.device)
+        dist.all_gather_into_tensor(gathered, self.send, group=self.group)
+        per_rank = gathered.view(self.size, self.send.numel())
+        into, out = [], []
+        for s in self.slices:
+            a, b = s.pieces(per_rank)
+            into += a
+            out += b
+        with torch.no_grad():
+            torch._foreach_copy_(into, out)
+
+
+def buckets_of(slices: list[_Slice]) -> list[_Bucket]:
+    """The slices bucketed by (group, dtype, device): one all-gather each, as
+    the cost model charges one all-gather of the stage's bytes (a collective
+    per parameter pays the group's latency once per tensor, which on gloo
+    costs more than the bytes)."""
+    groups: dict[tuple[int, torch.dtype, torch.device], list[_Slice]] = {}
+    for s in slices:
+        p = _local(s.param)
+        groups.setdefault((id(s.group), p.dtype, p.device), []).append(s)
+    return [_Bucket(group) for group in groups.values()]
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -92,6 +117,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         params = list(dict.fromkeys(params))
         self.group = group
         self.slices = [_Slice(p, (groups or {}).get(id(p), group)) for p in params if id(p) in zero1]
+        self.buckets = buckets_of(self.slices)  # sets each slice's shard
         others = [p for p in params if id(p) not in zero1]
         self.inner = cls([s.shard for s in self.slices] + others, **kwargs)
         self.param_groups = self.inner.param_groups
@@ -106,7 +132,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for s in self.slices:
             s.take_grad()
         loss = self.inner.step(closure)
-        gather_slices(self.slices)
+        for bucket in self.buckets:
+            bucket.gather()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
