@@ -70,7 +70,8 @@ def _byte_size(text: str) -> int:
 def register(subparsers: Any) -> None:
     """Add ``profile`` to the hetplan CLI's subparsers."""
     p = subparsers.add_parser("profile", help="measure layer times and collectives on your hardware (needs torch)")
-    p.add_argument("--model", type=name_or_path, required=True, help="preset name, HF config.json or ModelSpec .json the runtime builds")
+    p.add_argument("--model", type=name_or_path, required=True, help="preset name, HF config.json, pkg.mod:build or ModelSpec .json: "
+                   "measured as hetplan train builds it")
     p.add_argument("--cluster", type=name_or_path, required=True,
                    help="local-cpu-N (measured here) or a GPU cluster (prints the command per node)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length for HF configs")
