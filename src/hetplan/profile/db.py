@@ -256,9 +256,9 @@ class ProfileDB:
                 raise HetplanError(f"profile data_parallel entry for {point.layer}: zero must be one of "
                                    f"{', '.join(map(str, DATA_PARALLEL_ZERO))}, got {point.zero}")
         self.host = sorted(host, key=lambda h: h.gpu)
-        for point in self.host:
-            if point.op_s <= 0 or point.ops <= 0:
-                raise HetplanError(f"profile host entry for {point.gpu}: op_s and ops must be positive")
+        for host_point in self.host:
+            if host_point.op_s <= 0 or host_point.ops <= 0:
+                raise HetplanError(f"profile host entry for {host_point.gpu}: op_s and ops must be positive")
         self.machine = dict(machine or {})
         self.settings = dict(settings or {})
 
