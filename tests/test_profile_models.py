@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import textwrap
 
 import numpy as np
 import pytest
@@ -27,39 +26,6 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 64,
          "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
 SEQ = 8
-
-# A chain whose blocks take the model's keyword input `mask`, passed on unchanged (hetplan.model.chain)
-MASKED = textwrap.dedent("""
-    import torch
-    from torch import nn
-
-
-    class Block(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.fc = nn.Linear(d, d)
-
-        def forward(self, h, mask=None):
-            return torch.where(mask[..., None], h + torch.tanh(self.fc(h)), h)
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp = nn.Linear(4, 8)
-            self.blocks = nn.ModuleList([Block(8) for _ in range(2)])
-            self.out = nn.Linear(8, 2)
-
-        def forward(self, x, mask):
-            h = self.inp(x)
-            for b in self.blocks:
-                h = b(h, mask=mask)
-            return self.out(h)
-
-
-    def build():
-        return Net(), (torch.zeros(2, 3, 4), torch.ones(2, 3, dtype=torch.bool))
-""")
 
 QUICK = ["--cluster", "local-cpu-1", "--max-micro-batch", "1", "--repeats", "1", "--warmup", "0",
          "--comm-max-bytes", "0"]
@@ -105,15 +71,12 @@ def test_hf_config_profile_has_every_layer_the_loss_and_the_host_time(llama_prof
 
 
 @pytest.mark.distributed
-def test_build_function_profile_passes_each_block_its_mask(tmp_path, monkeypatch) -> None:
+def test_build_function_profile_measures_each_layer_on_what_the_one_before_gives(tmp_path) -> None:
+    """An encoder-decoder whose layers hand tuples on (tests/smp_models.py), with its default loss."""
     pytest.importorskip("torch")
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "um_profiled.py").write_text(MASKED)
-    monkeypatch.syspath_prepend(str(code))
     out = str(tmp_path / "p.json")
-    assert main(["profile", "--model", "um_profiled:build", *QUICK, "-o", out]) == 0
-    _assert_profiles_every_layer(load_profile(out), load_model("um_profiled:build"))
+    assert main(["profile", "--model", "tests.smp_models:encdec", *QUICK, "-o", out]) == 0
+    _assert_profiles_every_layer(load_profile(out), load_model("tests.smp_models:encdec"))
 
 
 def test_the_cost_kernel_takes_the_profiles_host_time(tmp_path) -> None:
