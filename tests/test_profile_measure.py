@@ -15,8 +15,8 @@ from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.model.presets import get_model
 from hetplan.profile import load_profile
-from hetplan.profile.db import (ChainPoint, CollectiveFit, CollectivePoint, DataParallelPoint, ProfileDB,
-                                ProfileEntry, Unsupported)
+from hetplan.profile.db import (LOSS_KEY, ChainPoint, CollectiveFit, CollectivePoint, DataParallelPoint, HostPoint,
+                                ProfileDB, ProfileEntry, Unsupported)
 from hetplan.runtime.profiling.collectives import bus_factor, fit_alpha_beta, message_sizes
 from hetplan.runtime.profiling.job import (ProfileJob, batch_sizes, chain_layers, data_parallel_measurements,
                                            distinct_layers)
@@ -34,6 +34,7 @@ def _full_db() -> ProfileDB:
                      chains=[ChainPoint("CPU", 1, 1, ("blk", "blk"), 0.005, 0.009)],
                      data_parallel=[DataParallelPoint("blk", "CPU", 1, 2, 3, 1000, 0.001, 0.003),
                                     DataParallelPoint("emb", "CPU", 1, 2, 3, 3000, 0.001, 0.001)],
+                     host=[HostPoint("CPU", 2.5e-5, 35)],
                      machine={"hostname": "h", "torch": "2.x", "threads": 1, "cores": 2},
                      settings={"model": "m", "tp": [1, 2], "repeats": 3})
 
@@ -46,7 +47,7 @@ def test_round_trip_keeps_everything(tmp_path) -> None:
     back = load_profile(path)
     assert back.entries() == db.entries()
     assert back.collectives == db.collectives and back.fits == db.fits and back.unsupported == db.unsupported
-    assert back.data_parallel == db.data_parallel and back.chains == db.chains
+    assert back.data_parallel == db.data_parallel and back.chains == db.chains and back.host == db.host
     assert back.machine == db.machine and back.settings == db.settings
     assert json.loads(path.read_text())["format"] == "hetplan-profile"
 
@@ -72,6 +73,8 @@ def test_old_files_with_entries_only_still_load(tmp_path) -> None:
     (lambda d: d["data_parallel"][0].update(zero=1), "zero must be one of 0, 2, 3"),
     (lambda d: d["data_parallel"][0].pop("params"), "params"),
     (lambda d: d["chains"][0].update(layers="blk"), "layers"),
+    (lambda d: d["host"][0].update(op_s=0), "op_s and ops must be positive"),
+    (lambda d: d["host"][0].pop("ops"), "ops"),
 ])
 def test_unknown_or_bad_keys_are_one_error_naming_them(tmp_path, change, named) -> None:
     data = _full_db().to_dict()
@@ -173,7 +176,8 @@ def test_every_layer_kind_tp_and_batch_is_measured(measured: ProfileDB) -> None:
     spec = get_model(MODEL)
     kinds = distinct_layers(spec)
     assert [layer.name for layer in kinds] == ["embed", "layers.0", "head"]  # four blocks, profiled once
-    assert len(measured) == len(kinds) * 2 * 3
+    assert len(measured) == len(kinds) * 2 * 3 + 3  # and the loss at tp 1, each batch
+    assert {e.batch for e in measured.entries() if e.layer == LOSS_KEY} == {1, 2, 4}
     for layer in kinds:
         for tp in (1, 2):
             for batch in (1, 2, 4):
@@ -183,6 +187,7 @@ def test_every_layer_kind_tp_and_batch_is_measured(measured: ProfileDB) -> None:
         assert e.memory_bytes > 0 and e.fwd_spread_s >= 0
         if e.tp == 1:
             assert e.tp_comm_fwd_s == e.tp_comm_bwd_s == 0
+    assert [h.gpu for h in measured.host] == ["CPU"] and measured.host_op_s("CPU") > 0
     block = spec.layers[1].profile_key
     tp2 = [e for e in measured.entries() if e.layer == block and e.tp == 2]
     assert all(e.tp_comm_fwd_s > 0 and e.tp_comm_bwd_s > 0 for e in tp2)  # two all-reduces each way (Megatron)

@@ -243,10 +243,11 @@ def loss_time(arrays: LayerArrays, work: Work) -> tuple[np.ndarray, np.ndarray]:
     return forward, ELEMENTWISE_BACKWARD_RATIO * forward
 
 
-def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int) -> RunOverhead | None:
+def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int, host_op_s: float = HOST_OP_S) -> RunOverhead | None:
     """The training code's per-micro-batch costs on one GPU of a TP group of
     ``tp`` (TP divides the weights each rank casts; every rank dispatches every
-    operator); None where ``arrays`` carry no run columns (``runtime_time_arrays``)."""
+    operator, ``host_op_s`` each: a profile's measured value or the default);
+    None where ``arrays`` carry no run columns (``runtime_time_arrays``)."""
     if arrays.host_ops_fwd is None or arrays.host_ops_bwd is None:
         return None
     bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
@@ -256,8 +257,8 @@ def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int) -> RunOverhead | No
                       where=traffic > 0)
     return RunOverhead(arrays.column("weight_fwd_bytes") * share / bandwidth,
                        arrays.column("weight_bwd_bytes") * share / bandwidth,
-                       arrays.host_ops_fwd * HOST_OP_S, arrays.host_ops_bwd * HOST_OP_S,
-                       arrays.column("recompute_gemm_share"), rerun, arrays.column("host_ops_recompute") * HOST_OP_S)
+                       arrays.host_ops_fwd * host_op_s, arrays.host_ops_bwd * host_op_s,
+                       arrays.column("recompute_gemm_share"), rerun, arrays.column("host_ops_recompute") * host_op_s)
 
 
 def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
@@ -276,7 +277,7 @@ def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
 def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int,
                     sequence_parallel: bool, fp8: bool = False, expert_load: float = 1.0,
                     cp: int = 1, expert_batch: float = 1.0,
-                    attention_kernel: str = DEFAULT_ATTENTION_KERNEL) -> Work:
+                    attention_kernel: str = DEFAULT_ATTENTION_KERNEL, host_op_s: float = HOST_OP_S) -> Work:
     """One sample's forward work per layer on one GPU of a TP group (the cost
     kernel caches it per GPU type and scales it to any micro-batch share).
     ``fp8``: the matmuls of linear layers run in FP8 (Transformer Engine
@@ -288,7 +289,8 @@ def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int
     parallelism (ep · imbalance with ep > 1); ``cp``: the busiest
     context-parallel rank's attention over an even share (the kernel scales
     the sample to the rank's 1/cp); ``attention_kernel``: the fused attention
-    implementation (``attention_efficiency``)."""
+    implementation (``attention_efficiency``); ``host_op_s``: host seconds per
+    dispatched operator (``run_overhead``)."""
     expert_flops = arrays.column("expert_flops")
     rate = _gemm_peak(gpu, dtype_bytes, fp8) * gemm_efficiency(gpu, _dims(arrays), tp)
     share = arrays.tp_share(tp)  # 1/tp, or 1 on layers that run whole on every TP rank
@@ -305,7 +307,7 @@ def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int
     memory_s = mem / (gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY)
     launch_s = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM) * KERNEL_LAUNCH_S
     return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s, expert_s, expert_tokens,
-                run_overhead(arrays, gpu, tp))
+                run_overhead(arrays, gpu, tp, host_op_s))
 
 
 def _fused(arrays: LayerArrays) -> np.ndarray:

@@ -53,6 +53,7 @@ from hetplan.cost.constants import (
     DEFAULT_HOST_LINK,
     FSDP_REDUCE_BUFFER_LAYERS,
     GPU_HOST_LINK,
+    HOST_OP_S,
     HOST_LINK_BYTES_PER_S,
     MEMORY_BANDWIDTH_EFFICIENCY,
     OFFLOAD_RESIDENT_LAYERS,
@@ -270,8 +271,15 @@ class CostKernel:
         if found is None:
             found = self._units[key] = per_sample_work(self.arrays, gpu, tp, self.dtype_bytes, sequence_parallel,
                                                        self.workload.fp8, expert_load, cp, expert_batch,
-                                                       self.workload.attention_kernel)
+                                                       self.workload.attention_kernel, self.host_op_s(gpu))
         return found
+
+    def host_op_s(self, gpu: GPUSpec) -> float:
+        """Host seconds per dispatched operator on ``gpu``: what ``hetplan profile``
+        measured there (``ProfileDB.host_op_s``), else the fitted default ``HOST_OP_S``."""
+        read = getattr(self.workload.profile, "host_op_s", None)
+        measured = read(gpu.name) if read is not None else None
+        return measured if measured is not None else HOST_OP_S
 
     def run_detail(self, gpu: GPUSpec, batch: float, tp: int, first: int, end: int) -> tuple[float, float]:
         """Seconds of one micro-batch of ``batch`` samples on layers ``first``..``end-1``

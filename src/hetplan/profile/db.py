@@ -24,6 +24,7 @@ File format (JSON; every field and unit in docs/profiling.md)::
                  "head:..."], "fwd_s": 0.031, "bwd_s": 0.062}],
      "data_parallel": [{"layer": "decoder:...", "gpu": "T4", "tp": 1, "ranks": 2, "zero": 3, "params": 787456,
                         "fwd_extra_s": 0.004, "bwd_extra_s": 0.009}],
+     "host": [{"gpu": "T4", "op_s": 1.4e-05, "ops": 250}],
      "machine": {"hostname": "...", "torch": "2.13.0", ...},
      "settings": {"model": "tiny-gpt", ...}}
 
@@ -42,6 +43,13 @@ gradient all-reduce; ZeRO-3: ``fully_shard`` and its gathers and
 reduce-scatters; ZeRO-2 in between), copies and hooks included: :meth:`ProfileDB.data_parallel_rate`
 turns them into seconds per parameter, which the cost model uses in place of
 its alpha-beta estimate of those collectives.
+
+``host`` holds the host time to dispatch one ATen operator on each GPU type
+(``op_s``, from a run of ``ops`` tiny operators, forward and backward under
+autocast): :meth:`ProfileDB.host_op_s`, which the cost kernel takes in place of
+its default ``HOST_OP_S`` for host-bound passes. The entry keyed
+:data:`LOSS_KEY` is the training loss on the head's output (the runtime applies
+it outside the head's module), measured beside the layers.
 """
 
 from __future__ import annotations
@@ -172,12 +180,24 @@ class ChainPoint:
     bwd_s: float
 
 
+@dataclass(frozen=True)
+class HostPoint:
+    """Host seconds per dispatched ATen operator on one GPU type (``op_s``),
+    from timing ``ops`` tiny operators whose device work is shorter than their dispatch."""
+
+    gpu: str
+    op_s: float
+    ops: int
+
+
+# The entry key of the measured loss (no layer's profile_key: those are "<kind>:<shape>")
+LOSS_KEY = "loss"
 DATA_PARALLEL_ZERO = (0, 2, 3)  # the wrappers hetplan profile measures (runtime/parallelize.apply_dp)
 MACHINE_KEYS = ("hostname", "torch", "python", "platform", "device", "backend", "threads", "processes", "cores")
 SETTINGS_KEYS = ("model", "seq_len", "cluster", "precision", "tp", "batches", "warmup", "repeats",
                  "comm_max_bytes", "timer", "statistic")
 _TOP_KEYS = ("format", "version", "entries", "collectives", "fits", "unsupported", "chains", "data_parallel",
-             "machine", "settings")
+             "host", "machine", "settings")
 
 
 def _compose(table: Mapping[int, ProfileEntry], batch: float,
@@ -221,7 +241,8 @@ class ProfileDB:
     def __init__(self, entries: Iterable[ProfileEntry] = (), *, collectives: Iterable[CollectivePoint] = (),
                  fits: Iterable[CollectiveFit] = (), unsupported: Iterable[Unsupported] = (),
                  chains: Iterable[ChainPoint] = (), data_parallel: Iterable[DataParallelPoint] = (),
-                 machine: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None) -> None:
+                 host: Iterable[HostPoint] = (), machine: Mapping[str, Any] | None = None,
+                 settings: Mapping[str, Any] | None = None) -> None:
         self._by_key: dict[tuple[str, str, int], dict[int, ProfileEntry]] = {}
         for entry in entries:
             self.add(entry)
@@ -234,6 +255,10 @@ class ProfileDB:
             if point.zero not in DATA_PARALLEL_ZERO:
                 raise HetplanError(f"profile data_parallel entry for {point.layer}: zero must be one of "
                                    f"{', '.join(map(str, DATA_PARALLEL_ZERO))}, got {point.zero}")
+        self.host = sorted(host, key=lambda h: h.gpu)
+        for host_point in self.host:
+            if host_point.op_s <= 0 or host_point.ops <= 0:
+                raise HetplanError(f"profile host entry for {host_point.gpu}: op_s and ops must be positive")
         self.machine = dict(machine or {})
         self.settings = dict(settings or {})
 
@@ -247,6 +272,14 @@ class ProfileDB:
 
     def entries(self) -> list[ProfileEntry]:
         return [e for k in sorted(self._by_key) for _, e in sorted(self._by_key[k].items())]
+
+    def layers(self) -> set[str]:
+        """The layer keys measured at any GPU type, TP degree and batch (the loss included)."""
+        return {layer for layer, _, _ in self._by_key}
+
+    def host_op_s(self, gpu: str) -> float | None:
+        """Measured host seconds per dispatched operator on ``gpu``; None where not measured."""
+        return next((h.op_s for h in self.host if h.gpu == gpu), None)
 
     def has(self, layer: str, gpu: str, tp: int) -> bool:
         return (layer, gpu, tp) in self._by_key
@@ -301,7 +334,8 @@ class ProfileDB:
         parts = {"collectives": [asdict(c) for c in self.collectives], "fits": [asdict(f) for f in self.fits],
                  "unsupported": [asdict(u) for u in self.unsupported],
                  "chains": [{**asdict(c), "layers": list(c.layers)} for c in self.chains],
-                 "data_parallel": [asdict(d) for d in self.data_parallel], "machine": self.machine,
+                 "data_parallel": [asdict(d) for d in self.data_parallel],
+                 "host": [asdict(h) for h in self.host], "machine": self.machine,
                  "settings": self.settings}
         data.update({k: v for k, v in parts.items() if v})
         return data
@@ -326,6 +360,7 @@ class ProfileDB:
             unsupported=_records(data.get("unsupported", []), Unsupported, f"{source}: unsupported"),
             chains=_records(data.get("chains", []), ChainPoint, f"{source}: chains"),
             data_parallel=_records(data.get("data_parallel", []), DataParallelPoint, f"{source}: data_parallel"),
+            host=_records(data.get("host", []), HostPoint, f"{source}: host"),
             machine=_flat_object(data.get("machine", {}), MACHINE_KEYS, f"{source}: machine"),
             settings=_flat_object(data.get("settings", {}), SETTINGS_KEYS, f"{source}: settings"),
         )
@@ -340,7 +375,7 @@ class ProfileDB:
 
 # --- checking what a file holds ---------------------------------------------------------
 _ENTRY_KINDS = {"layer": "text", "gpu": "text", "tp": "tp", "batch": "batch", "memory_bytes": "count"}
-_RECORD_KINDS = {"op": "text", "link": "text", "reason": "text", "ranks": "ranks", "bytes": "whole",
+_RECORD_KINDS = {"ops": "whole", "op": "text", "link": "text", "reason": "text", "ranks": "ranks", "bytes": "whole",
                  "layer": "text", "gpu": "text", "zero": "count", "params": "whole", "tp": "tp", "batch": "batch",
                  "layers": "texts"}
 # The largest a counted field may be: a TP group lies within one node (at most

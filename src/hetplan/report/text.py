@@ -187,11 +187,29 @@ def workload_header(workload: Workload, extra: str = "") -> str:
         lines.append(f"costs    measured layer times ({len(workload.profile)} profile entries)"
                      + (f" and data-parallel wrappers ({measured_dp} points)" if measured_dp else "")
                      + " where the profile has them, the analytic model elsewhere")
+        lines += _profile_coverage(workload)
     if workload.calibration is not None:
         lines.append(f"rates    calibrated: {workload.calibration.describe()}")
     if extra:
         lines.append(extra)
     return "\n".join(lines)
+
+
+def _profile_coverage(workload: Workload) -> list[str]:
+    """What a profile measured beyond layer times (the host time per operator)
+    and the model's layer kinds it did not measure, which stay modelled."""
+    profile = workload.profile
+    lines = []
+    host = getattr(profile, "host", ())
+    if host:
+        lines.append("host     dispatch measured: " + ", ".join(f"{h.op_s * 1e6:.3g} us per operator on {h.gpu}"
+                                                          for h in host))
+    measured = profile.layers() if profile is not None else set()
+    missing = list(dict.fromkeys(layer.name for layer in workload.model.layers if layer.profile_key not in measured))
+    if missing:
+        lines.append(f"modelled {len(missing)} layer(s) the profile does not hold: {', '.join(missing[:4])}"
+                     + (", ..." if len(missing) > 4 else ""))
+    return lines
 
 
 def _checks(report: PlanReport) -> tuple[Any, ...]:

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from hetplan.io.argtypes import at_most, finite_positive_float, name_or_path, positive_int, zero_or_at_most
 from hetplan.cluster.io import load_cluster
 from hetplan.cluster.presets import local_cpu_cluster
+from hetplan.cost.constants import HOST_OP_S
 from hetplan.errors import HetplanError
 from hetplan.limits import MAX_GLOBAL_BATCH
 from hetplan.model.load import load_model
@@ -69,7 +70,8 @@ def _byte_size(text: str) -> int:
 def register(subparsers: Any) -> None:
     """Add ``profile`` to the hetplan CLI's subparsers."""
     p = subparsers.add_parser("profile", help="measure layer times and collectives on your hardware (needs torch)")
-    p.add_argument("--model", type=name_or_path, required=True, help="preset name, HF config.json or ModelSpec .json the runtime builds")
+    p.add_argument("--model", type=name_or_path, required=True, help="preset name, HF config.json, pkg.mod:build or ModelSpec .json: "
+                   "measured as hetplan train builds it")
     p.add_argument("--cluster", type=name_or_path, required=True,
                    help="local-cpu-N (measured here) or a GPU cluster (prints the command per node)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length for HF configs")
@@ -108,11 +110,19 @@ def _torch_available() -> bool:
     return True
 
 
+def built_in(spec: Any) -> bool:
+    """A hetplan preset, built by the runtime's own GPT (no HF class, no ``pkg.mod:build``)."""
+    return spec.source is None
+
+
 def tp_problem(spec: Any, tp: int) -> str:
     """Why the runtime cannot shard the model's layers ``tp`` ways ('' if it can)."""
     for layer in spec.layers:
         if not layer.supports_tp(tp) and layer.kind not in ("embedding", "head"):
             return f"layer {layer.name!r} supports TP degrees up to {layer.tp_max} dividing it, not {tp}"
+    if not built_in(spec):
+        return (f"hetplan profile measures HF and pkg.mod:build models at tp 1 ({spec.name!r} is one); "
+                "drop --tp (layers at tp > 1 keep the model's times)")
     if not _torch_available():
         return ""
     import torch  # torch-optional: the command prints launch commands on machines without torch
@@ -162,6 +172,22 @@ def check_tps(tps: Sequence[int], spec: Any, cluster: Any, local: bool) -> None:
             raise HetplanError(f"--tp {tp}: {problem}")
 
 
+def check_buildable(spec: Any) -> None:
+    """Refuse, before any process starts, a model the runtime cannot build or
+    whose layers cannot be measured one at a time (one line saying why)."""
+    if built_in(spec):
+        from hetplan.runtime.models import config_from_spec  # torch-optional (see _torch_available)
+
+        try:
+            config_from_spec(spec)  # a preset is measured as the runtime's own module
+        except HetplanError as exc:
+            raise HetplanError(f"cannot profile {spec.name!r} with the runtime's built-in model: {exc}") from None
+        return
+    from hetplan.runtime.profiling.subject import profiled_model  # torch-optional (see _torch_available)
+
+    profiled_model(spec)
+
+
 def build_job(args: argparse.Namespace) -> tuple[Any, bool]:
     """The ProfileJob the flags ask for (every check before any process
     starts) and whether it runs here (local-cpu-N)."""
@@ -171,12 +197,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, bool]:
     if local and not _torch_available():
         raise HetplanError("hetplan profile measures with torch: pip install 'hetplan[torch]'")
     if _torch_available():
-        from hetplan.runtime.models import config_from_spec  # torch-optional (see _torch_available)
-
-        try:
-            config_from_spec(spec)  # what is measured is the runtime's own module
-        except HetplanError as exc:
-            raise HetplanError(f"cannot profile {spec.name!r} with the runtime's built-in model: {exc}") from None
+        check_buildable(spec)
     sizes = [n.num_gpus for n in cluster.nodes]
     tps = args.tp or default_tps(spec, sizes)
     check_tps(tps, spec, cluster, local)
@@ -269,8 +290,8 @@ def summary(db: Any, spec: Any) -> str:
     rows = [[names.get(e.layer, e.layer), e.gpu, e.tp, e.batch, f"{e.fwd_s * 1e3:.3f}", f"{e.bwd_s * 1e3:.3f}",
              f"{e.fwd_spread_s * 1e3:.3f}/{e.bwd_spread_s * 1e3:.3f}",
              f"{e.tp_comm_fwd_s * 1e3:.3f}/{e.tp_comm_bwd_s * 1e3:.3f}", format_bytes(e.memory_bytes)]
-            for e in sorted(db.entries(), key=lambda e: (e.tp, list(names).index(e.layer) if e.layer in names else 0,
-                                                          e.gpu, e.batch))]
+            for e in sorted(db.entries(), key=lambda e: (e.tp, list(names).index(e.layer) if e.layer in names
+                                                          else len(names), e.gpu, e.batch))]
     text = table(["layer", "gpu", "tp", "batch", "fwd ms", "bwd ms", "IQR ms", "TP comm ms", "memory"], rows,
                  [False, False, True, True, True, True, True, True, True])
     if db.fits:
@@ -289,6 +310,9 @@ def summary(db: Any, spec: Any) -> str:
                     f"{d.bwd_extra_s * 1e3:.3f}"] for d in db.data_parallel]
         text += "\n\n" + table(["layer", "gpu", "tp", "dp ranks", "ZeRO", "adds fwd ms", "adds bwd ms"], dp_rows,
                                [False, False, True, True, True, True, True])
+    for h in db.host:
+        text += (f"\nhost dispatch on {h.gpu}: {h.op_s * 1e6:.3g} us per operator ({h.ops} operators a probe run); "
+                 f"the cost kernel takes it for host-bound passes (default {HOST_OP_S * 1e6:.3g} us)")
     for u in db.unsupported:
         text += f"\n{u.op} over {u.ranks} ranks: not supported by the backend ({u.reason})"
     return text

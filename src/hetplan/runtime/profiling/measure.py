@@ -6,10 +6,13 @@ layer at the same moment, so caches, cores, memory bandwidth and links are as
 contended as in training; the recorded time is the median across processes
 of each process's median over the repeats.
 
-What is measured is the runtime's own module (``hetplan.runtime.models``),
-built and sharded as ``hetplan train`` builds it: each distinct layer
-(layers sharing a ``profile_key`` once: the embedding, one transformer block,
-the head), for each TP degree and micro-batch size. With tp > 1 the layer is
+What is measured is the model as ``hetplan train`` builds and shards it
+(``subject.py``: the built-in GPT, a HF class, a ``pkg.mod:build`` model): each
+distinct layer (layers sharing a ``profile_key`` once: the embedding, one
+transformer block, the head) as a pipeline stage runs it, for each TP degree
+and micro-batch size; the loss on the head's output at each micro-batch size
+(``ProfileDB`` key ``loss``); and the host time to dispatch one operator
+(``measure_host``), which the cost kernel takes for host-bound passes. With tp > 1 the layer is
 sharded by the runtime's TP plans over a real process group of tp processes,
 so its time includes the TP collectives as training runs them. Those
 collectives are found by watching the layer run once (a dispatch mode sees
@@ -43,15 +46,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetplan.errors import HetplanError
-from hetplan.model.spec import LayerSpec, ModelSpec
-from hetplan.profile.db import ChainPoint, DataParallelPoint, ProfileDB, ProfileEntry
+from hetplan.model.spec import LayerSpec
+from hetplan.profile.db import LOSS_KEY, ChainPoint, DataParallelPoint, HostPoint, ProfileDB, ProfileEntry
 from hetplan.runtime.setup import gpu_matches
-from hetplan.runtime.models import GPT, config_from_spec
-from hetplan.runtime.parallelize import InitialValues, PipelinePart, apply_dp, apply_tp, materialize
+from hetplan.runtime.parallelize import apply_dp
 from hetplan.runtime.precision import autocast, precision_of
 from hetplan.runtime.profiling import collectives as coll
 from hetplan.runtime.profiling.job import (ProfileJob, chain_layers, chain_measurements, collective_group_sizes,
                                            data_parallel_measurements, distinct_layers, link_class, measurements)
+from hetplan.runtime.profiling.subject import LOSS_INPUT, ProfiledModel, profiled_model
 from hetplan.runtime.profiling.timing import Stopwatch, iqr, median
 
 # _c10d_functional ops (what DTensor's redistributions call) -> collectives.OPS
@@ -59,38 +62,36 @@ _FUNCTIONAL_OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_ga
                    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 
 
-# --- building a layer as the runtime does ------------------------------------------------------------
-def build_layer(spec: ModelSpec, name: str | Sequence[str], tp_mesh: Any, device: torch.device,
-                seed: int) -> nn.Module:
-    """The runtime's module ``name`` alone (at its path in the model), or the
-    chain of modules ``name`` lists, TP-sharded over ``tp_mesh`` when given,
-    on ``device`` with the runtime's initial values."""
-    names = [name] if isinstance(name, str) else list(name)
-    with torch.device("meta"):
-        full = GPT(config_from_spec(spec))
-    part = PipelinePart(full, names)
-    if tp_mesh is not None:
-        apply_tp(part, names, tp_mesh, False, [])
-    materialize(part, device, InitialValues(full, seed, GPT.init_parameter))
-    return part
+# --- inputs and outputs of a layer ------------------------------------------------------------------
+def fresh_input(value: Any) -> Any:
+    """A new leaf of each floating-point tensor of a layer's input (its gradient
+    flows into it as from the previous stage); token ids and masks as they are."""
+    if isinstance(value, tuple):
+        return tuple(fresh_input(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().clone().requires_grad_(True)
+    return value
 
 
-def layer_inputs(spec: ModelSpec, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of each layer's input for ``batch`` samples, from one
-    forward of the whole model on the meta device (no memory, no time)."""
-    with torch.device("meta"):
-        full = GPT(config_from_spec(spec))
-    found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    hooks = []
-    for layer in spec.layers:
-        def record(module: nn.Module, args: tuple[Any, ...], name: str = layer.name) -> None:
-            found[name] = (tuple(args[0].shape), args[0].dtype)
-        hooks.append(full.get_submodule(layer.name).register_forward_pre_hook(record))
-    with torch.no_grad():
-        full(torch.zeros((batch, spec.seq_len), dtype=torch.long, device="meta"))
-    for hook in hooks:
-        hook.remove()
-    return found
+def differentiable(value: Any) -> list[torch.Tensor]:
+    """The tensors of a layer's output that backward starts from."""
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in differentiable(v)]
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return [value]
+    logits = getattr(value, "logits", None)
+    return differentiable(logits) if logits is not None else []
+
+
+class LossModule(nn.Module):
+    """The training loss on the head's output (the runtime applies it outside the head's module)."""
+
+    def __init__(self, loss: Any, targets: torch.Tensor) -> None:
+        super().__init__()
+        self.loss, self.targets = loss, targets
+
+    def forward(self, output: torch.Tensor) -> torch.Tensor:
+        return self.loss(output, self.targets)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -169,25 +170,26 @@ class LayerRecord:
 
 
 class LayerBench:
-    """Times one built layer on inputs of one shape (see the module docstring)."""
+    """Times one built layer on one input (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, vocab: int,
-                 device: torch.device, precision: str) -> None:
-        self.module, self.shape, self.dtype, self.vocab = module, shape, dtype, vocab
+    def __init__(self, module: nn.Module, example: Any, inputs: dict[str, Any], device: torch.device,
+                 precision: str) -> None:
+        self.module, self.example, self.inputs = module, example, inputs
         self.device, self.precision = device, precision
-        self.grad: torch.Tensor | None = None
+        self.grad: list[torch.Tensor] | None = None
 
-    def new_input(self) -> torch.Tensor:
-        if self.dtype.is_floating_point:
-            return torch.randn(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
-        return torch.randint(0, max(1, self.vocab), self.shape, device=self.device, dtype=self.dtype)
+    def new_input(self) -> Any:
+        return fresh_input(self.example)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
         with autocast(self.device, self.precision):
-            out = self.module(x)
+            out = self.module(*(x if isinstance(x, tuple) else (x,)), **self.inputs)
         if self.grad is None:
-            self.grad = torch.randn_like(out)
+            self.grad = [torch.randn_like(t) for t in differentiable(out)]
         return out
+
+    def backward(self, out: Any) -> None:
+        torch.autograd.backward(differentiable(out), self.grad)
 
     def watch(self) -> tuple[int, list[Any], list[Any]]:
         """One step watched: (memory bytes, forward collectives, backward collectives)."""
@@ -203,7 +205,7 @@ class LayerBench:
         with SavedBytes(self.module) as saved, CollectiveLog() as log:
             out = self.forward(x)
             fwd_calls = log.take()
-            out.backward(self.grad)
+            self.backward(out)
             bwd_calls = log.take()
         if cuda:
             torch.cuda.synchronize()
@@ -213,7 +215,7 @@ class LayerBench:
     def time(self, warmup: int, repeats: int, stopwatch: Stopwatch) -> tuple[list[float], list[float]]:
         """Forward and backward seconds of each repeat, all processes starting together."""
         for _ in range(warmup):
-            self.forward(self.new_input()).backward(self.grad)
+            self.backward(self.forward(self.new_input()))
         fwd, bwd = [], []
         for _ in range(repeats):
             x = self.new_input()
@@ -221,7 +223,7 @@ class LayerBench:
             stopwatch.start()
             out = self.forward(x)
             stopwatch.mark()
-            out.backward(self.grad)
+            self.backward(out)
             stopwatch.mark()
             f, b = stopwatch.laps()
             fwd.append(f)
@@ -337,13 +339,47 @@ def _tp_mesh(device: torch.device, tp: int) -> Any:
     return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
 
 
-def measure_layers(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[LayerRecord]:
-    """This process's records of every (layer, tp, batch) of the job."""
-    rank = dist.get_rank()
-    gpu = job.cluster.devices[rank].gpu.name
+@dataclass
+class Session:
+    """What every measurement of one process shares: the job, its device, the
+    model as the runtime builds it, and each batch size's data (every distinct
+    layer's input, the model's keyword inputs and targets)."""
+
+    job: ProfileJob
+    device: torch.device
+    model: ProfiledModel
+    precision: str
+    gpu: str
+    inputs: dict[int, dict[str, Any]]
+    keywords: dict[int, dict[str, Any]]
+    targets: dict[int, torch.Tensor]
+
+    def bench(self, module: nn.Module, layer: str, batch: int) -> LayerBench:
+        """A bench of ``module`` on the input layer ``layer`` takes at ``batch``."""
+        return LayerBench(module, self.inputs[batch][layer], self.keywords[batch], self.device, self.precision)
+
+    def loss_bench(self, batch: int) -> LayerBench:
+        """A bench of the training loss on the head's output at ``batch``."""
+        loss = LossModule(self.model.how.loss, self.targets[batch])
+        return LayerBench(loss, self.inputs[batch][LOSS_INPUT], {}, self.device, self.precision)
+
+
+def start_session(job: ProfileJob, device: torch.device) -> Session:
+    """Build the model's data on this process (one forward of the distinct layers per batch size)."""
+    model = profiled_model(job.spec)
     precision = precision_of({}, job.spec.dtype_bytes)
+    inputs, keywords, targets = {}, {}, {}
+    for b in job.batches:
+        inputs[b] = model.layer_inputs(b, device, job.seed, precision)
+        _, targets[b], keywords[b] = model.batch(b, device, job.seed)
+    return Session(job, device, model, precision, job.cluster.devices[dist.get_rank()].gpu.name,
+                   inputs, keywords, targets)
+
+
+def measure_layers(run: Session, progress: ProgressLines) -> list[LayerRecord]:
+    """This process's records of every (layer, tp, batch) of the job, and of the loss at tp 1."""
+    job, device = run.job, run.device
     stopwatch = Stopwatch(device)
-    inputs = {b: layer_inputs(job.spec, b) for b in job.batches}
     records = []
     for tp in job.tps:
         mesh = _tp_mesh(device, tp) if tp > 1 else None
@@ -351,44 +387,113 @@ def measure_layers(job: ProfileJob, device: torch.device, progress: ProgressLine
         for layer in distinct_layers(job.spec):
             if not layer.supports_tp(tp):
                 continue
-            module = build_layer(job.spec, layer.name, mesh, device, job.seed)
+            module = run.model.part(layer.name, mesh, device, job.seed)
             for batch in job.batches:
-                shape, dtype = inputs[batch][layer.name]
-                bench = LayerBench(module, shape, dtype, job.spec.vocab_size, device, precision)
+                bench = run.bench(module, layer.name, batch)
                 memory, fwd_calls, bwd_calls = bench.watch()
                 fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
                 comm_f = time_tp_calls(fwd_calls, group, tp, device, job.warmup, job.repeats, stopwatch) if mesh else 0.0
                 comm_b = time_tp_calls(bwd_calls, group, tp, device, job.warmup, job.repeats, stopwatch) if mesh else 0.0
-                records.append(LayerRecord(layer.profile_key, gpu, tp, batch, fwd, bwd, memory, comm_f, comm_b))
+                records.append(LayerRecord(layer.profile_key, run.gpu, tp, batch, fwd, bwd, memory, comm_f, comm_b))
                 progress.layer(f"{layer.name} ({layer.kind}) tp={tp} batch={batch}: fwd {median(fwd) * 1e3:.3g} ms, "
                                f"bwd {median(bwd) * 1e3:.3g} ms", layer_weight(layer, tp, batch))
             del module
+    head = job.spec.layers[-1]
+    for batch in job.batches:
+        bench = run.loss_bench(batch)
+        memory, _, _ = bench.watch()
+        fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
+        records.append(LayerRecord(LOSS_KEY, run.gpu, 1, batch, fwd, bwd, memory, 0.0, 0.0))
+        progress.layer(f"loss tp=1 batch={batch}: fwd {median(fwd) * 1e3:.3g} ms, bwd {median(bwd) * 1e3:.3g} ms",
+                       loss_weight(head, batch))
     return records
 
 
-def measure_chains(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[ChainPoint]:
+def measure_chains(run: Session, progress: ProgressLines) -> list[ChainPoint]:
     """This process's times of a chain of layers run as one micro-batch
     (``chain_layers``: each layer kind, a repeated one twice), for each TP
     degree and batch: what the layers take together, without a barrier
     between them, against what they took one by one."""
-    gpu = job.cluster.devices[dist.get_rank()].gpu.name
-    precision = precision_of({}, job.spec.dtype_bytes)
+    job, device = run.job, run.device
     stopwatch = Stopwatch(device)
     chain = chain_layers(job.spec)
-    inputs = {b: layer_inputs(job.spec, b)[chain[0].name] for b in job.batches}
     modules: dict[int, nn.Module] = {}
     points = []
     for tp, batch in chain_measurements(job):
         if tp not in modules:
             modules.clear()  # one TP degree's chain at a time
-            modules[tp] = build_layer(job.spec, [layer.name for layer in chain],
-                                      _tp_mesh(device, tp) if tp > 1 else None, device, job.seed)
-        bench = LayerBench(modules[tp], *inputs[batch], job.spec.vocab_size, device, precision)
-        fwd, bwd = bench.time(job.warmup, job.repeats, stopwatch)
-        points.append(ChainPoint(gpu, tp, batch, tuple(layer.profile_key for layer in chain), median(fwd), median(bwd)))
+            modules[tp] = run.model.part([layer.name for layer in chain], _tp_mesh(device, tp) if tp > 1 else None,
+                                         device, job.seed)
+        fwd, bwd = run.bench(modules[tp], chain[0].name, batch).time(job.warmup, job.repeats, stopwatch)
+        points.append(ChainPoint(run.gpu, tp, batch, tuple(layer.profile_key for layer in chain), median(fwd),
+                                 median(bwd)))
         progress.layer(f"chain {'+'.join(layer.name for layer in chain)} tp={tp} batch={batch}: "
                        f"fwd {median(fwd) * 1e3:.3g} ms, bwd {median(bwd) * 1e3:.3g} ms", chain_weight(chain, tp, batch))
     return points
+
+
+# --- host time per operator ----------------------------------------------------------------------------
+# The host probe: two rows of width 8 through a linear, GELU, LayerNorm and a linear, forward and
+# backward under the runtime's autocast. Each kernel's device work (a few hundred FLOPs) is far below
+# the ~5 us launch (KERNEL_LAUNCH_S), so a run takes what the host takes to dispatch its operators.
+HOST_PROBE_WIDTH = 8
+HOST_PROBE_RUNS = 20  # forward+backward runs per timed repeat: a repeat spans thousands of operators
+
+
+class OpCount(TorchDispatchMode):
+    """How many ATen operators run while active (views and casts included,
+    as ``hetplan.model.runtime_time`` counts a layer's operators)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_host(run: Session) -> tuple[float, int]:
+    """(host seconds per dispatched operator, operators per probe run): the
+    median over repeats of a run of tiny operators' wall-clock time, all
+    processes at once, over the operators it dispatches (counted in one run)."""
+    job, device = run.job, run.device
+    width = HOST_PROBE_WIDTH
+    module = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width), nn.Linear(width, width)).to(device)
+    x = torch.randn(2, width, device=device)
+
+    def step() -> None:
+        with autocast(device, run.precision):
+            out = module(x.detach().requires_grad_(True))
+        out.float().sum().backward()
+
+    with OpCount() as count:
+        step()
+    for _ in range(job.warmup):
+        step()
+    samples = []
+    for _ in range(job.repeats):
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(HOST_PROBE_RUNS):
+            step()
+        _synchronize(device)
+        samples.append((time.perf_counter() - start) / (HOST_PROBE_RUNS * count.ops))
+    return median(samples), count.ops
+
+
+def combine_host(per_rank: Sequence[tuple[str, float, int]]) -> list[HostPoint]:
+    """One point per GPU type: the median across its processes."""
+    grouped: dict[str, list[tuple[str, float, int]]] = {}
+    for record in per_rank:
+        grouped.setdefault(record[0], []).append(record)
+    return [HostPoint(gpu, median([r[1] for r in rs]), rs[0][2]) for gpu, rs in sorted(grouped.items())]
 
 
 def combine_chains(per_rank: Sequence[Sequence[ChainPoint]]) -> list[ChainPoint]:
@@ -401,18 +506,16 @@ def combine_chains(per_rank: Sequence[Sequence[ChainPoint]]) -> list[ChainPoint]
             for key, ps in sorted(grouped.items())]
 
 
-def measure_data_parallel(job: ProfileJob, device: torch.device, progress: ProgressLines) -> list[DataParallelPoint]:
+def measure_data_parallel(run: Session, progress: ProgressLines) -> list[DataParallelPoint]:
     """This process's records of what the runtime's data-parallel wrappers
     (``parallelize.apply_dp``: ZeRO-0 ``replicate``, ZeRO-2 and ZeRO-3
     ``fully_shard``) add to each layer's pass over groups of each size, every
     group busy at once: the plain layer timed once, right before its wrapped
     runs, at the smallest batch, with gradients synchronised on every backward
     as on a step's last micro-batch (ZeRO-3: on every one)."""
-    gpu = job.cluster.devices[dist.get_rank()].gpu.name
-    precision = precision_of({}, job.spec.dtype_bytes)
+    job, device = run.job, run.device
     stopwatch = Stopwatch(device)
     batch = job.batches[0]
-    inputs = layer_inputs(job.spec, batch)
     world = dist.get_world_size()
     meshes: dict[tuple[int, int], Any] = {}
     plain: dict[tuple[str, int, int], tuple[int, float, float]] = {}  # (layer, tp, ranks) -> params, fwd, bwd
@@ -420,12 +523,11 @@ def measure_data_parallel(job: ProfileJob, device: torch.device, progress: Progr
 
     def timed(layer: LayerSpec, mesh: Any, tp: int, zero: int | None) -> tuple[int, float, float]:
         """(parameters, median fwd, median bwd) of the layer, wrapped for ZeRO-``zero`` (None: plain)."""
-        module = build_layer(job.spec, layer.name, mesh["tp"] if tp > 1 else None, device, job.seed)
+        module = run.model.part(layer.name, mesh["tp"] if tp > 1 else None, device, job.seed)
         params = sum(_local(p).numel() for p in module.parameters())
         if zero is not None:
             apply_dp(module, {layer.name: zero}, mesh["dp"], [])
-        fwd, bwd = LayerBench(module, *inputs[layer.name], job.spec.vocab_size, device, precision).time(
-            job.warmup, job.repeats, stopwatch)
+        fwd, bwd = run.bench(module, layer.name, batch).time(job.warmup, job.repeats, stopwatch)
         return params, median(fwd), median(bwd)
 
     for layer, tp, ranks, zero in data_parallel_measurements(job):
@@ -437,7 +539,7 @@ def measure_data_parallel(job: ProfileJob, device: torch.device, progress: Progr
             plain[key] = timed(layer, meshes[tp, ranks], tp, None)
         params, plain_f, plain_b = plain[key]
         _, f, b = timed(layer, meshes[tp, ranks], tp, zero)
-        points.append(DataParallelPoint(layer.profile_key, gpu, tp, ranks, zero, params,
+        points.append(DataParallelPoint(layer.profile_key, run.gpu, tp, ranks, zero, params,
                                         max(0.0, f - plain_f), max(0.0, b - plain_b)))
         progress.layer(f"{layer.name} ({layer.kind}) tp={tp} ZeRO-{zero} over {ranks} processes: adds "
                        f"{points[-1].fwd_extra_s * 1e3:.3g} ms fwd, {points[-1].bwd_extra_s * 1e3:.3g} ms bwd",
@@ -460,6 +562,12 @@ def layer_weight(layer: LayerSpec, tp: int, batch: int) -> float:
     """A guess of a measurement's relative duration, for the time-left estimate:
     its FLOPs plus a fixed cost per run (a few kernel launches)."""
     return layer.fwd_flops * batch / tp + 5e6
+
+
+def loss_weight(head: LayerSpec, batch: int) -> float:
+    """A guess of the loss's duration: a few elementwise passes over the logits,
+    a tenth of the head's matmul."""
+    return layer_weight(head, 1, batch) / 10
 
 
 def chain_weight(chain: Sequence[LayerSpec], tp: int, batch: int) -> float:
@@ -543,30 +651,35 @@ def run_profile(job: ProfileJob, progress_enabled: bool = True) -> dict[str, Any
                                    job.cluster.nodes[0].intra_bandwidth_gbps) if curves else 0.0
     dp_plan = data_parallel_measurements(job)
     chains = chain_measurements(job)
-    weights = ([layer_weight(*m) for m in plan] + [chain_weight(chain_layers(job.spec), *c) for c in chains]
+    weights = ([layer_weight(*m) for m in plan] + [loss_weight(job.spec.layers[-1], b) for b in job.batches]
+               + [chain_weight(chain_layers(job.spec), *c) for c in chains]
                + [wrapper_weight(layer, tp, job.batches[0]) for layer, tp, _, _ in dp_plan])
     progress = ProgressLines(progress_enabled and rank == 0, weights, curves, guess)
     progress.say(f"{job.spec.name} on {job.cluster.name} ({world} process{'es' if world > 1 else ''}, "
                  f"{device.type}): {len(distinct_layers(job.spec))} layer kinds x tp {','.join(map(str, job.tps))} "
-                 f"x batch {','.join(map(str, job.batches))} = {len(plan)} measurements"
+                 f"x batch {','.join(map(str, job.batches))} = {len(plan)} measurements, the loss at each batch"
                  + (f", {len(chains)} of layer chains" if chains else "")
                  + (f", {len(dp_plan)} of data-parallel wrappers" if dp_plan else "")
                  + (f", then {curves} collective curves up to {job.comm_max_bytes:,} bytes" if curves else ""))
-    records = measure_layers(job, device, progress)
-    chain_points = measure_chains(job, device, progress) if chains else []
-    dp_points = measure_data_parallel(job, device, progress) if dp_plan else []
+    run = start_session(job, device)
+    host = (run.gpu, *measure_host(run))
+    progress.say(f"host dispatch: {host[1] * 1e6:.3g} us per operator ({host[2]} operators a run)")
+    records = measure_layers(run, progress)
+    chain_points = measure_chains(run, progress) if chains else []
+    dp_points = measure_data_parallel(run, progress) if dp_plan else []
     points, fits, refused = [], [], []
     if curves:
         progress.comm_begin()
         points, fits, refused = coll.measure_curves(sizes, job.comm_max_bytes, job.warmup, job.repeats, device,
                                                     lambda n: link_class(job.cluster, n), progress.comm)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (records, chain_points, dp_points))
+    dist.all_gather_object(gathered, (records, chain_points, dp_points, host))
     if rank != 0:
         return None
     db = ProfileDB(combine([g[0] for g in gathered]), collectives=points, fits=fits, unsupported=refused,
                    chains=combine_chains([g[1] for g in gathered]),
                    data_parallel=combine_data_parallel([g[2] for g in gathered]),
+                   host=combine_host([g[3] for g in gathered]),
                    machine=machine_info(device), settings=settings_info(job, Stopwatch(device)))
     return db.to_dict()
 
