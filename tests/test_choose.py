@@ -200,6 +200,18 @@ def test_cli_choose_writes_table_json_chart_and_point_files(tmp_path, capsys):
     assert first.plan(1).describe() == record["points"][0]["plan"]
     v100 = [p for p in record["points"] if "V100" in p["allocation"] and "A100" not in p["allocation"]]
     assert all(p["usd_per_hour"] == pytest.approx(0.5 * p["gpus"]) for p in v100)  # the --price what-if
+    # hetplan report draws the frontier of the choose file: a point per allocation, each in its table
+    page = tmp_path / "r.html"
+    assert main(["report", str(tmp_path / "pts" / "point-1.plan.json"), "-o", str(page), "--choose", str(out)]) == 0
+    html = page.read_text()
+    section = html[html.index('<section id="choose">'):]
+    assert 'href="#choose"' in html and "(proven: every other allocation" in section
+    assert section.count("<circle") == len(record["points"])
+    assert all(p["allocation"] in section for p in record["points"])
+    record["points"][0].pop("hours")
+    out.write_text(json.dumps(record))
+    assert main(["report", str(tmp_path / "pts" / "point-1.plan.json"), "-o", str(page), "--choose", str(out)]) == 2
+    assert "points[0]: missing 'hours'" in capsys.readouterr().err
 
 
 def test_cli_price_for_a_type_the_pool_lacks_is_refused(tmp_path, capsys):

@@ -54,6 +54,8 @@ from hetplan.cost.calibration import effective_calibration
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
+from hetplan.io import fields
+from hetplan.io.userfiles import read_json
 from hetplan.limits import check_at_most
 from hetplan.plan.file import workload_record
 from hetplan.plan.spec import Plan, RankedPlan
@@ -158,6 +160,60 @@ class ChooseResult:
                 "allocations": self.allocations, "planned": self.planned, "pruned": self.pruned,
                 "no_plan": self.no_plan, "unplanned": self.unplanned, "proven": self.proven,
                 "notes": list(self.notes), "points": [p.record() for p in self.points]}
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """What a chart of the answer needs of a point (``hetplan report --choose``)."""
+
+    label: str
+    gpus: int
+    iteration_s: float
+    hours: float
+    usd: float
+    plan: str
+
+
+@dataclass(frozen=True)
+class ChooseSummary:
+    """The answer of a search as ``choose --json`` keeps it: enough to draw and tabulate."""
+
+    pool: str
+    objective: str
+    proven: bool
+    points: tuple[FrontierPoint, ...]
+
+
+def summary(result: ChooseResult) -> ChooseSummary:
+    """``result`` as a :class:`ChooseSummary`."""
+    return ChooseSummary(result.pool.name, result.objective, result.proven, tuple(
+        FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe())
+        for p in result.points))
+
+
+_RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "unplanned",
+                "proven", "notes", "points")
+_POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
+               "egress_usd", "egress_gb_per_step", "usd", "plan", "plan_record")
+
+
+def read_choose_json(path: str) -> ChooseSummary:
+    """A ``hetplan choose --json`` file, every field a chart reads checked (one-line errors)."""
+    data = fields.mapping(path, read_json(path, "choose result", "write it with 'hetplan choose --json'"),
+                          _RESULT_KEYS, ("pool", "objective", "proven", "points"))
+    points = []
+    for i, raw in enumerate(fields.listing(f"{path}: points", data["points"], MAX_ALLOCATIONS)):
+        where = f"{path}: points[{i}]"
+        entry = fields.mapping(where, raw, _POINT_KEYS, ("allocation", "gpus", "iteration_s", "hours", "usd", "plan"))
+        points.append(FrontierPoint(fields.text(f"{where}.allocation", entry["allocation"]),
+                                    fields.whole(f"{where}.gpus", entry["gpus"]),
+                                    fields.number(f"{where}.iteration_s", entry["iteration_s"]),
+                                    fields.number(f"{where}.hours", entry["hours"]),
+                                    fields.number(f"{where}.usd", entry["usd"], strict=False),
+                                    fields.text(f"{where}.plan", entry["plan"])))
+    return ChooseSummary(fields.text(f"{path}: pool", data["pool"]),
+                         fields.text(f"{path}: objective", data["objective"], OBJECTIVES),
+                         fields.flag(f"{path}: proven", data["proven"]), tuple(points))
 
 
 # --- allocations and bounds ---------------------------------------------------------
