@@ -15,7 +15,7 @@ from hetplan.app.choose import (
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cli import main
 from hetplan.cluster.pool import allocation_cluster, pool_from_dict
-from hetplan.cost.bounds import iteration_lower_bound
+from hetplan.cost.bounds import cluster_bound_table, iteration_lower_bound
 from hetplan.cost.constants import P2P_PASSES
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
@@ -88,6 +88,28 @@ def test_bounds_equal_the_cost_models_for_every_allocation(tiny):
             assert a.bound_iteration_s == pytest.approx(exact, rel=1e-12), a.label
 
 
+def test_the_host_time_of_a_micro_batch_bounds_big_allocations(tiny):
+    """Where a pipeline's host dispatch outlasts its compute (a tiny model on
+    many GPUs), the bound is the host time of one micro-batch through every
+    layer, and still below the planned time of every allocation."""
+    pool = pool_from_dict(small_pool())
+    kernel = CostModel(allocation_workload(pool, tiny, (2, 2, 2))).kernel
+    run = kernel.unit_work(pool.offers[0].gpu, 1, False).run
+    host = float((run.host_fwd_s + run.host_bwd_s).sum())
+    largest = allocations(pool, tiny)[-1]
+    assert largest.counts == (2, 2, 2) and largest.bound_iteration_s > host
+    assert compute_lower_bound_of(kernel, tiny.global_batch_size) < host  # the host term is what binds
+    planner = get_planner("uniform")
+    for a in allocations(pool, tiny):
+        best = cached_best(planner, allocation_workload(pool, tiny, a.counts))
+        assert a.bound_iteration_s <= best.estimate.iteration_time_s, a.label
+
+
+def compute_lower_bound_of(kernel, batch):
+    table, counts, _ = cluster_bound_table(kernel, batch)
+    return table.compute_s(counts)
+
+
 def test_egress_of_a_pipeline_across_zones_is_its_activations_both_ways(tiny):
     pool = pool_from_dict({**small_pool(), "offers": small_pool()["offers"][:2]})
     workload = allocation_workload(pool, tiny, (1, 1))  # devices 0,1 in zone a; 2,3 in zone b
@@ -130,6 +152,7 @@ def test_search_equals_brute_force(tiny, egress_b):
     points = [p for p in every if not isinstance(p, str)]
     assert len(points) == 26
     assert any(p.egress_usd > 0 for p in points)
+    assert all(p.allocation.bound_iteration_s <= p.iteration_s for p in points)  # the bound is one
 
     def labels(found):
         return [(p.allocation.label, round(p.usd, 9), round(p.hours, 9)) for p in found]
@@ -177,6 +200,18 @@ def test_cli_choose_writes_table_json_chart_and_point_files(tmp_path, capsys):
     assert first.plan(1).describe() == record["points"][0]["plan"]
     v100 = [p for p in record["points"] if "V100" in p["allocation"] and "A100" not in p["allocation"]]
     assert all(p["usd_per_hour"] == pytest.approx(0.5 * p["gpus"]) for p in v100)  # the --price what-if
+    # hetplan report draws the frontier of the choose file: a point per allocation, each in its table
+    page = tmp_path / "r.html"
+    assert main(["report", str(tmp_path / "pts" / "point-1.plan.json"), "-o", str(page), "--choose", str(out)]) == 0
+    html = page.read_text()
+    section = html[html.index('<section id="choose">'):]
+    assert 'href="#choose"' in html and "(proven: every other allocation" in section
+    assert section.count("<circle") == len(record["points"])
+    assert all(p["allocation"] in section for p in record["points"])
+    record["points"][0].pop("hours")
+    out.write_text(json.dumps(record))
+    assert main(["report", str(tmp_path / "pts" / "point-1.plan.json"), "-o", str(page), "--choose", str(out)]) == 2
+    assert "points[0]: missing 'hours'" in capsys.readouterr().err
 
 
 def test_cli_price_for_a_type_the_pool_lacks_is_refused(tmp_path, capsys):

@@ -74,9 +74,10 @@ def seconds_of(label: str) -> float:
 def test_every_section_and_chart_is_there(page: str) -> None:
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     for sid, _ in SECTIONS:
-        if sid != "whatif":
+        if sid not in ("whatif", "choose"):
             assert f'<section id="{sid}">' in page, sid
     assert '<section id="whatif">' not in page  # only with --vary
+    assert '<section id="choose">' not in page and 'href="#choose"' not in page  # only with --choose
     assert page.count("<svg") == 3  # step time bar, pipeline timeline, memory per GPU
     for text in ("model    gpt2-amp", "cluster  amp-heterogeneous", "samples/step, bf16", "Why this plan",
                  "time goes to", "peak mem/GPU", "GPU-hours per billion tokens", "days", "$"):
@@ -410,5 +411,6 @@ def test_page_renders_in_a_real_browser(page: str, tmp_path: Path) -> None:
     dom = subprocess.run([*common, "--dump-dom", html.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert dom.stdout.count("<svg") == page.count("<svg") == 3
-    for sid, _ in SECTIONS[:-1]:
-        assert f'id="{sid}"' in dom.stdout
+    for sid, _ in SECTIONS:
+        if sid not in ("whatif", "choose"):  # only with --vary, --choose
+            assert f'id="{sid}"' in dom.stdout

@@ -15,8 +15,8 @@ where egress is the bytes the plan sends out of a zone each step
 The search is exact and prunes only by proven bounds:
 
 * a lower bound on each allocation's iteration time, the cost model's own
-  (``cost/bounds.py``: compute at each GPU type's best rate + the optimizer
-  step), computed for every allocation at once from per-type numbers
+  (``cost/bounds.py``: the larger of compute at each GPU type's best rate and
+  the runtime's host time of a micro-batch, + the optimizer step), computed for every allocation at once from per-type numbers
   (``AllocationBounds``; ``tests/test_choose.py`` checks it equals
   ``iteration_lower_bound`` of each allocation's cluster). Time and $ of an
   allocation are at least its bound x steps and that x its price per hour
@@ -49,12 +49,13 @@ from hetplan.app.records import ranked_record, write_json, write_text
 from hetplan.app.training import SECONDS_PER_HOUR
 from hetplan.cluster.io import dump_cluster_yaml
 from hetplan.cluster.pool import Pool, allocation_cluster, allocation_label, allocation_zones
-from hetplan.cost.bounds import sample_cost_matrix
+from hetplan.cost.bounds import bound_table
 from hetplan.cost.calibration import effective_calibration
-from hetplan.cost.constants import MEMORY_BANDWIDTH_EFFICIENCY, OPTIMIZER_STEP_BYTES_PER_PARAM
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
+from hetplan.io import fields
+from hetplan.io.userfiles import read_json
 from hetplan.limits import check_at_most
 from hetplan.plan.file import workload_record
 from hetplan.plan.spec import Plan, RankedPlan
@@ -161,6 +162,60 @@ class ChooseResult:
                 "notes": list(self.notes), "points": [p.record() for p in self.points]}
 
 
+@dataclass(frozen=True)
+class FrontierPoint:
+    """What a chart of the answer needs of a point (``hetplan report --choose``)."""
+
+    label: str
+    gpus: int
+    iteration_s: float
+    hours: float
+    usd: float
+    plan: str
+
+
+@dataclass(frozen=True)
+class ChooseSummary:
+    """The answer of a search as ``choose --json`` keeps it: enough to draw and tabulate."""
+
+    pool: str
+    objective: str
+    proven: bool
+    points: tuple[FrontierPoint, ...]
+
+
+def summary(result: ChooseResult) -> ChooseSummary:
+    """``result`` as a :class:`ChooseSummary`."""
+    return ChooseSummary(result.pool.name, result.objective, result.proven, tuple(
+        FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe())
+        for p in result.points))
+
+
+_RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "unplanned",
+                "proven", "notes", "points")
+_POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
+               "egress_usd", "egress_gb_per_step", "usd", "plan", "plan_record")
+
+
+def read_choose_json(path: str) -> ChooseSummary:
+    """A ``hetplan choose --json`` file, every field a chart reads checked (one-line errors)."""
+    data = fields.mapping(path, read_json(path, "choose result", "write it with 'hetplan choose --json'"),
+                          _RESULT_KEYS, ("pool", "objective", "proven", "points"))
+    points = []
+    for i, raw in enumerate(fields.listing(f"{path}: points", data["points"], MAX_ALLOCATIONS)):
+        where = f"{path}: points[{i}]"
+        entry = fields.mapping(where, raw, _POINT_KEYS, ("allocation", "gpus", "iteration_s", "hours", "usd", "plan"))
+        points.append(FrontierPoint(fields.text(f"{where}.allocation", entry["allocation"]),
+                                    fields.whole(f"{where}.gpus", entry["gpus"]),
+                                    fields.number(f"{where}.iteration_s", entry["iteration_s"]),
+                                    fields.number(f"{where}.hours", entry["hours"]),
+                                    fields.number(f"{where}.usd", entry["usd"], strict=False),
+                                    fields.text(f"{where}.plan", entry["plan"])))
+    return ChooseSummary(fields.text(f"{path}: pool", data["pool"]),
+                         fields.text(f"{path}: objective", data["objective"], OBJECTIVES),
+                         fields.flag(f"{path}: proven", data["proven"]), tuple(points))
+
+
 # --- allocations and bounds ---------------------------------------------------------
 def all_counts(pool: Pool) -> list[tuple[int, ...]]:
     """Every allocation of the pool (not all zero), in lexicographic order."""
@@ -171,47 +226,26 @@ def all_counts(pool: Pool) -> list[tuple[int, ...]]:
 
 
 class AllocationBounds:
-    """``cost/bounds.py``'s ``iteration_lower_bound`` for any allocation, from
-    per-type numbers computed once: the compute bound needs only each GPU
-    type's least seconds per sample of each layer (``sample_cost_matrix``)
-    and how many GPUs of each type there are; the optimizer bound only the
-    sum of the GPUs' memory bandwidths."""
+    """``cost/bounds.py``'s ``iteration_lower_bound`` for any allocation: its
+    ``BoundTable`` is built once for the pool's GPU types, and an allocation
+    adds only its GPUs per type and the sum of their memory bandwidths."""
 
     def __init__(self, pool: Pool, workload: Workload) -> None:
         full = allocation_cluster(pool, [o.nodes for o in pool.offers])
         kernel = CostModel(replace(workload, cluster=full)).kernel
-        self.types = list(pool.gpu_types)
-        specs = {o.gpu.name: o.gpu for o in pool.offers}
-        self.batch = workload.global_batch_size
-        self.cost = sample_cost_matrix(kernel, [specs[t] for t in sorted(self.types)], self.batch)
-        self.sorted_types = sorted(self.types)
-        self.type_of_offer = [self.sorted_types.index(o.gpu.name) for o in pool.offers]
+        self.table = bound_table(kernel, [o.gpu for o in pool.offers], workload.global_batch_size)
+        self.type_of_offer = [self.table.types.index(o.gpu.name) for o in pool.offers]
         self.gpus_per_node = [o.gpus_per_node for o in pool.offers]
         self.bandwidth = [o.gpu.memory_bandwidth_bytes_per_s * o.gpus_per_node for o in pool.offers]
-        self.optimizer_bytes = OPTIMIZER_STEP_BYTES_PER_PARAM * workload.model.total_params
-        self._weights: dict[tuple[int, ...], list[tuple[np.ndarray, float]]] = {}
-
-    def _weights_for(self, present: tuple[int, ...]) -> list[tuple[np.ndarray, float]]:
-        """(y, sum_l min_g y_g c[l, g]) for each weighting of ``compute_lower_bound`` over the present types."""
-        found = self._weights.get(present)
-        if found is None:
-            cost = self.cost[:, list(present)]
-            _, distinct = np.unique(cost, axis=0, return_index=True)
-            ys = [np.ones(len(present))] + [1.0 / cost[i] for i in sorted(distinct) if np.all(cost[i] > 0)]
-            found = self._weights[present] = [(y, float(np.min(cost * y, axis=1).sum())) for y in ys]
-        return found
 
     def iteration_s(self, counts: Sequence[int]) -> float:
         """The least iteration time any plan on this allocation can have."""
-        n = np.zeros(len(self.sorted_types))
+        n = np.zeros(len(self.table.types))
         bandwidth = 0.0
         for i, count in enumerate(counts):
             n[self.type_of_offer[i]] += count * self.gpus_per_node[i]
             bandwidth += count * self.bandwidth[i]
-        present = tuple(int(g) for g in np.flatnonzero(n))
-        compute = max(self.batch * numerator / float(n[list(present)] @ y)
-                      for y, numerator in self._weights_for(present))
-        return compute + self.optimizer_bytes / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+        return self.table.iteration_s(n, bandwidth)
 
 
 def allocations(pool: Pool, workload: Workload) -> list[Allocation]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hetplan.app.choose import DEFAULT_MAX_PLANS, choose, write_points
+from hetplan.app.choose import DEFAULT_MAX_PLANS, choose, summary, write_points
 from hetplan.app.records import write_json, write_text
 from hetplan.app.workload import DEFAULT_PLANNER, WorkloadOptions, load_workload
 from hetplan.cli.options import batch_size
@@ -71,7 +71,7 @@ def cmd_choose(args: argparse.Namespace) -> int:
     print(choose_text(result))
     write_json(args.json_path, result.record())
     if args.chart and result.points:
-        write_text(args.chart, frontier_svg(result))
+        write_text(args.chart, frontier_svg(summary(result)))
     if args.out_dir:
         write_points(result, args.out_dir, planner.name)
     return 0

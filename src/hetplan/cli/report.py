@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hetplan.app.choose import read_choose_json
 from hetplan.app.planning import runnable_best
 from hetplan.app.records import write_text
 from hetplan.app.whatif import WhatIfResult, check_varies, parse_vary, run_whatif
@@ -30,12 +31,15 @@ def register(sub: Any) -> None:
                    "global-batch=256,512")
     p.add_argument("--planner", default=DEFAULT_PLANNER,
                    help=f"planner for the what-if variants (default {DEFAULT_PLANNER})")
+    p.add_argument("--choose", default=None, metavar="CHOOSE.json",
+                   help="add the frontier (or answer) of 'hetplan choose --json' as a chart and table")
     p.set_defaults(func=cmd_report)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     plan_file = read_plan_file(args.plan_file)
     plan_file.plan(args.index)  # a bad --index fails here, before any work
+    chosen = read_choose_json(args.choose) if args.choose is not None else None
     base = plan_file.workload(args.index)
     results: list[WhatIfResult] | None = None
     planner_name = ""
@@ -45,5 +49,5 @@ def cmd_report(args: argparse.Namespace) -> int:
         planner = get_planner(args.planner)
         planner_name = planner.name
         results = run_whatif(base, what, items, planner, args.tokens, args.prices, best_of=runnable_best)
-    write_text(args.out, report_html(plan_file, args.index, args.tokens, args.prices, results, planner_name))
+    write_text(args.out, report_html(plan_file, args.index, args.tokens, args.prices, results, planner_name, chosen))
     return 0

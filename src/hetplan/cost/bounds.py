@@ -24,13 +24,32 @@ its replica's work, which takes no more than ``m · max_j t_j <= T_pipe``. So:
   needs at its own memory bandwidth, so the step takes at least
   ``OPTIMIZER_STEP_BYTES_PER_PARAM · P / Σ_d bandwidth_d`` (efficiency applied).
 
+* **host dispatch** — where the cost model charges hetplan's runtime its
+  per-micro-batch host time (``compute.RunOverhead``: eager PyTorch issues
+  every operator of a pass, ``HOST_OP_S`` each, on every rank whatever its
+  share of the batch), a pass of layer ``l`` takes at least its host time
+  ``h_l`` (a pass takes ``max(device, host)``), so one micro-batch through
+  stage ``j`` takes ``t_j >= Σ_{l in j} h_l``. The pipeline takes
+  ``m·max t + (Σ_j t_j − max t)/v + 2v·Σ c`` (``cost/pipeline.py``): with
+  ``v = 1`` that is at least ``Σ_j t_j``; with ``v > 1`` the plan has a
+  multiple of ``pp`` micro-batches (``plan/validate.py``), so ``m·max t >=
+  pp·max t >= Σ_j t_j``. Either way ``T_pipe >= H = Σ_l h_l``. Not where a
+  profile gives measured times, nor where processes share CPU cores
+  (``cost/shared_cores.py`` runs a pipeline faster than its closed form).
+
+The pipeline is at least the larger of the compute and host terms, and the
+optimizer step follows it (``pipeline.iteration_time``), so the bound is
+``max(compute, host) + optimizer``. The per-GPU-type numbers it needs are
+gathered once in a :class:`BoundTable`, which ``app/choose.py`` evaluates for
+every allocation of a pool: one formula for a cluster and for an allocation.
+
 Loose where the model charges what no bound sees: communication, the pipeline
 bubble, imbalance between stages and replicas, recomputation forced by memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -70,28 +89,78 @@ def _profiled_minimum(kernel: CostKernel, gpu: GPUSpec) -> np.ndarray | None:
     return np.array([best.get(key, np.inf) for key in kernel.arrays.profile_keys])
 
 
-def compute_lower_bound(kernel: CostKernel, batch: int) -> float:
-    """The compute part (module docstring) for a global batch of ``batch`` samples."""
-    counts: dict[str, int] = {}
-    specs: dict[str, GPUSpec] = {}
+def host_lower_bound(kernel: CostKernel, gpus: list[GPUSpec]) -> float:
+    """The host part (module docstring): the least, over the GPU types, host
+    time of one micro-batch through every layer forward and backward; 0 where
+    the model charges no host time, a profile measured the layers, or
+    processes share CPU cores."""
+    if kernel.workload.profile is not None or kernel.core_sharing is not None:
+        return 0.0
+    totals = [float((run.host_fwd_s + run.host_bwd_s).sum()) for gpu in gpus
+              if (run := kernel.unit_work(gpu, 1, False).run) is not None]
+    return min(totals) if len(totals) == len(gpus) else 0.0
+
+
+@dataclass
+class BoundTable:
+    """What the bound needs of a workload on GPUs of ``types``, computed once:
+    each type's least seconds per sample of each layer (``cost``, layers x
+    types), the host time of a micro-batch, and the optimizer's bytes. The
+    bound of any cluster of these types then needs only how many GPUs of each
+    type it has and the sum of their memory bandwidths (``iteration_s``)."""
+
+    types: tuple[str, ...]
+    cost: np.ndarray
+    batch: int
+    host_s: float
+    optimizer_bytes: float
+    _weights: dict[tuple[int, ...], list[tuple[np.ndarray, float]]] = field(default_factory=dict, repr=False)
+
+    def _weightings(self, present: tuple[int, ...]) -> list[tuple[np.ndarray, float]]:
+        """``(y, Σ_l min_g y_g·c[l, g])`` for each weighting of the module
+        docstring's LP over the ``present`` types: ``y = 1`` and, for each
+        distinct layer ``l*``, ``y_g = 1 / c[l*, g]``."""
+        found = self._weights.get(present)
+        if found is None:
+            cost = self.cost[:, list(present)]
+            _, distinct = np.unique(cost, axis=0, return_index=True)
+            ys = [np.ones(len(present))] + [1.0 / cost[i] for i in sorted(distinct) if np.all(cost[i] > 0)]
+            found = self._weights[present] = [(y, float(np.min(cost * y, axis=1).sum())) for y in ys]
+        return found
+
+    def compute_s(self, gpus_per_type: np.ndarray) -> float:
+        """The compute part for ``gpus_per_type[g]`` GPUs of type ``types[g]``."""
+        present = tuple(int(g) for g in np.flatnonzero(gpus_per_type))
+        counts = gpus_per_type[list(present)].astype(float)
+        return max(self.batch * numerator / float(counts @ y) for y, numerator in self._weightings(present))
+
+    def iteration_s(self, gpus_per_type: np.ndarray, memory_bandwidth: float) -> float:
+        """Seconds no plan on these GPUs (their memory bandwidths summing to
+        ``memory_bandwidth`` bytes/s) can beat."""
+        optimizer = self.optimizer_bytes / (memory_bandwidth * MEMORY_BANDWIDTH_EFFICIENCY)
+        return max(self.compute_s(gpus_per_type), self.host_s) + optimizer
+
+
+def bound_table(kernel: CostKernel, gpus: list[GPUSpec], batch: int) -> BoundTable:
+    """The :class:`BoundTable` of ``kernel``'s workload on ``gpus`` (one spec per type, any order)."""
+    ordered = sorted(gpus, key=lambda g: g.name)
+    return BoundTable(tuple(g.name for g in ordered), sample_cost_matrix(kernel, ordered, batch), batch,
+                      host_lower_bound(kernel, ordered),
+                      OPTIMIZER_STEP_BYTES_PER_PARAM * kernel.model.total_params)
+
+
+def cluster_bound_table(kernel: CostKernel, batch: int) -> tuple[BoundTable, np.ndarray, float]:
+    """The table of ``kernel``'s own cluster, its GPUs per type and their summed memory bandwidth."""
+    specs = {d.gpu.name: d.gpu for d in kernel.cluster.devices}
+    table = bound_table(kernel, list(specs.values()), batch)
+    counts = np.zeros(len(table.types))
     for device in kernel.cluster.devices:
-        counts[device.gpu.name] = counts.get(device.gpu.name, 0) + 1
-        specs[device.gpu.name] = device.gpu
-    names = sorted(counts)
-    cost = sample_cost_matrix(kernel, [specs[n] for n in names], batch)
-    n = np.array([counts[name] for name in names], dtype=float)
-    _, distinct = np.unique(cost, axis=0, return_index=True)
-    weights = [np.ones(len(names))] + [1.0 / cost[i] for i in sorted(distinct) if np.all(cost[i] > 0)]
-    return max(batch * float(np.min(cost * y, axis=1).sum()) / float(n @ y) for y in weights)
-
-
-def optimizer_lower_bound(kernel: CostKernel) -> float:
-    """The optimizer part (module docstring)."""
+        counts[table.types.index(device.gpu.name)] += 1
     bandwidth = sum(d.gpu.memory_bandwidth_bytes_per_s for d in kernel.cluster.devices)
-    return (OPTIMIZER_STEP_BYTES_PER_PARAM * kernel.model.total_params
-            / (bandwidth * MEMORY_BANDWIDTH_EFFICIENCY))
+    return table, counts, bandwidth
 
 
 def iteration_lower_bound(kernel: CostKernel, global_batch_size: int) -> float:
     """Seconds no plan of ``kernel``'s workload at this global batch can beat."""
-    return compute_lower_bound(kernel, global_batch_size) + optimizer_lower_bound(kernel)
+    table, counts, bandwidth = cluster_bound_table(kernel, global_batch_size)
+    return table.iteration_s(counts, bandwidth)

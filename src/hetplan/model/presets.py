@@ -97,6 +97,16 @@ def _gpt2_amp() -> ModelSpec:
                        meta={"source": "AMP (NeurIPS'22) §4.3: GPT-2 (L = 24, H = 1024), global batch 32"})
 
 
+@preset("opt-350m", "OPT-350M as in Sailor's Fig. 8b: 24 layers, hidden 1024, 16 heads, ffn 4096, seq 2048")
+def _opt_350m() -> ModelSpec:
+    return gpt_decoder("opt-350m", num_layers=24, hidden=1024, heads=16, seq=2048, vocab=50272, ffn=4096,
+                       meta={"source": "OPT (Zhang et al. 2022, arXiv:2205.01068) Table 1: 24 layers, 16 heads, "
+                                       "d_model 1024; vocab 50272 and seq 2048 from §2.1-2.2; the model of Sailor "
+                                       "(SOSP'25) Fig. 8b. Modelled as a GPT-2 style decoder (GELU, learned "
+                                       "positions, tied head): the released checkpoint's ReLU and 512-wide "
+                                       "embedding projection are not modelled"})
+
+
 # ----------------------------------------------------------------------------- AMP
 
 @preset("transgan-het", "AMP's heterogeneous TransGAN generator: 12 layers dim 1024 (81 tokens) "

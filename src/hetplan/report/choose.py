@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from hetplan.app.choose import ChooseResult
+from hetplan.app.choose import ChooseResult, ChooseSummary
 from hetplan.report.svg import FONT_SIZE, TITLE_SIZE, svg_document, text_width
 from hetplan.report.text import table
 from hetplan.units import format_count, format_time
@@ -48,11 +48,11 @@ def choose_text(result: ChooseResult) -> str:
     return "\n".join(lines)
 
 
-def frontier_svg(result: ChooseResult, title: str = "") -> str:
+def frontier_svg(result: ChooseSummary, title: str = "") -> str:
     """The points as a chart: days to train (x) against total $ (y), each
     labelled with its number in the table, the frontier joined by a line."""
     points = [(p.hours / 24, p.usd) for p in result.points]
-    title = title or f"time to train vs cost: pool {result.pool.name}"
+    title = title or f"time to train vs cost: pool {result.pool}"
     left, top, plot_w, plot_h = 80.0, 40.0, 480.0, 300.0
     x_max = max(x for x, _ in points) * 1.1 or 1.0
     y_max = max(y for _, y in points) * 1.1 or 1.0
@@ -78,9 +78,19 @@ def frontier_svg(result: ChooseResult, title: str = "") -> str:
         body.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="{_POINT}"/>')
         body.append(f'<text x="{px + 6:.1f}" y="{py - 6:.1f}">{i}</text>')
     legend_y = top + plot_h + 56
-    labels = [f"{i}: {escape(p.allocation.label)}" for i, p in enumerate(result.points, 1)]
+    labels = [f"{i}: {escape(p.label)}" for i, p in enumerate(result.points, 1)]
     for k, label in enumerate(labels):
         body.append(f'<text x="{left:.0f}" y="{legend_y + k * (FONT_SIZE + 4):.0f}">{label}</text>')
     width = max(left + plot_w + 40, left + max(text_width(t) for t in [*labels, title]) + 20)
     height = legend_y + len(labels) * (FONT_SIZE + 4) + 10
     return svg_document(width, height, body)
+
+
+FRONTIER_HEADERS = ("#", "allocation", "GPUs", "iter time", "days", "total $", "plan")
+
+
+def frontier_table(result: ChooseSummary) -> str:
+    """The points of a summary as a text table (the report's frontier section)."""
+    rows = [[str(i), p.label, str(p.gpus), format_time(p.iteration_s), f"{p.hours / 24:,.2f}", f"{p.usd:,.0f}",
+             p.plan] for i, p in enumerate(result.points, 1)]
+    return table(FRONTIER_HEADERS, rows, [True, False, True, True, True, True, False])

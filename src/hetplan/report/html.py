@@ -31,12 +31,14 @@ from typing import Any, Sequence
 
 from hetplan import __version__
 from hetplan.app.report import PlanReport, file_report
+from hetplan.app.choose import ChooseSummary
 from hetplan.app.whatif import WhatIfResult
 from hetplan.plan.file import PlanFile
 from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
 from hetplan.report.trace import stage_labels as dimension_labels
 from hetplan.report.text import breakdown, ranked_table, report_memory_table, workload_header
 from hetplan.report.training import training_lines
+from hetplan.report.choose import frontier_svg, frontier_table
 from hetplan.report.whatif import whatif_table
 from hetplan.simulate.plan import makespan, simulate_plan
 from hetplan.units import format_time
@@ -62,7 +64,8 @@ footer { margin-top: 32px; color: #777; font-size: 12px; }
 
 SECTIONS = (("workload", "Workload"), ("plan", "Chosen plan"), ("alternatives", "Plans in the file"),
             ("time", "Step time"), ("timeline", "Pipeline timeline"), ("memory", "Memory per GPU"),
-            ("training", "Time and cost to train"), ("whatif", "What if"))
+            ("training", "Time and cost to train"), ("whatif", "What if"), ("choose", "Choosing the GPUs"))
+_OPTIONAL = ("whatif", "choose")
 
 
 def _pre(text: str, strong_line: int | None = None) -> str:
@@ -85,16 +88,18 @@ def stage_labels(plan: Any, workload: Any) -> list[str]:
 
 def report_html(plan_file: PlanFile, index: int = 1, tokens: float | None = None,
                 prices: dict[str, float] | None = None, whatif: Sequence[WhatIfResult] | None = None,
-                whatif_planner: str = "") -> str:
+                whatif_planner: str = "", choose: ChooseSummary | None = None) -> str:
     """The page for plan ``index`` of ``plan_file``.
     ``tokens`` / ``prices``: as ``hetplan plan --tokens / --price-per-gpu-hour``;
-    ``whatif``: ``hetplan.app.whatif.run_whatif``'s results, made by ``whatif_planner``."""
+    ``whatif``: ``hetplan.app.whatif.run_whatif``'s results, made by ``whatif_planner``;
+    ``choose``: a ``hetplan choose`` answer, drawn as its frontier."""
     return report_page(file_report(plan_file, index, tokens, prices), plan_file.path, index, len(plan_file.plans),
-                       whatif, whatif_planner)
+                       whatif, whatif_planner, choose)
 
 
 def report_page(report: PlanReport, path: str, index: int, count: int,
-                whatif: Sequence[WhatIfResult] | None = None, whatif_planner: str = "") -> str:
+                whatif: Sequence[WhatIfResult] | None = None, whatif_planner: str = "",
+                choose: ChooseSummary | None = None) -> str:
     """The page of ``report`` (plan ``index`` of the ``count`` in the file at ``path``)."""
     workload, plan, estimate = report.workload, report.chosen.plan, report.chosen.estimate
     title = f"hetplan report: {workload.model.name} on {workload.cluster.name}"
@@ -106,7 +111,8 @@ def report_page(report: PlanReport, path: str, index: int, count: int,
            f"{escape(format_time(estimate.iteration_time_s))} per step, "
            f"{estimate.tokens_per_s:,.0f} tokens/s, {'fits' if estimate.fits else 'OUT OF MEMORY'}</p>",
            "<nav>" + "".join(f'<a href="#{sid}">{name}</a>' for sid, name in SECTIONS
-                             if sid != "whatif" or whatif is not None) + "</nav>"]
+                             if sid not in _OPTIONAL or {"whatif": whatif, "choose": choose}[sid] is not None)
+           + "</nav>"]
     out += ['<section id="workload">', "<h2>Workload</h2>", _pre(workload_header(workload)), "</section>"]
     out += _plan_section(report)
     out += _alternatives_section(report, index)
@@ -126,6 +132,8 @@ def report_page(report: PlanReport, path: str, index: int, count: int,
     out.append("</section>")
     if whatif is not None:
         out += _whatif_section(whatif, whatif_planner, report.tokens)
+    if choose is not None:
+        out += _choose_section(choose)
     out += [f"<footer>hetplan {escape(__version__)} report of {escape(path)}</footer>", "</body>", "</html>", ""]
     return "\n".join(out)
 
@@ -166,6 +174,21 @@ def _timeline_section(report: PlanReport) -> list[str]:
             f"the exposed data-parallel sync and the optimizer step.</p>",
             '<div class="chart">' + timeline_svg(events, stage_labels(plan, workload), plan.describe(),
                                                  estimate.iteration_time_s) + "</div>", "</section>"]
+
+
+def _choose_section(choose: ChooseSummary) -> list[str]:
+    what = {"frontier": "the frontier of time to train against $ (no point is both slower and dearer than "
+                        "another)", "deadline": "the cheapest allocation within the deadline",
+            "budget": "the fastest allocation within the budget"}[choose.objective]
+    proof = "proven: every other allocation was planned or ruled out by a bound" if choose.proven else \
+        "not proven: the search stopped at its planner-call budget"
+    out = ['<section id="choose">', "<h2>Choosing the GPUs</h2>",
+           f"<p>From <code>hetplan choose</code> on pool {escape(choose.pool)}: {what} ({proof}).</p>"]
+    if choose.points:
+        out += ['<div class="chart">' + frontier_svg(choose) + "</div>", _pre(frontier_table(choose))]
+    else:
+        out.append(_items(["no allocation met the limit"], "note"))
+    return out + ["</section>"]
 
 
 def _whatif_section(whatif: Sequence[WhatIfResult], planner: str, tokens: float | None) -> list[str]:
