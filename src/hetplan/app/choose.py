@@ -369,10 +369,10 @@ def _bound_point(a: Allocation, steps: float) -> tuple[float, float]:
 def _beaten(bound: tuple[float, float], points: Sequence[Point], objective: str, limit: float | None) -> bool:
     """Whether no plan of an allocation with this bound can be in the answer."""
     hours, usd = bound
-    if objective == "deadline":
-        return hours > limit or any(p.hours <= limit and p.usd < usd for p in points)  # type: ignore[operator]
-    if objective == "budget":
-        return usd > limit or any(p.usd <= limit and p.hours < hours for p in points)  # type: ignore[operator]
+    if objective == "deadline" and limit is not None:
+        return hours > limit or any(p.hours <= limit and p.usd < usd for p in points)
+    if objective == "budget" and limit is not None:
+        return usd > limit or any(p.usd <= limit and p.hours < hours for p in points)
     return any(p.hours <= hours and p.usd <= usd and (p.hours < hours or p.usd < usd) for p in points)
 
 
@@ -415,8 +415,8 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     if not points and (objective == "frontier" or not pruned):  # else: the limit ruled every allocation out
         first = f": the first said: {reasons[0]}" if reasons else ""
         raise HetplanError(f"no allocation of pool {pool.name!r} has a plan{first}")
-    chosen = pareto_front(points) if objective == "frontier" else \
-        [p for p in [best_point(points, objective, limit)] if p is not None]  # type: ignore[arg-type]
+    best = best_point(points, objective, limit) if objective != "frontier" and limit is not None else None
+    chosen = pareto_front(points) if objective == "frontier" else [best] if best is not None else []
     notes = [NOTE_ONE_TYPE_PER_GROUP]
     if len(set(pool.egress_usd_per_gb)) > 1:
         notes.append(NOTE_ZONES)
