@@ -31,6 +31,8 @@ from hetplan.model.runtime_time import COMPILED_BLOCK_KERNELS, COMPILED_EMBED_KE
 from hetplan.model.spec import ModelSpec
 from hetplan.runtime.models import build_preset_model, cross_entropy_loss
 
+# where inductor logs a generated module: compiled now, or found in its cache
+_CODE_LOGGERS = ("torch._inductor.graph.__output_code", "torch._inductor.codecache.__output_code")
 BATCH = 3  # samples: tokens differ from every width, so no two shapes coincide in the generated code
 _LAUNCH = re.compile(r"^\s+(?:(cpp_fused_\w+|triton_\w+)(?:\.run)?\(|extern_kernels\.(\w+)\(|"
                      r"(?:\w+ = )?torch\.ops\.aten\.(\w+)\.default\()")
@@ -75,9 +77,12 @@ def count(spec: ModelSpec, index: int) -> tuple[list[str], list[str]]:
     ids = torch.randint(0, spec.vocab_size, (BATCH, spec.seq_len))
     x = torch.randn(BATCH, spec.seq_len, spec.hidden_size, requires_grad=True)
     handler = _Code()
-    logger = logging.getLogger("torch._inductor.graph.__output_code")
-    logger.addHandler(handler)
+    loggers = [logging.getLogger(name) for name in _CODE_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(handler)
     torch._logging.set_logs(output_code=True)
+    for printer in logging.getLogger("torch").handlers:  # collect the code without printing it
+        printer.setLevel(logging.CRITICAL)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
             out = module(ids) if layer.kind == "embedding" else module(x)
@@ -86,7 +91,8 @@ def count(spec: ModelSpec, index: int) -> tuple[list[str], list[str]]:
         out.float().sum().backward()
     finally:
         torch._logging.set_logs()
-        logger.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
     unique = list(dict.fromkeys(handler.modules))  # each module is logged at two levels
     if len(unique) != 2:
         raise SystemExit(f"{spec.name} {layer.name}: expected a forward and a backward graph, got {len(unique)}")

@@ -250,7 +250,7 @@ def compiled_block_traffic(shape: DecoderShape, c: int) -> float:
     fused kernel reads its inputs and writes its outputs once (module docstring)."""
     s, h, f = shape.seq, shape.hidden, shape.ffn
     q, kv = shape.q_width, shape.kv_width
-    out = (FP32 + c) * s * h  # first norm and its cast: the fp32 stream in, one 16-bit output
+    out = float((FP32 + c) * s * h)  # first norm and its cast: the fp32 stream in, one 16-bit output
     out += (FP32 + c + c) * s * h  # residual add, second norm, cast: stream and branch in, norm output out
     out += _last_add(shape, c)
     if shape.rope:
