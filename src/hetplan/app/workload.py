@@ -39,7 +39,8 @@ class WorkloadOptions:
     ``model``/``cluster``: a preset name or a file (what ``--model``/``--cluster`` take);
     ``memory_limit``: usable memory per GPU, e.g. "8GB" or bytes; ``target``: the
     tool the plans must run on (``hetplan.export.target.PLAN_TARGETS``); ``search_offload``:
-    may the planners offload activations (``plan --offload auto|never``)."""
+    may the planners offload activations (``plan --offload auto|never``); ``compile``: cost the
+    runtime with each layer ``torch.compile``d (``Workload.compile``)."""
 
     model: str | None = None
     cluster: str | None = None
@@ -58,6 +59,7 @@ class WorkloadOptions:
     expert_imbalance: float | None = None
     target: str | None = None
     search_offload: bool = True
+    compile: bool | None = None
 
 
 def load_workload(options: WorkloadOptions, global_batch: int | None = None,
@@ -90,7 +92,8 @@ def load_workload(options: WorkloadOptions, global_batch: int | None = None,
                     precision=options.precision or saved.get("precision", ""), calibration=calibration,
                     expert_imbalance=_given(options.expert_imbalance, saved, "expert_imbalance",
                                             EXPERT_LOAD_IMBALANCE),
-                    search_offload=options.search_offload, target=target)
+                    search_offload=options.search_offload, target=target,
+                    compile=_given(options.compile, saved, "compile", False))
 
 
 def _given(value: Any, saved: dict[str, Any], key: str, default: Any) -> Any:

@@ -57,6 +57,9 @@ def add_workload_args(p: argparse.ArgumentParser, batch_auto: bool = True) -> No
     p.add_argument("--tp-overlap", action="store_true",
                    help="TP communication overlapped with the matmuls, as Megatron-LM --tp-comm-overlap and "
                    "torchtitan's async TP run it (hetplan's own runtime does not)")
+    p.add_argument("--compile", action="store_true",
+                   help="cost hetplan's runtime with each layer torch.compiled (hetplan train --compile; "
+                   "recorded in the plan, which hetplan train then compiles): fused kernels, fewer launches")
     p.add_argument("--expert-imbalance", type=finite_nonneg_float, default=None,
                    help="MoE models: tokens the busiest expert-parallel rank gets over the average (default 1.25; "
                    "1 = perfect balance; give what your router measures)")
@@ -103,6 +106,7 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         fp8=True if args.fp8 else None, precision=args.precision, zero_impl=args.zero_impl,
         attention_kernel=args.attention_kernel, tp_overlap=True if args.tp_overlap else None,
         expert_imbalance=args.expert_imbalance, target=getattr(args, "target", None),
+        compile=True if args.compile else None,
         # plan/compare: --offload auto|never; estimate's --offload (a flag) sets the plan, not a search
         search_offload=getattr(args, "offload", "auto") != "never")
 

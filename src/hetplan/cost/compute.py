@@ -246,8 +246,9 @@ def loss_time(arrays: LayerArrays, work: Work) -> tuple[np.ndarray, np.ndarray]:
 def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int, host_op_s: float = HOST_OP_S) -> RunOverhead | None:
     """The training code's per-micro-batch costs on one GPU of a TP group of
     ``tp`` (TP divides the weights each rank casts; every rank dispatches every
-    operator, ``host_op_s`` each: a profile's measured value or the default);
-    None where ``arrays`` carry no run columns (``runtime_time_arrays``)."""
+    operator, ``host_op_s`` each: a profile's measured value or the default; a compiled graph's
+    kernels at their launch cost, ``host_seconds``); None where ``arrays`` carry no run columns
+    (``runtime_time_arrays``)."""
     if arrays.host_ops_fwd is None or arrays.host_ops_bwd is None:
         return None
     bandwidth = gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY
@@ -257,8 +258,18 @@ def run_overhead(arrays: LayerArrays, gpu: GPUSpec, tp: int, host_op_s: float = 
                       where=traffic > 0)
     return RunOverhead(arrays.column("weight_fwd_bytes") * share / bandwidth,
                        arrays.column("weight_bwd_bytes") * share / bandwidth,
-                       arrays.host_ops_fwd * host_op_s, arrays.host_ops_bwd * host_op_s,
-                       arrays.column("recompute_gemm_share"), rerun, arrays.column("host_ops_recompute") * host_op_s)
+                       host_seconds(arrays.host_ops_fwd, arrays.column("graph_kernels_fwd"), host_op_s),
+                       host_seconds(arrays.host_ops_bwd, arrays.column("graph_kernels_bwd"), host_op_s),
+                       arrays.column("recompute_gemm_share"), rerun,
+                       host_seconds(arrays.column("host_ops_recompute"), arrays.column("graph_kernels_recompute"),
+                                    host_op_s))
+
+
+def host_seconds(ops: np.ndarray, graph_kernels: np.ndarray, host_op_s: float = HOST_OP_S) -> np.ndarray:
+    """Host time of a pass: ``host_op_s`` (default ``HOST_OP_S``) per eager operator, and ``KERNEL_LAUNCH_S`` per
+    kernel a compiled graph launches (its wrapper calls each kernel directly: no
+    dispatcher, autocast or autograd work per operator; ``runtime_time``)."""
+    return ops * host_op_s + graph_kernels * KERNEL_LAUNCH_S
 
 
 def expert_token_efficiency(tokens: np.ndarray) -> np.ndarray:
@@ -305,7 +316,8 @@ def per_sample_work(arrays: LayerArrays, gpu: GPUSpec, tp: int, dtype_bytes: int
     backward_ratio = np.where(_fused(arrays), ATTENTION_BACKWARD_RATIO, BACKWARD_FLOPS_RATIO)
     mem = arrays.fwd_mem_bytes * tp_activation_fraction(arrays, tp, sequence_parallel)
     memory_s = mem / (gpu.memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY)
-    launch_s = arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM) * KERNEL_LAUNCH_S
+    graph = arrays.column("graph_kernels_fwd")  # a compiled layer's kernels, counted (``runtime_time``)
+    launch_s = np.where(graph > 0, graph, arrays.gemm_count * (1.0 + ELEMENTWISE_KERNELS_PER_GEMM)) * KERNEL_LAUNCH_S
     return Work(gemm_s, attention_s, attention_s * backward_ratio, memory_s, launch_s, expert_s, expert_tokens,
                 run_overhead(arrays, gpu, tp, host_op_s))
 

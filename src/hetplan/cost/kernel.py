@@ -62,7 +62,8 @@ from hetplan.cost.constants import (
     TP_COMM_PASSES,
 )
 from hetplan.model.runtime_memory import runtime_memory
-from hetplan.model.runtime_time import runtime_time
+from hetplan.errors import HetplanError
+from hetplan.model.runtime_time import compiled_refusal, runtime_time
 from hetplan.cost.groups import ClusterArrays, first_appearance
 from hetplan.cost.layers import LayerArrays, layer_arrays, runtime_arrays, runtime_time_arrays
 from hetplan.cost.pipeline import overlap_slowdown, overlapped_exposure
@@ -196,7 +197,9 @@ class CostKernel:
         # model.runtime_time), or what the model counts
         self.runtime = workload.target == "hetplan"
         cuda = any(d.gpu.catalog_name != "CPU" for d in workload.cluster.devices)
-        runs = runtime_time(workload.model, cuda=cuda) if self.runtime else None
+        if workload.compile and compiled_refusal(workload.model, cuda):
+            raise HetplanError(compiled_refusal(workload.model, cuda))
+        runs = runtime_time(workload.model, cuda=cuda, compiled=workload.compile) if self.runtime else None
         if runs is not None:
             self.arrays = runtime_time_arrays(self.arrays, runs)
         # what a tool's own recomputation keeps and redoes (cost.targets: torchtitan's op AC)

@@ -79,6 +79,9 @@ class LayerArrays:
     # how the target tool recomputes under "selective" (``cost.targets.target_arrays``; None: the attention core)
     op_ac_gemm_share: np.ndarray | None = None  # share of linear FLOPs torchtitan's op AC redoes (NaN: core)
     checkpointed: np.ndarray | None = None  # bool: the tool recomputes the layer when the plan says so (None: all)
+    graph_kernels_fwd: np.ndarray | None = None  # kernels a compiled layer's graph launches per micro-batch, forward
+    graph_kernels_bwd: np.ndarray | None = None  # and backward
+    graph_kernels_recompute: np.ndarray | None = None  # and what full recompute reruns of them
 
     def column(self, name: str) -> np.ndarray:
         """An optional per-layer array, zeros where the model has none."""
@@ -194,8 +197,8 @@ def runtime_arrays(arrays: LayerArrays, memory: Sequence[LayerMemory]) -> LayerA
 def runtime_time_arrays(arrays: LayerArrays, runs: Sequence[LayerRun]) -> LayerArrays:
     """``arrays`` with the time columns of how the training code runs each
     layer (``hetplan.model.runtime_time``): its elementwise traffic, SDPA for
-    every attention core, the per-micro-batch weight traffic and the operators
-    its host dispatches."""
+    every attention core, the per-micro-batch weight traffic, the operators
+    its host dispatches and, compiled, the kernels its graphs launch."""
     def column(name: str) -> np.ndarray:
         return np.array([float(getattr(r, name)) for r in runs])
 
@@ -204,7 +207,9 @@ def runtime_time_arrays(arrays: LayerArrays, runs: Sequence[LayerRun]) -> LayerA
                    weight_fwd_bytes=column("weight_fwd"), weight_bwd_bytes=column("weight_bwd"),
                    host_ops_fwd=column("ops_fwd"), host_ops_bwd=column("ops_bwd"),
                    loss_traffic_bytes=column("loss_traffic"), recompute_traffic_bytes=column("recompute_traffic"),
-                   recompute_gemm_share=column("recompute_gemm_share"), host_ops_recompute=column("ops_recompute"))
+                   recompute_gemm_share=column("recompute_gemm_share"), host_ops_recompute=column("ops_recompute"),
+                   graph_kernels_fwd=column("kernels_fwd"), graph_kernels_bwd=column("kernels_bwd"),
+                   graph_kernels_recompute=column("kernels_recompute"))
 
 
 def _expert_tokens(layer: LayerSpec, seq_len: int) -> float:

@@ -40,6 +40,36 @@ Written out from the runtime's code, like ``runtime_memory`` for its tensors:
   operators the recompute adds to the backward (the checkpoint's own unpacking
   included).
 
+Compiled (``hetplan train --compile``: ``runtime/parallelize.py`` ``apply_compile``
+compiles each layer of the plan; the loss runs outside, ``runtime/step.py``),
+``runtime_time(spec, compiled=True)`` costs what inductor's generated code runs:
+
+* elementwise traffic: inductor fuses every chain of elementwise operators
+  between two matmuls (or SDPA) into one kernel that reads its inputs once and
+  writes its outputs once (``torch._inductor.scheduler``'s vertical fusion of
+  pointwise and reduction nodes; matmuls stay extern cuBLAS calls in the default
+  mode). The generated code for the built-in blocks
+  (``benchmarks/count_compiled_kernels.py`` prints it) has these fused kernels:
+  first norm and its 16-bit cast (one cast for every linear that reads it); the
+  residual add with the second norm and its cast; the rotary products of q and k
+  (and, Llama, the attention output's copy to token-major order); the
+  activation (SiLU gate times up projection); the last residual add, which
+  reruns the first add rather than write its fp32 sum. The weight casts and
+  gradient casts stay (a matmul needs its 16-bit weight materialised), and so
+  does the loss (eager, outside the graph);
+* ``kernels_fwd`` / ``kernels_bwd``: the kernels the compiled graphs launch per
+  micro-batch (fused elementwise kernels, extern matmuls, SDPA), counted in
+  inductor's generated code; the host launches each from the graph's wrapper,
+  without the dispatcher and autograd work an eager operator costs. ``ops_fwd``
+  / ``ops_bwd`` keep only what still runs eagerly (the head's loss);
+* saved activations: not changed here (``runtime_memory`` costs eager's; on the
+  H100 the compiled 8 x 2 run held 40.45 GiB against 42.7 eager, so eager's is
+  an upper bound; docs/cost-model.md).
+
+Compiled costs are written out for the built-in dense models (GPT and Llama
+blocks); a compiled MoE block (its expert loop breaks the graph) or HF model is
+refused (``compiled_refusal``).
+
 Models the runtime builds itself and HF Llama-style decoders (the shapes
 ``runtime_memory.decoder_shape`` knows) are written out; for others
 ``runtime_time`` returns None and the ModelSpec's accounting stays.
@@ -47,7 +77,7 @@ Models the runtime builds itself and HF Llama-style decoders (the shapes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetplan.model.runtime_memory import FP32, DecoderShape, decoder_shape
 from hetplan.model.spec import LayerSpec, ModelSpec
@@ -69,6 +99,14 @@ HEAD_RECOMPUTE_OPS = {"gpt": 15, "llama": 25, "hf-llama": 8}
 EMBED_RECOMPUTE_OPS = {"gpt": 2, "llama": 0, "hf-llama": 0}
 MOE_BASE_RECOMPUTE_OPS = {"gpt": 114, "llama": 183}
 MOE_EXPERT_RECOMPUTE_OPS = {"gpt": 22, "llama": 32}
+# Kernels one torch.compile'd layer launches per micro-batch, (forward, backward), and the
+# operators of the loss that runs eagerly after the head: counted in inductor's generated code
+# for the built-in models (torch 2.13, CPU inductor under bf16 autocast, whose scheduler fuses
+# as on GPUs; benchmarks/count_compiled_kernels.py recounts them, about a minute a layer kind).
+COMPILED_BLOCK_KERNELS = {"gpt": (14, 19), "llama": (17, 28)}
+COMPILED_HEAD_KERNELS = {"gpt": (2, 3), "llama": (2, 3)}
+COMPILED_EMBED_KERNELS = {"gpt": (1, 1), "llama": (1, 1)}
+LOSS_OPS = (6, 5)  # view, float cast, view, log-softmax, detach, nll / their backward (seed excluded)
 # Bytes a parameter per micro-batch the weight casts (forward) and the gradient's cast and
 # accumulation (backward) move (module docstring); fp32 training: the accumulation alone.
 WEIGHT_FWD_BYTES_PER_PARAM = 4 + 2
@@ -93,6 +131,8 @@ class LayerRun:
         recompute_traffic, recompute_gemm_share, ops_recompute: what full recomputation
             reruns (module docstring): elementwise bytes per sample, share of the matmul
             FLOPs, operators added to the backward per micro-batch.
+        kernels_fwd, kernels_bwd, kernels_recompute: kernels a compiled layer's graphs
+            launch per micro-batch (0: eager); the recompute reruns the forward graph.
     """
 
     traffic: float
@@ -105,6 +145,9 @@ class LayerRun:
     recompute_traffic: float = 0.0
     recompute_gemm_share: float = 1.0
     ops_recompute: int = 0
+    kernels_fwd: int = 0
+    kernels_bwd: int = 0
+    kernels_recompute: int = 0
 
 
 def _style(shape: DecoderShape) -> str:
@@ -202,10 +245,74 @@ def layer_run(layer: LayerSpec, shape: DecoderShape, c: int) -> LayerRun:
                     traffic - _residual_add(shape, c), block_recompute_gemm_share(shape), ops_recompute)
 
 
-def runtime_time(spec: ModelSpec, cuda: bool = True) -> tuple[LayerRun, ...] | None:
-    """Per layer of ``spec``, how hetplan's runtime runs it (module docstring);
-    None for a model whose runtime implementation is not written out here."""
+def compiled_block_traffic(shape: DecoderShape, c: int) -> float:
+    """Elementwise bytes of one compiled decoder block per sample, forward: each
+    fused kernel reads its inputs and writes its outputs once (module docstring)."""
+    s, h, f = shape.seq, shape.hidden, shape.ffn
+    q, kv = shape.q_width, shape.kv_width
+    out = float((FP32 + c) * s * h)  # first norm and its cast: the fp32 stream in, one 16-bit output
+    out += (FP32 + c + c) * s * h  # residual add, second norm, cast: stream and branch in, norm output out
+    out += _last_add(shape, c)
+    if shape.rope:
+        out += 2 * c * s * (q + kv)  # q and k rotated in one kernel
+        out += 2 * c * s * q  # the attention output copied to token-major order for the output projection
+    if shape.repeats_kv:
+        out += 2 * 2 * c * s * q  # K and V expanded to every head (read + write)
+    if shape.mask:
+        out += c * s * s
+    return float(out + (3 * c if shape.mlp == "swiglu" else 2 * c) * s * f)  # activation (and gate product)
+
+
+def _last_add(shape: DecoderShape, c: int) -> float:
+    """The compiled block's last residual add: the fp32 stream and both 16-bit branches in
+    (it reruns the first add), the fp32 sum out."""
+    return float((FP32 + 2 * c + FP32) * shape.seq * shape.hidden)
+
+
+def compiled_layer_run(layer: LayerSpec, shape: DecoderShape, c: int) -> LayerRun:
+    """How the runtime runs ``layer`` compiled (module docstring): eager's weight casts and
+    embedding, fused elementwise traffic, the compiled graphs' kernels, the loss eager."""
+    eager, style = layer_run(layer, shape, c), _style(shape)
+    if layer.kind == "embedding":
+        forward, backward = COMPILED_EMBED_KERNELS[style]
+        return replace(eager, ops_fwd=0, ops_bwd=0, ops_recompute=0, kernels_fwd=forward, kernels_bwd=backward,
+                       kernels_recompute=forward)
+    if layer.kind == "head":
+        forward, backward = COMPILED_HEAD_KERNELS[style]
+        rerun = float(_norm_compiled(shape, c))
+        return replace(eager, traffic=rerun + eager.loss_traffic, recompute_traffic=rerun, ops_fwd=LOSS_OPS[0],
+                       ops_bwd=LOSS_OPS[1], ops_recompute=0, kernels_fwd=forward, kernels_bwd=backward,
+                       kernels_recompute=forward)
+    forward, backward = COMPILED_BLOCK_KERNELS[style]
+    traffic = compiled_block_traffic(shape, c)
+    return replace(eager, traffic=traffic, recompute_traffic=traffic - _last_add(shape, c), ops_fwd=0, ops_bwd=0,
+                   ops_recompute=0, kernels_fwd=forward, kernels_bwd=backward, kernels_recompute=forward)
+
+
+def _norm_compiled(shape: DecoderShape, c: int) -> float:
+    """A compiled norm and its cast: the fp32 stream read once, the c-byte output written once."""
+    return float((FP32 + c) * shape.seq * shape.hidden)
+
+
+def compiled_refusal(spec: ModelSpec, cuda: bool = True) -> str:
+    """Why ``spec`` compiled cannot be costed ("" where it can): compiled costs are
+    written out for the built-in dense GPT and Llama models only."""
+    shapes = decoder_shape(spec, cuda)
+    if shapes is None or any(s.hf for s in shapes):
+        return (f"--compile is costed for hetplan's built-in models only (GPT and Llama presets), not "
+                f"{spec.name!r}; drop --compile (hetplan train --compile still compiles it, uncosted)")
+    if any(s.experts for s in shapes):
+        return (f"--compile is not costed for mixture-of-experts blocks ({spec.name!r}: the expert loop breaks "
+                "the compiled graph); drop --compile")
+    return ""
+
+
+def runtime_time(spec: ModelSpec, cuda: bool = True, compiled: bool = False) -> tuple[LayerRun, ...] | None:
+    """Per layer of ``spec``, how hetplan's runtime runs it (module docstring), each
+    layer ``torch.compile``d if ``compiled`` (``compiled_refusal`` must be ""); None for
+    a model whose runtime implementation is not written out here."""
     shapes = decoder_shape(spec, cuda)
     if shapes is None or (_style(shapes[1]) not in MOE_BASE_OPS and any(s.experts for s in shapes)):
         return None
-    return tuple(layer_run(layer, shape, spec.dtype_bytes) for layer, shape in zip(spec.layers, shapes))
+    run = compiled_layer_run if compiled else layer_run
+    return tuple(run(layer, shape, spec.dtype_bytes) for layer, shape in zip(spec.layers, shapes))

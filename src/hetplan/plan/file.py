@@ -12,7 +12,7 @@ or trained anywhere else ("unknown model preset"). Format 2 and later
      "model_spec": ModelSpec.to_dict(),          # layers, costs, source (how to build it), meta (notes)
      "cluster_spec": cluster_to_dict(cluster),   # the cluster YAML's form
      "settings": {"precision": ..., "optimizer": ..., "fp8": ..., "zero_implementation": ...,
-                  "memory_limit_bytes": ..., "overlap_grad_sync": ..., "target": ...}}
+                  "memory_limit_bytes": ..., "overlap_grad_sync": ..., "target": ..., "compile": ...}}
 
 Format 3 writes each plan's ``micro_batch_size`` per data-parallel replica
 (Megatron's meaning) with the total in ``micro_batch_total``; older plans
@@ -60,7 +60,7 @@ from hetplan.cluster.presets import get_cluster
 
 PLAN_FILE_VERSION = 4  # 4: ModelSpec.source typed (hetplan.model.origin); 3: meta held it
 SETTING_KEYS = ("precision", "optimizer", "fp8", "zero_implementation", "attention_kernel", "memory_limit_bytes",
-                "overlap_grad_sync", "expert_imbalance", "tp_comm_overlap", "target")
+                "overlap_grad_sync", "expert_imbalance", "tp_comm_overlap", "target", "compile")
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class PlanFile:
                         precision=saved.get("precision", ""),
                         expert_imbalance=saved.get("expert_imbalance", EXPERT_LOAD_IMBALANCE),
                         calibration=calibration if calibration is not None else self.cluster.meta.get("calibration"),
-                        target=saved.get("target", ""))
+                        target=saved.get("target", ""), compile=saved.get("compile", False))
 
 
 def workload_record(workload: Any) -> dict[str, Any]:
@@ -224,6 +224,7 @@ def _settings(data: Any) -> dict[str, Any]:
         "tp_comm_overlap": fields.flag,
         "expert_imbalance": _imbalance,
         "target": lambda w, v: fields.text(w, v, WORKLOAD_TARGETS),
+        "compile": fields.flag,
     }
     return {key: readers[key](f"settings.{key}", value) for key, value in raw.items()}
 

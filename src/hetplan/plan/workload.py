@@ -73,6 +73,9 @@ class Workload:
             Transformer Engine, torchtitan's async TP with torch.compile):
             only what outlasts a layer's compute stays exposed. hetplan's own
             runtime does not overlap them.
+        compile: hetplan's runtime ``torch.compile``s each layer (``hetplan train
+            --compile``): the cost kernel costs the compiled graphs' kernels, traffic
+            and saved activations (``hetplan.model.runtime_time``); target "hetplan" only.
         target: the code that will train the plans (``TARGETS``): "hetplan"
             (hetplan's runtime: the planners search only what it runs,
             ``hetplan.plan.support.search_limits``), a tool's name, or ""
@@ -95,6 +98,7 @@ class Workload:
     attention_kernel: str = DEFAULT_ATTENTION_KERNEL
     tp_comm_overlap: bool = False
     target: str = ""
+    compile: bool = False
 
     def __post_init__(self) -> None:
         self._check_precision()
@@ -117,6 +121,9 @@ class Workload:
                                f"{', '.join(ATTENTION_KERNELS)}")
         if self.target not in TARGETS:
             raise HetplanError(f"unknown target {self.target!r}{did_you_mean(self.target, filter(None, TARGETS))}; choose one of {', '.join(t for t in TARGETS if t)}")
+        if self.compile and self.target != "hetplan":
+            raise HetplanError("--compile costs hetplan's runtime's compiled layers: plan for --target hetplan "
+                               f"(a model hetplan trains), or drop --compile (target {self.target or 'any'!r})")
         if self.memory_limit_bytes < 0:
             raise HetplanError("memory limit must be positive")
         self._check_step_bytes()

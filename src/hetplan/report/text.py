@@ -181,6 +181,7 @@ def workload_header(workload: Workload, extra: str = "") -> str:
              + (f", {workload.attention_kernel} attention" if workload.attention_kernel != DEFAULT_ATTENTION_KERNEL
                 else "")
              + (", TP communication overlapped" if workload.tp_comm_overlap else "")
+             + (", layers torch.compiled" if workload.compile else "")
              + (f", memory limit {format_bytes(workload.memory_limit_bytes)}/GPU" if workload.memory_limit_bytes else "")]
     if workload.profile is not None:
         measured_dp = len(getattr(workload.profile, "data_parallel", ()))

@@ -83,7 +83,8 @@ def register(subparsers: Any) -> None:
                    + ", ".join(f"{v:g} ({k})" for k, v in VERIFY_TOLERANCE.items()))
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="check the plan trains in this precision (the plan file's setting decides)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each layer (after TP and checkpointing)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each layer (after TP and checkpointing); "
+                   "a plan made with --compile is compiled without it")
     p.add_argument("--dropout", type=finite_nonneg_float, default=0.0, metavar="P",
                    help="dropout probability at GPT-2's sites of the built-in model (default 0); its masks do not "
                    "depend on the plan, so --verify still holds")
@@ -234,8 +235,10 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
     start_from = _start_checkpoint(args, resume)  # verified before any process starts
     nodes = launch.plan_nodes(plan, cluster)
     n = layout.world_size
+    compiled = args.compile or plan_compiles(plan_path)
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
-          f"{plan.global_batch_size} samples, {precision}, {n} process{'es' if n > 1 else ''}", flush=True)
+          f"{plan.global_batch_size} samples, {precision}{', compiled' if compiled else ''}, "
+          f"{n} process{'es' if n > 1 else ''}", flush=True)
     print(f"plan: {layout.describe()}", flush=True)
     env = {**child_env(), **_timeout_env(args), **_elastic_env(args)}
     if len(nodes) > 1:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
@@ -247,7 +250,7 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
         print(f"resuming from {start_from[0]} (step {start_from[1]})", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetplan-train-") as tmp:
         out = args.out or tmp
-        worker_args = _worker_args(args, plan_path, out, start_from)
+        worker_args = _worker_args(args, plan_path, out, start_from, compiled)
         if n == 1:
             torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
             trainer.train(trainer.parse_args(worker_args))
@@ -271,9 +274,16 @@ def _elastic_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from: tuple[str, int | None] | None
-                 ) -> list[str]:
-    """The trainer's command line (``hetplan.runtime.trainer``) for ``hetplan train``'s flags."""
+def plan_compiles(plan_path: str) -> bool:
+    """Whether the plan was costed with each layer compiled (``hetplan plan --compile``):
+    then ``hetplan train`` compiles it, as costed, without ``--compile``."""
+    return bool(read_plan_file(plan_path).settings.get("compile", False))
+
+
+def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from: tuple[str, int | None] | None,
+                 compiled: bool) -> list[str]:
+    """The trainer's command line (``hetplan.runtime.trainer``) for ``hetplan train``'s flags
+    (``compiled``: ``--compile``, or a plan costed compiled)."""
     worker_args = ["--plan", os.path.abspath(plan_path), "--steps", str(args.steps),
                    "--seed", str(args.seed), "--optimizer", args.optimizer, "--clip", str(args.clip),
                    "--out", out]
@@ -281,7 +291,7 @@ def _worker_args(args: argparse.Namespace, plan_path: str, out: str, start_from:
         worker_args += ["--model", args.model]
     if args.trust_plan_code:
         worker_args.append("--trust-plan-code")
-    if args.compile:
+    if compiled:
         worker_args.append("--compile")
     if args.optimizer_impl:
         worker_args += ["--optimizer-impl", args.optimizer_impl]
