@@ -152,6 +152,14 @@ class _DataParallelGroups:
 # them all in memory).
 RECENT_TABLES = 256
 
+# Stage costs kept per kernel: a StageCosts holds per-layer arrays and lists of
+# about 80 bytes a layer (measured: 6.7 GB for 8,608 of them at 10,000 layers,
+# the uniform planner on 64 H100, ``benchmarks/bench_layer_scale.py``), so the
+# kernel keeps RECENT_STAGE_LAYERS / L of them (about 160 MB) and at least
+# RECENT_STAGES_MIN; an evicted one is rebuilt (~1 ms at 10,000 layers).
+RECENT_STAGE_LAYERS = 2_000_000
+RECENT_STAGES_MIN = 64
+
 # Device tuples the kernel finds by identity, and keeps as arrays (``CostKernel.device_set``).
 RECENT_DEVICE_TUPLES = 4096
 
@@ -220,7 +228,9 @@ class CostKernel:
         self._slowest: dict[tuple[int, ...], GPUSpec] = {}
         self._arrays: dict[tuple[object, ...], np.ndarray] = {}
         self._range_tables: dict[tuple[object, ...], RangeMax | RangeSum] = {}
-        self._stages: dict[tuple[int, int, str, bool, bool], StageCosts] = {}  # by layout index and strategy
+        # by layout index and strategy; each holds a few per-layer arrays, so fewer are kept for longer models
+        self._stages: _Recent[StageCosts] = _Recent(max(RECENT_STAGES_MIN,
+                                                        RECENT_STAGE_LAYERS // max(self.num_layers, 1)))
         self._signatures: dict[tuple[object, ...], int] = {}
         self._layouts: dict[tuple[object, ...], _StagePlacement] = {}
         self._sets: dict[tuple[int, ...], int] = {}  # device tuples, numbered (``device_set``)
@@ -691,7 +701,7 @@ class CostKernel:
         key = (layout.index, option.zero, option.recompute, option.sequence_parallel, option.offload)
         found = self._stages.get(key)
         if found is None:
-            found = self._stages[key] = StageCosts(self, option, key)
+            found = self._stages.put(key, StageCosts(self, option, key))
         return found
 
     def time_class(self, gpu: GPUSpec, share: int, tp: int, recompute: str, sequence_parallel: bool,
