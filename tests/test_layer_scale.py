@@ -123,3 +123,7 @@ def test_too_many_distinct_layers_or_a_profile_are_refused_in_one_line() -> None
     profiled = Workload(base.model, base.cluster, 16, profile=ProfileDB())
     with pytest.raises(HetplanError, match="plan without --profile"):
         get_planner("metis").plan(profiled, 1)
+    runtime = Workload(base.model, base.cluster, 16, target="hetplan")
+    with pytest.raises(HetplanError, match="plan for a tool"):
+        get_planner("auto").plan(runtime, 1)
+    assert get_planner("megatron").plan(runtime, 1)  # the planners that plan every layer still do

@@ -29,8 +29,11 @@ model instead:
   is the real model's.
 
 Models of at most ``MAX_SEARCH_LAYERS`` layers are searched layer by layer,
-exactly as before. A workload with measured layer times (a profile) is not
-grouped: its times are per real layer, so it is refused above the limit.
+exactly as before. Two workloads are not grouped, and refused above the limit:
+one with measured layer times (a profile: its times are per real layer) and
+one planned for hetplan's runtime (target "hetplan": the kernel costs the
+runtime's modules per layer from the model's shape, ``model/runtime_memory.py``,
+which a group's summed fields do not reach).
 
 Cost of the grouping: O(L) to build the groups and expand each plan; the
 search then costs what it costs on ``SEARCH_GROUPS`` layers.
@@ -172,10 +175,12 @@ class GroupedPlanner:
         groups = layer_groups(workload.model, self.limit)
         if groups is None:
             return search(workload, top_k, cost)
-        if workload.profile is not None:
-            raise HetplanError(f"planner {self.name!r} searches at most {self.limit} layers with measured layer "
-                               f"times; model {workload.model.name!r} has {workload.model.num_layers}: plan without "
-                               "--profile, or use --planner megatron or uniform")
+        if workload.profile is not None or workload.target == "hetplan":  # the kernel's ``runtime`` test
+            what = "with measured layer times" if workload.profile is not None else "for hetplan's runtime"
+            change = "plan without --profile" if workload.profile is not None else "plan for a tool (--target)"
+            raise HetplanError(f"planner {self.name!r} searches at most {self.limit} layers {what}; model "
+                               f"{workload.model.name!r} has {workload.model.num_layers}: {change}, or use "
+                               "--planner megatron or uniform")
         largest = max(len(g) for g in groups)
         note = (f"layers searched in {len(groups)} groups of up to {largest} identical layers "
                 f"({workload.model.num_layers} layers > {self.limit}): pipeline cuts fall between groups, "
