@@ -17,7 +17,7 @@ model instead:
   activation bytes, TP traffic, expert parameters...) are its members' sums
   and whose shape (input, output, TP limit, attention, experts) is theirs.
 * **The coarsening** — stated in each plan's notes: pipeline cuts fall only
-  between groups, and a group runs one strategy (ZeRO, recomputation, TP
+  between groups (so a pipeline has at most as many stages as groups), and a group runs one strategy (ZeRO, recomputation, TP
   degree) for all its members. Per-layer maxima the cost model takes over a
   stage (the backward working set: under full recomputation a group rebuilds
   all its members' activations at once; the largest tensor) are charged for
@@ -59,7 +59,7 @@ MAX_SEARCH_LAYERS = 128
 # to MAX_SEARCH_LAYERS). Measured with benchmarks/bench_layer_scale.py (GPT
 # decoder of 10,000 layers, hidden 1024, 64 H100, batch 512): auto, the slowest
 # planner, takes 16 CPU s on 64 groups and over 60 on 128 (its exact solves grow
-# as stages x groups²); 64 still lets every GPU be a pipeline stage of its own.
+# as stages x groups²); 64 groups still allow pipelines of up to 64 stages.
 SEARCH_GROUPS = 64
 
 # LayerSpec fields that add up over a group's members (everything a layer costs
