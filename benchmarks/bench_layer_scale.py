@@ -45,6 +45,8 @@ RSS_TARGET_MB = 2048.0
 
 def run_one(planner: str, layers: int, kind: str) -> dict[str, object]:
     """One cell, in this process (the child ``cell`` starts)."""
+    from dataclasses import replace
+
     from hetplan.cluster.presets import get_cluster
     from hetplan.errors import HetplanError
     from hetplan.model.presets import gpt_decoder
@@ -55,8 +57,9 @@ def run_one(planner: str, layers: int, kind: str) -> dict[str, object]:
     try:  # N layers: N - 2 blocks between the embedding and the head
         model = gpt_decoder(f"gpt-{layers}", layers - 2, 1024, 16, 2048)
         if kind == "blocks":  # the blocks alone: N identical layers
-            model = gpt_decoder(f"blocks-{layers}", layers, 1024, 16, 2048)
-            model = model.with_layers(list(model.layers[1:-1]))
+            block = model.layers[1]
+            model = model.with_layers([replace(block, name=f"layers.{i}") for i in range(layers)],
+                                      name=f"blocks-{layers}")
         workload = Workload(model, get_cluster(f"{GPUS}xH100"), GLOBAL_BATCH)
         best = get_planner(planner).plan(workload, 1)[0]
         ended = f"plan: {best.plan.describe()[:60]}"

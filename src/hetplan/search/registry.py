@@ -67,4 +67,7 @@ def get_planner(name: str) -> Planner:
     if name not in PLANNERS:
         raise HetplanError(f"unknown planner {name!r}{did_you_mean(name, PLANNERS)}; choose one of {', '.join(planner_names())}")
     planner = PLANNERS[name][0]()
-    return planner if name in LAYER_BY_LAYER else GroupedPlanner(planner)
+    if name in LAYER_BY_LAYER:
+        return planner
+    # auto's space holds uniform's and Megatron's plans: searched in groups, it plans every layer with them too
+    return GroupedPlanner(planner, companions=(UniformPlanner, MegatronPlanner) if name == "auto" else ())

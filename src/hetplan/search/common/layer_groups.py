@@ -57,10 +57,11 @@ from hetplan.search.base import Planner, cost_model_for, rank_plans
 MAX_SEARCH_LAYERS = 128
 # Groups a longer model is searched in (more where its distinct runs need it, up
 # to MAX_SEARCH_LAYERS). Measured with benchmarks/bench_layer_scale.py (GPT
-# decoder of 10,000 layers, hidden 1024, 64 H100, batch 512): auto, the slowest
-# planner, takes 16 CPU s on 64 groups and over 60 on 128 (its exact solves grow
-# as stages x groups²); 64 groups still allow pipelines of up to 64 stages.
-SEARCH_GROUPS = 64
+# decoder of 10,000 layers, hidden 1024, 64 H100, batch 512): auto's grouped
+# search, the slowest, takes 12.5 CPU s on 32 groups, 18.5 on 48 and 24.4 on 64
+# (its exact solves grow as stages x groups²), and auto adds uniform's and
+# Megatron's plans of every layer (~10 s) within the 30 s target.
+SEARCH_GROUPS = 32
 
 # LayerSpec fields that add up over a group's members (everything a layer costs
 # per sample or holds); the other fields describe the layer's shape and are equal
@@ -157,10 +158,16 @@ class GroupedPlanner:
     """A searching planner that sees a model of more than ``MAX_SEARCH_LAYERS``
     layers in layer groups (module docstring); smaller models pass through."""
 
-    def __init__(self, inner: Planner, limit: int = MAX_SEARCH_LAYERS) -> None:
+    def __init__(self, inner: Planner, limit: int = MAX_SEARCH_LAYERS,
+                 companions: tuple[Callable[[], Planner], ...] = ()) -> None:
+        """``companions``: planners of every layer whose plans the inner
+        planner's space contains (auto's uniform and Megatron), run on the real
+        model beside the grouped search: the grouped search over-states memory
+        and cuts only between groups, so their plans may be better."""
         self.inner = inner
         self.name = inner.name
         self.limit = limit
+        self.companions = companions
         self.searches_batch_size = getattr(inner, "searches_batch_size", False)
 
     def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
@@ -185,14 +192,32 @@ class GroupedPlanner:
         note = (f"layers searched in {len(groups)} groups of up to {largest} identical layers "
                 f"({workload.model.num_layers} layers > {self.limit}): pipeline cuts fall between groups, "
                 "a group runs one strategy")
+        real = cost_model_for(workload, cost)
         try:
             found = search(replace(workload, model=grouped_model(workload.model, groups)), top_k, None)
         except OutOfMemoryError as exc:
-            raise OutOfMemoryError(f"{exc} (searched in groups of up to {largest} layers)") from exc
-        real = cost_model_for(workload, cost)
+            if not self.companions:
+                raise OutOfMemoryError(f"{exc} (searched in groups of up to {largest} layers)") from exc
+            found = []
         plans = [expand_plan(r.plan, groups, note) for r in found]
+        if self.companions:
+            return rank_plans(real, plans + self._companion_plans(workload, top_k, real, not plans), top_k)
         batches = {p.global_batch_size for p in plans}
         if batches != {workload.global_batch_size}:  # a batch-size search: its order, each at its own batch
             return [RankedPlan(p, CostModel(replace(workload, global_batch_size=p.global_batch_size)).estimate(p))
                     for p in plans]
         return rank_plans(real, plans, top_k)
+
+    def _companion_plans(self, workload: Workload, top_k: int, real: CostModel, needed: bool) -> list[Plan]:
+        """The companions' best plans of every layer, noted (``needed`` and none: their last error)."""
+        note = f"a plan of every layer by {self.name}'s companion planners (its search ran in layer groups)"
+        plans: list[Plan] = []
+        error: HetplanError | None = None
+        for factory in self.companions:
+            try:
+                plans += [replace(r.plan, notes=r.plan.notes + (note,)) for r in factory().plan(workload, top_k, real)]
+            except HetplanError as exc:
+                error = exc
+        if needed and not plans and error is not None:
+            raise error
+        return plans
