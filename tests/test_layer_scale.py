@@ -103,7 +103,7 @@ def test_grouped_plans_are_real_plans_costed_by_the_real_model(planner: str) -> 
         assert layers == list(range(2000))
         assert all(len(s.strategies) == len(s.layers) for s in r.plan.stages)
         assert r.estimate.iteration_time_s == real.estimate(r.plan).iteration_time_s
-        assert any("groups of up to" in note for note in r.plan.notes)
+        assert any("groups" in note for note in r.plan.notes)  # searched in groups, or a companion's plan
 
 
 def test_grouped_auto_is_never_worse_than_uniform() -> None:
