@@ -13,8 +13,9 @@ with bounded memory"); ``hetplan.model.spec.MAX_LAYERS`` is 10,000.
 
 Targets (exit status 1 when one is missed): every cell ends in a plan or a
 refusal within ``CPU_TARGET_S`` CPU seconds and ``RSS_TARGET_MB`` of memory.
-The searching planners see a model above 128 layers in about 32 layer groups (auto also plans every layer with uniform and megatron)
-(``hetplan.search.common.layer_groups``); docs/inputs.md states the growth.
+The searching planners see a model above 128 layers in about 32 layer groups
+(``hetplan.search.common.layer_groups``; auto also plans every layer with
+uniform and megatron); docs/inputs.md states the growth.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def _cut(run: range, size: int) -> list[range]:
     return out
 
 
-def layer_groups(model: ModelSpec, limit: int = MAX_SEARCH_LAYERS, target: int = SEARCH_GROUPS) -> list[range] | None:
+def layer_groups(model: ModelSpec, limit: int = MAX_SEARCH_LAYERS,
+                 target: int = SEARCH_GROUPS) -> list[range] | None:
     """The groups the search sees, or None when the model has at most ``limit``
     layers (searched one by one): ``target`` groups, or one per run where there
     are more runs. Refuses a model whose distinct runs alone exceed ``limit``:
