@@ -11,7 +11,7 @@ held there.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class RangeSum:
     ``(index, previous, share)``, ``share`` when ``a <= previous`` and
     ``index < b`` (a tied weight the range already holds: ``CostKernel.held_params``)."""
 
-    def __init__(self, prefix: np.ndarray, corrections: list[tuple[int, int, float]] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self, prefix: np.ndarray, corrections: Sequence[tuple[int, int, float]] = ()) -> None:
         self._prefix = np.asarray(prefix, dtype=float)
         self._corrections = list(corrections)
 

@@ -14,12 +14,12 @@ model instead:
   each other, so an embedding or a head stays a layer of its own; tied layers
   are never grouped.
 * **A group is one layer** whose additive quantities (parameters, FLOPs,
-  activation bytes, TP traffic, expert parameters...) are its members' sums
-  and whose shape (input, output, TP limit, attention, experts) is theirs.
+  activation and input bytes, TP traffic, expert parameters...) are its
+  members' sums and whose shape (output, TP limit, attention, experts) is theirs.
 * **The coarsening** — stated in each plan's notes: pipeline cuts fall only
-  between groups (so a pipeline has at most as many stages as groups), and a group runs one strategy (ZeRO, recomputation, TP
-  degree) for all its members. Per-layer maxima the cost model takes over a
-  stage (the backward working set: under full recomputation a group rebuilds
+  between groups (so a pipeline has at most as many stages as groups), and a
+  group runs one strategy (ZeRO, recomputation, TP degree) for all its
+  members. Per-layer maxima the cost model takes over a stage (the backward working set: under full recomputation a group rebuilds
   all its members' activations at once; the largest tensor) are charged for
   the group as a whole, which can only over-state memory; a group's TP
   collectives are charged as one layer's count of larger messages, and a
@@ -176,7 +176,8 @@ class GroupedPlanner:
 
     def plan_auto_batch(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
         """The inner planner's batch-size search (Galvatron's), on the grouped model."""
-        return self._run(workload, top_k, None, lambda w, k, c: self.inner.plan_auto_batch(w, k))  # type: ignore[attr-defined]
+        batch_search = self.inner.plan_auto_batch  # type: ignore[attr-defined]
+        return self._run(workload, top_k, None, lambda w, k, c: batch_search(w, k))
 
     def _run(self, workload: Workload, top_k: int, cost: CostModel | None,
              search: Callable[[Workload, int, CostModel | None], list[RankedPlan]]) -> list[RankedPlan]:
