@@ -1,10 +1,11 @@
 """How planning cost grows with the number of layers, up to hetplan's limit.
 
-    python benchmarks/bench_layer_scale.py [--layers 300,1000,10000] [--planners auto,amp,...]
+    python benchmarks/bench_layer_scale.py [--layers 300,1000,10000] [--planners auto,amp,...] [--models gpt,blocks]
 
-Each cell runs one planner on a GPT decoder of N layers (N - 2 blocks,
-an embedding and a head; hidden 1024, 16 heads, sequence 2048) on 64 H100, global batch 512, in its own process under a
-CPU-time and address-space limit, and reports CPU seconds (the cell's own, model building included, not
+Each cell runs one planner on a model of N layers on 64 H100, global batch 512: ``gpt``, a GPT
+decoder of a few distinct layer kinds (N - 2 blocks between an embedding and a head; hidden 1024,
+16 heads, sequence 2048), or ``blocks``, N of its identical blocks alone. Each cell runs in its
+own process under a CPU-time and address-space limit, and reports CPU seconds (the cell's own, model building included, not
 the machine's load), peak RSS and how it ended: a plan, a one-line refusal
 (``HetplanError``), or killed at a limit. The limits are the targets of issue
 32 ("every planner at 10,000 layers x 64 GPUs finishes or refuses in seconds
@@ -12,11 +13,15 @@ with bounded memory"); ``hetplan.model.spec.MAX_LAYERS`` is 10,000.
 
 Targets (exit status 1 when one is missed): every cell ends in a plan or a
 refusal within ``CPU_TARGET_S`` CPU seconds and ``RSS_TARGET_MB`` of memory.
+The searching planners see a model above 128 layers in about 32 layer groups
+(``hetplan.search.common.layer_groups``; auto also plans every layer with
+uniform and megatron); docs/inputs.md states the growth.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import subprocess
@@ -30,6 +35,7 @@ from hetplan.report.text import table
 
 PLANNERS = ("auto", "amp", "metis", "megatron", "uniform", "galvatron-bmw", "smp")
 LAYERS = (1000, 10_000)
+MODELS = ("gpt", "blocks")
 GLOBAL_BATCH = 512
 GPUS = 64
 # "finishes or refuses in seconds with bounded memory" (issue 32): 30 CPU s and
@@ -38,8 +44,10 @@ CPU_TARGET_S = 30.0
 RSS_TARGET_MB = 2048.0
 
 
-def run_one(planner: str, layers: int) -> dict[str, object]:
+def run_one(planner: str, layers: int, kind: str) -> dict[str, object]:
     """One cell, in this process (the child ``cell`` starts)."""
+    from dataclasses import replace
+
     from hetplan.cluster.presets import get_cluster
     from hetplan.errors import HetplanError
     from hetplan.model.presets import gpt_decoder
@@ -49,6 +57,10 @@ def run_one(planner: str, layers: int) -> dict[str, object]:
     start = time.process_time()
     try:  # N layers: N - 2 blocks between the embedding and the head
         model = gpt_decoder(f"gpt-{layers}", layers - 2, 1024, 16, 2048)
+        if kind == "blocks":  # the blocks alone: N identical layers
+            block = model.layers[1]
+            model = model.with_layers([replace(block, name=f"layers.{i}") for i in range(layers)],
+                                      name=f"blocks-{layers}")
         workload = Workload(model, get_cluster(f"{GPUS}xH100"), GLOBAL_BATCH)
         best = get_planner(planner).plan(workload, 1)[0]
         ended = f"plan: {best.plan.describe()[:60]}"
@@ -64,10 +76,10 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (int(RSS_TARGET_MB * 2**20 * 2),) * 2)  # address space > RSS: 2x room
 
 
-def cell(planner: str, layers: int) -> dict[str, object]:
+def cell(planner: str, layers: int, kind: str) -> dict[str, object]:
     """``run_one`` in a fresh interpreter under the limits."""
-    done = subprocess.run([sys.executable, __file__, "--one", planner, str(layers)], capture_output=True, text=True,
-                          check=False, preexec_fn=_limits)
+    done = subprocess.run([sys.executable, __file__, "--one", planner, str(layers), kind], capture_output=True,
+                          text=True, check=False, preexec_fn=_limits)
     try:
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
@@ -78,24 +90,25 @@ def cell(planner: str, layers: int) -> dict[str, object]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--one", nargs=2, metavar=("PLANNER", "LAYERS"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=3, metavar=("PLANNER", "LAYERS", "MODEL"), help=argparse.SUPPRESS)
     p.add_argument("--layers", default=",".join(map(str, LAYERS)))
     p.add_argument("--planners", default=",".join(PLANNERS))
+    p.add_argument("--models", default=",".join(MODELS))
     args = p.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one[0], int(args.one[1]))))
+        print(json.dumps(run_one(args.one[0], int(args.one[1]), args.one[2])))
         return 0
     rows, missed = [], []
-    for layers in map(int, args.layers.split(",")):
+    for kind, layers in itertools.product(args.models.split(","), map(int, args.layers.split(","))):
         for planner in args.planners.split(","):
-            r = cell(planner, layers)
+            r = cell(planner, layers, kind)
             ok = not str(r["ended"]).startswith("killed") and float(r["rss_mb"]) <= RSS_TARGET_MB
             if not ok:
-                missed.append(f"{planner} at {layers} layers")
-            rows.append([f"{layers:,}", planner, f"{r['cpu_s']:.1f}", f"{r['rss_mb']:.0f}", "ok" if ok else "MISSED",
-                         str(r["ended"])])
+                missed.append(f"{planner} at {layers} layers ({kind})")
+            rows.append([kind, f"{layers:,}", planner, f"{r['cpu_s']:.1f}", f"{r['rss_mb']:.0f}",
+                         "ok" if ok else "MISSED", str(r["ended"])])
             print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
-    print(table(["layers", "planner", "CPU s", "max RSS MB", "target", "ended"], rows))
+    print(table(["model", "layers", "planner", "CPU s", "max RSS MB", "target", "ended"], rows))
     print(f"targets: a plan or a refusal within {CPU_TARGET_S:g} CPU s and {RSS_TARGET_MB:g} MB per cell "
           f"({GPUS}xH100, global batch {GLOBAL_BATCH})")
     if missed:

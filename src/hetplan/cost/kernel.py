@@ -29,7 +29,7 @@ import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -71,6 +71,7 @@ from hetplan.cost.memory import (
     activation_bytes, backward_working_bytes, fp8_linear_input_scale, framework_overhead_bytes,
     host_offload_capacity_bytes,
 )
+from hetplan.cost.ranges import RangeMax, RangeSum
 from hetplan.cost.stage import SegmentTables, StageCosts, StageOption, check_option
 from hetplan.cost.targets import target_arrays
 from hetplan.plan.runtime_facts import OPTIMIZER_IMPLEMENTATION
@@ -155,10 +156,19 @@ class _DataParallelGroups:
 # them all in memory).
 RECENT_TABLES = 256
 
+# Stage costs kept per kernel: a StageCosts holds per-layer arrays and lists of
+# about 80 bytes a layer (measured: 6.7 GB for 8,608 of them at 10,000 layers,
+# the uniform planner on 64 H100, ``benchmarks/bench_layer_scale.py``), so the
+# kernel keeps RECENT_STAGE_LAYERS / L of them (about 160 MB) and at least
+# RECENT_STAGES_MIN; an evicted one is rebuilt (~1 ms at 10,000 layers).
+RECENT_STAGE_LAYERS = 2_000_000
+RECENT_STAGES_MIN = 64
+
 # Device tuples the kernel finds by identity, and keeps as arrays (``CostKernel.device_set``).
 RECENT_DEVICE_TUPLES = 4096
 
 T = TypeVar("T")
+R = TypeVar("R", RangeMax, RangeSum)
 
 
 class _Recent(Generic[T]):
@@ -225,7 +235,10 @@ class CostKernel:
         self._rates: dict[tuple[object, ...], float] = {}
         self._slowest: dict[tuple[int, ...], GPUSpec] = {}
         self._arrays: dict[tuple[object, ...], np.ndarray] = {}
-        self._stages: dict[tuple[int, int, str, bool, bool], StageCosts] = {}  # by layout index and strategy
+        self._range_tables: dict[tuple[object, ...], RangeMax | RangeSum] = {}
+        # by layout index and strategy; each holds a few per-layer arrays, so fewer are kept for longer models
+        self._stages: _Recent[StageCosts] = _Recent(max(RECENT_STAGES_MIN,
+                                                        RECENT_STAGE_LAYERS // max(self.num_layers, 1)))
         self._signatures: dict[tuple[object, ...], int] = {}
         self._layouts: dict[tuple[object, ...], _StagePlacement] = {}
         self._sets: dict[tuple[int, ...], int] = {}  # device tuples, numbered (``device_set``)
@@ -704,7 +717,7 @@ class CostKernel:
         key = (layout.index, option.zero, option.recompute, option.sequence_parallel, option.offload)
         found = self._stages.get(key)
         if found is None:
-            found = self._stages[key] = StageCosts(self, option, key)
+            found = self._stages.put(key, StageCosts(self, option, key))
         return found
 
     def time_class(self, gpu: GPUSpec, share: int, tp: int, recompute: str, sequence_parallel: bool,
@@ -981,25 +994,14 @@ class CostKernel:
         prefix = self._cached(("expertprefix", tp, ep), lambda: _prefix(self.expert_params_per_device(tp, ep)))
         return float(prefix[b] - prefix[a])
 
-    def expert_held_matrix(self, tp: int, ep: int) -> np.ndarray:
-        """``expert_held`` for every ``[a, b)``."""
-        def build() -> np.ndarray:
-            prefix = _prefix(self.expert_params_per_device(tp, ep))
-            return prefix[None, :] - prefix[:, None]
-        return self._cached(("expertheld", tp, ep), build)
+    def expert_held_matrix(self, tp: int, ep: int) -> RangeSum:
+        """``expert_held`` for every ``[a, b)`` (a range table: ``cost/ranges.py``)."""
+        return self._ranges(("expertheld", tp, ep), lambda: RangeSum(_prefix(self.expert_params_per_device(tp, ep))))
 
-    def held_params_matrix(self, tp: int, ep: int = 1) -> np.ndarray:
-        """``held_params`` for every ``[a, b)`` (``(L+1) x (L+1)``)."""
-
-        def build() -> np.ndarray:
-            prefix = _prefix(self.params_per_device(tp, ep))
-            held = prefix[None, :] - prefix[:, None]
-            bounds = np.arange(self.num_layers + 1)
-            for index, previous, share in self._tied_corrections(tp):
-                held = held - np.where((bounds[:, None] <= previous) & (bounds[None, :] > index), share, 0.0)
-            return held
-
-        return self._cached(("held", tp, ep), build)
+    def held_params_matrix(self, tp: int, ep: int = 1) -> RangeSum:
+        """``held_params`` for every ``[a, b)`` (a range table: ``cost/ranges.py``)."""
+        return self._ranges(("held", tp, ep), lambda: RangeSum(_prefix(self.params_per_device(tp, ep)),
+                                                               self._tied_corrections(tp)))
 
     def _tied_corrections(self, tp: int) -> list[tuple[int, int, float]]:
         """(layer, its nearest earlier tied layer, the tied share per device) of every tied copy."""
@@ -1011,31 +1013,28 @@ class CostKernel:
                                              for i in np.nonzero(previous >= 0)[0]]
         return found
 
-    def recompute_peak_matrix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
+    def recompute_peak_matrix(self, tp: int, recompute: str, sequence_parallel: bool, cp: int = 1) -> RangeMax:
         """``[a, b]``: per sample, what the backward working sets of a stage of
         layers ``[a, b)`` add to one micro-batch's stored activations
         (``memory.working_beyond_stored`` over the range, from the prefix sums
         ``P``: ``max_{a≤i<b} (P[i+1] + working_i) − P[b]``)."""
 
-        def build() -> np.ndarray:
+        def build() -> RangeMax:
             prefix = self.activation_prefix(tp, recompute, sequence_parallel, cp)
-            reach = prefix[1:] + self.backward_working_bytes(tp, recompute, sequence_parallel, cp)
-            return np.triu(np.maximum(_range_max(reach) - prefix[None, :], 0.0), 1)
+            return RangeMax(prefix[1:] + self.backward_working_bytes(tp, recompute, sequence_parallel, cp), prefix)
 
-        return self._cached(("recpeak", tp, recompute, sequence_parallel, cp), build)
+        return self._ranges(("recpeak", tp, recompute, sequence_parallel, cp), build)
 
-    def range_max_matrix(self, values: np.ndarray, key: tuple[object, ...]) -> np.ndarray:
+    def range_max_matrix(self, values: np.ndarray, key: tuple[object, ...]) -> RangeMax:
         """``[a, b]``: the largest of ``values[a:b]`` (0 where empty), cached under ``key``."""
-        return self._cached(("rangemax",) + key, lambda: _range_max(values))
+        return self._ranges(("rangemax",) + key, lambda: RangeMax(values))
 
-
-def _range_max(values: np.ndarray) -> np.ndarray:
-    """``[a, b]``: the largest of ``values[a:b]`` (0 where empty, a >= b)."""
-    n = len(values)
-    matrix = np.zeros((n + 1, n + 1))
-    inside = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], values[None, :], 0.0)
-    matrix[:n, 1:] = np.maximum.accumulate(inside, axis=1)
-    return np.triu(matrix, 1)
+    def _ranges(self, key: tuple[object, ...], build: Callable[[], R]) -> R:
+        """A range table, built once per workload."""
+        found = self._range_tables.get(key)
+        if found is None:
+            found = self._range_tables[key] = build()
+        return cast(R, found)  # one cache for both kinds of table, keyed apart
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:

@@ -519,8 +519,8 @@ class StageCosts:
     def _held_matrices(self, rows: slice, cols: slice) -> tuple[np.ndarray, np.ndarray | float]:
         """``_held`` for every cell of the table."""
         o = self.option
-        held = self.kernel.held_params_matrix(o.tp, o.ep)[rows, cols]
-        return held, (self.kernel.expert_held_matrix(o.tp, o.ep)[rows, cols] if o.ep > 1 else 0.0)
+        held = np.asarray(self.kernel.held_params_matrix(o.tp, o.ep)[rows, cols])
+        return held, (np.asarray(self.kernel.expert_held_matrix(o.tp, o.ep)[rows, cols]) if o.ep > 1 else 0.0)
 
     def _fits_table(self, in_flight: float, window: tuple[int, int] | None) -> np.ndarray:
         rows, cols = self._cells(window)

@@ -22,6 +22,7 @@ An :class:`Estimate` is the cost model's prediction for one Plan.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -384,11 +385,30 @@ def uniform_stage(
     if micro_batch_size % dp:
         raise HetplanError(f"micro-batch {micro_batch_size} does not split evenly over dp={dp}")
     return Stage(
-        layers=tuple(layers), devices=tuple(devices), dp=dp, tp=tp,
+        layers=_layer_tuple(layers.start, layers.stop) if isinstance(layers, range) and layers.step == 1
+        else tuple(layers), devices=tuple(devices), dp=dp, tp=tp,
         dp_split=(micro_batch_size // dp,) * dp,
-        strategies=(LayerStrategy(zero, recompute, offload=offload),) * len(layers),
+        strategies=_uniform_strategies(zero, recompute, offload, len(layers)),
         sequence_parallel=sequence_parallel, cp=cp, ep=ep, ep_split=ep_split,
     )
+
+
+# Layer ranges and strategy runs shared between candidate plans: a search ranks
+# thousands of uniform plans whose stages run the same few ranges, and a
+# 10,000-layer stage's tuples take ~0.4 MB (``benchmarks/bench_layer_scale.py``).
+SHARED_STAGE_TUPLES = 1024
+
+
+@lru_cache(maxsize=SHARED_STAGE_TUPLES)
+def _layer_tuple(start: int, stop: int) -> tuple[int, ...]:
+    """``tuple(range(start, stop))``, one object per range."""
+    return tuple(range(start, stop))
+
+
+@lru_cache(maxsize=SHARED_STAGE_TUPLES)
+def _uniform_strategies(zero: int, recompute: str, offload: bool, count: int) -> tuple[LayerStrategy, ...]:
+    """``count`` layers of one strategy, one object per (strategy, count)."""
+    return (LayerStrategy(zero, recompute, offload=offload),) * count
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from hetplan.search.baselines.hetero_avg import HeteroAvgPlanner
 from hetplan.search.baselines.megatron import MegatronPlanner
 from hetplan.search.baselines.random_search import DEFAULT_SAMPLES, RandomPlanner
 from hetplan.search.baselines.uniform import UniformPlanner
+from hetplan.search.common.layer_groups import GroupedPlanner
 from hetplan.search.exhaustive import ExhaustivePlanner
 from hetplan.search.galvatron import VARIANTS, GalvatronPlanner
 from hetplan.search.metis import MetisPlanner
@@ -56,7 +57,18 @@ def planner_descriptions() -> dict[str, str]:
     return {name: PLANNERS[name][1] for name in planner_names()}
 
 
+# Planners whose work grows gently with the layers (even or parameter-balanced
+# splits from prefix sums, one pass over the layers per candidate): they plan
+# every layer of a 10,000-layer model (benchmarks/bench_layer_scale.py). The
+# others search models above ``layer_groups.MAX_SEARCH_LAYERS`` layers in layer groups.
+LAYER_BY_LAYER = frozenset({"uniform", "megatron", "hetero-avg", *BASELINES})
+
+
 def get_planner(name: str) -> Planner:
     if name not in PLANNERS:
         raise HetplanError(f"unknown planner {name!r}{did_you_mean(name, PLANNERS)}; choose one of {', '.join(planner_names())}")
-    return PLANNERS[name][0]()
+    planner = PLANNERS[name][0]()
+    if name in LAYER_BY_LAYER:
+        return planner
+    # auto's space holds uniform's and Megatron's plans: searched in groups, it plans every layer with them too
+    return GroupedPlanner(planner, companions=(UniformPlanner, MegatronPlanner) if name == "auto" else ())
