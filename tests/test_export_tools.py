@@ -36,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +46,7 @@ import pytest
 
 from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
-from hetplan.export.tools import partition_uniform, render
+from hetplan.export.tools import partition_uniform, render, to_toml
 from hetplan.model.presets import get_model
 from hetplan.plan.spec import LayerStrategy, Plan, uniform_stage
 
@@ -321,6 +322,21 @@ def test_torchtitan_02_toml_loads(tmp_path: Path) -> None:
         parts = data["parallelism"].get("module_fqns_per_model_part")
         if parts:
             assert [n for part in parts for n in part] == got["names"]  # tok_embeddings ... norm, output
+
+
+def test_torchtitan_02_toml_is_the_data() -> None:
+    """Every 0.2 job file reads back (Python's tomllib) as exactly the data the
+    export computed, its notes as comments; nested tables and a multi-line
+    note too (a hand-written writer printed those as JSON, which is not TOML)."""
+    for name, zero, rc in CASES_02:
+        _, result = export(name, "torchtitan", "0.2", zero=zero, recompute=rc)
+        assert tomllib.loads(result.text) == result.data, (name, zero, rc)
+        assert result.text.startswith("# torchtitan ")
+    data = {"model": {"name": "llama3", "flavor": "8B"},
+            "quantize": {"linear": {"float8": {"filter_fqns": ["output", 'a "b" \\ c']}}}, "training": {"lr": 3e-4}}
+    text = to_toml(data, ["first note", "two\nlines"])
+    assert tomllib.loads(text) == data
+    assert text.startswith("# first note\n# two\n# lines\n\n")
 
 
 def test_torchtitan_02_never_writes_sequence_parallel_field() -> None:
@@ -725,8 +741,6 @@ def test_model_without_architecture_is_refused_for_megatron() -> None:
 
 def test_makefile_installs_the_tools_extra() -> None:
     """pyproject's `tools` extra and the Makefile's TOOLS list are the same pins."""
-    import tomllib
-
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tools"]
     makefile = (ROOT / "Makefile").read_text()
     block = re.search(r"^TOOLS := (.*?)(?<!\\)\n", makefile, re.S | re.M).group(1)

@@ -109,5 +109,5 @@ def test_framework_runs_that_trained_are_predicted_to_fit() -> None:
     from validate_frameworks import DATA, FILES, check
 
     for name in FILES:
-        _, errors, predicted_oom = check(json.loads((DATA / name).read_text()))
+        _, errors, _, predicted_oom = check(json.loads((DATA / name).read_text()))
         assert errors and predicted_oom == []

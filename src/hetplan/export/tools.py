@@ -31,6 +31,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import tomli_w
+
 from hetplan.cost.targets import UNWRAPPED_KINDS
 from hetplan.errors import HetplanError
 from hetplan.export.launch import (DEFAULT_MASTER_PORT, NodeRun, deepspeed_hostfile, deepspeed_launch_script,
@@ -516,20 +518,10 @@ def _torchtitan_cp_ep_checks(u: _Uniform, version: str) -> list[str]:
 
 
 def to_toml(data: dict[str, Any], comments: Sequence[str] = ()) -> str:
-    """Minimal TOML writer for the torchtitan settings (tables of scalars/lists)."""
-    lines = [f"# {c}" for c in comments]
-    if lines:
-        lines.append("")
-    for section, values in data.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            else:
-                text = json.dumps(value)
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)
+    """The torchtitan 0.2 job file: ``comments`` as ``#`` lines above the TOML
+    that ``tomli_w`` writes of ``data`` (tables, nested tables, scalars, lists)."""
+    header = "".join(f"# {line}\n" for comment in comments for line in comment.splitlines())
+    return header + ("\n" if header else "") + tomli_w.dumps(data)
 
 
 def torchtitan_python(plan: Plan, model: ModelSpec, data: dict[str, Any], notes: Sequence[str]) -> str:
