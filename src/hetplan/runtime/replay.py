@@ -35,10 +35,13 @@ What the replay does differently from ``hetplan train``, and why:
   do not depend on the device. Autocast's CPU op lists decide the 16-bit
   casts.
 * not replayed (:func:`plan_refusal`, said in one line): activation offload
-  (host memory is the device's own here), context parallelism (its token
-  selection reads values), pipelines whose later stages have dp or tp > 1
-  (their FSDP2 shards come out empty under fake tensors on torch 2.13),
-  heterogeneous and interleaved pipelines.
+  (host memory is the device's own here), heterogeneous and interleaved
+  pipelines.
+* the meshes are made and sliced from real rank tensors, and a host read of
+  a real tensor (or of a fake one holding its value) reads its value: a
+  DeviceMesh finds this rank's coordinate by ``nonzero`` on its rank map.
+  Each rank replayed after another forgets DTensor's cached sharding
+  decisions, which hold the last rank's meshes (``forget_sharding_decisions``).
 """
 
 from __future__ import annotations
@@ -139,13 +142,25 @@ class LiveBytes(TorchDispatchMode):
         self.now -= self._bytes.pop(key, 0)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and _valueless(args[0]):
             return float(HOST_READ) if args[0].is_floating_point() else HOST_READ_INT
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._count(leaf)
         return out
+
+
+def _valueless(tensor: torch.Tensor) -> bool:
+    """A fake tensor with no value to read. A real tensor (a DeviceMesh's rank
+    map, read under the fake mode by ``DeviceMesh._compute_coordinates_from_mesh``
+    when the runtime slices a mesh) and a fake tensor holding its real value
+    (``FakeTensor.constant``: torch 2.13 ``fake_tensor.py`` keeps one for small
+    real tensors it converts) read as themselves: answering 0 there put a later
+    pipeline stage's rank outside its own data-parallel mesh."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor) and tensor.constant is None
 
 
 def replay_refusal(spec: Any) -> str:
@@ -175,11 +190,6 @@ def plan_refusal(plan: Plan, layout: Any) -> str:
     if offloaded_layers(plan, layout):
         return ("offloaded activations go to host memory, which on the replay's CPU device is the device's own "
                 "(torch without CUDA makes no fake CUDA tensors)")
-    if layout.cp > 1:
-        return "context parallelism's sequence split selects tokens by value (aten.nonzero), which fake tensors do not have"
-    if layout.pp > 1 and any(layout.stage_dp(j) * layout.stage_tp(j) > 1 for j in range(1, layout.pp)):
-        return ("a pipeline stage after the first with dp or tp > 1 finds no data-parallel coordinate under fake "
-                "tensors on torch 2.13 (its FSDP2 shards come out empty)")
     if layout.heterogeneous:
         return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
                 "which fake tensors do not have")
@@ -240,6 +250,7 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
+            ctx.dp_mesh  # CP's flattened dp x cp mesh too (made once, then kept: ``RuntimeContext.dp_mesh``)
             # plain data parallelism on FSDP2's replicate, not DDP: DDP's buckets read storage fake tensors
             # lack; its gradients are bucket views (parallelize.apply_ddp), the bytes replicate holds
             ctx.use_ddp = False
@@ -269,14 +280,18 @@ def forget_sharding_decisions() -> None:
     """Clear DTensor's caches of sharding decisions: they are keyed by meshes
     equal across ranks (torch 2.13, ``DeviceMesh.__eq__`` compares the ranks'
     layout, not this process's place in it), so the next rank replayed in this
-    process would reuse a decision made for the last (``torch.distributed.tensor.debug``
-    clears the same cache)."""
+    process would reuse a decision made for the last, and with it the last
+    rank's mesh and its destroyed process groups ("Could not resolve the
+    process group"). ``torch.distributed.tensor.debug``'s
+    ``_clear_sharding_prop_cache`` clears the same two sharding caches, the
+    Python one and the C++ fast path's."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
     _gen_transform_infos.cache_clear()
 
 
