@@ -13,6 +13,7 @@ import pytest
 
 from hetplan.app import plan as plan_api
 from hetplan.app.replay import ReplayCheck, ReplayOutcome, replay_top, rerank
+from hetplan.cost.memory import framework_overhead_bytes
 from hetplan.plan.file import read_plan_file, resolve_model, save_plan
 
 pytest.importorskip("torch")
@@ -143,3 +144,20 @@ def test_a_plan_file_written_with_the_replay_reads_back(tmp_path) -> None:
     assert json.loads(path.read_text())["plans"][0]["replay"]["peak_memory_bytes"] > 0
     pf = read_plan_file(str(path))
     assert pf.plans[0] == result.best.plan
+
+
+def test_a_later_pipeline_stage_with_context_parallelism_replays() -> None:
+    """A later pipeline stage with more than one data-parallel (here dp x cp) rank, and context
+    parallelism, replay (the replay refused both; lifted as it was, stage 1's FSDP2 shards came out
+    empty): each replayed stage's peak is within 20% of the analytic one (docs/cost-model.md lists the
+    gaps left: pipeline receive buffers, the whole batch's inputs)."""
+    from hetplan.app.estimate import UniformSetting, estimate
+    from hetplan.runtime.replay import replay_plan
+
+    result = estimate(UniformSetting(dp=1, tp=1, pp=2, cp=2, micro_batch=2), model="tiny-llama-bf16",
+                      cluster="local-cpu-4", global_batch=8, replay=False)
+    replay = replay_plan(result.ranked.plan, result.workload.model)
+    assert [(s.stage, s.rank) for s in replay.stages] == [(0, 0), (1, 2)]
+    for s in replay.stages:
+        analytic = result.ranked.estimate.peak_memory_bytes[s.device] - framework_overhead_bytes(True)
+        assert abs(analytic - s.peak_bytes) <= 0.2 * s.peak_bytes, (s, analytic)

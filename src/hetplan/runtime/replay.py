@@ -141,6 +141,35 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.now -= self._bytes.pop(key, 0)
 
+    def resized(self, storage: Any) -> None:
+        """A counted storage resized in place: its bytes now."""
+        key = storage._cdata
+        if key in self._bytes:
+            self.now += storage.nbytes() - self._bytes[key]
+            self._bytes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.now)
+
+    @contextlib.contextmanager
+    def storage_resizes(self) -> Iterator[None]:
+        """Count in-place storage resizes, which no dispatch mode sees: FSDP2
+        frees each unsharded parameter after use by resizing its storage to 0
+        and regrows it before the next all-gather (torch 2.13,
+        ``distributed/fsdp/_fully_shard/_fsdp_param.py`` ``free_storage`` /
+        ``alloc_storage``), the CUDA memory a GPU run frees and takes back."""
+        original = torch.UntypedStorage.resize_
+        live = self
+
+        def resize(storage: Any, size: int) -> Any:
+            out = original(storage, size)
+            live.resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and _valueless(args[0]):
             return float(HOST_READ) if args[0].is_floating_point() else HOST_READ_INT
@@ -257,7 +286,7 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
             live = LiveBytes()
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
-                with FakeTensorMode(allow_non_fake_inputs=True), live:
+                with FakeTensorMode(allow_non_fake_inputs=True), live, live.storage_resizes():
                     model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
                     opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
                     ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
