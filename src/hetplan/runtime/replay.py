@@ -222,8 +222,6 @@ def plan_refusal(plan: Plan, layout: Any) -> str:
     if layout.heterogeneous:
         return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
                 "which fake tensors do not have")
-    if layout.num_chunks > layout.pp:
-        return "an interleaved schedule's ranks wait for shapes from ranks replayed after them"
     return ""
 
 
@@ -247,16 +245,28 @@ class StageMetadata:
         mailbox = self
 
         def send(stage: Any, meta: Any, dst_stage: int) -> None:
-            mailbox._sent[dst_stage] = meta
+            if dst_stage > stage.stage_index:  # forward shapes; gradient shapes are derived (class doc)
+                mailbox._sent[dst_stage] = meta
 
         def recv(stage: Any, src_stage: int) -> Any:
             if src_stage < stage.stage_index:
-                return mailbox._sent[stage.stage_index]
+                return mailbox.forward_meta(stage.stage_index)
             return pipeline_stage._StageBackwardMeta(
                 backward_metas=pipeline_stage._derive_grad_metas(stage._stage_meta.outputs))
 
         pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta = send, recv
         return self
+
+    def forward_meta(self, stage_index: int) -> Any:
+        """The forward shapes stage ``stage_index`` receives: those sent to it,
+        else (an interleaved schedule's later chunk, whose sender runs on a rank
+        replayed after this one) those the nearest earlier stage received: the
+        chunks between the first and the last are runs of decoder blocks, which
+        keep the hidden states' shape (``runtime/parallelize.py`` ``PipelinePart``)."""
+        earlier = [k for k in self._sent if k <= stage_index]
+        if not earlier:
+            raise HetplanError(f"the replay has no shapes for pipeline stage {stage_index}'s input")
+        return self._sent[max(earlier)]
 
     def __exit__(self, *exc: Any) -> None:
         self._module.PipelineStage._send_meta, self._module.PipelineStage._recv_meta = self._saved
@@ -331,8 +341,11 @@ def plan_world_size(plan: Plan) -> int:
 
 @contextlib.contextmanager
 def _process_env(rank: int, world: int) -> Iterator[None]:
-    """The environment ``init`` reads, as one rank of the plan on one machine's CPU."""
-    values = {"RANK": str(rank), "WORLD_SIZE": str(world), "HETPLAN_DEVICE": "cpu", "HETPLAN_ONE_MACHINE": "1"}
+    """The environment ``init`` reads, as one rank of the plan on one machine's CPU, without the
+    heartbeat (runtime/heartbeat.py): the fake store has no other rank to watch, and a replay that runs
+    longer than the heartbeat's timeout would end this process as a hung run."""
+    values = {"RANK": str(rank), "WORLD_SIZE": str(world), "HETPLAN_DEVICE": "cpu", "HETPLAN_ONE_MACHINE": "1",
+              "HETPLAN_HEARTBEAT": "0"}
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
