@@ -146,18 +146,25 @@ def test_a_plan_file_written_with_the_replay_reads_back(tmp_path) -> None:
     assert pf.plans[0] == result.best.plan
 
 
-def test_a_later_pipeline_stage_with_context_parallelism_replays() -> None:
-    """A later pipeline stage with more than one data-parallel (here dp x cp) rank, and context
-    parallelism, replay (the replay refused both; lifted as it was, stage 1's FSDP2 shards came out
-    empty): each replayed stage's peak is within 20% of the analytic one (docs/cost-model.md lists the
-    gaps left: pipeline receive buffers, the whole batch's inputs)."""
+def test_every_parallel_dimension_of_a_pipeline_replays() -> None:
+    """An interleaved pipeline (pp 2 x 2 chunks) with context and tensor parallelism: a later
+    stage with dp x cp > 1, CP, interleaving and TP on ranks replayed one after another (refused
+    before; lifted as they were, the later stage's FSDP2 shards came out empty, CP stopped at
+    aten.nonzero and TP at the last rank's destroyed process group). Each replayed stage holds at
+    least its parameters, gradients and optimizer states, and is within 30% of the analytic peak
+    (docs/cost-model.md lists what the analytic model leaves out)."""
     from hetplan.app.estimate import UniformSetting, estimate
+    from hetplan.cost.model import CostModel
     from hetplan.runtime.replay import replay_plan
 
-    result = estimate(UniformSetting(dp=1, tp=1, pp=2, cp=2, micro_batch=2), model="tiny-llama-bf16",
-                      cluster="local-cpu-4", global_batch=8, replay=False)
-    replay = replay_plan(result.ranked.plan, result.workload.model)
-    assert [(s.stage, s.rank) for s in replay.stages] == [(0, 0), (1, 2)]
+    result = estimate(UniformSetting(dp=1, tp=2, pp=2, cp=2, micro_batch=2, schedule="interleaved-1f1b",
+                                     virtual_stages=2), model="tiny-llama-bf16", cluster="local-cpu-8",
+                      global_batch=8, replay=False)
+    plan = result.ranked.plan
+    replay = replay_plan(plan, result.workload.model)
+    states = CostModel(result.workload).resident_state_bytes(plan)
+    assert [(s.stage, s.rank) for s in replay.stages] == [(0, 0), (1, 4)]
     for s in replay.stages:
         analytic = result.ranked.estimate.peak_memory_bytes[s.device] - framework_overhead_bytes(True)
-        assert abs(analytic - s.peak_bytes) <= 0.2 * s.peak_bytes, (s, analytic)
+        assert s.peak_bytes > sum(states[s.device].values()), (s, states[s.device])
+        assert abs(analytic - s.peak_bytes) <= 0.3 * s.peak_bytes, (s, analytic)

@@ -192,6 +192,36 @@ def _valueless(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor) and tensor.constant is None
 
 
+@contextlib.contextmanager
+def real_meshes() -> Iterator[None]:
+    """A DeviceMesh's rank tensor and this rank's place in it computed outside the fake mode: the runtime
+    slices, flattens and joins meshes while it parallelises (FSDP2's
+    ``replicate`` over a dp x cp mesh with TP joins two), and each new mesh
+    finds this rank in its rank tensor by ``nonzero`` (torch 2.13,
+    ``device_mesh.py`` ``_get_mesh_tensor_from_full_mesh``), whose output size
+    a fake tensor does not know. The rank tensors are the plan's ranks, never
+    model data."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    prop, coordinate = DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim
+
+    def mesh(self: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return prop.fget(self)
+
+    def real_coordinate(self: Any) -> Any:
+        with unset_fake_temporarily():
+            return coordinate(self)
+
+    DeviceMesh.mesh = property(mesh)  # type: ignore[method-assign,assignment]
+    DeviceMesh._compute_coordinate_on_dim = real_coordinate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim = prop, coordinate  # type: ignore[method-assign]
+
+
 def replay_refusal(spec: Any) -> str:
     """Why the replay cannot run a model's step ('' where it can)."""
     if any(layer.num_experts > 0 for layer in spec.layers):
@@ -289,14 +319,14 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
-            ctx.dp_mesh  # CP's flattened dp x cp mesh too (made once, then kept: ``RuntimeContext.dp_mesh``)
+            ctx.dp_mesh  # CP's flattened dp x cp mesh too: flattening makes process groups (``RuntimeContext.dp_mesh``)
             # plain data parallelism on FSDP2's replicate, not DDP: DDP's buckets read storage fake tensors
             # lack; its gradients are bucket views (parallelize.apply_ddp), the bytes replicate holds
             ctx.use_ddp = False
             live = LiveBytes()
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
-                with FakeTensorMode(allow_non_fake_inputs=True), live, live.storage_resizes():
+                with FakeTensorMode(allow_non_fake_inputs=True), live, live.storage_resizes(), real_meshes():
                     model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
                     opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
                     ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
