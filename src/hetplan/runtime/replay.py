@@ -35,13 +35,19 @@ What the replay does differently from ``hetplan train``, and why:
   do not depend on the device. Autocast's CPU op lists decide the 16-bit
   casts.
 * not replayed (:func:`plan_refusal`, said in one line): activation offload
-  (host memory is the device's own here), heterogeneous and interleaved
-  pipelines.
-* the meshes are made and sliced from real rank tensors, and a host read of
-  a real tensor (or of a fake one holding its value) reads its value: a
-  DeviceMesh finds this rank's coordinate by ``nonzero`` on its rank map.
-  Each rank replayed after another forgets DTensor's cached sharding
-  decisions, which hold the last rank's meshes (``forget_sharding_decisions``).
+  (host memory is the device's own here, and the offload pool tells
+  parameters from activations by data pointer, 0 for every fake tensor) and
+  heterogeneous pipelines (their stages send shapes as data).
+* the meshes are made, sliced and joined from real rank tensors
+  (:func:`real_meshes`), and a host read of a real tensor (or of a fake one
+  holding its value) reads its value: a DeviceMesh finds this rank's
+  coordinate by ``nonzero`` on its rank map. Each rank replayed after another
+  forgets DTensor's cached sharding decisions, which hold the last rank's
+  meshes (``forget_sharding_decisions``).
+* an interleaved schedule's later chunk takes the shapes the nearest earlier
+  chunk received (:class:`StageMetadata`); in-place storage resizes (FSDP2
+  frees and regrows its gathered parameters so) are counted
+  (``LiveBytes.storage_resizes``); the runtime's heartbeat is off.
 """
 
 from __future__ import annotations
