@@ -28,8 +28,11 @@ What the replay does differently from ``hetplan train``, and why:
   allocation. fp16 loss scaling's overflow vote would decide one (an overflow
   drops the step's gradients), so the replay runs an fp16 plan's step without
   the scaler: the same tensors less one transient finite-check of a gradient.
-  Expert-parallel routing (``bincount`` of the tokens per expert) sizes its
-  buffers by the data, so MoE models are not replayed (:func:`replay_refusal`).
+  Mixture-of-experts routing sizes its buffers by the data (``bincount`` of
+  the tokens per expert, then host reads of the counts): the replay routes as
+  evenly as the analytic model assumes, each expert ``rows / experts``, and
+  runs every op on those counts on real values too (``LiveBytes._routing``),
+  so the sizes they decide are those of a balanced real step.
 * the fake device is the CPU: a CPU-only torch makes no fake CUDA tensors
   (random initialisation needs the CUDA generator); the bytes of a tensor
   do not depend on the device. Autocast's CPU op lists decide the 16-bit
@@ -61,8 +64,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from hetplan.errors import HetplanError
 from hetplan.plan.layout import PlanLayout
@@ -119,6 +124,13 @@ class LiveBytes(TorchDispatchMode):
         self._bytes: dict[int, int] = {}
         self.now = 0
         self.peak = 0
+        self._values = WeakTensorKeyDictionary()  # fake tensors of MoE routing and their real values
+        self._fake_mode: Any = None  # the fake mode under this one (set by ``under``)
+
+    def under(self, fake_mode: Any) -> LiveBytes:
+        """Record the fake mode this one runs above (routing values become its tensors)."""
+        self._fake_mode = fake_mode
+        return self
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now (after a garbage collection)."""
@@ -143,6 +155,59 @@ class LiveBytes(TorchDispatchMode):
         self.now += self._bytes[key]
         self.peak = max(self.peak, self.now)
         weakref.finalize(storage, self._free, key)
+
+    def _routing(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """An op on the expert counts of MoE routing, which size buffers by value: the
+        counts of tokens per expert (``bincount``) are those of balanced routing, each
+        expert ``rows / experts`` (the analytic model's assumption, ``model/runtime_memory.py``
+        ``_moe``), and every op on them (and on small integer tensors made from nothing or
+        from host values: ``arange``, ``torch.tensor(counts)``) runs on real values too,
+        so their host reads and the sizes they decide are those of a real balanced step.
+        None for any other op."""
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if func is torch.ops.aten.bincount.default and _valueless(args[0]):
+            bins = int(kwargs.get("minlength", args[2] if len(args) > 2 else 0))
+            rows = args[0].numel()
+            with unset_fake_temporarily():
+                real = torch.tensor([rows // bins + (e < rows % bins) for e in range(bins)], dtype=torch.int64)
+        elif (any(t in self._values for t in tensors) and all(t in self._values or not _valueless(t) for t in tensors)) \
+                or (not tensors and _small_integer_factory(func, kwargs)) \
+                or (func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+                    and not args[0].is_floating_point()):
+            real_args, real_kwargs = (_real(x, self._values) for x in (args, kwargs))
+            with unset_fake_temporarily(), _disable_current_modes():
+                real = func(*real_args, **real_kwargs)
+            if not all(isinstance(t, torch.Tensor) for t in tree_leaves(real)):
+                return None
+            try:  # the fake op where its output's shape does not depend on the values (device, strides kept)
+                out = func(*args, **kwargs)
+            except (DynamicOutputShapeException, DataDependentOutputException):
+                out = None
+            if out is not None:
+                for fake, value in zip(tree_leaves(out), tree_leaves(real)):
+                    self._values[fake] = value
+                return out
+        else:
+            return None
+        return tree_map(self._valued, real)
+
+    def _valued(self, real: torch.Tensor) -> torch.Tensor:
+        """A fake tensor of ``real``'s shape (on the replay's CPU device) that reads as ``real``."""
+        with unset_fake_temporarily(), _disable_current_modes():
+            out = self._fake_mode.from_tensor(real.clone())
+        self._values[out] = real
+        self._count(out)
+        return out
+
+    def _collective(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A c10d collective on the fake group, past the fake mode's dispatch cache: its
+        keys hold the process group, which torch 2.13 cannot compare ("'__eq__' is not
+        implemented for ... ProcessGroup") when two keys' hashes meet."""
+        saved, self._fake_mode.cache_enabled = self._fake_mode.cache_enabled, False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._fake_mode.cache_enabled = saved
 
     def _free(self, key: int) -> None:
         self.now -= self._bytes.pop(key, 0)
@@ -177,13 +242,41 @@ class LiveBytes(TorchDispatchMode):
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0] in self._values:
+            with unset_fake_temporarily():
+                return self._values[args[0]].item()
         if func is torch.ops.aten._local_scalar_dense.default and _valueless(args[0]):
             return float(HOST_READ) if args[0].is_floating_point() else HOST_READ_INT
-        out = func(*args, **(kwargs or {}))
+        out = self._routing(func, args, kwargs)
+        if out is None and func.namespace == "c10d":
+            out = self._collective(func, args, kwargs)
+        elif out is None:
+            out = func(*args, **kwargs)
+        if func is torch.ops.c10d.alltoall_base_.default and args[1] in self._values:
+            self._values[args[0]] = self._values[args[1]]  # balanced routing: every rank sends the same counts
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._count(leaf)
         return out
+
+
+def _small_integer_factory(func: Any, kwargs: dict[str, Any]) -> bool:
+    """``arange`` of integers: the expert indices routing repeats by its counts."""
+    return func in (torch.ops.aten.arange.default, torch.ops.aten.arange.start) and \
+        kwargs.get("dtype") in (None, torch.int64, torch.int32)
+
+
+def _real(tree: Any, values: Any) -> Any:
+    """``tree`` with each valued fake tensor replaced by its value, on the CPU."""
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x in values:
+            return values[x]
+        if isinstance(x, torch.device):
+            return torch.device("cpu")
+        return x
+
+    return tree_map(swap, tree)
 
 
 def _valueless(tensor: torch.Tensor) -> bool:
@@ -207,7 +300,6 @@ def real_meshes() -> Iterator[None]:
     ``device_mesh.py`` ``_get_mesh_tensor_from_full_mesh``), whose output size
     a fake tensor does not know. The rank tensors are the plan's ranks, never
     model data."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
     prop, coordinate = DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim
@@ -226,13 +318,6 @@ def real_meshes() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim = prop, coordinate  # type: ignore[method-assign]
-
-
-def replay_refusal(spec: Any) -> str:
-    """Why the replay cannot run a model's step ('' where it can)."""
-    if any(layer.num_experts > 0 for layer in spec.layers):
-        return "mixture-of-experts routing sizes its buffers by the data, which fake tensors do not have"
-    return ""
 
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
@@ -332,7 +417,8 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
             live = LiveBytes()
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
-                with FakeTensorMode(allow_non_fake_inputs=True), live, live.storage_resizes(), real_meshes():
+                fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+                with fake_mode, live.under(fake_mode), live.storage_resizes(), real_meshes():
                     model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
                     opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
                     ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
