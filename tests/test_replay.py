@@ -146,6 +146,25 @@ def test_a_plan_file_written_with_the_replay_reads_back(tmp_path) -> None:
     assert pf.plans[0] == result.best.plan
 
 
+def _replays_near_the_analytic_peak(setting: object, model: str, cluster: str, stage_ranks: list,
+                                    tolerance: float) -> None:
+    """Replay ``setting``: its stages' first ranks are ``stage_ranks``, each holds at least its
+    parameters, gradients and optimizer states, and is within ``tolerance`` of the analytic peak."""
+    from hetplan.app.estimate import estimate
+    from hetplan.cost.model import CostModel
+    from hetplan.runtime.replay import replay_plan
+
+    result = estimate(setting, model=model, cluster=cluster, global_batch=8, replay=False)
+    plan = result.ranked.plan
+    replay = replay_plan(plan, result.workload.model)
+    states = CostModel(result.workload).resident_state_bytes(plan)
+    assert [(s.stage, s.rank) for s in replay.stages] == stage_ranks
+    for s in replay.stages:
+        analytic = result.ranked.estimate.peak_memory_bytes[s.device] - framework_overhead_bytes(True)
+        assert s.peak_bytes > sum(states[s.device].values()), (s, states[s.device])
+        assert abs(analytic - s.peak_bytes) <= tolerance * s.peak_bytes, (s, analytic)
+
+
 def test_every_parallel_dimension_of_a_pipeline_replays() -> None:
     """An interleaved pipeline (pp 2 x 2 chunks) with context and tensor parallelism: a later
     stage with dp x cp > 1, CP, interleaving and TP on ranks replayed one after another (refused
@@ -153,21 +172,11 @@ def test_every_parallel_dimension_of_a_pipeline_replays() -> None:
     aten.nonzero and TP at the last rank's destroyed process group). Each replayed stage holds at
     least its parameters, gradients and optimizer states, and is within 30% of the analytic peak
     (docs/cost-model.md lists what the analytic model leaves out)."""
-    from hetplan.app.estimate import UniformSetting, estimate
-    from hetplan.cost.model import CostModel
-    from hetplan.runtime.replay import replay_plan
+    from hetplan.app.estimate import UniformSetting
 
-    result = estimate(UniformSetting(dp=1, tp=2, pp=2, cp=2, micro_batch=2, schedule="interleaved-1f1b",
-                                     virtual_stages=2), model="tiny-llama-bf16", cluster="local-cpu-8",
-                      global_batch=8, replay=False)
-    plan = result.ranked.plan
-    replay = replay_plan(plan, result.workload.model)
-    states = CostModel(result.workload).resident_state_bytes(plan)
-    assert [(s.stage, s.rank) for s in replay.stages] == [(0, 0), (1, 4)]
-    for s in replay.stages:
-        analytic = result.ranked.estimate.peak_memory_bytes[s.device] - framework_overhead_bytes(True)
-        assert s.peak_bytes > sum(states[s.device].values()), (s, states[s.device])
-        assert abs(analytic - s.peak_bytes) <= 0.3 * s.peak_bytes, (s, analytic)
+    _replays_near_the_analytic_peak(UniformSetting(dp=1, tp=2, pp=2, cp=2, micro_batch=2, schedule="interleaved-1f1b",
+                                                   virtual_stages=2), "tiny-llama-bf16", "local-cpu-8",
+                                    [(0, 0), (1, 4)], 0.3)
 
 
 def test_a_mixture_of_experts_plan_replays() -> None:
@@ -175,17 +184,7 @@ def test_a_mixture_of_experts_plan_replays() -> None:
     the counts): the replay routes evenly and reads the counts as values, through expert
     parallelism's all-to-all too (torch stopped at aten.bincount before). A pp2 x dp2 x ep2
     plan's stages hold at least their states and are within 20% of the analytic peak."""
-    from hetplan.app.estimate import UniformSetting, estimate
-    from hetplan.cost.model import CostModel
-    from hetplan.runtime.replay import replay_plan
+    from hetplan.app.estimate import UniformSetting
 
-    result = estimate(UniformSetting(dp=2, tp=1, pp=2, ep=2, micro_batch=1), model="tiny-moe",
-                      cluster="local-cpu-4", global_batch=8, replay=False)
-    plan = result.ranked.plan
-    replay = replay_plan(plan, result.workload.model)
-    states = CostModel(result.workload).resident_state_bytes(plan)
-    assert [(s.stage, s.rank) for s in replay.stages] == [(0, 0), (1, 2)]
-    for s in replay.stages:
-        analytic = result.ranked.estimate.peak_memory_bytes[s.device] - framework_overhead_bytes(True)
-        assert s.peak_bytes > sum(states[s.device].values()), (s, states[s.device])
-        assert abs(analytic - s.peak_bytes) <= 0.2 * s.peak_bytes, (s, analytic)
+    _replays_near_the_analytic_peak(UniformSetting(dp=2, tp=1, pp=2, ep=2, micro_batch=1), "tiny-moe", "local-cpu-4",
+                                    [(0, 0), (1, 2)], 0.2)
