@@ -28,17 +28,29 @@ What the replay does differently from ``hetplan train``, and why:
   allocation. fp16 loss scaling's overflow vote would decide one (an overflow
   drops the step's gradients), so the replay runs an fp16 plan's step without
   the scaler: the same tensors less one transient finite-check of a gradient.
-  Expert-parallel routing (``bincount`` of the tokens per expert) sizes its
-  buffers by the data, so MoE models are not replayed (:func:`replay_refusal`).
+  Mixture-of-experts routing sizes its buffers by the data (``bincount`` of
+  the tokens per expert, then host reads of the counts): the replay routes as
+  evenly as the analytic model assumes, each expert ``rows / experts``, and
+  runs every op on those counts on real values too (``LiveBytes._routing``),
+  so the sizes they decide are those of a balanced real step.
 * the fake device is the CPU: a CPU-only torch makes no fake CUDA tensors
   (random initialisation needs the CUDA generator); the bytes of a tensor
   do not depend on the device. Autocast's CPU op lists decide the 16-bit
   casts.
 * not replayed (:func:`plan_refusal`, said in one line): activation offload
-  (host memory is the device's own here), context parallelism (its token
-  selection reads values), pipelines whose later stages have dp or tp > 1
-  (their FSDP2 shards come out empty under fake tensors on torch 2.13),
-  heterogeneous and interleaved pipelines.
+  (host memory is the device's own here, and the offload pool tells
+  parameters from activations by data pointer, 0 for every fake tensor) and
+  heterogeneous pipelines (their stages send shapes as data).
+* the meshes are made, sliced and joined from real rank tensors
+  (:func:`real_meshes`), and a host read of a real tensor (or of a fake one
+  holding its value) reads its value: a DeviceMesh finds this rank's
+  coordinate by ``nonzero`` on its rank map. Each rank replayed after another
+  forgets DTensor's cached sharding decisions, which hold the last rank's
+  meshes (``forget_sharding_decisions``).
+* an interleaved schedule's later chunk takes the shapes the nearest earlier
+  chunk received (:class:`StageMetadata`); in-place storage resizes (FSDP2
+  frees and regrows its gathered parameters so) are counted
+  (``LiveBytes.storage_resizes``); the runtime's heartbeat is off.
 """
 
 from __future__ import annotations
@@ -52,8 +64,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from hetplan.errors import HetplanError
 from hetplan.plan.layout import PlanLayout
@@ -110,6 +124,13 @@ class LiveBytes(TorchDispatchMode):
         self._bytes: dict[int, int] = {}
         self.now = 0
         self.peak = 0
+        self._values = WeakTensorKeyDictionary()  # fake tensors of MoE routing and their real values
+        self._fake_mode: Any = None  # the fake mode under this one (set by ``under``)
+
+    def under(self, fake_mode: Any) -> LiveBytes:
+        """Record the fake mode this one runs above (routing values become its tensors)."""
+        self._fake_mode = fake_mode
+        return self
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now (after a garbage collection)."""
@@ -135,24 +156,168 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.now)
         weakref.finalize(storage, self._free, key)
 
+    def _routing(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """An op on the expert counts of MoE routing, which size buffers by value: the
+        counts of tokens per expert (``bincount``) are those of balanced routing, each
+        expert ``rows / experts`` (the analytic model's assumption, ``model/runtime_memory.py``
+        ``_moe``), and every op on them (and on small integer tensors made from nothing or
+        from host values: ``arange``, ``torch.tensor(counts)``) runs on real values too,
+        so their host reads and the sizes they decide are those of a real balanced step.
+        None for any other op."""
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if func is torch.ops.aten.bincount.default and _valueless(args[0]):
+            bins = int(kwargs.get("minlength", args[2] if len(args) > 2 else 0))
+            rows = args[0].numel()
+            with unset_fake_temporarily():
+                real = torch.tensor([rows // bins + (e < rows % bins) for e in range(bins)], dtype=torch.int64)
+        elif (any(t in self._values for t in tensors) and all(t in self._values or not _valueless(t) for t in tensors)) \
+                or (not tensors and _small_integer_factory(func, kwargs)) \
+                or (func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+                    and not args[0].is_floating_point()):
+            real_args, real_kwargs = (_real(x, self._values) for x in (args, kwargs))
+            with unset_fake_temporarily(), _disable_current_modes():
+                real = func(*real_args, **real_kwargs)
+            if not all(isinstance(t, torch.Tensor) for t in tree_leaves(real)):
+                return None
+            try:  # the fake op where its output's shape does not depend on the values (device, strides kept)
+                out = func(*args, **kwargs)
+            except (DynamicOutputShapeException, DataDependentOutputException):
+                out = None
+            if out is not None:
+                for fake, value in zip(tree_leaves(out), tree_leaves(real)):
+                    self._values[fake] = value
+                return out
+        else:
+            return None
+        return tree_map(self._valued, real)
+
+    def _valued(self, real: torch.Tensor) -> torch.Tensor:
+        """A fake tensor of ``real``'s shape (on the replay's CPU device) that reads as ``real``."""
+        with unset_fake_temporarily(), _disable_current_modes():
+            out = self._fake_mode.from_tensor(real.clone())
+        self._values[out] = real
+        self._count(out)
+        return out
+
+    def _collective(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A c10d collective on the fake group, past the fake mode's dispatch cache: its
+        keys hold the process group, which torch 2.13 cannot compare ("'__eq__' is not
+        implemented for ... ProcessGroup") when two keys' hashes meet."""
+        saved, self._fake_mode.cache_enabled = self._fake_mode.cache_enabled, False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._fake_mode.cache_enabled = saved
+
     def _free(self, key: int) -> None:
         self.now -= self._bytes.pop(key, 0)
 
+    def resized(self, storage: Any) -> None:
+        """A counted storage resized in place: its bytes now."""
+        key = storage._cdata
+        if key in self._bytes:
+            self.now += storage.nbytes() - self._bytes[key]
+            self._bytes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.now)
+
+    @contextlib.contextmanager
+    def storage_resizes(self) -> Iterator[None]:
+        """Count in-place storage resizes, which no dispatch mode sees: FSDP2
+        frees each unsharded parameter after use by resizing its storage to 0
+        and regrows it before the next all-gather (torch 2.13,
+        ``distributed/fsdp/_fully_shard/_fsdp_param.py`` ``free_storage`` /
+        ``alloc_storage``), the CUDA memory a GPU run frees and takes back."""
+        original = torch.UntypedStorage.resize_
+        live = self
+
+        def resize(storage: Any, size: int) -> Any:
+            out = original(storage, size)
+            live.resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0] in self._values:
+            with unset_fake_temporarily():
+                return self._values[args[0]].item()
+        if func is torch.ops.aten._local_scalar_dense.default and _valueless(args[0]):
             return float(HOST_READ) if args[0].is_floating_point() else HOST_READ_INT
-        out = func(*args, **(kwargs or {}))
+        out = self._routing(func, args, kwargs)
+        if out is None and func.namespace == "c10d":
+            out = self._collective(func, args, kwargs)
+        elif out is None:
+            out = func(*args, **kwargs)
+        if func is torch.ops.c10d.alltoall_base_.default and args[1] in self._values:
+            self._values[args[0]] = self._values[args[1]]  # balanced routing: every rank sends the same counts
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._count(leaf)
         return out
 
 
-def replay_refusal(spec: Any) -> str:
-    """Why the replay cannot run a model's step ('' where it can)."""
-    if any(layer.num_experts > 0 for layer in spec.layers):
-        return "mixture-of-experts routing sizes its buffers by the data, which fake tensors do not have"
-    return ""
+def _small_integer_factory(func: Any, kwargs: dict[str, Any]) -> bool:
+    """``arange`` of integers: the expert indices routing repeats by its counts."""
+    return func in (torch.ops.aten.arange.default, torch.ops.aten.arange.start) and \
+        kwargs.get("dtype") in (None, torch.int64, torch.int32)
+
+
+def _real(tree: Any, values: Any) -> Any:
+    """``tree`` with each valued fake tensor replaced by its value, on the CPU."""
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x in values:
+            return values[x]
+        if isinstance(x, torch.device):
+            return torch.device("cpu")
+        return x
+
+    return tree_map(swap, tree)
+
+
+def _valueless(tensor: torch.Tensor) -> bool:
+    """A fake tensor with no value to read. A real tensor (a DeviceMesh's rank
+    map, read under the fake mode by ``DeviceMesh._compute_coordinates_from_mesh``
+    when the runtime slices a mesh) and a fake tensor holding its real value
+    (``FakeTensor.constant``: torch 2.13 ``fake_tensor.py`` keeps one for small
+    real tensors it converts) read as themselves: answering 0 there put a later
+    pipeline stage's rank outside its own data-parallel mesh."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor) and tensor.constant is None
+
+
+@contextlib.contextmanager
+def real_meshes() -> Iterator[None]:
+    """A DeviceMesh's rank tensor and this rank's place in it computed outside the fake mode: the runtime
+    slices, flattens and joins meshes while it parallelises (FSDP2's
+    ``replicate`` over a dp x cp mesh with TP joins two), and each new mesh
+    finds this rank in its rank tensor by ``nonzero`` (torch 2.13,
+    ``device_mesh.py`` ``_get_mesh_tensor_from_full_mesh``), whose output size
+    a fake tensor does not know. The rank tensors are the plan's ranks, never
+    model data."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    prop, coordinate = DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim
+
+    def mesh(self: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return prop.fget(self)
+
+    def real_coordinate(self: Any) -> Any:
+        with unset_fake_temporarily():
+            return coordinate(self)
+
+    DeviceMesh.mesh = property(mesh)  # type: ignore[method-assign,assignment]
+    DeviceMesh._compute_coordinate_on_dim = real_coordinate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim = prop, coordinate  # type: ignore[method-assign]
 
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
@@ -175,16 +340,9 @@ def plan_refusal(plan: Plan, layout: Any) -> str:
     if offloaded_layers(plan, layout):
         return ("offloaded activations go to host memory, which on the replay's CPU device is the device's own "
                 "(torch without CUDA makes no fake CUDA tensors)")
-    if layout.cp > 1:
-        return "context parallelism's sequence split selects tokens by value (aten.nonzero), which fake tensors do not have"
-    if layout.pp > 1 and any(layout.stage_dp(j) * layout.stage_tp(j) > 1 for j in range(1, layout.pp)):
-        return ("a pipeline stage after the first with dp or tp > 1 finds no data-parallel coordinate under fake "
-                "tensors on torch 2.13 (its FSDP2 shards come out empty)")
     if layout.heterogeneous:
         return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
                 "which fake tensors do not have")
-    if layout.num_chunks > layout.pp:
-        return "an interleaved schedule's ranks wait for shapes from ranks replayed after them"
     return ""
 
 
@@ -208,16 +366,28 @@ class StageMetadata:
         mailbox = self
 
         def send(stage: Any, meta: Any, dst_stage: int) -> None:
-            mailbox._sent[dst_stage] = meta
+            if dst_stage > stage.stage_index:  # forward shapes; gradient shapes are derived (class doc)
+                mailbox._sent[dst_stage] = meta
 
         def recv(stage: Any, src_stage: int) -> Any:
             if src_stage < stage.stage_index:
-                return mailbox._sent[stage.stage_index]
+                return mailbox.forward_meta(stage.stage_index)
             return pipeline_stage._StageBackwardMeta(
                 backward_metas=pipeline_stage._derive_grad_metas(stage._stage_meta.outputs))
 
         pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta = send, recv
         return self
+
+    def forward_meta(self, stage_index: int) -> Any:
+        """The forward shapes stage ``stage_index`` receives: those sent to it,
+        else (an interleaved schedule's later chunk, whose sender runs on a rank
+        replayed after this one) those the nearest earlier stage received: the
+        chunks between the first and the last are runs of decoder blocks, which
+        keep the hidden states' shape (``runtime/parallelize.py`` ``PipelinePart``)."""
+        earlier = [k for k in self._sent if k <= stage_index]
+        if not earlier:
+            raise HetplanError(f"the replay has no shapes for pipeline stage {stage_index}'s input")
+        return self._sent[max(earlier)]
 
     def __exit__(self, *exc: Any) -> None:
         self._module.PipelineStage._send_meta, self._module.PipelineStage._recv_meta = self._saved
@@ -240,13 +410,15 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
+            ctx.dp_mesh  # CP's flattened dp x cp mesh too: flattening makes process groups (``RuntimeContext.dp_mesh``)
             # plain data parallelism on FSDP2's replicate, not DDP: DDP's buckets read storage fake tensors
             # lack; its gradients are bucket views (parallelize.apply_ddp), the bytes replicate holds
             ctx.use_ddp = False
             live = LiveBytes()
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
-                with FakeTensorMode(allow_non_fake_inputs=True), live:
+                fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+                with fake_mode, live.under(fake_mode), live.storage_resizes(), real_meshes():
                     model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
                     opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
                     ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
@@ -269,14 +441,18 @@ def forget_sharding_decisions() -> None:
     """Clear DTensor's caches of sharding decisions: they are keyed by meshes
     equal across ranks (torch 2.13, ``DeviceMesh.__eq__`` compares the ranks'
     layout, not this process's place in it), so the next rank replayed in this
-    process would reuse a decision made for the last (``torch.distributed.tensor.debug``
-    clears the same cache)."""
+    process would reuse a decision made for the last, and with it the last
+    rank's mesh and its destroyed process groups ("Could not resolve the
+    process group"). ``torch.distributed.tensor.debug``'s
+    ``_clear_sharding_prop_cache`` clears the same two sharding caches, the
+    Python one and the C++ fast path's."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
     _gen_transform_infos.cache_clear()
 
 
@@ -287,8 +463,11 @@ def plan_world_size(plan: Plan) -> int:
 
 @contextlib.contextmanager
 def _process_env(rank: int, world: int) -> Iterator[None]:
-    """The environment ``init`` reads, as one rank of the plan on one machine's CPU."""
-    values = {"RANK": str(rank), "WORLD_SIZE": str(world), "HETPLAN_DEVICE": "cpu", "HETPLAN_ONE_MACHINE": "1"}
+    """The environment ``init`` reads, as one rank of the plan on one machine's CPU, without the
+    heartbeat (runtime/heartbeat.py): the fake store has no other rank to watch, and a replay that runs
+    longer than the heartbeat's timeout would end this process as a hung run."""
+    values = {"RANK": str(rank), "WORLD_SIZE": str(world), "HETPLAN_DEVICE": "cpu", "HETPLAN_ONE_MACHINE": "1",
+              "HETPLAN_HEARTBEAT": "0"}
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
