@@ -235,11 +235,11 @@ class LiveBytes(TorchDispatchMode):
             live.resized(storage)
             return out
 
-        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]  # patched only during a replay, put back after
         try:
             yield
         finally:
-            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]  # patched only during a replay, put back after
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -312,12 +312,12 @@ def real_meshes() -> Iterator[None]:
         with unset_fake_temporarily():
             return coordinate(self)
 
-    DeviceMesh.mesh = property(mesh)  # type: ignore[method-assign,assignment]
-    DeviceMesh._compute_coordinate_on_dim = real_coordinate  # type: ignore[method-assign]
+    DeviceMesh.mesh = property(mesh)  # type: ignore[method-assign,assignment]  # patched only during a replay, put back after
+    DeviceMesh._compute_coordinate_on_dim = real_coordinate  # type: ignore[method-assign]  # patched only during a replay, put back after
     try:
         yield
     finally:
-        DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim = prop, coordinate  # type: ignore[method-assign]
+        DeviceMesh.mesh, DeviceMesh._compute_coordinate_on_dim = prop, coordinate  # type: ignore[method-assign]  # patched only during a replay, put back after
 
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
