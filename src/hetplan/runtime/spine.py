@@ -263,4 +263,31 @@ def pipeline_stages(parts: list[nn.Module], layout: PlanLayout, position: RankPo
     for part, chunk in zip(parts, position.chunks):
         stages.append(PipelineStage(part, chunk, layout.num_chunks, device, group=pp_group))
         microbatch.wrap_stage(stages[-1])
+        inside = {id(m) for m in part.modules()}
+        keep_plan_sharding(stages[-1], [(m, every) for m, every in sync_modules if id(m) in inside])
     return stages
+
+
+def keep_plan_sharding(stage: Any, sync_modules: list[tuple[nn.Module, bool]]) -> None:
+    """A pipelined stage's ZeRO as the plan says and the cost model charges: each
+    micro-batch's backward under ``parallelize.set_accumulating`` (ZeRO-3 layers
+    reduce-scatter and reshard on every micro-batch, the others on the last), as in
+    the one-stage loop. torch's ``backward_maybe_with_nosync`` instead turns off
+    gradient sync and reshard-after-backward on the whole FSDP part for every
+    micro-batch (torch/distributed/pipelining/stage.py:844-847, torch 2.13): a
+    ZeRO-3 stage then held whole gradients and gathered weights through the step
+    (found by the replay check: a 70B pp2 ZeRO-3 stage at 301 GiB, 55 costed). The
+    schedule's final gradient reduction (stage.py:1173) then finds nothing left
+    unreduced. Split backwards (zero-bubble schedules) keep torch's path."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining._backward import stage_backward
+
+    original = stage.backward_maybe_with_nosync
+
+    def backward_maybe_with_nosync(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if backward_type != "full" or not isinstance(stage.submod, FSDPModule):
+            return original(backward_type, bwd_kwargs, last_backward)
+        par.set_accumulating(sync_modules, last_backward)
+        return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
+
+    stage.backward_maybe_with_nosync = backward_maybe_with_nosync
