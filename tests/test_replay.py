@@ -197,3 +197,14 @@ def test_a_pipelined_zero3_stage_reshards_every_micro_batch() -> None:
     for s in replay.stages:
         analytic = result.ranked.estimate.peak_memory_bytes[s.device] - framework_overhead_bytes(True)
         assert s.peak_bytes <= analytic, (s, analytic)
+
+
+def test_plans_not_replayed_for_one_reason_share_one_note_naming_their_rows() -> None:
+    """The demo's three heterogeneous plans gave three long identical notes; one note per reason
+    names the table's rows, and the rows follow the re-ranking."""
+    ok, oom = ReplayCheck(1, 2, True, 0.1), ReplayCheck(3, 2, False, 0.1)
+    outcome = ReplayOutcome((oom, None, None, ok), unreplayed=("", "why a", "why a", ""))
+    assert outcome.notes == ("plans #2, #3 not replayed: why a",)
+    _, reranked = rerank(["p1", "p2", "p3", "p4"], outcome)  # the plan out of memory by its replay goes last
+    assert reranked.notes == ("plans #1, #2 not replayed: why a",)
+    assert ReplayOutcome((None,), unreplayed=("why b",)).notes == ("plan #1 not replayed: why b",)

@@ -53,11 +53,22 @@ class ReplayCheck:
 class ReplayOutcome:
     """The replays of a ranked list, aligned with it (None: not replayed),
     ``skipped``: why none ran ('' where they did or none was asked for), and
-    ``notes``: why a plan asked for was not replayed (the runtime refuses it)."""
+    ``unreplayed``: per row, why a plan asked for was not replayed ('' where it
+    was or was not asked for; the runtime refuses it, or torch stopped)."""
 
     checks: tuple[ReplayCheck | None, ...]
     skipped: str = ""
-    notes: tuple[str, ...] = ()
+    unreplayed: tuple[str, ...] = ()
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One note per reason a plan was not replayed, naming its rows (#1 is the table's first)."""
+        rows: dict[str, list[int]] = {}
+        for row, why in enumerate(self.unreplayed, 1):
+            if why:
+                rows.setdefault(why, []).append(row)
+        return tuple(f"plan{'s' if len(r) > 1 else ''} {', '.join(f'#{k}' for k in r)} not replayed: {why}"
+                     for why, r in rows.items())
 
     @property
     def seconds(self) -> float:
@@ -83,18 +94,18 @@ def replay_top(ranked: Sequence[RankedPlan], workload: Workload, count: int) -> 
     if why:
         return ReplayOutcome((None,) * len(ranked), why)
     checks: list[ReplayCheck | None] = [None] * len(ranked)
-    notes: list[str] = []
+    unreplayed = [""] * len(ranked)
     with Progress("replay: plans", total=min(count, len(ranked))) as progress:
         for k, r in enumerate(ranked[:count]):
             try:
                 checks[k] = replay_one(r, workload)
             except HetplanError as exc:
-                notes.append(f"plan {r.plan.describe()} not replayed: {exc}")
+                unreplayed[k] = str(exc)
             except Exception as exc:  # noqa: BLE001 -- torch under fake tensors; the check says it did not run
-                notes.append(f"plan {r.plan.describe()} not replayed: torch stopped the fake step "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[-1][:160] if str(exc) else ''})")
+                unreplayed[k] = (f"torch stopped the fake step "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[-1][:160] if str(exc) else ''})")
             progress.advance()
-    return ReplayOutcome(tuple(checks), notes=tuple(notes))
+    return ReplayOutcome(tuple(checks), unreplayed=tuple(unreplayed))
 
 
 def skip_reason(workload: Workload) -> str:
@@ -130,8 +141,9 @@ def rerank(ranked: Sequence[RankedPlan], outcome: ReplayOutcome) -> tuple[list[R
     last (in their order): a plan the replay shows out of memory is never the
     recommended one while another fits."""
     order = sorted(range(len(ranked)), key=lambda i: _runs_out(outcome.checks[i]))
+    unreplayed = tuple(outcome.unreplayed[i] for i in order) if outcome.unreplayed else ()
     return [ranked[i] for i in order], ReplayOutcome(tuple(outcome.checks[i] for i in order), outcome.skipped,
-                                                     outcome.notes)
+                                                     unreplayed)
 
 
 def _runs_out(check: ReplayCheck | None) -> bool:
