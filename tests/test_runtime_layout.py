@@ -149,7 +149,7 @@ def test_importing_the_runtime_cli_does_not_import_torch():
 
 
 def test_latest_checkpoint_ignores_incomplete_ones(tmp_path):
-    from hetplan.runtime.checkpoint import MANIFEST, checkpoint_dir, latest_checkpoint
+    from hetplan.runtime.checkpoint_dirs import MANIFEST, checkpoint_dir, latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path / "none")) is None
     for step, complete in ((1, True), (2, True), (3, False)):

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from hetplan.errors import HetplanError
-from hetplan.runtime.checkpoint import MANIFEST, checkpoint_dir, latest_checkpoint, verify
+from hetplan.runtime.checkpoint import verify
+from hetplan.runtime.checkpoint_dirs import MANIFEST, checkpoint_dir, latest_checkpoint
 from rt_helpers import TOL, assert_matches_reference, hetero_plan, make_plan, reference, run, run_raw, train_worker, write_plan
 
 

@@ -37,8 +37,8 @@ _LAZY = {
     "build_reference": ("hetplan.runtime.reference", "build_reference"),
     "train_reference": ("hetplan.runtime.reference", "train_reference"),
     "synthetic_batch": ("hetplan.runtime.reference", "synthetic_batch"),
-    "latest_checkpoint": ("hetplan.runtime.checkpoint", "latest_checkpoint"),
-    "checkpoint_dir": ("hetplan.runtime.checkpoint", "checkpoint_dir"),
+    "latest_checkpoint": ("hetplan.runtime.checkpoint_dirs", "latest_checkpoint"),
+    "checkpoint_dir": ("hetplan.runtime.checkpoint_dirs", "checkpoint_dir"),
     "run_local": ("hetplan.runtime.launch", "run_local"),
 }
 

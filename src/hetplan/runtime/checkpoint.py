@@ -49,9 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetplan.errors import HetplanError
-from hetplan.runtime.checkpoint_dirs import (  # noqa: F401 - checkpoint_dir ... stay reachable here (hr, trainer)
-    MANIFEST, checkpoint_dir, latest_checkpoint, resume_checkpoint,
-)
+from hetplan.runtime.checkpoint_dirs import MANIFEST
 from hetplan.runtime.faults import KILL_SAVE_ENV, fault_kills
 
 MODEL_PREFIX = "model."

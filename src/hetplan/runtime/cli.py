@@ -35,7 +35,7 @@ from hetplan.io.argtypes import (
     EXIT_USAGE, OneLineParser, finite_nonneg_float, finite_positive_float, name_or_path, positive_int,
 )
 from hetplan.errors import HetplanError
-from hetplan.runtime.checkpoint_dirs import CHECKPOINT_DIR_ENV
+from hetplan.runtime.checkpoint_dirs import CHECKPOINT_DIR_ENV, resume_checkpoint
 from hetplan.runtime.heartbeat import describe_rank
 from hetplan.runtime import trainer
 from hetplan.runtime import launch
@@ -324,7 +324,7 @@ def _start_checkpoint(args: argparse.Namespace, resume: bool = False) -> tuple[s
         return args.load_from, None
     if not (args.resume or args.resume_or_start or resume):
         return None
-    found = ck.resume_checkpoint(args.checkpoint_dir, args.resume_or_start or resume)
+    found = resume_checkpoint(args.checkpoint_dir, args.resume_or_start or resume)
     if found is None:  # --elastic's supervisor said so in its line
         if args.resume_or_start:
             print(f"note: no complete checkpoint in {args.checkpoint_dir}: starting from step 0 (--resume-or-start)",

@@ -28,6 +28,7 @@ from hetplan.app.straggler import (
 from hetplan.cluster.io import load_cluster
 from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
+from hetplan.runtime import checkpoint_dirs as dirs
 from hetplan.runtime import launch
 from hetplan.runtime.console import console, current_context, log_stderr
 from hetplan.runtime.faults import fault_kills, fault_slowdown
@@ -63,7 +64,6 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     ``spec``: a ModelSpec to use instead of looking up ``cfg.model``."""
     import torch  # lazy, with the runtime below: main() sends stderr to the rank's log before torch loads
 
-    from hetplan.runtime import checkpoint as ck
     from hetplan.runtime.build import model_build
     from hetplan.runtime.context import init
     from hetplan.runtime.reference import make_optimizer, training_batch
@@ -88,7 +88,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     elif (cfg.resume or cfg.resume_or_start) and cfg.checkpoint_dir:
         # newest checkpoint with a manifest (newer incomplete ones: a note on rank 0's stderr), none: an
         # error unless resume_or_start; ctx.load verifies its files on every rank before reading them
-        found = ck.resume_checkpoint(cfg.checkpoint_dir, cfg.resume_or_start,
+        found = dirs.resume_checkpoint(cfg.checkpoint_dir, cfg.resume_or_start,
                                      note=lambda t: ctx.print(f"note: {t}", file=sys.stderr))
         if found:
             extras = ctx.load(found[0], model, opt)
@@ -129,7 +129,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             ctx.print(f"step {step + 1:>4}  loss {value:.6f}  time {(time.perf_counter() - t0) * 1e3:8.1f} ms")
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             # the sampler's position: step k's batch is drawn from (seed, k) with the global batch size
-            ctx.save(ck.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1,
+            ctx.save(dirs.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1,
                      samples=(step + 1) * plan.global_batch_size)
             if watch.stop_for_stragglers(ctx, cfg, busy, walls, cfg.steps - step - 1):
                 ctx.close()
