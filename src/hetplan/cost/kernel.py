@@ -912,12 +912,24 @@ class CostKernel:
     def _expert_dp_groups(self, grid: np.ndarray, ep: int) -> _DataParallelGroups:
         """The expert-data-parallel groups of a stage up to symmetry: per TP
         rank, the dp·cp/ep devices holding the same experts (``cp_ep.expert_groups``)."""
-        groups = [tuple(row.tolist()) for t in range(grid.shape[1]) for row in expert_groups(grid[:, t], ep)[1]]
+        return self._groups_by_shape([tuple(row.tolist()) for t in range(grid.shape[1])
+                                      for row in expert_groups(grid[:, t], ep)[1]])
+
+    def _groups_by_shape(self, groups: Sequence[tuple[int, ...]]) -> _DataParallelGroups:
+        """Explicit data-parallel groups up to symmetry: the first group of each shape."""
         shapes = [self.cluster_arrays.shape(g) for g in groups]
         firsts: dict[object, tuple[int, ...]] = {}
         for shape, group in zip(shapes, groups):
             firsts.setdefault(shape, group)
         return _DataParallelGroups(tuple(firsts.values()), (tuple(firsts), shapes[0]))
+
+    def holder_groups_rate(self, kind: str, groups: Sequence[tuple[int, ...]], tp: int) -> float:
+        """``dp_collective_rate`` over explicit groups, ``tp`` of them at once: the
+        shard-chunk holders of a stage whose replicas run their own TP degree
+        (``Stage.shard_holders``). 0 for groups of one device."""
+        if len(groups[0]) < 2:
+            return 0.0
+        return self._dp_rate(kind, tp, self._groups_by_shape(groups))
 
     def cp_ep_comm_time(self, recompute: str, share: float, tp: int, parallel: tuple[Any, ...],
                         attention_s: np.ndarray, send_scale: float | None = None) -> np.ndarray:

@@ -138,7 +138,7 @@ def replica_classes(kernel: CostKernel, stage: Stage, position: int,
     return [(gpus[gpu[r]], float(batches[r]), links[link[r]]) for r in firsts.tolist()]
 
 
-def _segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
+def segment_compute(kernel: CostKernel, stage: Stage, segment: list[int],
                      micro_batch_size: int) -> tuple[float, float, float, float, float]:
     """(fwd, bwd, recompute, TP comm, offload) of the slowest replica over the
     segment; the exposed host transfers of offloading are part of recompute
@@ -192,7 +192,7 @@ def mixed_stage_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) 
     fwd = bwd = rec = tpc = offload = 0.0
     segments = tp_segments(stage)
     for s_index, segment in enumerate(segments):
-        f, b, rc, c, off = _segment_compute(kernel, stage, segment, micro_batch_size)
+        f, b, rc, c, off = segment_compute(kernel, stage, segment, micro_batch_size)
         fwd, bwd, rec, tpc, offload = fwd + f, bwd + b, rec + rc, tpc + c, offload + off
         if s_index > 0:
             tpc += transform_time(kernel, stage, segments[s_index - 1][-1], segment[0], micro_batch_size)

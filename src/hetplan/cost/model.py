@@ -22,6 +22,9 @@ from hetplan.cost.mixed import (
 )
 from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time, pipeline_time
 from hetplan.plan.workload import Workload
+from hetplan.cost.replica_tp import (
+    replica_tp_host_bytes, replica_tp_peak_terms, replica_tp_resident_parts, replica_tp_timing,
+)
 from hetplan.plan.spec import Estimate, Plan, Stage, StageEstimate
 
 
@@ -42,6 +45,8 @@ class CostModel:
     # --- stages -------------------------------------------------------------------------
     def stage_timing(self, stage: Stage, micro_batch_size: int) -> SegmentTiming:
         """What ``stage`` charges per micro-batch and per step."""
+        if stage.replica_tp is not None:
+            return replica_tp_timing(self.kernel, stage, micro_batch_size)
         option = StageOption.of_stage(stage)
         if option is None:
             return mixed_stage_timing(self.kernel, stage, micro_batch_size)
@@ -59,6 +64,9 @@ class CostModel:
         """Peak bytes on each device of ``stage`` holding ``in_flight`` micro-batches
         (``first_backward``: all of the step's, before its first backward:
         ``memory.PeakTerms``; without it gradients count at every backward, never less)."""
+        if stage.replica_tp is not None:
+            return [int(t.peak) for t in replica_tp_peak_terms(self.kernel, stage, micro_batch_size, in_flight,
+                                                               first_backward)]
         option = StageOption.of_stage(stage)
         if option is None:
             return mixed_stage_memory(self.kernel, stage, micro_batch_size, in_flight, first_backward)
@@ -70,6 +78,8 @@ class CostModel:
         (0 where its layers are not offloaded)."""
         if not any(s.offload for s in stage.strategies):
             return [0] * len(stage.devices)
+        if stage.replica_tp is not None:
+            return [int(b) for b in replica_tp_host_bytes(self.kernel, stage, micro_batch_size, in_flight)]
         option = StageOption.of_stage(stage)
         if option is None:
             return [int(b) for b in stage_host_bytes(self.kernel, stage, micro_batch_size, in_flight)]
@@ -96,8 +106,10 @@ class CostModel:
         for j, stage in enumerate(plan.stages):
             in_flight = in_flight_micro_batches(plan.schedule, j, plan.pp, plan.num_micro_batches,
                                                 plan.virtual_stages)
-            parts = stage_memory_parts(self.kernel, stage, plan.micro_batch_size, in_flight,
-                                       in_flight >= plan.num_micro_batches)
+            first_backward = in_flight >= plan.num_micro_batches
+            parts = [t.parts() for t in replica_tp_peak_terms(self.kernel, stage, plan.micro_batch_size, in_flight,
+                                                              first_backward)] if stage.replica_tp is not None \
+                else stage_memory_parts(self.kernel, stage, plan.micro_batch_size, in_flight, first_backward)
             for device, p in zip(stage.devices, parts):
                 out[device] = {k: int(v) for k, v in p.items()}
         return out
@@ -108,8 +120,10 @@ class CostModel:
         tensors after a step, which ``tests/distributed/test_zero_bytes.py`` checks."""
         out: dict[int, dict[str, int]] = {}
         for stage in plan.stages:
-            parts = {k: int(v) for k, v in stage_resident_parts(self.kernel, stage).items()}
-            out.update({device: dict(parts) for device in stage.devices})
+            per_device = replica_tp_resident_parts(self.kernel, stage) if stage.replica_tp is not None \
+                else [stage_resident_parts(self.kernel, stage)] * len(stage.devices)
+            out.update({device: {k: int(v) for k, v in parts.items()}
+                        for device, parts in zip(stage.devices, per_device)})
         return out
 
     def p2p_times(self, plan: Plan) -> list[float]:
@@ -234,6 +248,6 @@ class CostModel:
         micro-batch over ``micro_batches``, each at most ``compute``."""
         stage = plan.stages[j]
         gpu = self.kernel.cluster.devices[stage.devices[0]].gpu
-        host, loss = self.kernel.run_detail(gpu, stage.dp_split[0] / stage.cp, stage.tp,
+        host, loss = self.kernel.run_detail(gpu, stage.dp_split[0] / stage.cp, stage.replica_degree(0),
                                             stage.layers[0], stage.layers[-1] + 1)
         return min(compute, host * micro_batches), min(compute, loss * micro_batches)

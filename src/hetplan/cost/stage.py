@@ -80,7 +80,10 @@ class StageOption:
 
     @staticmethod
     def of_stage(stage: Stage) -> StageOption | None:
-        """The option a Plan stage runs, or None when its layers differ."""
+        """The option a Plan stage runs, or None when its layers or its
+        replicas' TP degrees differ."""
+        if stage.replica_tp is not None:
+            return None
         first = stage.strategies[0]
         if stage.strategies.count(first) == len(stage.strategies):  # one strategy throughout (fast when shared)
             if first.tp and first.tp != stage.tp:

@@ -85,6 +85,14 @@ class Stage:
         sequence_parallel: shard the TP-replicated activations along the
             sequence (Megatron-SP), which also makes TP comm reduce-scatter +
             all-gather.
+        replica_tp: the TP degree of each dp replica, in replica order (None:
+            every replica uses ``tp``). Replicas on different GPU types may
+            then run their own degree (Sailor's mixed replicas): ``tp`` is the
+            largest, each degree divides it, and ``devices`` holds
+            ``sum(cp * t for t in replica_tp)`` ids, replica after replica, TP
+            innermost. The layers' weights are cut into ``tp`` shard chunks; a
+            replica of degree ``t`` holds ``tp // t`` consecutive chunks per
+            TP rank (``shard_holders``). JSON key omitted when None.
     """
 
     layers: tuple[int, ...]
@@ -97,15 +105,39 @@ class Stage:
     cp: int = 1
     ep: int = 1
     ep_split: tuple[int, ...] | None = None
+    replica_tp: tuple[int, ...] | None = None
+
+    def replica_degree(self, replica: int) -> int:
+        """The TP degree of data-parallel replica ``replica``."""
+        return self.tp if self.replica_tp is None else self.replica_tp[replica]
 
     def replica_devices(self, replica: int) -> tuple[int, ...]:
-        """The ``cp * tp`` devices of data-parallel replica ``replica``."""
-        size = self.cp * self.tp
-        return self.devices[replica * size:(replica + 1) * size]
+        """The ``cp * tp`` devices of data-parallel replica ``replica`` (its
+        own ``cp * replica_tp[replica]`` with mixed degrees)."""
+        if self.replica_tp is None:
+            size = self.cp * self.tp
+            return self.devices[replica * size:(replica + 1) * size]
+        start = self.cp * sum(self.replica_tp[:replica])
+        return self.devices[start:start + self.cp * self.replica_tp[replica]]
+
+    def shard_holders(self, chunk: int) -> tuple[int, ...]:
+        """The devices holding shard chunk ``chunk`` of ``tp`` of a dense layer,
+        one per replica (and CP rank): in replica ``r`` its TP rank
+        ``chunk // (tp // replica_tp[r])``. These are the data-parallel groups
+        a gradient chunk is reduced over."""
+        holders = []
+        for r in range(self.dp):
+            degree = self.replica_degree(r)
+            rank = chunk // (self.tp // degree)
+            own = self.replica_devices(r)
+            holders.extend(own[c * degree + rank] for c in range(self.cp))
+        return tuple(holders)
 
     def layer_degrees(self, position: int) -> tuple[int, int]:
         """(dp, tp) of the ``position``-th layer of this stage."""
         tp = self.strategies[position].tp or self.tp
+        if self.replica_tp is not None and tp == self.tp:  # mixed degrees: one replica each
+            return self.dp, tp
         return len(self.devices) // (tp * self.cp), tp
 
     @property
@@ -114,13 +146,20 @@ class Stage:
         return any(st.tp and st.tp != self.tp for st in self.strategies)
 
     def tp_groups(self) -> list[tuple[int, ...]]:
-        """Runs of ``tp`` consecutive devices, one per (replica, cp rank)."""
+        """Runs of ``tp`` consecutive devices, one per (replica, cp rank)
+        (of the replica's own degree with ``replica_tp``)."""
+        if self.replica_tp is not None:
+            return [own[c * t:(c + 1) * t] for r, t in enumerate(self.replica_tp)
+                    for own in (self.replica_devices(r),) for c in range(self.cp)]
         return [self.devices[g * self.tp:(g + 1) * self.tp] for g in range(len(self.devices) // self.tp)]
 
     def dp_groups(self) -> list[tuple[int, ...]]:
         """For each TP rank, the devices holding the same shard of a dense layer
         in every replica and CP rank (gradients of dense layers sync over
-        ``dp * cp`` devices; with cp = 1 these are the dp replicas)."""
+        ``dp * cp`` devices; with cp = 1 these are the dp replicas). With
+        ``replica_tp``: one group per shard chunk (``shard_holders``)."""
+        if self.replica_tp is not None:
+            return [self.shard_holders(c) for c in range(self.tp)]
         return [tuple(self.devices[t::self.tp]) for t in range(self.tp)]
 
     @property
@@ -203,7 +242,8 @@ class Plan:
             return text
 
         def degrees(s: Stage) -> str:
-            text = f"dp{s.dp}" + (f" cp{s.cp}" if s.cp > 1 else "") + f" tp{s.tp}"
+            tp = "/".join(map(str, s.replica_tp)) if s.replica_tp is not None else str(s.tp)
+            text = f"dp{s.dp}" + (f" cp{s.cp}" if s.cp > 1 else "") + f" tp{tp}"
             experts = " experts " + ":".join(map(str, s.ep_split)) if s.ep_split else ""
             return text + (f" ep{s.ep}{experts}" if s.ep > 1 else "")
 
@@ -235,8 +275,9 @@ class Plan:
         replicas, this class's ``micro_batch_size``."""
         data = asdict(self)
         for stage in data["stages"]:
-            if stage["ep_split"] is None:  # even: plans without EP read as before
-                del stage["ep_split"]
+            for key in ("ep_split", "replica_tp"):  # None: plans without them read as before
+                if stage[key] is None:
+                    del stage[key]
         data["micro_batch_size"] = self.micro_batch_per_replica
         data["micro_batch_total"] = self.micro_batch_size
         return data
@@ -274,7 +315,7 @@ _PLAN_KEYS = ("model", "cluster", "global_batch_size", "micro_batch_size", "micr
               "schedule", "stages", "planner", "virtual_stages", "notes")
 _PLAN_REQUIRED = ("model", "cluster", "global_batch_size", "num_micro_batches", "schedule", "stages")
 _STAGE_KEYS = ("layers", "devices", "dp", "tp", "dp_split", "strategies", "sequence_parallel", "cp", "ep",
-               "ep_split")
+               "ep_split", "replica_tp")
 _STRATEGY_KEYS = ("zero", "recompute", "tp", "offload")
 
 
@@ -322,6 +363,8 @@ def _stage_from_dict(where: str, data: Any) -> Stage:
         cp=fields.whole(f"{where}.cp", stage.get("cp", 1), 1, MAX_GPUS),
         ep=fields.whole(f"{where}.ep", stage.get("ep", 1), 1, MAX_GPUS),
         ep_split=None if stage.get("ep_split") is None else _whole_list(f"{where}.ep_split", stage["ep_split"], 1),
+        replica_tp=None if stage.get("replica_tp") is None
+        else _whole_list(f"{where}.replica_tp", stage["replica_tp"], 1),
     )
 
 

@@ -97,10 +97,13 @@ def _check_layers(where: str, stage: Stage, model: ModelSpec, expected: int) -> 
 
 
 def _check_devices(where: str, stage: Stage, cluster: ClusterSpec, used: set[int]) -> None:
-    """dp x cp x tp real GPUs, none used twice; ep borrowed from dp x cp."""
+    """dp x cp x tp real GPUs (cp x each replica's own tp with ``replica_tp``),
+    none used twice; ep borrowed from dp x cp."""
     if stage.dp <= 0 or stage.tp <= 0 or stage.cp <= 0 or stage.ep <= 0:
         raise InvalidPlanError(f"{where}: dp, cp, tp and ep must be positive")
-    if len(stage.devices) != stage.dp * stage.cp * stage.tp:
+    if stage.replica_tp is not None:
+        _check_replica_tp(where, stage)
+    elif len(stage.devices) != stage.dp * stage.cp * stage.tp:
         raise InvalidPlanError(
             f"{where} has {len(stage.devices)} devices but dp x cp x tp = {stage.dp} x {stage.cp} x {stage.tp} "
             f"= {stage.dp * stage.cp * stage.tp}"
@@ -114,6 +117,29 @@ def _check_devices(where: str, stage: Stage, cluster: ClusterSpec, used: set[int
         if d in used:
             raise InvalidPlanError(f"{where} uses GPU {d}, which another stage or replica already uses")
         used.add(d)
+
+
+def _check_replica_tp(where: str, stage: Stage) -> None:
+    """Each replica's own TP degree: one per replica, dividing the stage's tp
+    (the largest of them), with that many devices per replica; the parallelisms
+    the mixed-degree cost does not model are refused."""
+    degrees = stage.replica_tp or ()
+    if len(degrees) != stage.dp:
+        raise InvalidPlanError(f"{where}: replica_tp has {len(degrees)} entries for dp={stage.dp}; give one TP degree "
+                               "per replica")
+    if any(stage.tp % t for t in degrees) or max(degrees) != stage.tp:
+        raise InvalidPlanError(f"{where}: replica_tp {list(degrees)} must divide tp={stage.tp}, the largest of them; "
+                               f"set tp to the largest degree and use divisors of it")
+    size = stage.cp * sum(degrees)
+    if len(stage.devices) != size:
+        raise InvalidPlanError(f"{where} has {len(stage.devices)} devices but replica_tp {list(degrees)} x cp="
+                               f"{stage.cp} needs {size}")
+    unsupported = [name for used, name in ((stage.cp > 1, "cp > 1"), (stage.ep > 1, "ep > 1"),
+                                           (stage.sequence_parallel, "sequence_parallel"),
+                                           (any(st.tp for st in stage.strategies), "per-layer tp"))
+                   if used]
+    if unsupported:
+        raise InvalidPlanError(f"{where}: replica_tp cannot be combined with {unsupported[0]}; remove one of them")
 
 
 def _check_split(where: str, stage: Stage, micro_batch_size: int) -> None:
