@@ -14,6 +14,8 @@ replica with the smallest degree holds the most chunks and sets the sync's pace.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.memory import PeakTerms
 from hetplan.cost.mixed import (
@@ -24,14 +26,33 @@ from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
 from hetplan.plan.spec import Stage
 
 
-def replica_view(stage: Stage, replica: int) -> Stage:
+def replica_view(stage: Stage, replica: int, share: int | None = None) -> Stage:
     """Replica ``replica`` as a stage of one TP degree: ``dp`` copies of its TP
-    group, each with its share, so that everything the kernel derives from dp
-    (states sharded over dp devices, the reduce buffer, ZeRO's step slices)
-    and from the degree and share comes out as this replica's GPUs have it."""
-    degree, share = stage.replica_degree(replica), stage.dp_split[replica]
+    group, each with its share (or ``share``), so that everything the kernel
+    derives from dp (states sharded over dp devices, the reduce buffer,
+    ZeRO's step slices) and from the degree and share comes out as this
+    replica's GPUs have it."""
+    degree = stage.replica_degree(replica)
+    share = stage.dp_split[replica] if share is None else share
     return Stage(stage.layers, stage.replica_devices(replica) * stage.dp, stage.dp, degree,
                  (share,) * stage.dp, stage.strategies)
+
+
+def replica_time(kernel: CostKernel, stage: Stage, replica: int, share: int, micro_batch_size: int) -> float:
+    """One micro-batch's compute and TP communication on replica ``replica``
+    given ``share`` samples (what its place in the stage's time grows with)."""
+    times = segment_compute(kernel, replica_view(stage, replica, share), list(range(stage.num_layers)),
+                            micro_batch_size)
+    return sum(times[:4])
+
+
+def replica_fits(kernel: CostKernel, stage: Stage, replica: int, share: int, micro_batch_size: int,
+                 in_flight: float, first_backward: bool, capacity: Callable[[int], int]) -> bool:
+    """Every GPU of replica ``replica`` holds its layers with ``share`` samples
+    per micro-batch (``capacity``: a device's bytes)."""
+    terms = stage_peak_terms(kernel, replica_view(stage, replica, share), micro_batch_size, in_flight,
+                             first_backward)
+    return all(t.peak <= capacity(d) for d, t in zip(stage.replica_devices(replica), terms))
 
 
 def _busiest_replica(stage: Stage) -> int:
@@ -51,21 +72,21 @@ def replica_tp_timing(kernel: CostKernel, stage: Stage, micro_batch_size: int) -
     for r in range(stage.dp):
         view = replica_view(stage, r)
         times = segment_compute(kernel, view, positions, micro_batch_size)
-        if not worst or sum(times[:4]) > sum(worst[:4]):
+        if not worst or sum(times[:4]) > sum(worst[:4]):  # as replica_time
             worst = times
-        rate = kernel.optimizer_rate(stage.replica_devices(r))
-        optimizer = max(optimizer, sum(held_params(kernel, view, pos) * rate / (stage.dp if st.zero >= 1 else 1)
+        step_rate = kernel.optimizer_rate(stage.replica_devices(r))
+        optimizer = max(optimizer, sum(held_params(kernel, view, pos) * step_rate / (stage.dp if st.zero >= 1 else 1)
                                        for pos, st in enumerate(stage.strategies)))
     fwd, bwd, rec, tpc, offload = worst
     gather = scatter = sync = post = 0.0
     busiest = replica_view(stage, _busiest_replica(stage))
     groups = stage.dp_groups()
+
+    def rate(kind: str) -> float:
+        return kernel.holder_groups_rate(kind, groups, stage.tp)
+
     for pos, strategy in enumerate(stage.strategies):
         params = held_params(kernel, busiest, pos)
-
-        def rate(kind: str) -> float:
-            return kernel.holder_groups_rate(kind, groups, stage.tp)
-
         if strategy.zero >= 3:
             gather += params * kernel.weight_bytes * rate("allgather")
             scatter += params * kernel.grad_bytes * rate("reduce_scatter")

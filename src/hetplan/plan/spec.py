@@ -125,7 +125,7 @@ class Stage:
         one per replica (and CP rank): in replica ``r`` its TP rank
         ``chunk // (tp // replica_tp[r])``. These are the data-parallel groups
         a gradient chunk is reduced over."""
-        holders = []
+        holders: list[int] = []
         for r in range(self.dp):
             degree = self.replica_degree(r)
             rank = chunk // (self.tp // degree)

@@ -1,0 +1,182 @@
+"""Stages whose replicas take their own TP degree (``Stage.replica_tp``, issue 35 item 3).
+
+hetplan's planners give all replicas of a stage one TP degree. On a stage
+that holds GPUs of several types, each type's replicas may do better at their
+own degree (Sailor's mixed replicas): a GPU with memory to spare runs a low
+degree (less TP communication), a smaller one the higher degree it needs to
+hold its layers. For each stage of a plan that holds several GPU types,
+every combination of per-type degrees is tried — powers of two that divide
+the type's GPUs, keep each TP group inside one node and divide every layer's
+heads — with its best split of the micro-batch, and the plan keeps whichever
+stage makes it fastest (its own stage included).
+
+The split of one combination is exact: the stage's micro-batch time is its
+slowest replica's (``cost/replica_tp.py``), a replica's time does not fall as
+its share grows, and a replica takes no more samples than its GPUs hold.
+Giving the samples one at a time to the replica whose time then stays least
+minimises the largest time (the greedy is exact for the min-max of
+nondecreasing functions); ``tests/test_replica_tp.py`` checks it against
+every split of a small stage.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import replace
+from functools import partial
+from typing import Callable, Sequence
+
+from hetplan.cost.memory import in_flight_micro_batches
+from hetplan.cost.model import CostModel
+from hetplan.cost.replica_tp import replica_fits, replica_time
+from hetplan.plan.spec import Plan, RankedPlan, Stage
+from hetplan.search.base import rank_key
+
+# Degree combinations tried per stage: 4 degrees (1, 2, 4, 8 on 8-GPU nodes)
+# for each of 4 GPU types in one stage is 256; a stage with more combinations
+# keeps its planner's degrees and the plan's notes say so.
+MAX_DEGREE_COMBINATIONS = 256
+
+
+def type_groups(cost_model: CostModel, stage: Stage) -> list[tuple[int, ...]]:
+    """The stage's devices by GPU type, in order of first appearance."""
+    devices = cost_model.cluster.devices
+    groups: dict[str, list[int]] = {}
+    for d in stage.devices:
+        groups.setdefault(devices[d].gpu.name, []).append(d)
+    return [tuple(g) for g in groups.values()]
+
+
+def degree_options(cost_model: CostModel, group: tuple[int, ...]) -> list[int]:
+    """TP degrees one GPU type's devices may run: powers of two that divide
+    their count, keep every TP group (consecutive devices) in one node and
+    divide every layer's heads."""
+    kernel = cost_model.kernel
+    out = []
+    degree = 1
+    while degree <= len(group):
+        if len(group) % degree == 0 and kernel.all_support_tp(degree):
+            grid = kernel.device_array(group).reshape(-1, degree)
+            if kernel.cluster_arrays.rows_in_one_node(grid):
+                out.append(degree)
+        degree *= 2
+    return out
+
+
+def mixed_stage(stage: Stage, groups: Sequence[tuple[int, ...]], degrees: Sequence[int]) -> Stage:
+    """``stage``'s layers and strategies on its type groups at ``degrees`` (one
+    per group): runs of each group's degree form its replicas, in group order.
+    ``replica_tp`` is None when every replica has one degree. The split is
+    even-ish (each replica one sample or more); ``best_split`` chooses it."""
+    replica_tp = tuple(t for g, t in zip(groups, degrees) for _ in range(len(g) // t))
+    devices = tuple(d for g in groups for d in g)
+    dp = len(replica_tp)
+    total = sum(stage.dp_split)
+    split = tuple(total // dp + (1 if r < total % dp else 0) for r in range(dp))
+    return replace(stage, devices=devices, dp=dp, tp=max(replica_tp), dp_split=split,
+                   replica_tp=replica_tp if len(set(replica_tp)) > 1 else None)
+
+
+def best_split(cost_model: CostModel, stage: Stage, micro_batch_size: int, in_flight: float,
+               first_backward: bool) -> tuple[int, ...] | None:
+    """The split of ``micro_batch_size`` over the stage's replicas that
+    minimises its slowest replica's time with every replica's GPUs within
+    memory (module docstring); None when no split fits."""
+    kernel = cost_model.kernel
+    caps = [_largest_share(partial(_fits, cost_model, stage, r, micro_batch_size, in_flight, first_backward),
+                           micro_batch_size) for r in range(stage.dp)]
+    if min(caps) < 1 or sum(caps) < micro_batch_size:
+        return None
+    shares = [1] * stage.dp
+    queue = [(replica_time(kernel, stage, r, 2, micro_batch_size), r) for r in range(stage.dp) if caps[r] >= 2]
+    heapq.heapify(queue)
+    for _ in range(micro_batch_size - stage.dp):
+        _, r = heapq.heappop(queue)
+        shares[r] += 1
+        if shares[r] < caps[r]:
+            heapq.heappush(queue, (replica_time(kernel, stage, r, shares[r] + 1, micro_batch_size), r))
+    return tuple(shares)
+
+
+def _fits(cost_model: CostModel, stage: Stage, replica: int, micro_batch_size: int, in_flight: float,
+          first_backward: bool, share: int) -> bool:
+    """Replica ``replica``'s GPUs hold their layers with ``share`` samples (``replica_fits``)."""
+    return replica_fits(cost_model.kernel, stage, replica, share, micro_batch_size, in_flight, first_backward,
+                        cost_model.workload.device_capacity_bytes)
+
+
+def _largest_share(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest share in [0, limit] that ``fits`` (memory grows with the share)."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def stage_variants(cost_model: CostModel, plan: Plan, j: int) -> list[Stage]:
+    """Stage ``j`` of ``plan`` at every combination of per-type degrees, each
+    with its best split (those that fit and whose dp the micro-batch covers)."""
+    stage = plan.stages[j]
+    if stage.cp > 1 or stage.ep > 1 or stage.sequence_parallel or stage.has_layer_degrees:
+        return []
+    groups = type_groups(cost_model, stage)
+    options = [degree_options(cost_model, g) for g in groups]
+    if len(groups) < 2 or _combinations(options) > MAX_DEGREE_COMBINATIONS:
+        return []
+    in_flight = in_flight_micro_batches(plan.schedule, j, plan.pp, plan.num_micro_batches, plan.virtual_stages)
+    out = []
+    for degrees in itertools.product(*options):
+        candidate = mixed_stage(stage, groups, degrees)
+        if candidate.dp > plan.micro_batch_size:
+            continue
+        split = best_split(cost_model, candidate, plan.micro_batch_size, in_flight,
+                           in_flight >= plan.num_micro_batches)
+        if split is not None:
+            out.append(replace(candidate, dp_split=split))
+    return out
+
+
+def _combinations(options: Sequence[Sequence[int]]) -> int:
+    count = 1
+    for o in options:
+        count *= len(o)
+    return count
+
+
+def with_replica_tp(cost_model: CostModel, plan: Plan) -> Plan:
+    """``plan`` with each stage that holds several GPU types at the per-type
+    degrees and split that make the plan fastest, stage by stage in order
+    (``plan`` itself when none is faster)."""
+    best, best_key = plan, _key(cost_model, plan)
+    for j in range(plan.pp):
+        current = best
+        for stage in stage_variants(cost_model, current, j):
+            candidate = replace(current, stages=current.stages[:j] + (stage,) + current.stages[j + 1:])
+            key = _key(cost_model, candidate)
+            if key < best_key:
+                best, best_key = candidate, key
+    if best is plan:
+        return plan
+    mixed = [j for j, s in enumerate(best.stages) if s.replica_tp is not None]
+    note = (f"stages {', '.join(map(str, mixed))} give their replicas their own TP degree (replica_tp)" if mixed
+            else "stages regrouped by GPU type with a new split")
+    return replace(best, notes=best.notes + (note,))
+
+
+def _key(cost_model: CostModel, plan: Plan) -> tuple[int, float, str]:
+    """``rank_key`` of a plan from ``CostModel.quick``."""
+    time_s, fits = cost_model.quick(plan)
+    return (0 if fits else 1, time_s, plan.describe())
+
+
+def widen(cost_model: CostModel, ranked: Sequence[RankedPlan], top_k: int) -> list[RankedPlan]:
+    """``ranked`` and each of its plans with replicas of their own TP degree
+    (``with_replica_tp``) where that is faster, ranked, the best ``top_k``."""
+    out = list(ranked)
+    for r in ranked:
+        mixed = with_replica_tp(cost_model, r.plan)
+        if mixed is not r.plan:
+            out.append(RankedPlan(mixed, cost_model.estimate(mixed)))
+    return sorted(out, key=rank_key)[:top_k]
