@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from hetplan.app.choose import allocations, cross_zone_bytes, plan_allocation
+from hetplan.app.planning import replica_tp_best, runnable_best
+from hetplan.app.workload import WorkloadOptions, load_workload
+from hetplan.cluster.pool import pool_from_dict
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.model import CostModel
@@ -22,6 +26,7 @@ from hetplan.plan.spec import LayerStrategy, Plan, Stage, uniform_stage
 from hetplan.plan.support import runtime_refusal
 from hetplan.plan.validate import validate_plan
 from hetplan.plan.workload import Workload
+from hetplan.search.metis import MetisOptions, MetisPlanner
 from hetplan.search.common.replica_tp import best_split, stage_variants, with_replica_tp
 
 # Two 4-GPU nodes: A100s with memory to spare, V100-16GBs that hold GPT-3 1.3B only at tp 4.
@@ -176,3 +181,34 @@ def test_greedy_split_is_the_best_split() -> None:
     found_s = cm.quick(replace(seed, stages=(replace(stage, dp_split=split),)))[0]
     every = [cm.quick(replace(seed, stages=(replace(stage, dp_split=s),))) for s in _compositions(10, 5)]
     assert found_s == pytest.approx(min(t for t, fits in every if fits), rel=1e-12)
+
+
+def test_choose_returns_mixed_replicas_with_mixed_tp() -> None:
+    """``hetplan choose --mixed-tp``'s per-allocation planning on one node of 2
+    A100-80GB and one of 2 V100-16GB (one zone), with Metis held to one stage:
+    the point's plan gives the A100 replicas their own TP degree and is faster
+    than the planner's own best plan of one degree per stage; its egress,
+    across zones, runs over the shard-chunk holder groups."""
+    offer = {"gpus_per_node": 2, "nodes": 1, "intra_node_bandwidth_gbps": 600, "inter_node_bandwidth_gbps": 400,
+             "zone": "a"}
+    pool = pool_from_dict({"name": "mixed", "zones": {"a": {"egress_usd_per_gb": 0.01}},
+                           "inter_zone_bandwidth_gbps": 10,
+                           "offers": [{**offer, "gpu": "A100-80GB", "price_per_gpu_hour": 1.8},
+                                      {**offer, "gpu": "V100-16GB", "price_per_gpu_hour": 0.9}]}, "pool.yaml")
+    base = load_workload(WorkloadOptions(model="gpt3-1.3b", global_batch=64))
+    both = [a for a in allocations(pool, base) if a.counts == (1, 1)][0]
+    planner = MetisPlanner(MetisOptions(max_stages=1))
+    mixed_point = plan_allocation(pool, base, both, planner, 1.0, replica_tp_best)
+    own_point = plan_allocation(pool, base, both, planner, 1.0, runnable_best)
+    assert not isinstance(mixed_point, str) and not isinstance(own_point, str)
+    assert mixed_point.best.plan.stages[0].replica_tp == (1, 1, 2)
+    assert mixed_point.best.estimate.iteration_time_s < own_point.best.estimate.iteration_time_s
+    stage = mixed_point.best.plan.stages[0]
+    zones = ["a", "a", "b", "b"]  # the A100 node in zone a, the V100 node in zone b
+    sent = cross_zone_bytes(mixed_point.best.plan, mixed_point.workload, zones)
+    kernel = CostModel(mixed_point.workload).kernel
+    held = sum(kernel.held_params(2, i, i + 1) for i in stage.layers)  # one shard chunk of each layer
+    # chunk c's ring (0, 1, 2 + c): link 1 -> 2 + c leaves zone a, 2 + c -> 0 leaves zone b, each carrying
+    # (n - 1) / n x 2 x the chunk's gradient bytes (ZeRO-0's all-reduce), for both chunks
+    per_zone = 2 * (2 / 3) * 2 * kernel.grad_bytes * held
+    assert sent == pytest.approx({"a": per_zone, "b": per_zone}, rel=1e-9)

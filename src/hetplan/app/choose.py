@@ -77,7 +77,8 @@ BOUND_ROUNDING = 1e-9
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 OBJECTIVES = ("frontier", "deadline", "budget")
 NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
-                           "build them; stages mixing GPU types and TP degrees inside (Sailor's) are not searched")
+                           "build them; stages mixing GPU types and TP degrees inside (Sailor's) are searched "
+                           "only with --mixed-tp")
 NOTE_ZONES = ("an allocation spanning zones runs every node's network at min(its NIC, the inter-zone link): "
               "pessimistic for traffic inside a zone (cluster/pool.py)")
 
@@ -308,8 +309,9 @@ def cross_zone_bytes(plan: Plan, workload: Workload, device_zones: Sequence[str]
             _, tp = stage.layer_degrees(position)
             held = kernel.held_params(tp, layer, layer + 1)
             per_param = _ring_bytes_per_param(kernel, stage.strategies[position].zero, plan.num_micro_batches)
-            for t in range(tp):
-                group = stage.devices[t::tp]
+            # the stage's own groups (per shard chunk with ``replica_tp``), or a layer's own tp's
+            groups = stage.dp_groups() if tp == stage.tp else [stage.devices[t::tp] for t in range(tp)]
+            for group in groups:
                 n = len(group)
                 for i in range(n):
                     send(group[i], group[(i + 1) % n], (n - 1) / n * held * per_param)

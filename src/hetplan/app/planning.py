@@ -21,6 +21,7 @@ from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.file import workload_record
 from hetplan.search import get_planner
+from hetplan.search.common.replica_tp import widen
 from hetplan.export.target import ANY, RUNTIME, TargetResult, default_notes, refusal, search_for_target, target_json, tool_name
 
 DEFAULT_TOP = 5  # plans ``hetplan plan`` shows
@@ -44,6 +45,22 @@ def runnable_best(planner: Any, workload: Workload) -> RankedPlan:
     found, _ = search_for_target(lambda k: run_planner(planner, workload, k, False), workload,
                                  workload.target or None, 1, planner.name)
     return found[0]
+
+
+# Plans of the planner whose stages ``replica_tp_best`` regroups: the candidates a
+# planner reranks by default (``MetisOptions.rerank`` is 4, ``hetplan plan``
+# shows 5); more widen the search at a few ms each.
+REPLICA_TP_CANDIDATES = 8
+
+
+def replica_tp_best(planner: Any, workload: Workload) -> RankedPlan:
+    """The best of the planner's plans with the replicas of stages that hold
+    several GPU types at their own TP degree where that is faster, and of one
+    stage over every GPU so regrouped (``search.common.replica_tp.widen``).
+    Such plans are costed and exported, but hetplan's runtime refuses them
+    until it trains them (``plan.support.replica_tp_refusal``)."""
+    ranked = run_planner(planner, workload, REPLICA_TP_CANDIDATES, False)
+    return widen(CostModel(workload), ranked, 1)[0]
 
 
 def _seq_len_hint(exc: OutOfMemoryError, model: ModelSpec) -> OutOfMemoryError:

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from hetplan.app.choose import DEFAULT_MAX_PLANS, choose, summary, write_points
+from hetplan.app.planning import replica_tp_best, runnable_best
 from hetplan.app.records import write_json, write_text
 from hetplan.app.workload import DEFAULT_PLANNER, WorkloadOptions, load_workload
 from hetplan.cli.options import batch_size
@@ -52,6 +53,9 @@ def register(sub: Any) -> None:
     p.add_argument("--max-plans", type=positive_int, default=DEFAULT_MAX_PLANS,
                    help=f"planner calls the search may make (default {DEFAULT_MAX_PLANS}); past it the answer "
                         "is the best found, and the output says it is not proven")
+    p.add_argument("--mixed-tp", action="store_true",
+                   help="also give the replicas of stages that hold several GPU types their own TP degree "
+                        "(Sailor's mixed replicas; costed and exported, not yet trained by hetplan's runtime)")
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
     p.add_argument("--chart", default=None, help="write the points as a chart of days vs $ here (.svg)")
     p.add_argument("--out-dir", default=None,
@@ -67,7 +71,8 @@ def cmd_choose(args: argparse.Namespace) -> int:
     objective, limit = ("deadline", args.deadline) if args.deadline is not None else \
         ("budget", args.budget) if args.budget is not None else ("frontier", None)
     planner = get_planner(args.planner)
-    result = choose(pool, base, planner, args.tokens, objective, limit, args.max_plans)
+    result = choose(pool, base, planner, args.tokens, objective, limit, args.max_plans,
+                    replica_tp_best if args.mixed_tp else runnable_best)
     print(choose_text(result))
     write_json(args.json_path, result.record())
     if args.chart and result.points:

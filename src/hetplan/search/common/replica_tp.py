@@ -82,21 +82,44 @@ def best_split(cost_model: CostModel, stage: Stage, micro_batch_size: int, in_fl
                first_backward: bool) -> tuple[int, ...] | None:
     """The split of ``micro_batch_size`` over the stage's replicas that
     minimises its slowest replica's time with every replica's GPUs within
-    memory (module docstring); None when no split fits."""
-    kernel = cost_model.kernel
-    caps = [_largest_share(partial(_fits, cost_model, stage, r, micro_batch_size, in_flight, first_backward),
-                           micro_batch_size) for r in range(stage.dp)]
+    memory (module docstring); None when no split fits. Replicas alike
+    (``_replica_class``) are costed once per share."""
+    classes = [_replica_class(cost_model, stage, r) for r in range(stage.dp)]
+    caps_of: dict[object, int] = {}
+    times: dict[tuple[object, int], float] = {}
+    for r, c in enumerate(classes):
+        if c not in caps_of:
+            caps_of[c] = _largest_share(partial(_fits, cost_model, stage, r, micro_batch_size, in_flight,
+                                                first_backward), micro_batch_size)
+    caps = [caps_of[c] for c in classes]
     if min(caps) < 1 or sum(caps) < micro_batch_size:
         return None
+
+    def time_at(r: int, share: int) -> float:
+        key = (classes[r], share)
+        if key not in times:
+            times[key] = replica_time(cost_model.kernel, stage, r, share, micro_batch_size)
+        return times[key]
+
     shares = [1] * stage.dp
-    queue = [(replica_time(kernel, stage, r, 2, micro_batch_size), r) for r in range(stage.dp) if caps[r] >= 2]
+    queue = [(time_at(r, 2), r) for r in range(stage.dp) if caps[r] >= 2]
     heapq.heapify(queue)
     for _ in range(micro_batch_size - stage.dp):
         _, r = heapq.heappop(queue)
         shares[r] += 1
         if shares[r] < caps[r]:
-            heapq.heappush(queue, (replica_time(kernel, stage, r, shares[r] + 1, micro_batch_size), r))
+            heapq.heappush(queue, (time_at(r, shares[r] + 1), r))
     return tuple(shares)
+
+
+def _replica_class(cost_model: CostModel, stage: Stage, replica: int) -> tuple[object, ...]:
+    """What a replica's time and memory at a share depend on: its degree, its
+    GPUs' types, capacities and overheads, and its TP link."""
+    kernel = cost_model.kernel
+    devices = stage.replica_devices(replica)
+    return (len(devices), tuple(cost_model.cluster.devices[d].gpu.name for d in devices),
+            tuple(cost_model.workload.device_capacity_bytes(d) for d in devices),
+            tuple(kernel.overhead_bytes(d) for d in devices), kernel.tp_link(devices) if len(devices) > 1 else None)
 
 
 def _fits(cost_model: CostModel, stage: Stage, replica: int, micro_batch_size: int, in_flight: float,
@@ -145,23 +168,25 @@ def _combinations(options: Sequence[Sequence[int]]) -> int:
     return count
 
 
-def with_replica_tp(cost_model: CostModel, plan: Plan) -> Plan:
+def with_replica_tp(cost_model: CostModel, plan: Plan, keep_own: bool = True) -> Plan | None:
     """``plan`` with each stage that holds several GPU types at the per-type
-    degrees and split that make the plan fastest, stage by stage in order
-    (``plan`` itself when none is faster)."""
-    best, best_key = plan, _key(cost_model, plan)
+    degrees and split that make the plan fastest, stage by stage in order:
+    ``plan`` itself when none is faster (``keep_own``; else None, for a seed
+    whose own degrees are no plan: ``one_stage_seeds``)."""
+    best, best_key = (plan, _key(cost_model, plan)) if keep_own else (None, None)
     for j in range(plan.pp):
-        current = best
+        current = best or plan
         for stage in stage_variants(cost_model, current, j):
             candidate = replace(current, stages=current.stages[:j] + (stage,) + current.stages[j + 1:])
             key = _key(cost_model, candidate)
-            if key < best_key:
+            if best_key is None or key < best_key:
                 best, best_key = candidate, key
-    if best is plan:
-        return plan
+    if best is None or best is plan:
+        return best
     mixed = [j for j, s in enumerate(best.stages) if s.replica_tp is not None]
-    note = (f"stages {', '.join(map(str, mixed))} give their replicas their own TP degree (replica_tp)" if mixed
-            else "stages regrouped by GPU type with a new split")
+    note = (f"stage {', '.join(map(str, mixed))}: replicas of their own TP degree (replica_tp, search/common/"
+            "replica_tp.py)" if mixed else "stages regrouped by GPU type with their best split (search/common/"
+                                           "replica_tp.py)")
     return replace(best, notes=best.notes + (note,))
 
 
@@ -171,12 +196,41 @@ def _key(cost_model: CostModel, plan: Plan) -> tuple[int, float, str]:
     return (0 if fits else 1, time_s, plan.describe())
 
 
+def one_stage_seeds(cost_model: CostModel, plans: Sequence[Plan]) -> list[Plan]:
+    """One stage over every GPU of a cluster of several GPU types (Sailor's
+    mixed replicas need stages that hold several types), for each number of
+    micro-batches of ``plans``, with the layer strategies of the first
+    layer of the first plan; its replicas' degrees are for
+    ``with_replica_tp`` to choose (``keep_own=False``)."""
+    cluster = cost_model.cluster
+    if not plans or len({d.gpu.name for d in cluster.devices}) < 2:
+        return []
+    first = plans[0]
+    layers = tuple(range(cost_model.model.num_layers))
+    strategy = replace(first.stages[0].strategies[0], tp=0)
+    out = []
+    for m in sorted({p.num_micro_batches for p in plans}):
+        micro_batch = first.global_batch_size // m
+        n = cluster.num_devices
+        split = tuple(micro_batch // n + (1 if r < micro_batch % n else 0) for r in range(n))
+        stage = Stage(layers, tuple(range(n)), n, 1, split, (strategy,) * len(layers))
+        out.append(replace(first, micro_batch_size=micro_batch, num_micro_batches=m, stages=(stage,),
+                           virtual_stages=1, schedule="1f1b" if first.virtual_stages > 1 else first.schedule,
+                           notes=()))
+    return out
+
+
 def widen(cost_model: CostModel, ranked: Sequence[RankedPlan], top_k: int) -> list[RankedPlan]:
-    """``ranked`` and each of its plans with replicas of their own TP degree
-    (``with_replica_tp``) where that is faster, ranked, the best ``top_k``."""
+    """``ranked``, each of its plans with replicas of their own TP degree
+    (``with_replica_tp``) where that is faster, and the best of the one-stage
+    seeds (``one_stage_seeds``), ranked: the best ``top_k``."""
     out = list(ranked)
-    for r in ranked:
-        mixed = with_replica_tp(cost_model, r.plan)
-        if mixed is not r.plan:
-            out.append(RankedPlan(mixed, cost_model.estimate(mixed)))
+    seen = {(r.plan.stages, r.plan.num_micro_batches) for r in ranked}
+    found = [with_replica_tp(cost_model, r.plan) for r in ranked]
+    found += [with_replica_tp(cost_model, seed, keep_own=False)
+              for seed in one_stage_seeds(cost_model, [r.plan for r in ranked])]
+    for plan in found:
+        if plan is not None and (plan.stages, plan.num_micro_batches) not in seen:
+            seen.add((plan.stages, plan.num_micro_batches))
+            out.append(RankedPlan(plan, cost_model.estimate(plan)))
     return sorted(out, key=rank_key)[:top_k]

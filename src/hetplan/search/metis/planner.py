@@ -63,6 +63,7 @@ from hetplan.profile.metis import missing_entries
 from hetplan.search.base import cost_model_for, no_fit_error, rank_key
 from hetplan.search.common.budget import WorkBudget
 from hetplan.search.common.degrees import divisors
+from hetplan.search.common.replica_tp import widen
 from hetplan.search.common.stage_partition import PipelinePartitioner
 from hetplan.search.metis.bounds import Bounds, StageBound
 from hetplan.search.metis.evaluation import Evaluation, metis_cost
@@ -116,6 +117,11 @@ class MetisOptions:
             the exact pipeline partition (``common.stage_partition``) for their own
             stages and intra-stage plans (off: the paper's proportional
             balancing only).
+        replica_tp: let the replicas of the plans' stages that hold several GPU
+            types take their own TP degree, and try one stage over every GPU
+            (``search.common.replica_tp``; Sailor's mixed replicas), where that
+            is faster. Off by default: Metis gives a stage one (dp, tp), and
+            hetplan's runtime does not train ``replica_tp`` stages yet.
     """
 
     var: float = 0.4
@@ -133,6 +139,7 @@ class MetisOptions:
     prune: bool = True
     prune_slack: float = 0.1
     exact_layers: bool = True
+    replica_tp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.var, (int, float)) or not 0.0 <= float(self.var) <= 1.0:
@@ -535,7 +542,7 @@ class _Search:
                        else f"micro-batch {plan.micro_batch_size}")
             types = group.describe().split(": ", 1)[1]
             lines.append(f"stage {j}: GPUs {_ranges(s.devices)} = {types} (node {node_names}); "
-                         f"dp{s.dp} x tp{s.tp}; layers {s.layers[0]}-{s.layers[-1]} ({s.num_layers}); {per_gpu}")
+                         f"dp{s.dp} x tp{'/'.join(map(str, s.replica_tp)) if s.replica_tp else s.tp}; layers {s.layers[0]}-{s.layers[-1]} ({s.num_layers}); {per_gpu}")
         return lines
 
     def polish(self, cand: _Candidate) -> _Candidate:
@@ -568,6 +575,8 @@ class _Search:
             seen.add(key)
             ranked.append(RankedPlan(plan, self.cm.estimate(plan), planner_cost_s=cand.cost_s))
         ranked.sort(key=rank_key)
+        if self.options.replica_tp:
+            ranked = widen(self.cm, ranked, len(ranked))
         if not ranked[0].estimate.fits:
             raise no_fit_error(self.workload, ranked)
         out = []
