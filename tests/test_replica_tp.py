@@ -20,6 +20,7 @@ from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.model import CostModel
 from hetplan.cost.stage import zero12_gradient_collective
 from hetplan.errors import HetplanError
+from hetplan.export.target import refusal
 from hetplan.model.presets import get_model
 from hetplan.plan.file import load_plan, save_plan
 from hetplan.plan.spec import LayerStrategy, Plan, Stage, uniform_stage
@@ -212,3 +213,13 @@ def test_choose_returns_mixed_replicas_with_mixed_tp() -> None:
     # (n - 1) / n x 2 x the chunk's gradient bytes (ZeRO-0's all-reduce), for both chunks
     per_zone = 2 * (2 / 3) * 2 * kernel.grad_bytes * held
     assert sent == pytest.approx({"a": per_zone, "b": per_zone}, rel=1e-9)
+
+
+@pytest.mark.parametrize("tool", ["torchtitan", "megatron", "deepspeed"])
+def test_exports_refuse_mixed_degrees_even_with_an_even_split(tool: str) -> None:
+    """An even split does not make a mixed stage exportable: one line says why."""
+    plan = one_stage(mixed(split=(4, 4)))
+    workload = Workload(get_model("gpt2-amp"), CLUSTER, plan.global_batch_size)
+    why = refusal(plan, workload, tool)
+    assert why.endswith("runs one tp on every replica; stage 0 gives its replicas tp 2/4 — make the plan with one "
+                        "tp per stage") and "\n" not in why

@@ -105,6 +105,9 @@ def _uniform(plan: Plan, model: ModelSpec, tool: str) -> _Uniform:
         if (stage.dp, stage.tp) != (first.dp, first.tp):
             raise HetplanError(f"{tool} runs one (dp, tp) on every stage; stage {j} has dp={stage.dp} tp={stage.tp} "
                                f"but stage 0 has dp={first.dp} tp={first.tp} — use the hetplan runtime for this plan")
+        if stage.replica_tp is not None:
+            raise HetplanError(f"{tool} runs one tp on every replica; stage {j} gives its replicas tp "
+                               f"{'/'.join(map(str, stage.replica_tp))} — make the plan with one tp per stage")
         if len(set(stage.dp_split)) > 1:
             raise HetplanError(f"{tool} splits batches evenly; stage {j} splits {list(stage.dp_split)} — "
                                "use the hetplan runtime for uneven data splits")
