@@ -13,6 +13,7 @@ import pytest
 
 from hetplan.app.choose import allocations, cross_zone_bytes, plan_allocation
 from hetplan.app.planning import replica_tp_best, runnable_best
+from hetplan.app.replay import replay_top
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cluster.pool import pool_from_dict
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
@@ -23,10 +24,11 @@ from hetplan.errors import HetplanError
 from hetplan.export.target import refusal
 from hetplan.model.presets import get_model
 from hetplan.plan.file import load_plan, save_plan
-from hetplan.plan.spec import LayerStrategy, Plan, Stage, uniform_stage
+from hetplan.plan.spec import LayerStrategy, Plan, RankedPlan, Stage, uniform_stage
 from hetplan.plan.support import runtime_refusal
 from hetplan.plan.validate import validate_plan
 from hetplan.plan.workload import Workload
+from hetplan.report.text import memory_table
 from hetplan.search.metis import MetisOptions, MetisPlanner
 from hetplan.search.common.replica_tp import best_split, stage_variants, with_replica_tp
 
@@ -223,3 +225,18 @@ def test_exports_refuse_mixed_degrees_even_with_an_even_split(tool: str) -> None
     why = refusal(plan, workload, tool)
     assert why.endswith("runs one tp on every replica; stage 0 gives its replicas tp 2/4 — make the plan with one "
                         "tp per stage") and "\n" not in why
+
+
+def test_memory_table_and_replay_name_each_replicas_degree() -> None:
+    """The report's memory rows give each GPU type its replicas' own degree, and
+    the replay check says in one line why it does not run a mixed stage."""
+    model = get_model("gpt3-1.3b")
+    workload = Workload(model, SMALL, 64)
+    cm = CostModel(workload)
+    plan = one_stage(replace(mixed(layers=model.num_layers), devices=(0, 1, 2, 3), dp=3, tp=2, dp_split=(8, 7, 1),
+                             replica_tp=(1, 1, 2)), "gpt3-1.3b")
+    estimate = cm.estimate(plan)
+    rows = {line.split()[1]: line.split()[2] for line in memory_table(plan, estimate, workload).splitlines()[2:]}
+    assert rows == {"A100-80GB": "3x1", "V100-16GB": "3x2"}
+    outcome = replay_top([RankedPlan(plan, estimate)], workload, 1)
+    assert outcome.unreplayed[0].startswith("stage 0 gives its replicas different TP degrees")

@@ -17,6 +17,7 @@ from hetplan.cost.memory import framework_overhead_bytes
 from hetplan.errors import HetplanError
 from hetplan.export.target import RUNTIME
 from hetplan.plan.spec import RankedPlan
+from hetplan.plan.support import replica_tp_refusal
 from hetplan.plan.workload import Workload
 from hetplan.progress import Progress
 
@@ -123,6 +124,9 @@ def replay_one(ranked: RankedPlan, workload: Workload) -> ReplayCheck:
     """One plan's replay, against the memory of each replayed rank's GPU."""
     from hetplan.runtime.replay import replay_plan
 
+    why = replica_tp_refusal(ranked.plan)
+    if why:  # said before the runtime's layout, which has no place for such stages
+        raise HetplanError(why)
     start = time.perf_counter()
     replay = replay_plan(ranked.plan, workload.model)
     capacity = ranked.estimate.memory_capacity_bytes

@@ -11,7 +11,7 @@ from hetplan.app.report import PlanReport
 from hetplan.cost.constants import DEFAULT_ATTENTION_KERNEL
 from hetplan.cost.memory import MEMORY_CATEGORIES
 from hetplan.plan.workload import Workload
-from hetplan.plan.spec import Estimate, Plan, RankedPlan
+from hetplan.plan.spec import Estimate, Plan, RankedPlan, Stage
 from hetplan.report.training import training_lines
 from hetplan.report.runs import LEGEND as RUNS_ON_LEGEND, best_per_tool_lines, runs_on_cell
 from hetplan.units import format_bytes, format_count, format_time
@@ -132,7 +132,7 @@ def memory_table(plan: Plan, estimate: Estimate, workload: Workload,
             used, cap = se.memory_bytes[worst], se.memory_capacity_bytes[worst]
             parts = (breakdown or {}).get(stage.devices[worst])
             split = [format_bytes(parts[k]) for k in MEMORY_CATEGORIES] if parts else ["-"] * len(MEMORY_CATEGORIES)
-            degrees = f"{stage.dp}x{stage.tp}" + (f" cp{stage.cp}" if stage.cp > 1 else "") + \
+            degrees = f"{stage.dp}x{_type_tp(stage, positions)}" + (f" cp{stage.cp}" if stage.cp > 1 else "") + \
                 (f" ep{stage.ep}" if stage.ep > 1 else "")
             rows.append([j, gpu, degrees, f"{stage.num_layers} ({names})", *split,
                          format_bytes(used), format_bytes(cap), f"{100 * used / cap:.0f}%",
@@ -142,6 +142,15 @@ def memory_table(plan: Plan, estimate: Estimate, workload: Workload,
     text = table(headers, rows, right)
     host = host_memory_table(plan, estimate, workload)
     return f"{text}\n{host}" if host else text
+
+
+def _type_tp(stage: Stage, positions: list[int]) -> str:
+    """The TP degree of the replicas holding the stage's devices at ``positions``
+    (their own degrees, '1/2', with ``Stage.replica_tp``)."""
+    if stage.replica_tp is None:
+        return str(stage.tp)
+    replica_of = [r for r in range(stage.dp) for _ in stage.replica_devices(r)]
+    return "/".join(str(t) for t in sorted({stage.replica_tp[replica_of[i]] for i in positions}))
 
 
 def host_memory_table(plan: Plan, estimate: Estimate, workload: Workload) -> str:
