@@ -13,7 +13,7 @@ import pytest
 
 from hetplan.app.choose import allocations, cross_zone_bytes, plan_allocation
 from hetplan.app.planning import replica_tp_best, runnable_best
-from hetplan.app.replay import replay_top
+from hetplan.app.replay import replay_one
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cluster.pool import pool_from_dict
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
@@ -30,6 +30,7 @@ from hetplan.plan.validate import validate_plan
 from hetplan.plan.workload import Workload
 from hetplan.report.text import memory_table
 from hetplan.search.metis import MetisOptions, MetisPlanner
+from hetplan.search.common import replica_tp as replica_tp_search
 from hetplan.search.common.replica_tp import best_split, stage_variants, with_replica_tp
 
 # Two 4-GPU nodes: A100s with memory to spare, V100-16GBs that hold GPT-3 1.3B only at tp 4.
@@ -238,5 +239,16 @@ def test_memory_table_and_replay_name_each_replicas_degree() -> None:
     estimate = cm.estimate(plan)
     rows = {line.split()[1]: line.split()[2] for line in memory_table(plan, estimate, workload).splitlines()[2:]}
     assert rows == {"A100-80GB": "3x1", "V100-16GB": "3x2"}
-    outcome = replay_top([RankedPlan(plan, estimate)], workload, 1)
-    assert outcome.unreplayed[0].startswith("stage 0 gives its replicas different TP degrees")
+    with pytest.raises(HetplanError, match="^stage 0 gives its replicas different TP degrees"):
+        replay_one(RankedPlan(plan, estimate), workload)
+
+
+def test_a_cut_degree_search_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the work budget a stage keeps its degrees, and the plan's notes say so."""
+    monkeypatch.setattr(replica_tp_search, "MAX_DEGREE_COMBINATIONS", 3)
+    model = get_model("gpt3-1.3b")
+    cm = CostModel(Workload(model, SMALL, 64))
+    plan = one_stage(uniform_stage(range(model.num_layers), range(4), 2, 2, 16), "gpt3-1.3b")
+    found = with_replica_tp(cm, plan)
+    assert found is not None and found.stages == plan.stages
+    assert found.notes[-1].startswith("stage 0: more than 3 combinations of per-type TP degrees")

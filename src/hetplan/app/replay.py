@@ -122,11 +122,11 @@ def skip_reason(workload: Workload) -> str:
 
 def replay_one(ranked: RankedPlan, workload: Workload) -> ReplayCheck:
     """One plan's replay, against the memory of each replayed rank's GPU."""
-    from hetplan.runtime.replay import replay_plan
-
     why = replica_tp_refusal(ranked.plan)
     if why:  # said before the runtime's layout, which has no place for such stages
         raise HetplanError(why)
+    from hetplan.runtime.replay import replay_plan
+
     start = time.perf_counter()
     replay = replay_plan(ranked.plan, workload.model)
     capacity = ranked.estimate.memory_capacity_bytes

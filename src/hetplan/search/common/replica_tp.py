@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import replace
 from functools import partial
 from typing import Callable, Sequence
@@ -33,9 +34,9 @@ from hetplan.cost.replica_tp import replica_fits, replica_time
 from hetplan.plan.spec import Plan, RankedPlan, Stage
 from hetplan.search.base import rank_key
 
-# Degree combinations tried per stage: 4 degrees (1, 2, 4, 8 on 8-GPU nodes)
-# for each of 4 GPU types in one stage is 256; a stage with more combinations
-# keeps its planner's degrees and the plan's notes say so.
+# Degree combinations tried per stage (a work budget): 4 degrees (1, 2, 4, 8 on
+# 8-GPU nodes) for each of 4 GPU types in one stage is 256; a stage with more
+# keeps its planner's degrees and the plan's notes say so (``budget_note``).
 MAX_DEGREE_COMBINATIONS = 256
 
 
@@ -138,15 +139,24 @@ def _largest_share(fits: Callable[[int], bool], limit: int) -> int:
     return lo
 
 
+def degree_choices(cost_model: CostModel, stage: Stage) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+    """The stage's GPU-type groups and each one's degree options; none for a
+    stage of one type or with what ``replica_tp`` cannot combine with."""
+    if stage.cp > 1 or stage.ep > 1 or stage.sequence_parallel or stage.has_layer_degrees:
+        return [], []
+    groups = type_groups(cost_model, stage)
+    if len(groups) < 2:
+        return [], []
+    return groups, [degree_options(cost_model, g) for g in groups]
+
+
 def stage_variants(cost_model: CostModel, plan: Plan, j: int) -> list[Stage]:
     """Stage ``j`` of ``plan`` at every combination of per-type degrees, each
-    with its best split (those that fit and whose dp the micro-batch covers)."""
+    with its best split (those that fit and whose dp the micro-batch covers);
+    none past ``MAX_DEGREE_COMBINATIONS``."""
     stage = plan.stages[j]
-    if stage.cp > 1 or stage.ep > 1 or stage.sequence_parallel or stage.has_layer_degrees:
-        return []
-    groups = type_groups(cost_model, stage)
-    options = [degree_options(cost_model, g) for g in groups]
-    if len(groups) < 2 or _combinations(options) > MAX_DEGREE_COMBINATIONS:
+    groups, options = degree_choices(cost_model, stage)
+    if not groups or math.prod(map(len, options)) > MAX_DEGREE_COMBINATIONS:
         return []
     in_flight = in_flight_micro_batches(plan.schedule, j, plan.pp, plan.num_micro_batches, plan.virtual_stages)
     out = []
@@ -161,11 +171,14 @@ def stage_variants(cost_model: CostModel, plan: Plan, j: int) -> list[Stage]:
     return out
 
 
-def _combinations(options: Sequence[Sequence[int]]) -> int:
-    count = 1
-    for o in options:
-        count *= len(o)
-    return count
+def budget_note(cost_model: CostModel, plan: Plan) -> str:
+    """What the work budget left out of ``plan``'s stages ('' when nothing)."""
+    cut = [j for j, stage in enumerate(plan.stages)
+           if math.prod(map(len, degree_choices(cost_model, stage)[1])) > MAX_DEGREE_COMBINATIONS]
+    if not cut:
+        return ""
+    return (f"stage {', '.join(map(str, cut))}: more than {MAX_DEGREE_COMBINATIONS} combinations of per-type TP "
+            "degrees; kept the planner's degrees (search/common/replica_tp.MAX_DEGREE_COMBINATIONS)")
 
 
 def with_replica_tp(cost_model: CostModel, plan: Plan, keep_own: bool = True) -> Plan | None:
@@ -181,13 +194,16 @@ def with_replica_tp(cost_model: CostModel, plan: Plan, keep_own: bool = True) ->
             key = _key(cost_model, candidate)
             if best_key is None or key < best_key:
                 best, best_key = candidate, key
-    if best is None or best is plan:
-        return best
+    if best is None:
+        return None
     mixed = [j for j, s in enumerate(best.stages) if s.replica_tp is not None]
-    note = (f"stage {', '.join(map(str, mixed))}: replicas of their own TP degree (replica_tp, search/common/"
-            "replica_tp.py)" if mixed else "stages regrouped by GPU type with their best split (search/common/"
-                                           "replica_tp.py)")
-    return replace(best, notes=best.notes + (note,))
+    notes = [budget_note(cost_model, plan)]
+    if best is not plan:
+        notes.append(f"stage {', '.join(map(str, mixed))}: replicas of their own TP degree (replica_tp, "
+                     "search/common/replica_tp.py)" if mixed else
+                     "stages regrouped by GPU type with their best split (search/common/replica_tp.py)")
+    notes = [n for n in notes if n]
+    return replace(best, notes=best.notes + tuple(notes)) if notes else best
 
 
 def _key(cost_model: CostModel, plan: Plan) -> tuple[int, float, str]:
@@ -224,13 +240,18 @@ def widen(cost_model: CostModel, ranked: Sequence[RankedPlan], top_k: int) -> li
     """``ranked``, each of its plans with replicas of their own TP degree
     (``with_replica_tp``) where that is faster, and the best of the one-stage
     seeds (``one_stage_seeds``), ranked: the best ``top_k``."""
-    out = list(ranked)
+    out: list[RankedPlan] = []
+    found: list[Plan | None] = []
+    for r in ranked:
+        plan = with_replica_tp(cost_model, r.plan) or r.plan
+        same = (plan.stages, plan.num_micro_batches) == (r.plan.stages, r.plan.num_micro_batches)
+        out.append(RankedPlan(plan, r.estimate, r.planner_cost_s) if same and plan is not r.plan else r)
+        found.append(plan)
     seen = {(r.plan.stages, r.plan.num_micro_batches) for r in ranked}
-    found = [with_replica_tp(cost_model, r.plan) for r in ranked]
     found += [with_replica_tp(cost_model, seed, keep_own=False)
               for seed in one_stage_seeds(cost_model, [r.plan for r in ranked])]
-    for plan in found:
-        if plan is not None and (plan.stages, plan.num_micro_batches) not in seen:
-            seen.add((plan.stages, plan.num_micro_batches))
-            out.append(RankedPlan(plan, cost_model.estimate(plan)))
+    for new in found:
+        if new is not None and (new.stages, new.num_micro_batches) not in seen:
+            seen.add((new.stages, new.num_micro_batches))
+            out.append(RankedPlan(new, cost_model.estimate(new)))
     return sorted(out, key=rank_key)[:top_k]
