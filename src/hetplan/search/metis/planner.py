@@ -581,7 +581,7 @@ class _Search:
             raise no_fit_error(self.workload, ranked)
         out = []
         for r in ranked[:top_k]:
-            plan = r.plan.with_changes(notes=tuple(self.stage_notes(r.plan)) + tuple(notes))
+            plan = r.plan.with_changes(notes=(*self.stage_notes(r.plan), *r.plan.notes, *notes))
             out.append(RankedPlan(plan, r.estimate, r.planner_cost_s))
         return out
 
