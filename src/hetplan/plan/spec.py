@@ -225,7 +225,8 @@ class Plan:
         """Compact one-line summary.
 
         Uniform stages: 'dp4 tp1 pp4 layers 7/7/6/6 z1 mbs 1 x 8 (per replica) 1f1b';
-        stages that differ: 'pp2 [dp2 tp2 13L | dp4 tp1 13L split 3:1:...] mb 8 x 4 (split per stage) 1f1b'.
+        stages that differ: 'pp2 [dp2 tp2 13L | dp4 tp1 13L split 3:1:...] mb 8 x 4 (split per stage) 1f1b';
+        replicas of their own TP degree (``replica_tp``): 'dp5 tp1×4/2', run-length in replica order.
         """
 
         def extras(s: Stage) -> str:
@@ -242,7 +243,7 @@ class Plan:
             return text
 
         def degrees(s: Stage) -> str:
-            tp = "/".join(map(str, s.replica_tp)) if s.replica_tp is not None else str(s.tp)
+            tp = "/".join(_runs(s.replica_tp)) if s.replica_tp is not None else str(s.tp)  # '1×4/2': run-length
             text = f"dp{s.dp}" + (f" cp{s.cp}" if s.cp > 1 else "") + f" tp{tp}"
             experts = " experts " + ":".join(map(str, s.ep_split)) if s.ep_split else ""
             return text + (f" ep{s.ep}{experts}" if s.ep > 1 else "")
