@@ -406,3 +406,17 @@ def ep_dispatch_worker() -> dict[str, Any]:
     dist.destroy_process_group()
     return {"dtype": str(out.dtype), "out": float((out - local).abs().max()),
             "grad": float((grad - local_grad).abs().max())}
+
+
+def mixed_plan(stages: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], micro: int,
+               schedule: str = "1f1b", gbs: int = GBS) -> Plan:
+    """A plan whose stages may mix TP degrees across replicas (Sailor's):
+    per stage (layers, replica_tp, dp_split); devices in order, replica after replica."""
+    out, first = [], 0
+    for layers, degrees, split in stages:
+        dp, tp, count = len(degrees), max(degrees), sum(degrees)
+        st = uniform_stage(layers, list(range(first, first + dp * tp)), dp, tp, dp, 0)
+        mixed = tuple(degrees) if len(set(degrees)) > 1 else None
+        out.append(replace(st, devices=tuple(range(first, first + count)), dp_split=tuple(split), replica_tp=mixed))
+        first += count
+    return Plan(MODEL, f"local-cpu-{first}", gbs, micro, gbs // micro, schedule, tuple(out), planner="test")

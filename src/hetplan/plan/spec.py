@@ -79,6 +79,14 @@ class Stage:
             ``i % ep`` of each group of ``ep`` consecutive dp·cp ranks); sums
             to the MoE layers' experts. None: ``experts / ep`` each. Uneven on
             mixed GPUs, like ``dp_split`` (JSON key omitted when None).
+        replica_tp: the TP degree of each dp replica, in replica order, where
+            replicas differ (Sailor's stages of mixed GPU types); None: every
+            replica uses ``tp``. When set, ``tp == max(replica_tp)``, each
+            degree divides ``tp``, and ``devices`` holds ``sum(cp * t)`` ids,
+            replica after replica, TP innermost. Chunk ``c`` of the ``tp``
+            equal chunks of a TP-sharded dimension is held, in replica ``r``,
+            by its TP rank ``c // (tp // replica_tp[r])`` (JSON key omitted
+            when None).
         dp_split: samples of one micro-batch given to each dp replica; sums to
             the plan's ``micro_batch_size``. Equal on equal GPUs.
         strategies: one LayerStrategy per layer in ``layers`` (same order).
@@ -97,11 +105,16 @@ class Stage:
     cp: int = 1
     ep: int = 1
     ep_split: tuple[int, ...] | None = None
+    replica_tp: tuple[int, ...] | None = None
 
     def replica_devices(self, replica: int) -> tuple[int, ...]:
-        """The ``cp * tp`` devices of data-parallel replica ``replica``."""
-        size = self.cp * self.tp
-        return self.devices[replica * size:(replica + 1) * size]
+        """The ``cp * tp`` devices of data-parallel replica ``replica`` (``cp *
+        replica_tp[replica]`` of them in a stage of mixed TP degrees)."""
+        if self.replica_tp is None:
+            size = self.cp * self.tp
+            return self.devices[replica * size:(replica + 1) * size]
+        start = self.cp * sum(self.replica_tp[:replica])
+        return self.devices[start:start + self.cp * self.replica_tp[replica]]
 
     def layer_degrees(self, position: int) -> tuple[int, int]:
         """(dp, tp) of the ``position``-th layer of this stage."""
@@ -235,8 +248,9 @@ class Plan:
         replicas, this class's ``micro_batch_size``."""
         data = asdict(self)
         for stage in data["stages"]:
-            if stage["ep_split"] is None:  # even: plans without EP read as before
-                del stage["ep_split"]
+            for key in ("ep_split", "replica_tp"):  # None: plans without them read as before
+                if stage[key] is None:
+                    del stage[key]
         data["micro_batch_size"] = self.micro_batch_per_replica
         data["micro_batch_total"] = self.micro_batch_size
         return data
@@ -274,7 +288,7 @@ _PLAN_KEYS = ("model", "cluster", "global_batch_size", "micro_batch_size", "micr
               "schedule", "stages", "planner", "virtual_stages", "notes")
 _PLAN_REQUIRED = ("model", "cluster", "global_batch_size", "num_micro_batches", "schedule", "stages")
 _STAGE_KEYS = ("layers", "devices", "dp", "tp", "dp_split", "strategies", "sequence_parallel", "cp", "ep",
-               "ep_split")
+               "ep_split", "replica_tp")
 _STRATEGY_KEYS = ("zero", "recompute", "tp", "offload")
 
 
@@ -322,6 +336,8 @@ def _stage_from_dict(where: str, data: Any) -> Stage:
         cp=fields.whole(f"{where}.cp", stage.get("cp", 1), 1, MAX_GPUS),
         ep=fields.whole(f"{where}.ep", stage.get("ep", 1), 1, MAX_GPUS),
         ep_split=None if stage.get("ep_split") is None else _whole_list(f"{where}.ep_split", stage["ep_split"], 1),
+        replica_tp=None if stage.get("replica_tp") is None else _whole_list(f"{where}.replica_tp",
+                                                                            stage["replica_tp"], 1),
     )
 
 

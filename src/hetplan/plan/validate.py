@@ -100,7 +100,11 @@ def _check_devices(where: str, stage: Stage, cluster: ClusterSpec, used: set[int
     """dp x cp x tp real GPUs, none used twice; ep borrowed from dp x cp."""
     if stage.dp <= 0 or stage.tp <= 0 or stage.cp <= 0 or stage.ep <= 0:
         raise InvalidPlanError(f"{where}: dp, cp, tp and ep must be positive")
-    if len(stage.devices) != stage.dp * stage.cp * stage.tp:
+    if stage.replica_tp is not None:
+        expected = stage.cp * sum(stage.replica_tp)
+        if len(stage.devices) != expected:
+            raise InvalidPlanError(f"{where} has {len(stage.devices)} devices but cp x sum(replica_tp) = {expected}")
+    elif len(stage.devices) != stage.dp * stage.cp * stage.tp:
         raise InvalidPlanError(
             f"{where} has {len(stage.devices)} devices but dp x cp x tp = {stage.dp} x {stage.cp} x {stage.tp} "
             f"= {stage.dp * stage.cp * stage.tp}"
