@@ -24,7 +24,10 @@ Stages may differ in (dp, tp) and in how they split a micro-batch (Metis):
 the layout is then *heterogeneous* and the runtime runs its own pipeline
 executor (hetplan.runtime.hetero) instead of torch.distributed.pipelining,
 which connects stage k to stage k+1 one-to-one. Such plans run GPipe or 1F1B,
-without sequence parallelism or interleaving.
+without sequence parallelism or interleaving. So do plans with a stage whose
+replicas run different TP degrees (``Stage.replica_tp``, Sailor's; also with
+one stage): ``stage_mesh_ranks`` then has one row of ``cp * replica_tp[r]``
+ranks per replica and ``replica_tp(stage, r)`` says each replica's degree.
 
 Context and expert parallelism (``cp``, ``ep``): a stage's devices are ``dp x
 cp x tp``, TP innermost, then CP, then DP (hetplan.plan.spec). The runtime's mesh is

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hetplan.errors import HetplanError
 from hetplan.plan.layout import PlanLayout, RankPosition
+from hetplan.runtime.step import all_reduce_coalesced
 
 STAGE = -1  # key of a stage's whole group in MixedGroups (chunks are 0 .. tp - 1)
 
@@ -105,11 +106,11 @@ class MixedSync:
                 sharded[c].append(grad.narrow(where.dim, j * width, width))
         for c, views in sharded.items():
             if views:
-                _sum_into(views, self.groups[(self.stage, c)])
+                all_reduce_coalesced(views, self.groups[(self.stage, c)])
                 torch._foreach_div_(views, self.dp)
         if replicated:
             torch._foreach_div_(replicated, self.replica_tp * self.dp)
-            _sum_into(replicated, self.groups[(self.stage, STAGE)])
+            all_reduce_coalesced(replicated, self.groups[(self.stage, STAGE)])
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor:
@@ -121,13 +122,6 @@ def _local_grad(p: nn.Parameter) -> torch.Tensor:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         return p.grad.to_local()
     return p.grad
-
-
-def _sum_into(tensors: list[torch.Tensor], group: Any) -> None:
-    """Sum ``tensors`` over ``group`` in one collective (flattened into one buffer and copied back)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
 
 def param_layouts(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], int | None]]:

@@ -36,7 +36,6 @@ from hetplan.runtime import parallelize as par
 from hetplan.runtime import pending
 from hetplan.model.chain import check_chain
 from hetplan.plan.layout import PlanLayout, RankPosition
-from hetplan.runtime.mixed import MixedSync
 from hetplan.runtime.precision import LossScaler
 
 
@@ -59,7 +58,7 @@ class ModelInfo:
     seed: int = 0  # parallelize's seed: initial values and dropout masks (hetplan.runtime.dropout)
     expert_fqns: list[str] = field(default_factory=list)  # expert-parallel experts (synced by the step)
     syncing: bool | None = None  # what set_accumulating last told sync_modules (one stage): set again on a change only
-    mixed: MixedSync | None = None  # gradient averaging across replicas of different TP degrees (runtime.mixed)
+    mixed: Any = None  # runtime.mixed.MixedSync (which uses this module's all-reduce): replicas of mixed TP degrees
 
 
 class TrainingRank(Protocol):
