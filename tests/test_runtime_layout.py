@@ -113,6 +113,7 @@ def test_a_stage_of_mixed_tp_degrees_lays_out_each_replica_with_its_own():
     assert [(lay.position(r).dp_index, lay.position(r).tp_index) for r in (0, 2, 5)] == [(0, 0), (1, 1), (2, 2)]
     assert [lay.replica_tp(0, r) for r in range(3)] == [1, 2, 4]
     assert lay.position(4).samples_per_micro_batch == 2
+    assert "heterogeneous [dp3 tp1+2+4 split 1:1:2]" in lay.describe()
 
 
 @pytest.mark.parametrize("change, message", [

@@ -304,7 +304,7 @@ class PlanLayout:
         chunks = " | ".join(f"{self.layer_names[c[0]]}..{self.layer_names[c[-1]]}" for c in self.chunk_layers)
         if self.heterogeneous:
             stages = " | ".join(
-                f"dp{s.dp} tp{s.tp}" + ("" if len(set(s.dp_split)) == 1 else f" split {':'.join(map(str, s.dp_split))}")
+                f"dp{s.dp} tp{'+'.join(map(str, replica_degrees(s))) if s.replica_tp else s.tp}" + ("" if len(set(s.dp_split)) == 1 else f" split {':'.join(map(str, s.dp_split))}")
                 for s in self.plan.stages)
             return f"{self.world_size} processes: pp={self.pp} heterogeneous [{stages}] {self.run_settings()} [{chunks}]"
         split = "" if len(set(self.dp_split)) == 1 else f" split {':'.join(map(str, self.dp_split))}"
