@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rt_helpers import assert_matches_reference, mixed_plan, replica_state_worker, run, train_worker, write_plan
+from hetplan.runtime.checkpoint_dirs import checkpoint_dir
+from rt_helpers import (TOL, assert_matches_reference, make_plan, mixed_plan, reference, replica_state_worker, run,
+                        train_worker, write_plan)
 
 STEPS = 2
 
@@ -23,7 +26,13 @@ def test_one_stage_of_tp2_and_tp1_replicas_with_uneven_split_matches_reference(t
 
 def test_pipeline_whose_first_stage_mixes_tp_degrees_trains_as_hetplan_train_does(tmp_path) -> None:
     """Stage 0: a tp-1 replica (1 sample) and a tp-2 replica (3); stage 1: one tp-1 replica. The trainer
-    (what ``hetplan train --verify`` runs) matches the reference; the embedding tied to the head crosses stages."""
+    (what ``hetplan train --verify`` runs) matches the reference; the embedding tied to the head crosses
+    stages. Its checkpoint (the stage's replicas hold one tensor in two layouts) continues in one process."""
     plan = mixed_plan([(range(0, 3), (1, 2), (1, 3)), (range(3, 6), (1,), (4,))], micro=4)
-    results = run(train_worker, plan.num_devices, write_plan(tmp_path, plan), STEPS)
+    ckpt = str(tmp_path / "ckpt")
+    results = run(train_worker, plan.num_devices, write_plan(tmp_path, plan), STEPS,
+                  dict(checkpoint_dir=ckpt, checkpoint_every=STEPS))
     assert_matches_reference(results[0], steps=STEPS)
+    resumed = run(train_worker, 1, write_plan(tmp_path, make_plan(micro=4), "one.json"), STEPS + 1,
+                  dict(load_from=checkpoint_dir(ckpt, STEPS)))
+    assert resumed[0]["losses"] == pytest.approx(reference(STEPS + 1)[0][STEPS:], rel=TOL)
