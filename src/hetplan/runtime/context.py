@@ -236,7 +236,8 @@ class RuntimeContext:
         """What ``parallelize_part`` applies to each of this rank's parts, and on which meshes."""
         recompute, zero = spine.layer_strategies(self.plan, self.layout, self.spec)
         # replicas of different TP degrees: no data-parallel wrapper, the step averages (runtime.mixed)
-        dp = 1 if self.mixed_groups.get((self.position.pp_index, mixed.STAGE)) else self.stage_dp * self.layout.cp
+        mixed_tp = self.plan.stages[self.position.pp_index].replica_tp is not None
+        dp = 1 if mixed_tp else self.stage_dp * self.layout.cp
         return spine.PartSettings(
             recompute, zero, lambda: self.offload_pool, tp=self.stage_tp, tp_mesh=self.tp_mesh,
             tp_index=self.position.tp_index, sequence_parallel=self.layout.sequence_parallel,
