@@ -85,9 +85,10 @@ def test_validation_refuses_in_one_line(stage: Stage, message: str) -> None:
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_runtime_refuses_mixed_degrees_in_one_line() -> None:
-    why = runtime_refusal(one_stage(mixed()), get_model("gpt2-amp"))
-    assert why.startswith("stage 0 gives its replicas different TP degrees") and "\n" not in why
+def test_runtime_trains_mixed_degrees_at_zero_0_and_refuses_zero_1_in_one_line() -> None:
+    assert runtime_refusal(one_stage(mixed()), get_model("gpt2-amp")) == ""
+    why = runtime_refusal(one_stage(mixed(zero=1)), get_model("gpt2-amp"))
+    assert "with ZeRO > 0" in why and "\n" not in why
 
 
 @pytest.mark.parametrize("zero", [0, 1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +90,41 @@ def test_heterogeneous_plans_are_laid_out_per_stage():
     assert lay.loss_scale(0) == pytest.approx(4 / 8)  # the last stage: one replica of 4 samples, 2 micro-batches
     with pytest.raises(Exception, match="no single pp x dp x tp mesh"):
         lay.mesh_ranks()
+
+
+def mixed(replica_tp=(2, 1), dp_split=(3, 1), **stage) -> Plan:
+    """One stage whose replicas run different TP degrees (Stage.replica_tp), devices 0.. replica after replica."""
+    st = uniform_stage(range(0, 6), list(range(len(replica_tp) * max(replica_tp))), len(replica_tp),
+                       max(replica_tp), len(replica_tp), **stage)
+    st = replace(st, devices=tuple(range(sum(replica_tp))), dp_split=dp_split, replica_tp=replica_tp)
+    return Plan("tiny-gpt", f"local-cpu-{sum(replica_tp)}", 8, sum(dp_split), 8 // sum(dp_split), "1f1b", (st,))
+
+
+def test_a_stage_of_mixed_tp_degrees_lays_out_each_replica_with_its_own():
+    p = mixed(replica_tp=(1, 2, 4), dp_split=(1, 1, 2))
+    stage = p.stages[0]
+    assert [stage.replica_devices(r) for r in range(3)] == [(0,), (1, 2), (3, 4, 5, 6)]
+    data = json.loads(json.dumps(p.to_dict()))
+    assert Plan.from_dict(data) == p and data["stages"][0]["replica_tp"] == [1, 2, 4]
+    assert "replica_tp" not in plan().to_dict()["stages"][0]  # plans without it read and write as before
+    lay = PlanLayout.from_plan(p, NAMES)
+    assert lay.heterogeneous and lay.world_size == 7
+    assert lay.stage_mesh_ranks(0) == [[0], [1, 2], [3, 4, 5, 6]]
+    assert [(lay.position(r).dp_index, lay.position(r).tp_index) for r in (0, 2, 5)] == [(0, 0), (1, 1), (2, 2)]
+    assert [lay.replica_tp(0, r) for r in range(3)] == [1, 2, 4]
+    assert lay.position(4).samples_per_micro_batch == 2
+    assert "heterogeneous [dp3 tp1+2+4 split 1:1:2]" in lay.describe()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"replica_tp": (2, 3)}, r"replica_tp \[2, 3\] must have dp=2 entries, each dividing tp=3"),
+    ({"zero": 1}, "with ZeRO > 0"),
+    ({"sequence_parallel": True}, "with sequence parallelism"),
+])
+def test_a_stage_of_mixed_tp_degrees_refuses_what_the_runtime_does_not_run(change, message):
+    p = mixed(**change)
+    with pytest.raises(PlanNotSupportedError, match=message):
+        PlanLayout.from_plan(p, NAMES)
 
 
 def test_unsupported_plans_say_why():

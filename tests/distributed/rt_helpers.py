@@ -406,3 +406,51 @@ def ep_dispatch_worker() -> dict[str, Any]:
     dist.destroy_process_group()
     return {"dtype": str(out.dtype), "out": float((out - local).abs().max()),
             "grad": float((grad - local_grad).abs().max())}
+
+
+def mixed_plan(stages: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], micro: int,
+               schedule: str = "1f1b", gbs: int = GBS) -> Plan:
+    """A plan whose stages may mix TP degrees across replicas (Sailor's):
+    per stage (layers, replica_tp, dp_split); devices in order, replica after replica."""
+    out, first = [], 0
+    for layers, degrees, split in stages:
+        dp, tp, count = len(degrees), max(degrees), sum(degrees)
+        st = uniform_stage(layers, list(range(first, first + dp * tp)), dp, tp, dp, 0)
+        mixed = tuple(degrees) if len(set(degrees)) > 1 else None
+        out.append(replace(st, devices=tuple(range(first, first + count)), dp_split=tuple(split), replica_tp=mixed))
+        first += count
+    return Plan(MODEL, f"local-cpu-{first}", gbs, micro, gbs // micro, schedule, tuple(out), planner="test")
+
+
+def replica_state_worker(plan_path: str, steps: int = 2) -> dict[str, Any]:
+    """Train tiny-gpt under the plan as ``hetplan train`` does (clip 1.0, the
+    reference optimizer); every rank returns the losses and its own replica's
+    whole parameters (DTensor shards gathered over the replica's TP ranks only),
+    before training ("start") and after ("state")."""
+    from hetplan.model.presets import get_model
+    from hetplan.runtime.context import init
+    from hetplan.runtime.models import build_preset_model, cross_entropy_loss
+    from hetplan.runtime.reference import make_optimizer, synthetic_batch
+
+    spec = get_model(MODEL)
+    ctx = init(plan_path, spec)
+    model = ctx.parallelize(lambda: build_preset_model(spec))
+    opt = make_optimizer(model.parameters())
+    start = _replica_state(model)
+    losses = []
+    for step in range(steps):
+        batch = synthetic_batch(spec.vocab_size, spec.seq_len, ctx.plan.global_batch_size, step)
+        losses.append(float(ctx.train_step(model, batch, cross_entropy_loss)))
+        ctx.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    state = _replica_state(model)
+    ctx.close()
+    return {"losses": losses, "start": start, "state": state}
+
+
+def _replica_state(model: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for n, t in model.state_dict().items()}

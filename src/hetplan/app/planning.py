@@ -57,8 +57,8 @@ def replica_tp_best(planner: Any, workload: Workload) -> RankedPlan:
     """The best of the planner's plans with the replicas of stages that hold
     several GPU types at their own TP degree where that is faster, and of one
     stage over every GPU so regrouped (``search.common.replica_tp.widen``).
-    Such plans are costed and exported, but hetplan's runtime refuses them
-    until it trains them (``plan.support.replica_tp_refusal``)."""
+    The runtime trains such stages at ZeRO 0 (``runtime/mixed.py``) and
+    refuses them with ZeRO > 0 in one line (``plan.layout``)."""
     ranked = run_planner(planner, workload, REPLICA_TP_CANDIDATES, False)
     return widen(CostModel(workload), ranked, 1)[0]
 

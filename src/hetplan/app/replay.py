@@ -16,8 +16,7 @@ from typing import Any, Sequence
 from hetplan.cost.memory import framework_overhead_bytes
 from hetplan.errors import HetplanError
 from hetplan.export.target import RUNTIME
-from hetplan.plan.spec import RankedPlan
-from hetplan.plan.support import replica_tp_refusal
+from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.workload import Workload
 from hetplan.progress import Progress
 
@@ -120,10 +119,21 @@ def skip_reason(workload: Workload) -> str:
     return ""
 
 
+def mixed_degree_refusal(plan: Plan) -> str:
+    """The replay runs the first rank of each stage (``runtime.replay.replay_plan``);
+    in a stage whose replicas have different TP degrees (``Stage.replica_tp``)
+    the ranks of other replicas hold other shapes, which it would not see."""
+    mixed = [j for j, s in enumerate(plan.stages) if s.replica_tp is not None]
+    if not mixed:
+        return ""
+    return (f"stage {mixed[0]} gives its replicas different TP degrees (replica_tp), and the replay runs one rank per "
+            "stage; its memory is the analytic model's")
+
+
 def replay_one(ranked: RankedPlan, workload: Workload) -> ReplayCheck:
     """One plan's replay, against the memory of each replayed rank's GPU."""
-    why = replica_tp_refusal(ranked.plan)
-    if why:  # said before the runtime's layout, which has no place for such stages
+    why = mixed_degree_refusal(ranked.plan)
+    if why:
         raise HetplanError(why)
     from hetplan.runtime.replay import replay_plan
 

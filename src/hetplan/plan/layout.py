@@ -24,7 +24,10 @@ Stages may differ in (dp, tp) and in how they split a micro-batch (Metis):
 the layout is then *heterogeneous* and the runtime runs its own pipeline
 executor (hetplan.runtime.hetero) instead of torch.distributed.pipelining,
 which connects stage k to stage k+1 one-to-one. Such plans run GPipe or 1F1B,
-without sequence parallelism or interleaving.
+without sequence parallelism or interleaving. So do plans with a stage whose
+replicas run different TP degrees (``Stage.replica_tp``, Sailor's; also with
+one stage): ``stage_mesh_ranks`` then has one row of ``cp * replica_tp[r]``
+ranks per replica and ``replica_tp(stage, r)`` says each replica's degree.
 
 Context and expert parallelism (``cp``, ``ep``): a stage's devices are ``dp x
 cp x tp``, TP innermost, then CP, then DP (hetplan.plan.spec). The runtime's mesh is
@@ -115,7 +118,7 @@ class PlanLayout:
         first = plan.stages[0]
         heterogeneous = False
         for j, s in enumerate(plan.stages):
-            if len(s.devices) != s.dp * s.cp * s.tp or len(s.dp_split) != s.dp:
+            if len(s.devices) != s.cp * sum(replica_degrees(s)) or len(s.dp_split) != s.dp:
                 raise PlanNotSupportedError(
                     f"stage {j}: devices/dp_split do not match dp={s.dp} cp={s.cp} tp={s.tp}")
             if sum(s.dp_split) != plan.micro_batch_size or any(b <= 0 for b in s.dp_split):
@@ -123,9 +126,10 @@ class PlanLayout:
                     f"stage {j}: dp_split {list(s.dp_split)} must give every replica >= 1 sample and sum to the "
                     f"micro-batch size {plan.micro_batch_size}"
                 )
-            if (s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)):
+            if (s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)) or s.replica_tp:
                 heterogeneous = True
         _check_layer_degrees(plan)
+        _check_replica_tp(plan)
         _check_plan_cp_ep(plan, heterogeneous)
         if heterogeneous:
             if any(s.sequence_parallel for s in plan.stages):
@@ -200,6 +204,10 @@ class PlanLayout:
     def stage_tp(self, stage: int) -> int:
         return self.plan.stages[stage].tp
 
+    def replica_tp(self, stage: int, replica: int) -> int:
+        """The TP degree of replica ``replica`` of ``stage`` (the stage's tp unless its replicas differ)."""
+        return replica_degrees(self.plan.stages[stage])[replica]
+
     def stage_split(self, stage: int) -> tuple[int, ...]:
         return tuple(self.plan.stages[stage].dp_split)
 
@@ -208,7 +216,8 @@ class PlanLayout:
         return max(s.tp for s in self.plan.stages)
 
     def stage_mesh_ranks(self, stage: int) -> list[list[int]]:
-        """Ranks of one stage as a ``[dp][cp * tp]`` nested list (TP innermost)."""
+        """Ranks of one stage as a ``[dp][cp * tp]`` nested list (TP innermost;
+        ``cp * replica_tp[r]`` ranks in row ``r`` of a stage of mixed TP degrees)."""
         s = self.plan.stages[stage]
         return [[self.rank_of_device(d) for d in s.replica_devices(r)] for r in range(s.dp)]
 
@@ -248,9 +257,9 @@ class PlanLayout:
         device = self.devices[rank]
         for j, s in enumerate(self.plan.stages):
             if device in s.devices:
-                k = s.devices.index(device)
-                dp_index, inside = divmod(k, s.cp * s.tp)
-                cp_index, tp_index = divmod(inside, s.tp)
+                dp_index = next(r for r in range(s.dp) if device in s.replica_devices(r))
+                tp = replica_degrees(s)[dp_index]
+                cp_index, tp_index = divmod(s.replica_devices(dp_index).index(device), tp)
                 chunks = tuple(c for c in range(self.num_chunks) if c % self.pp == j)
                 start, end = self.sample_range(j, dp_index)
                 return RankPosition(rank, device, j, dp_index, tp_index, chunks, end - start, start, cp_index)
@@ -295,7 +304,7 @@ class PlanLayout:
         chunks = " | ".join(f"{self.layer_names[c[0]]}..{self.layer_names[c[-1]]}" for c in self.chunk_layers)
         if self.heterogeneous:
             stages = " | ".join(
-                f"dp{s.dp} tp{s.tp}" + ("" if len(set(s.dp_split)) == 1 else f" split {':'.join(map(str, s.dp_split))}")
+                f"dp{s.dp} tp{'+'.join(map(str, replica_degrees(s))) if s.replica_tp else s.tp}" + ("" if len(set(s.dp_split)) == 1 else f" split {':'.join(map(str, s.dp_split))}")
                 for s in self.plan.stages)
             return f"{self.world_size} processes: pp={self.pp} heterogeneous [{stages}] {self.run_settings()} [{chunks}]"
         split = "" if len(set(self.dp_split)) == 1 else f" split {':'.join(map(str, self.dp_split))}"
@@ -317,6 +326,40 @@ def _check_layer_degrees(plan: Plan) -> None:
                     f"stage {j} runs layer {s.layers[position]} at tp={strategy.tp} inside a tp={s.tp} stage, but "
                     "hetplan's runtime runs every layer of a stage at the stage's tp; make the plan with one tp per "
                     "stage")
+
+
+def replica_degrees(stage: Any) -> tuple[int, ...]:
+    """The TP degree of each dp replica of ``stage`` (``replica_tp``, else ``tp`` each)."""
+    return tuple(stage.replica_tp) if stage.replica_tp is not None else (stage.tp,) * stage.dp
+
+
+def _check_replica_tp(plan: Plan) -> None:
+    """A stage whose replicas run different TP degrees (``Stage.replica_tp``):
+    its shape, and what the runtime runs with it. Each replica builds its own
+    TP mesh and the step averages gradients chunk by chunk of the stage's tp
+    (hetplan.runtime.mixed); ZeRO, cp, ep, sequence parallelism and
+    interleaving would need their shards or groups laid out per replica, which
+    the runtime does not do."""
+    for j, s in enumerate(plan.stages):
+        if s.replica_tp is None:
+            continue
+        degrees = s.replica_tp
+        if len(degrees) != s.dp or max(degrees) != s.tp or any(s.tp % t for t in degrees):
+            raise PlanNotSupportedError(
+                f"stage {j}: replica_tp {list(degrees)} must have dp={s.dp} entries, each dividing tp={s.tp}, the "
+                "largest equal to tp")
+        if any(st.zero for st in s.strategies):
+            raise PlanNotSupportedError(
+                f"stage {j} mixes TP degrees across replicas (replica_tp {list(degrees)}) with ZeRO > 0, which the "
+                "runtime does not shard across differently sharded replicas; use zero 0 in that stage")
+        uses = [name for name, used in (("cp > 1", s.cp > 1), ("ep > 1", s.ep > 1),
+                                        ("sequence parallelism", s.sequence_parallel),
+                                        ("interleaved 1F1B", plan.virtual_stages > 1
+                                         and plan.schedule == "interleaved-1f1b")) if used]
+        if uses:
+            raise PlanNotSupportedError(
+                f"stage {j} mixes TP degrees across replicas (replica_tp {list(degrees)}) with {uses[0]}, which the "
+                "runtime does not run together; plan that stage with one TP degree or without it")
 
 
 def _check_plan_cp_ep(plan: Plan, heterogeneous: bool) -> None:

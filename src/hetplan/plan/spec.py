@@ -79,6 +79,14 @@ class Stage:
             ``i % ep`` of each group of ``ep`` consecutive dp·cp ranks); sums
             to the MoE layers' experts. None: ``experts / ep`` each. Uneven on
             mixed GPUs, like ``dp_split`` (JSON key omitted when None).
+        replica_tp: the TP degree of each dp replica, in replica order, where
+            replicas differ (Sailor's stages of mixed GPU types); None: every
+            replica uses ``tp``. When set, ``tp == max(replica_tp)``, each
+            degree divides ``tp``, and ``devices`` holds ``sum(cp * t)`` ids,
+            replica after replica, TP innermost. Chunk ``c`` of the ``tp``
+            equal chunks of a TP-sharded dimension is held, in replica ``r``,
+            by its TP rank ``c // (tp // replica_tp[r])`` (JSON key omitted
+            when None).
         dp_split: samples of one micro-batch given to each dp replica; sums to
             the plan's ``micro_batch_size``. Equal on equal GPUs.
         strategies: one LayerStrategy per layer in ``layers`` (same order).

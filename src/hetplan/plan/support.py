@@ -127,23 +127,11 @@ def runtime_refusal(plan: Plan, spec: ModelSpec) -> str:
     support = support_of(spec)
     if support.build:
         return support.build
-    if mixed := replica_tp_refusal(plan):
-        return mixed
     try:
         PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     except HetplanError as exc:
         return str(exc)
     return _model_refusal(plan, spec, support)
-
-
-def replica_tp_refusal(plan: Plan) -> str:
-    """Replicas of one stage with different TP degrees (``Stage.replica_tp``) are
-    planned and costed, but the runtime does not train them yet."""
-    mixed = [j for j, s in enumerate(plan.stages) if s.replica_tp is not None]
-    if not mixed:
-        return ""
-    return (f"stage {mixed[0]} gives its replicas different TP degrees (replica_tp), which hetplan's runtime does "
-            "not train yet; plan with one tp per stage to run it here")
 
 
 def _model_refusal(plan: Plan, spec: ModelSpec, support: RuntimeSupport) -> str:

@@ -267,6 +267,8 @@ def save(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in _model_sd(model).items()}
     if optimizer is not None:
         state.update({OPTIM_PREFIX + k: v for k, v in _optim_sd(model, optimizer).items()})
+    if _copy_of_another_replica(ctx):
+        state = {}
     for k, v in extra.items():
         state[EXTRA_PREFIX + k] = torch.tensor(v) if isinstance(v, (int, float)) else v
     state = {k: _contiguous(v) if _strided(v) else v for k, v in state.items()}
@@ -284,6 +286,17 @@ def save(ctx: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer
     ctx.barrier()  # every rank's data and DCP's .metadata are written
     _fault_before_manifest(ctx, extra.get("step"))
     _write_manifest(ctx, path)
+
+
+def _copy_of_another_replica(ctx: Any) -> bool:
+    """A rank of a later replica of a stage whose replicas run different TP
+    degrees (hetplan.runtime.mixed): it holds the first replica's values,
+    sharded otherwise, and DCP cannot merge one tensor saved in two layouts
+    (torch 2.13: "item.index.fqn not in md"), so only the first replica saves
+    the stage's weights and optimizer states; any plan loads them."""
+    if not ctx.distributed:
+        return False
+    return ctx.layout.plan.stages[ctx.position.pp_index].replica_tp is not None and ctx.position.dp_index > 0
 
 
 def _fault_before_manifest(ctx: Any, step: Any) -> None:

@@ -43,7 +43,7 @@ from torch import nn
 
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import Plan
-from hetplan.runtime import checkpoint, clip_guard, preflight, setup, spine
+from hetplan.runtime import checkpoint, clip_guard, mixed, preflight, setup, spine
 from hetplan.runtime import dropout as rng
 from hetplan.runtime import parallelize as par
 from hetplan.runtime import precision as mp
@@ -83,7 +83,7 @@ class RuntimeContext:
     def __init__(self, plan: Plan, spec: Any, layout: PlanLayout, position: RankPosition, device: torch.device,
                  mesh: Any, tie_groups: dict[tuple[int, int, int, int], Any], notes: list[str],
                  owns_process_group: bool, precision: str = "fp32", *, ep_mesh: Any = None,
-                 heartbeat: Any = None) -> None:
+                 heartbeat: Any = None, mixed_groups: mixed.MixedGroups | None = None) -> None:
         self.plan = plan
         self.spec = spec
         self.layout = layout
@@ -95,11 +95,12 @@ class RuntimeContext:
         self.mesh = mesh
         self.ep_mesh = ep_mesh
         self.tie_groups = tie_groups
+        self.mixed_groups = mixed_groups or {}  # stages whose replicas differ in TP degree (runtime.mixed)
         self.pending_loss: torch.Tensor | None = None  # the last train_step's loss (hetplan.runtime.pending)
         self.notes = notes
         self.last_outputs: Any = None
         self.stage_dp = layout.stage_dp(position.pp_index)  # this rank's stage
-        self.stage_tp = layout.stage_tp(position.pp_index)
+        self.stage_tp = layout.replica_tp(position.pp_index, position.dp_index)  # this rank's replica's
         self.precision = precision
         self.loss_scaler = mp.LossScaler() if precision == "fp16" else None
         self.step = 0
@@ -226,14 +227,17 @@ class RuntimeContext:
                 par.materialize(part, self.device, values)
         stages = spine.pipeline_stages(parts, self.layout, self.position, self.device, self.pp_group, sync_modules)
         self._record(ModelInfo(local, parts, stages, sync_modules, tied, aliases=aliases, chain_probe=probe,
-                               seed=seed, expert_fqns=[n for n, p in local.named_parameters() if p in experts]),
+                               seed=seed, expert_fqns=[n for n, p in local.named_parameters() if p in experts],
+                               mixed=mixed.mixed_sync(self.layout, self.position, self.mixed_groups, local)),
                      notes)
         return local
 
     def _part_settings(self, full: nn.Module, compile: bool) -> spine.PartSettings:
         """What ``parallelize_part`` applies to each of this rank's parts, and on which meshes."""
         recompute, zero = spine.layer_strategies(self.plan, self.layout, self.spec)
-        dp = self.stage_dp * self.layout.cp
+        # replicas of different TP degrees: no data-parallel wrapper, the step averages (runtime.mixed)
+        mixed_tp = self.plan.stages[self.position.pp_index].replica_tp is not None
+        dp = 1 if mixed_tp else self.stage_dp * self.layout.cp
         return spine.PartSettings(
             recompute, zero, lambda: self.offload_pool, tp=self.stage_tp, tp_mesh=self.tp_mesh,
             tp_index=self.position.tp_index, sequence_parallel=self.layout.sequence_parallel,
@@ -445,6 +449,7 @@ def init(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *
     """
     s = setup.set_up(plan, model, timeout_s=timeout_s, backend=backend, trust_plan_code=trust_plan_code)
     ctx = RuntimeContext(s.plan, s.spec, s.layout, s.position, s.device, s.mesh, s.tie_groups, s.notes,
-                         s.owns_process_group, s.precision, ep_mesh=s.ep_mesh, heartbeat=s.heartbeat)
+                         s.owns_process_group, s.precision, ep_mesh=s.ep_mesh, heartbeat=s.heartbeat,
+                         mixed_groups=s.mixed_groups)
     remember_context(ctx)  # for the one-line out-of-memory error (hetplan.runtime.launch.out_of_memory_line)
     return ctx

@@ -71,7 +71,7 @@ def describe_rank(layout: Any, rank: int) -> str:
     chunks = [layout.chunk_names(c) for c in pos.chunks]
     layers = " | ".join(n[0] if len(n) == 1 else f"{n[0]}..{n[-1]}" for n in chunks if n)
     text = f"stage {pos.pp_index} of {layout.pp}: {layers}"
-    dp, tp = layout.stage_dp(pos.pp_index), layout.stage_tp(pos.pp_index)
+    dp, tp = layout.stage_dp(pos.pp_index), layout.replica_tp(pos.pp_index, pos.dp_index)
     if dp > 1:
         text += f", dp {pos.dp_index} of {dp}"
     if tp > 1:

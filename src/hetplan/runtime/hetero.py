@@ -12,7 +12,8 @@ messages on the world group:
 * forward: each sender replica sends every overlapping row range to the
   receiver replica that owns it. Inside a replica all TP ranks hold the same
   activation, so TP rank ``t'`` of the receiver gets it from TP rank
-  ``t' mod tp_j`` of the sender;
+  ``t' mod tp_j`` of the sender (``tp_j``: the sender replica's degree, which
+  may differ between replicas of a stage: ``Stage.replica_tp``);
 * backward: the gradient of each row range goes back the same way; TP rank
   ``t`` of the sender gets it from TP rank ``t mod tp_{j+1}`` of the receiver
   (gradients of a TP-replicated input are equal on every TP rank);
@@ -72,32 +73,33 @@ class HeteroPipeline:
         mine = layout.sample_range(j, position.dp_index)
         self.rows = mine
         t = position.tp_index
+        tp_mine = layout.replica_tp(j, position.dp_index)  # replicas of one stage may differ (runtime.mixed)
         self.recv_fwd: list[_Link] = []
         self.send_fwd: list[_Link] = []
         self.recv_bwd: list[_Link] = []
         self.send_bwd: list[_Link] = []
         if not self.first:
             prev = j - 1
-            tp_prev = layout.stage_tp(prev)
             for r in range(layout.stage_dp(prev)):
                 ov = _overlap(mine, layout.sample_range(prev, r))
+                tp_prev = layout.replica_tp(prev, r)
                 if ov:
                     ranks = layout.stage_mesh_ranks(prev)[r]
                     lo, hi = ov[0] - mine[0], ov[1] - mine[0]
                     self.recv_fwd.append(_Link(ranks[t % tp_prev], lo, hi))
                     for tt in range(tp_prev):  # input gradients to every TP rank of that replica fed by me
-                        if tt % layout.stage_tp(j) == t:
+                        if tt % tp_mine == t:
                             self.send_bwd.append(_Link(ranks[tt], lo, hi))
         if not self.last:
             nxt = j + 1
-            tp_next = layout.stage_tp(nxt)
             for r in range(layout.stage_dp(nxt)):
                 ov = _overlap(mine, layout.sample_range(nxt, r))
+                tp_next = layout.replica_tp(nxt, r)
                 if ov:
                     ranks = layout.stage_mesh_ranks(nxt)[r]
                     lo, hi = ov[0] - mine[0], ov[1] - mine[0]
                     for tt in range(tp_next):
-                        if tt % layout.stage_tp(j) == t:
+                        if tt % tp_mine == t:
                             self.send_fwd.append(_Link(ranks[tt], lo, hi))
                     self.recv_bwd.append(_Link(ranks[t % tp_next], lo, hi))
         self.grad_scale = 1.0 if self.last else layout.stage_dp(j) / layout.stage_dp(j + 1)

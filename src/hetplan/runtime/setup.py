@@ -28,6 +28,7 @@ from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Plan
 from hetplan.plan.file import read_plan_file, resolve_cluster, resolve_model
 from hetplan.runtime import heartbeat as hb
+from hetplan.runtime import mixed
 from hetplan.runtime import precision as mp
 from hetplan.plan.layout import PlanLayout, RankPosition, tied_layer_groups
 from hetplan.plan.support import check_runs, support_of
@@ -60,6 +61,7 @@ class ProcessSetup:
     tie_groups: TieGroups = field(default_factory=dict)
     owns_process_group: bool = False
     heartbeat: Any = None
+    mixed_groups: mixed.MixedGroups = field(default_factory=dict)  # stages of mixed TP degrees (runtime.mixed)
 
 
 def set_up(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None, *,
@@ -90,7 +92,7 @@ def set_up(plan: Plan | str | os.PathLike[str] | None = None, model: Any = None,
     heartbeat = hb.start(layout, rank, timeout_s)  # names a rank that stops responding (world > 1)
     mesh, ep_mesh = make_meshes(layout, position, device)
     return ProcessSetup(plan, spec, layout, position, device, notes, precision, mesh, ep_mesh,
-                        make_tie_groups(layout, spec), not already, heartbeat)
+                        make_tie_groups(layout, spec), not already, heartbeat, mixed.make_groups(layout))
 
 
 def _this_rank(layout: PlanLayout, already: bool) -> int:
@@ -263,8 +265,11 @@ def make_meshes(layout: PlanLayout, position: RankPosition, device: torch.device
         return DeviceMesh(device.type, torch.tensor(ranks, dtype=torch.int64), mesh_dim_names=dims)
 
     if layout.heterogeneous:  # one (dp, tp) mesh per stage; every rank builds all of them
-        meshes = [mesh(layout.stage_mesh_ranks(j), ("dp", "tp")) for j in range(layout.pp)]
-        main = meshes[position.pp_index]
+        main = None
+        for j in range(layout.pp):
+            for rows in _stage_meshes(layout, j):
+                built = mesh(rows, ("dp", "tp"))
+                main = built if position.rank in [r for row in rows for r in row] else main
     elif layout.cp > 1:  # TP innermost, then CP, then DP (hetplan.plan.spec)
         main = mesh(layout.mesh_ranks_cp(), ("pp", "dp", "cp", "tp"))
     else:
@@ -273,6 +278,16 @@ def make_meshes(layout: PlanLayout, position: RankPosition, device: torch.device
     if layout.ep > 1:  # the dp * cp ranks of a TP rank in EP groups of ep (hetplan.plan.layout)
         ep_mesh = mesh(layout.ep_mesh_ranks(), ("pp", "edp", "ep", "tp"))
     return main, ep_mesh
+
+
+def _stage_meshes(layout: PlanLayout, stage: int) -> list[list[list[int]]]:
+    """The ``[dp][tp]`` rank grids of a stage of a heterogeneous plan: one for
+    the stage, or one ``[1][replica_tp[r]]`` grid per replica where its
+    replicas run different TP degrees (each replica its own TP mesh; runtime.mixed)."""
+    rows = layout.stage_mesh_ranks(stage)
+    if layout.plan.stages[stage].replica_tp is None:
+        return [rows]
+    return [[row] for row in rows]
 
 
 def make_tie_groups(layout: PlanLayout, spec: Any) -> TieGroups:

@@ -6,7 +6,8 @@ forward and backward -- a plain loop with one stage, torch pipelining's
 schedule or hetplan's heterogeneous executor (hetplan.runtime.hetero) with
 several -- each micro-batch's loss scaled so that the gradients equal the
 global-batch mean (``b_r * dp / B``, also for uneven splits, times the fp16
-loss scale); then the gradients the data-parallel wrappers do not sync: copies
+loss scale); then the gradients the data-parallel wrappers do not sync: those
+of a stage whose replicas differ in TP degree (hetplan.runtime.mixed), copies
 of a weight tied across stages (summed, as Megatron's embedding group does)
 and expert-parallel experts (summed over their expert-data-parallel group);
 fp16 unscaling (an overflow skips the step); and the global mean loss,
@@ -57,6 +58,7 @@ class ModelInfo:
     seed: int = 0  # parallelize's seed: initial values and dropout masks (hetplan.runtime.dropout)
     expert_fqns: list[str] = field(default_factory=list)  # expert-parallel experts (synced by the step)
     syncing: bool | None = None  # what set_accumulating last told sync_modules (one stage): set again on a change only
+    mixed: Any = None  # runtime.mixed.MixedSync (which uses this module's all-reduce): replicas of mixed TP degrees
 
 
 class TrainingRank(Protocol):
@@ -110,12 +112,14 @@ def train_step(ctx: TrainingRank, model: nn.Module, batch: Sequence[torch.Tensor
     scale = ctx.layout.loss_scale(ctx.position.dp_index) if ctx.is_last_stage else 1.0
     total = torch.zeros((), device=ctx.device, dtype=torch.float32)
     fp16_scale = ctx.loss_scaler.scale if ctx.loss_scaler else 1.0
-    earlier = take_grads(ctx, model, info, every=ctx.loss_scaler is not None)
+    earlier = take_grads(ctx, model, info, every=ctx.loss_scaler is not None or info.mixed is not None)
     samples = ctx.layout.local_sample_indices(ctx.position.dp_index, ctx.position.pp_index)
     with microbatch.step(ctx.device, ctx.precision), \
             rng.step_scope(info.seed, ctx.step, samples, ctx.position.samples_per_micro_batch):
         forward_backward(ctx, model, info, x, y, loss_fn, scale * fp16_scale, total, return_outputs)
     ctx.step += 1
+    if info.mixed is not None:
+        info.mixed.sync(model)
     if ctx.layout.pp > 1:
         sync_tied_grads(ctx, model, info)
     if info.expert_fqns:
@@ -301,7 +305,8 @@ def take_grads(ctx: TrainingRank, model: nn.Module, info: ModelInfo, every: bool
     (accumulation), to add back at the end: those of tied copies, whose
     sync adds the two copies' gradients and must add only this call's (or an
     earlier call's would count twice); with ``every`` (fp16) all of them,
-    since only this call's are loss-scaled."""
+    since only this call's are loss-scaled (and a stage of mixed TP degrees,
+    whose averaging of this call's gradients would divide earlier ones again)."""
     earlier = {}
     names = [n for n, _ in model.named_parameters()] if every else _tied_fqns(ctx, info) + info.expert_fqns
     for fqn in names:
