@@ -18,8 +18,10 @@ from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, StageOption
 from hetplan.cost.memory import in_flight_micro_batches
 from hetplan.cost.mixed import (
-    mixed_stage_memory, mixed_stage_timing, stage_host_bytes, stage_memory_parts, stage_resident_parts,
+    mixed_stage_memory, mixed_stage_timing, stage_host_bytes, stage_peak_terms, stage_resident_parts,
 )
+from hetplan.cost.memory import PeakTerms
+from hetplan.cost.pipeline_memory import pipelined_terms, stage_in_flight
 from hetplan.cost.pipeline import IterationTime, StageTail, iteration_time, pipeline_time
 from hetplan.plan.workload import Workload
 from hetplan.cost.replica_tp import (
@@ -54,10 +56,29 @@ class CostModel:
 
     def stage_memory(self, plan: Plan, stage_index: int) -> list[int]:
         """Peak bytes on each device of stage ``stage_index`` (in its device order)."""
+        if self._holds_pipeline(plan):
+            return [int(t.peak) for t in self.stage_terms(plan, stage_index)]
         in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
                                             plan.virtual_stages)
         return self.device_memory(plan.stages[stage_index], plan.micro_batch_size, in_flight,
                                   in_flight >= plan.num_micro_batches)
+
+    def _holds_pipeline(self, plan: Plan) -> bool:
+        """A pipelined plan of hetplan's runtime: its stages hold what the pipeline
+        does beyond their layers (``cost/pipeline_memory.py``)."""
+        return self.kernel.runtime and plan.pp > 1 and self.kernel.memory_profile is None
+
+    def stage_terms(self, plan: Plan, stage_index: int) -> list[PeakTerms]:
+        """Each device's memory terms of stage ``stage_index`` (``memory.PeakTerms``),
+        with what a pipelined step of hetplan's runtime holds (``pipeline_memory``)."""
+        in_flight = stage_in_flight(self.kernel, plan, stage_index) if self._holds_pipeline(plan) else None
+        if in_flight is None:
+            in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
+                                                plan.virtual_stages)
+        stage, first_backward = plan.stages[stage_index], in_flight >= plan.num_micro_batches
+        peak_terms = replica_tp_peak_terms if stage.replica_tp is not None else stage_peak_terms
+        terms = peak_terms(self.kernel, stage, plan.micro_batch_size, in_flight, first_backward)
+        return pipelined_terms(self.kernel, plan, stage_index, terms)
 
     def device_memory(self, stage: Stage, micro_batch_size: int, in_flight: float,
                       first_backward: bool = False) -> list[int]:
@@ -104,14 +125,8 @@ class CostModel:
             return {}
         out: dict[int, dict[str, int]] = {}
         for j, stage in enumerate(plan.stages):
-            in_flight = in_flight_micro_batches(plan.schedule, j, plan.pp, plan.num_micro_batches,
-                                                plan.virtual_stages)
-            first_backward = in_flight >= plan.num_micro_batches
-            parts = [t.parts() for t in replica_tp_peak_terms(self.kernel, stage, plan.micro_batch_size, in_flight,
-                                                              first_backward)] if stage.replica_tp is not None \
-                else stage_memory_parts(self.kernel, stage, plan.micro_batch_size, in_flight, first_backward)
-            for device, p in zip(stage.devices, parts):
-                out[device] = {k: int(v) for k, v in p.items()}
+            for device, terms in zip(stage.devices, self.stage_terms(plan, j)):
+                out[device] = {k: int(v) for k, v in terms.parts().items()}
         return out
 
     def resident_state_bytes(self, plan: Plan) -> dict[int, dict[str, int]]:
@@ -143,7 +158,7 @@ class CostModel:
         option = StageOption.of_stage(stage)
         in_flight = in_flight_micro_batches(plan.schedule, stage_index, plan.pp, plan.num_micro_batches,
                                             plan.virtual_stages)
-        if option is None:
+        if option is None or self._holds_pipeline(plan):
             host = self.device_host_bytes(stage, plan.micro_batch_size, in_flight)
             return all(m <= self.workload.device_capacity_bytes(d) and h <= self.kernel.host_capacity_bytes(d)
                        for d, m, h in zip(stage.devices, self.stage_memory(plan, stage_index), host))

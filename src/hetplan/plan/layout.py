@@ -178,7 +178,7 @@ class PlanLayout:
                     f"interleaved 1F1B needs the number of micro-batches ({plan.num_micro_batches}) to be a "
                     f"multiple of {rounds} (micro-batches // stages); use a multiple of {pp}"
                 )
-        chunk_layers = _interleave(plan, virtual)
+        chunk_layers = interleaved_chunks(plan, virtual)
         return PlanLayout(
             plan=plan, layer_names=names, devices=tuple(sorted(all_devices)), pp=pp, dp=first.dp, tp=first.tp,
             dp_split=tuple(first.dp_split), sequence_parallel=first.sequence_parallel, virtual_stages=virtual,
@@ -402,8 +402,9 @@ def tied_layer_groups(spec: Any) -> list[list[str]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def _interleave(plan: Plan, virtual: int) -> tuple[tuple[int, ...], ...]:
-    """Layer indices per pipeline chunk (see module doc)."""
+def interleaved_chunks(plan: Plan, virtual: int) -> tuple[tuple[int, ...], ...]:
+    """Layer indices per pipeline chunk (see module doc); also what the cost model
+    reads for the chunks' boundaries (``cost/pipeline_memory.py``)."""
     pp = plan.pp
     if virtual == 1:
         return tuple(tuple(s.layers) for s in plan.stages)

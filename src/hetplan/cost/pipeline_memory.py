@@ -1,0 +1,156 @@
+"""What a pipelined step of hetplan's runtime holds beyond its stage's layers.
+
+``memory.PeakTerms`` counts a stage's states, the activations of its
+micro-batches in flight and its backward's working sets. A pipelined stage of
+hetplan's runtime (torch.distributed.pipelining, ``runtime/spine.py``) also
+holds, found in the replay's live tensors at the peak (``runtime/replay.py``)
+and read from torch 2.13's code:
+
+* **receive buffers**: every micro-batch of the step has its own buffer for each
+  tensor the stage receives, made when the schedule first runs and kept for the
+  whole run (``distributed/pipelining/stage.py``
+  ``PipelineStage._prepare_forward_infra`` / ``_setup_forward_recv_info``: one
+  ``_RecvInfo`` buffer per micro-batch for each input of a stage after the
+  first; ``_prepare_backward_infra`` / ``_create_grad_recv_info``: one per
+  micro-batch for each output gradient of a stage before the last). Each is the
+  boundary tensor of one micro-batch: the fp32 residual stream the runtime sends
+  between stages (``model/runtime_memory.py`` ``LayerMemory.boundary``), whole
+  on every TP rank (a stage's input is a plain tensor), the rank's 1/cp of the
+  tokens under CP. Interleaved 1F1B keeps them per model chunk.
+* **the new gradient beside** ``.grad``: a weight's backward after the first
+  micro-batch makes its gradient as a new tensor that autograd then adds into
+  the ``.grad`` it accumulates (``torch/csrc/autograd/functions/accumulate_grad.h``
+  ``AccumulateGrad::accumulateGrad``: ``variable_grad += new_grad``), so for a
+  moment both are held: at most the largest weight's fp32 gradient at once.
+  FSDP2 (ZeRO-2/3 on dp > 1) reduces each layer's new gradients through its
+  reduce buffer instead (``FSDP_REDUCE_BUFFER_LAYERS``, already counted).
+
+* **interleaved 1F1B's micro-batches in flight** per model chunk: torch's
+  ``ScheduleInterleaved1F1B`` (``distributed/pipelining/schedules.py``,
+  ``_calculate_single_rank_operations``, ``_get_warmup_ops``, ``_get_1f1b_rank_ops``)
+  runs ``(v - 1)·r + 2·(pp - 1 - rank)`` warm-up forwards (``r`` micro-batches per
+  round), then one forward and one backward at a time, taking forwards chunk by
+  chunk in rounds and backwards from the last chunk back; a chunk's micro-batches
+  pile up while the backwards serve another (the last stage of a 2 x 2 pipeline
+  holds 3 micro-batches of its first chunk, where Narayanan et al.'s average,
+  ``memory.in_flight_micro_batches``, gives 1.25). :func:`interleaved_in_flight`
+  walks that order.
+
+One-stage plans hold none of these (no pipeline; their gradient accumulation is
+costed with the non-pipelined plans).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from hetplan.cost.kernel import CostKernel
+from hetplan.cost.memory import PeakTerms
+from hetplan.plan.layout import interleaved_chunks
+from hetplan.plan.spec import Plan, Stage
+
+
+def _stage_chunks(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """Layer indices per model chunk, as the runtime cuts them (``PlanLayout``)."""
+    virtual = plan.virtual_stages if plan.schedule == "interleaved-1f1b" else 1
+    if any(len(s.layers) < virtual for s in plan.stages):  # a plan the runtime refuses (PlanLayout): chunks = stages
+        virtual = 1
+    return interleaved_chunks(plan, virtual)
+
+
+def interleaved_order(pp: int, rank: int, num_micro_batches: int, virtual: int) -> list[tuple[bool, int]]:
+    """(forward?, local chunk) of each computation ``rank`` runs in torch's
+    interleaved 1F1B (module doc; the functions named there, torch 2.13)."""
+    m = num_micro_batches
+    per_round = m // max(1, m // pp)
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), m * virtual)
+    total = m * virtual
+
+    def forward(op: int) -> tuple[bool, int]:
+        return True, (op // per_round) % virtual
+
+    def backward(op: int) -> tuple[bool, int]:
+        return False, virtual - 1 - ((op - warmup) // per_round) % virtual
+
+    order = [forward(op) for op in range(warmup)]
+    for op in range(warmup, total):
+        order += [forward(op), backward(op)]
+    return order + [backward(op) for op in range(total, total + warmup)]
+
+
+def interleaved_in_flight(pp: int, rank: int, num_micro_batches: int, chunk_bytes: list[float]) -> float:
+    """Micro-batches of the whole stage whose activations rank ``rank`` holds at
+    its peak in interleaved 1F1B, weighted by what one micro-batch of each of its
+    chunks keeps (``chunk_bytes``, in local order): the largest sum over its
+    backwards of each chunk's micro-batches in flight (the one in backward
+    included), over one micro-batch of every chunk."""
+    held = [0] * len(chunk_bytes)
+    peak = 0.0
+    for is_forward, chunk in interleaved_order(pp, rank, num_micro_batches, len(chunk_bytes)):
+        if is_forward:
+            held[chunk] += 1
+            continue
+        peak = max(peak, sum(n * b for n, b in zip(held, chunk_bytes)))
+        held[chunk] -= 1
+    whole = sum(chunk_bytes)
+    return peak / whole if whole > 0 else 0.0
+
+
+def receive_buffer_bytes(kernel: CostKernel, plan: Plan, stage_index: int) -> np.ndarray:
+    """Per device of stage ``stage_index``: the receive buffers torch pipelining
+    keeps for the step (module doc), every micro-batch's, of every chunk it runs."""
+    stage = plan.stages[stage_index]
+    chunks = _stage_chunks(plan)
+    boundary = kernel.memory_arrays.input_bytes  # per sample: the tensor entering each layer
+    per_sample = 0.0
+    for c in range(stage_index, len(chunks), plan.pp):
+        if c > 0:  # its input, received from the chunk before
+            per_sample += float(boundary[chunks[c][0]])
+        if c < len(chunks) - 1:  # the gradient of its output, received from the chunk after
+            per_sample += float(boundary[chunks[c][-1] + 1])
+    replica_samples = np.repeat(np.asarray(stage.dp_split, dtype=np.float64), stage.cp * stage.tp)  # Stage.replica_devices
+    return per_sample / stage.cp * replica_samples * plan.num_micro_batches
+
+
+def stage_in_flight(kernel: CostKernel, plan: Plan, stage_index: int) -> float | None:
+    """Micro-batches stage ``stage_index`` of an interleaved plan holds at its peak
+    (:func:`interleaved_in_flight`, its chunks weighted by the activations and
+    weight copies one micro-batch keeps); None for other schedules."""
+    chunks = _stage_chunks(plan)
+    if len(chunks) == plan.pp:
+        return None
+    stage = plan.stages[stage_index]
+    recompute = stage.strategies[0].recompute  # the runtime deals chunks by count: one strategy for the stage
+    act = kernel.rank_activation_bytes(stage.tp, recompute, stage.sequence_parallel, stage.cp)
+    per_mb = kernel.micro_batch_bytes(stage.tp, stage.ep)
+    batch = plan.micro_batch_size / stage.dp
+    sizes = [float(sum(act[layer] * batch + per_mb[layer] for layer in chunk)) for chunk in chunks[stage_index::plan.pp]]
+    return interleaved_in_flight(plan.pp, stage_index, plan.num_micro_batches, sizes)
+
+
+def accumulating_gradient_bytes(kernel: CostKernel, stage: Stage, num_micro_batches: int) -> float:
+    """The new fp32 gradient of the stage's largest weight beside the ``.grad`` it is
+    added into (module doc): 0 with one micro-batch or where FSDP2 reduces it."""
+    if num_micro_batches <= 1:
+        return 0.0
+    fsdp = stage.dp * stage.cp > 1 and all(s.zero >= 2 for s in stage.strategies)
+    if fsdp:
+        return 0.0
+    largest = kernel.largest_tensor(stage.tp, stage.ep)[list(stage.layers)]
+    return float(largest.max()) * kernel.grad_bytes if largest.size else 0.0
+
+
+def pipelined_terms(kernel: CostKernel, plan: Plan, stage_index: int, terms: list[PeakTerms]) -> list[PeakTerms]:
+    """Each device's ``terms`` (in device order) of a pipelined stage of hetplan's
+    runtime with what the pipeline holds added (module doc): the receive buffers
+    at every moment of the step (with the framework's buffers), the new
+    gradient during backward (with the reduce buffer, which it stands beside)."""
+    if not kernel.runtime or plan.pp <= 1:
+        return terms
+    stage = plan.stages[stage_index]
+    buffers = receive_buffer_bytes(kernel, plan, stage_index)
+    new_grad = accumulating_gradient_bytes(kernel, stage, plan.num_micro_batches)
+    return [replace(t, overhead=t.overhead + float(b), reduce_buffer=t.reduce_buffer + new_grad)
+            for t, b in zip(terms, buffers)]

@@ -1,0 +1,34 @@
+"""What a pipelined step of hetplan's runtime holds beyond its stage's layers
+(``hetplan.cost.pipeline_memory``), against torch's own schedule."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hetplan.cost.pipeline_memory import interleaved_in_flight, interleaved_order
+
+schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+
+@pytest.mark.parametrize("pp, virtual, micro_batches", [(2, 2, 8), (2, 2, 4), (4, 2, 8), (4, 3, 12), (2, 3, 2),
+                                                        (3, 2, 6)])
+def test_interleaved_order_is_torchs(pp: int, virtual: int, micro_batches: int) -> None:
+    """Each rank's forwards and backwards, chunk by chunk, as torch 2.13's
+    ``ScheduleInterleaved1F1B`` lists them (its no-op slots dropped)."""
+    rounds = max(1, micro_batches // pp)
+    schedule = SimpleNamespace(n_local_stages=virtual, microbatches_per_round=micro_batches // rounds,
+                               pp_group_size=pp, _n_microbatches=micro_batches)
+    for rank in range(pp):
+        actions = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
+        theirs = [(a.computation_type.name == "FORWARD", a.stage_index // pp) for a in actions if a is not None]
+        assert theirs == interleaved_order(pp, rank, micro_batches, virtual), rank
+
+
+def test_interleaved_chunks_pile_up() -> None:
+    """pp 2 x 2 chunks, 8 micro-batches: the last rank holds 3 micro-batches of its
+    first chunk at once (Narayanan et al.'s average: 1.25 of the stage); the first
+    rank 3 of its first and 2 of its second."""
+    assert interleaved_in_flight(2, 1, 8, [1.0, 0.0]) == 3.0
+    assert interleaved_in_flight(2, 0, 8, [1.0, 1.0]) == 2.5
