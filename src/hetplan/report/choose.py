@@ -16,8 +16,10 @@ _POINT = "#4C78A8"
 
 
 def choose_rows(result: ChooseResult) -> list[list[str]]:
-    """A row per point: allocation, GPUs, price, iteration, days, $ (GPUs, egress, total), plan."""
-    return [[str(i), p.allocation.label, str(p.allocation.gpus), f"{p.allocation.usd_per_hour:,.2f}",
+    """A row per point: allocation (``*``: it spans zones, its time and $ are
+    upper bounds, ``app.choose.NOTE_ZONES``), GPUs, price, iteration, days, $
+    (GPUs, egress, total), plan."""
+    return [[str(i), p.allocation.label + (" *" if p.allocation.spans_zones else ""), str(p.allocation.gpus), f"{p.allocation.usd_per_hour:,.2f}",
              format_time(p.iteration_s), f"{p.hours / 24:,.2f}", f"{p.gpu_usd:,.0f}", f"{p.egress_usd:,.0f}",
              f"{p.usd:,.0f}", p.best.plan.describe()] for i, p in enumerate(result.points, 1)]
 
