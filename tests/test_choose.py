@@ -11,6 +11,7 @@ import yaml
 
 from hetplan.app.choose import (
     NOTE_ZONES, allocation_workload, allocations, best_point, choose, cross_zone_bytes, pareto_front, plan_allocation,
+    summary,
 )
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cli import main
@@ -21,7 +22,7 @@ from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
 from hetplan.plan.spec import Plan, uniform_stage
-from hetplan.report.choose import choose_text
+from hetplan.report.choose import choose_text, frontier_table
 from hetplan.search import get_planner
 
 # The pool of issue 35, as written there.
@@ -248,5 +249,7 @@ def test_points_spanning_zones_are_marked_as_upper_bounds():
     assert [p.record()["spans_zones"] for p in result.points] == [True, False]
     assert f"{labels[0]} *" in text and f"{labels[1]} *" not in text
     assert f"note: {NOTE_ZONES}" in text
+    frontier = frontier_table(summary(result))  # hetplan report --choose: the same marks
+    assert f"{labels[0]} *" in frontier and f"{labels[1]} *" not in frontier and NOTE_ZONES in frontier
     one_zone = choose(pool, gpt2, planner, 1e9, "deadline", result.points[1].hours)
     assert one_zone.points == (result.points[1],) and NOTE_ZONES not in choose_text(one_zone)

@@ -182,6 +182,7 @@ class FrontierPoint:
     hours: float
     usd: float
     plan: str
+    spans_zones: bool = False  # time and $ are upper bounds (``Allocation.spans_zones``)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ class ChooseSummary:
 def summary(result: ChooseResult) -> ChooseSummary:
     """``result`` as a :class:`ChooseSummary`."""
     return ChooseSummary(result.pool.name, result.objective, result.proven, tuple(
-        FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe())
+        FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe(),
+                      p.allocation.spans_zones)
         for p in result.points))
 
 
@@ -220,7 +222,8 @@ def read_choose_json(path: str) -> ChooseSummary:
                                     fields.number(f"{where}.iteration_s", entry["iteration_s"]),
                                     fields.number(f"{where}.hours", entry["hours"]),
                                     fields.number(f"{where}.usd", entry["usd"], strict=False),
-                                    fields.text(f"{where}.plan", entry["plan"])))
+                                    fields.text(f"{where}.plan", entry["plan"]),
+                                    fields.flag(f"{where}.spans_zones", entry.get("spans_zones", False))))
     return ChooseSummary(fields.text(f"{path}: pool", data["pool"]),
                          fields.text(f"{path}: objective", data["objective"], OBJECTIVES),
                          fields.flag(f"{path}: proven", data["proven"]), tuple(points))
