@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from hetplan.app.choose import (
-    allocation_workload, allocations, best_point, choose, cross_zone_bytes, pareto_front, plan_allocation,
+    NOTE_ZONES, allocation_workload, allocations, best_point, choose, cross_zone_bytes, pareto_front, plan_allocation,
+    summary,
 )
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cli import main
@@ -21,6 +22,7 @@ from hetplan.cost.model import CostModel
 from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
 from hetplan.plan.spec import Plan, uniform_stage
+from hetplan.report.choose import choose_text, frontier_table
 from hetplan.search import get_planner
 
 # The pool of issue 35, as written there.
@@ -228,3 +230,26 @@ def test_choose_workload_is_unchanged_by_the_cluster_it_starts_on(tiny):
     other = replace(tiny, cluster=allocation_cluster(pool, (1, 0, 0)))
     a = allocations(pool, tiny)[3]
     assert allocation_workload(pool, tiny, a.counts) == allocation_workload(pool, other, a.counts)
+
+
+def test_points_spanning_zones_are_marked_as_upper_bounds():
+    """A point whose allocation spans zones is costed with the inter-zone link
+    on every node: its row says so with ``*``, its JSON with ``spans_zones``,
+    and the note explains it; one-zone points carry neither."""
+    gpt2 = load_workload(WorkloadOptions(model="gpt2-amp", global_batch=64))
+    data = small_pool()
+    data["inter_zone_bandwidth_gbps"] = 100  # as fast as the NICs: both nodes together are fastest
+    data["offers"] = [{**data["offers"][0], "nodes": 1}, {**data["offers"][0], "zone": "b", "nodes": 1}]
+    pool = pool_from_dict(data)
+    planner = get_planner("uniform")
+    result = choose(pool, gpt2, planner, 1e9)
+    text = choose_text(result)
+    labels = [p.allocation.label for p in result.points]
+    assert labels == ["1x2 A100-40GB@a + 1x2 A100-40GB@b", "1x2 A100-40GB@a"]
+    assert [p.record()["spans_zones"] for p in result.points] == [True, False]
+    assert f"{labels[0]} *" in text and f"{labels[1]} *" not in text
+    assert f"note: {NOTE_ZONES}" in text
+    frontier = frontier_table(summary(result))  # hetplan report --choose: the same marks
+    assert f"{labels[0]} *" in frontier and f"{labels[1]} *" not in frontier and NOTE_ZONES in frontier
+    one_zone = choose(pool, gpt2, planner, 1e9, "deadline", result.points[1].hours)
+    assert one_zone.points == (result.points[1],) and NOTE_ZONES not in choose_text(one_zone)

@@ -79,8 +79,8 @@ OBJECTIVES = ("frontier", "deadline", "budget")
 NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
                            "build them; stages mixing GPU types and TP degrees inside (Sailor's) are searched "
                            "only with --mixed-tp")
-NOTE_ZONES = ("an allocation spanning zones runs every node's network at min(its NIC, the inter-zone link): "
-              "pessimistic for traffic inside a zone (cluster/pool.py)")
+NOTE_ZONES = ("* spans zones: its time and $ are upper bounds, since every node's network runs at min(its NIC, "
+              "the inter-zone link), also for traffic that stays inside a zone (cluster/pool.py, docs/choose.md)")
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,14 @@ class Allocation:
     gpus: int
     usd_per_hour: float
     bound_iteration_s: float
+    zones: tuple[str, ...] = ()
+
+    @property
+    def spans_zones(self) -> bool:
+        """Whether its nodes lie in two or more zones: its cluster then runs
+        every node's network at the inter-zone link (``cluster/pool.py``), so
+        the time and $ planned for it are upper bounds of a per-link model."""
+        return len(self.zones) > 1
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,7 @@ class Point:
         return {"allocation": a.label, "counts": list(a.counts), "gpus": a.gpus, "cluster": self.workload.cluster.name,
                 "usd_per_hour": a.usd_per_hour, "iteration_s": self.iteration_s, "steps": self.steps,
                 "hours": self.hours, "gpu_usd": self.gpu_usd, "egress_usd": self.egress_usd,
+                "spans_zones": a.spans_zones,
                 "egress_gb_per_step": {z: b / BYTES_PER_GB for z, b in sorted(self.egress_bytes_per_step.items())},
                 "usd": self.usd, "plan": self.best.plan.describe(), "plan_record": self.best.to_dict()}
 
@@ -173,6 +182,7 @@ class FrontierPoint:
     hours: float
     usd: float
     plan: str
+    spans_zones: bool = False  # time and $ are upper bounds (``Allocation.spans_zones``)
 
 
 @dataclass(frozen=True)
@@ -188,14 +198,15 @@ class ChooseSummary:
 def summary(result: ChooseResult) -> ChooseSummary:
     """``result`` as a :class:`ChooseSummary`."""
     return ChooseSummary(result.pool.name, result.objective, result.proven, tuple(
-        FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe())
+        FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe(),
+                      p.allocation.spans_zones)
         for p in result.points))
 
 
 _RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "unplanned",
                 "proven", "notes", "points")
 _POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
-               "egress_usd", "egress_gb_per_step", "usd", "plan", "plan_record")
+               "egress_usd", "spans_zones", "egress_gb_per_step", "usd", "plan", "plan_record")
 
 
 def read_choose_json(path: str) -> ChooseSummary:
@@ -211,7 +222,8 @@ def read_choose_json(path: str) -> ChooseSummary:
                                     fields.number(f"{where}.iteration_s", entry["iteration_s"]),
                                     fields.number(f"{where}.hours", entry["hours"]),
                                     fields.number(f"{where}.usd", entry["usd"], strict=False),
-                                    fields.text(f"{where}.plan", entry["plan"])))
+                                    fields.text(f"{where}.plan", entry["plan"]),
+                                    fields.flag(f"{where}.spans_zones", entry.get("spans_zones", False))))
     return ChooseSummary(fields.text(f"{path}: pool", data["pool"]),
                          fields.text(f"{path}: objective", data["objective"], OBJECTIVES),
                          fields.flag(f"{path}: proven", data["proven"]), tuple(points))
@@ -256,7 +268,8 @@ def allocations(pool: Pool, workload: Workload) -> list[Allocation]:
     for counts in all_counts(pool):
         gpus = sum(n * o.gpus_per_node for n, o in zip(counts, pool.offers))
         price = sum(n * o.gpus_per_node * o.price_per_gpu_hour for n, o in zip(counts, pool.offers))
-        out.append(Allocation(counts, allocation_label(pool, counts), gpus, price, bounds.iteration_s(counts)))
+        zones = tuple(sorted(set(allocation_zones(pool, counts))))
+        out.append(Allocation(counts, allocation_label(pool, counts), gpus, price, bounds.iteration_s(counts), zones))
     return out
 
 
@@ -420,7 +433,7 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     best = best_point(points, objective, limit) if objective != "frontier" and limit is not None else None
     chosen = pareto_front(points) if objective == "frontier" else [best] if best is not None else []
     notes = [NOTE_ONE_TYPE_PER_GROUP]
-    if len(set(pool.egress_usd_per_gb)) > 1:
+    if any(p.allocation.spans_zones for p in chosen):
         notes.append(NOTE_ZONES)
     if unplanned:
         notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {unplanned} "
