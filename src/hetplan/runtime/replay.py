@@ -95,12 +95,14 @@ REPLAY_STEPS = 2
 @dataclass(frozen=True)
 class StageReplay:
     """One replayed rank: its pipeline stage, its rank, the plan's device it
-    runs on and its live-bytes peak."""
+    runs on, its live-bytes peak on that device and, apart, the peak of its
+    offloaded activations in host memory."""
 
     stage: int
     rank: int
     device: int
     peak_bytes: int
+    host_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,13 +119,20 @@ class PlanReplay:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the fake-tensor storages alive now, and their peak."""
+    """Counts the bytes of the fake-tensor storages alive now, and their peak:
+    device bytes (``now``, ``peak``) and, apart, host bytes (``host_now``,
+    ``host_peak``: storages made under :meth:`on_host`, the offload pool's host
+    copies), which do not count against the GPU."""
 
     def __init__(self) -> None:
         super().__init__()
         self._bytes: dict[int, int] = {}
+        self._host: dict[int, int] = {}  # host storages' bytes
+        self._on_host = 0  # depth of on_host contexts
         self.now = 0
         self.peak = 0
+        self.host_now = 0
+        self.host_peak = 0
         self._values = WeakTensorKeyDictionary()  # fake tensors of MoE routing and their real values
         self._fake_mode: Any = None  # the fake mode under this one (set by ``under``)
 
@@ -136,6 +145,16 @@ class LiveBytes(TorchDispatchMode):
         """Start a new peak from what is alive now (after a garbage collection)."""
         gc.collect()
         self.peak = self.now
+        self.host_peak = self.host_now
+
+    @contextlib.contextmanager
+    def on_host(self) -> Iterator[None]:
+        """Storages made inside are host memory (``HostPool``'s ``host_side``)."""
+        self._on_host += 1
+        try:
+            yield
+        finally:
+            self._on_host -= 1
 
     def _count(self, tensor: torch.Tensor) -> None:
         from torch._subclasses.fake_tensor import FakeTensor
@@ -149,11 +168,16 @@ class LiveBytes(TorchDispatchMode):
             return
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self._bytes:
+        if key in self._bytes or key in self._host:
             return
-        self._bytes[key] = storage.nbytes()
-        self.now += self._bytes[key]
-        self.peak = max(self.peak, self.now)
+        if self._on_host:
+            self._host[key] = storage.nbytes()
+            self.host_now += self._host[key]
+            self.host_peak = max(self.host_peak, self.host_now)
+        else:
+            self._bytes[key] = storage.nbytes()
+            self.now += self._bytes[key]
+            self.peak = max(self.peak, self.now)
         weakref.finalize(storage, self._free, key)
 
     def _routing(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -211,6 +235,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.now -= self._bytes.pop(key, 0)
+        self.host_now -= self._host.pop(key, 0)
 
     def resized(self, storage: Any) -> None:
         """A counted storage resized in place: its bytes now."""
@@ -329,17 +354,12 @@ def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
         raise HetplanError(f"the replay cannot run this plan: {why}")
     firsts = [layout.stage_ranks(j)[0] for j in range(layout.pp)]
     with StageMetadata():  # stage by stage, first to last: each receives what the one before it sent
-        stages = tuple(StageReplay(j, r, layout.devices[r], replay_rank(plan, spec, r)) for j, r in enumerate(firsts))
+        stages = tuple(StageReplay(j, r, layout.devices[r], *replay_rank(plan, spec, r)) for j, r in enumerate(firsts))
     return PlanReplay(stages, time.perf_counter() - start)
 
 
 def plan_refusal(plan: Plan, layout: Any) -> str:
     """Why the replay cannot run a plan's step ('' where it can)."""
-    from hetplan.runtime.spine import offloaded_layers
-
-    if offloaded_layers(plan, layout):
-        return ("offloaded activations go to host memory, which on the replay's CPU device is the device's own "
-                "(torch without CUDA makes no fake CUDA tensors)")
     if layout.heterogeneous:
         return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
                 "which fake tensors do not have")
@@ -393,8 +413,9 @@ class StageMetadata:
         self._module.PipelineStage._send_meta, self._module.PipelineStage._recv_meta = self._saved
 
 
-def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
-    """The live-bytes peak of ``rank`` over one training step (module doc)."""
+def replay_rank(plan: Plan, spec: Any, rank: int) -> tuple[int, int]:
+    """The live-bytes peaks of ``rank`` over one training step (module doc), on
+    its device and of its offloaded activations in host memory."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -415,6 +436,7 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
             # lack; its gradients are bucket views (parallelize.apply_ddp), the bytes replicate holds
             ctx.use_ddp = False
             live = LiveBytes()
+            ctx.offload_host_side = live.on_host  # offloaded copies are host bytes, fetched back as on a GPU
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
                 fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -430,7 +452,7 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
                         opt.zero_grad(set_to_none=True)
             finally:
                 ctx.close()
-            return live.peak
+            return live.peak, live.host_peak
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
