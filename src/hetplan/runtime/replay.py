@@ -37,10 +37,13 @@ What the replay does differently from ``hetplan train``, and why:
   (random initialisation needs the CUDA generator); the bytes of a tensor
   do not depend on the device. Autocast's CPU op lists decide the 16-bit
   casts.
-* not replayed (:func:`plan_refusal`, said in one line): activation offload
-  (host memory is the device's own here, and the offload pool tells
-  parameters from activations by data pointer, 0 for every fake tensor) and
-  heterogeneous pipelines (their stages send shapes as data).
+* activation offload runs a GPU's path on the CPU device: the offload pool
+  makes its host copies under :meth:`LiveBytes.on_host`, counted apart from
+  the device's bytes, and fetches them back as device copies
+  (``runtime/offload.py`` ``HostPool(host_side=...)``).
+* a heterogeneous pipeline's stages send their input shapes as data: the
+  replay answers them (:class:`StageMetadata`). Each share of a micro-batch
+  a stage's replicas take is replayed (:func:`replayed_ranks`).
 * the meshes are made, sliced and joined from real rank tensors
   (:func:`real_meshes`), and a host read of a real tensor (or of a fake one
   holding its value) reads its value: a DeviceMesh finds this rank's
@@ -348,7 +351,7 @@ def real_meshes() -> Iterator[None]:
 
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
-    """Replay one rank of each distinct pipeline stage of ``plan`` (first dp, tp and cp index)."""
+    """Replay one rank of each distinct pipeline stage and micro-batch share of ``plan`` (:func:`replayed_ranks`)."""
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     stages = []
