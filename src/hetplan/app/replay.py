@@ -123,9 +123,10 @@ def skip_reason(workload: Workload) -> str:
 
 
 def mixed_degree_refusal(plan: Plan) -> str:
-    """The replay runs the first rank of each stage (``runtime.replay.replay_plan``);
-    in a stage whose replicas have different TP degrees (``Stage.replica_tp``)
-    the ranks of other replicas hold other shapes, which it would not see."""
+    """The replay runs one rank of each stage and share of a micro-batch
+    (``runtime.replay.replayed_ranks``); in a stage whose replicas have different
+    TP degrees (``Stage.replica_tp``) the ranks of other replicas hold other
+    shapes, which it would not see."""
     mixed = [j for j, s in enumerate(plan.stages) if s.replica_tp is not None]
     if not mixed:
         return ""
