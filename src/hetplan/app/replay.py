@@ -41,12 +41,15 @@ def default_replay() -> int:
 class ReplayCheck:
     """One plan's replay: the peak of its fullest replayed GPU (tensors replayed
     plus the framework overhead the analytic peak also adds), that GPU's memory,
-    whether every replayed rank fits, and the seconds it took."""
+    whether every replayed rank fits (its GPU's memory, and its share of host
+    memory for offloaded activations), the seconds it took, and the most
+    offloaded activation bytes one GPU kept in host memory (0: none offloaded)."""
 
     peak_bytes: int
     capacity_bytes: int
     fits: bool
     seconds: float
+    host_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,9 +123,10 @@ def skip_reason(workload: Workload) -> str:
 
 
 def mixed_degree_refusal(plan: Plan) -> str:
-    """The replay runs the first rank of each stage (``runtime.replay.replay_plan``);
-    in a stage whose replicas have different TP degrees (``Stage.replica_tp``)
-    the ranks of other replicas hold other shapes, which it would not see."""
+    """The replay runs one rank of each stage and share of a micro-batch
+    (``runtime.replay.replayed_ranks``); in a stage whose replicas have different
+    TP degrees (``Stage.replica_tp``) the ranks of other replicas hold other
+    shapes, which it would not see."""
     mixed = [j for j, s in enumerate(plan.stages) if s.replica_tp is not None]
     if not mixed:
         return ""
@@ -131,18 +135,27 @@ def mixed_degree_refusal(plan: Plan) -> str:
 
 
 def replay_one(ranked: RankedPlan, workload: Workload) -> ReplayCheck:
-    """One plan's replay, against the memory of each replayed rank's GPU."""
+    """One plan's replay, against the memory of every GPU whose rank a replayed
+    rank stands for (a stage's GPUs may be of several types) and, for offloaded
+    activations, against each one's share of host memory."""
     why = mixed_degree_refusal(ranked.plan)
     if why:
         raise HetplanError(why)
     from hetplan.runtime.replay import replay_plan
 
     start = time.perf_counter()
-    replay = replay_plan(ranked.plan, workload.model)
-    capacity = ranked.estimate.memory_capacity_bytes
-    totals = [(s.peak_bytes + _overhead(workload, s.device), capacity[s.device]) for s in replay.stages]
+    return replay_check(replay_plan(ranked.plan, workload.model), ranked, workload, time.perf_counter() - start)
+
+
+def replay_check(replay: Any, ranked: RankedPlan, workload: Workload, seconds: float) -> ReplayCheck:
+    """``replay`` (a ``runtime.replay.PlanReplay`` of ``ranked``'s plan) against its GPUs' memory (``replay_one``)."""
+    estimate = ranked.estimate
+    held = [(s, d) for s in replay.stages for d in (s.devices or (s.device,))]
+    totals = [(s.peak_bytes + _overhead(workload, d), estimate.memory_capacity_bytes[d]) for s, d in held]
+    host_fits = all(s.host_peak_bytes <= estimate.host_capacity_bytes.get(d, s.host_peak_bytes) for s, d in held)
     peak, cap = max(totals, key=lambda t: t[0] / t[1])  # the fullest replayed GPU
-    return ReplayCheck(peak, cap, all(p <= c for p, c in totals), time.perf_counter() - start)
+    return ReplayCheck(peak, cap, host_fits and all(p <= c for p, c in totals), seconds,
+                       max(s.host_peak_bytes for s in replay.stages))
 
 
 def _overhead(workload: Workload, device: int) -> int:
@@ -168,5 +181,6 @@ def replay_record(check: ReplayCheck | None) -> dict[str, Any] | None:
     """A plan's replay in the JSON a command writes (None: not replayed)."""
     if check is None:
         return None
-    return {"peak_memory_bytes": check.peak_bytes, "capacity_bytes": check.capacity_bytes, "fits": check.fits,
-            "seconds": round(check.seconds, 3)}
+    host = {"host_peak_memory_bytes": check.host_peak_bytes} if check.host_peak_bytes else {}
+    return {"peak_memory_bytes": check.peak_bytes, "capacity_bytes": check.capacity_bytes, **host,
+            "fits": check.fits, "seconds": round(check.seconds, 3)}

@@ -61,7 +61,7 @@ from hetplan.cost.constants import (
     OPTIMIZER_STEP_BYTES_PER_PARAM,
     TP_COMM_PASSES,
 )
-from hetplan.model.runtime_memory import runtime_memory
+from hetplan.model.runtime_memory import backward_gradients, runtime_memory
 from hetplan.errors import HetplanError
 from hetplan.model.runtime_time import compiled_refusal, runtime_time
 from hetplan.cost.groups import ClusterArrays, first_appearance
@@ -220,6 +220,9 @@ class CostKernel:
         memory = runtime_memory(workload.model, cuda=any(d.gpu.catalog_name != "CPU" for d in self.cluster.devices)) \
             if self.runtime else None
         self.memory_arrays: LayerArrays = self.arrays if memory is None else runtime_arrays(self.arrays, memory)
+        # per layer and sample, the activation gradients its backward holds (TP-divided part, whole part)
+        gradients = backward_gradients(workload.model, cuda=cuda) if self.runtime else None
+        self.backward_gradients = np.zeros((self.num_layers, 2)) if gradients is None else np.array(gradients)
         # how ZeRO shards are kept: the runtime's own ways (cost.memory.resident_bytes_split), else the workload's
         self.state_implementation = "hetplan" if self.runtime else workload.zero_implementation
         # the size a linear layer's saved input keeps (FP8 training: one byte an element)
@@ -362,10 +365,14 @@ class CostKernel:
         """Per sample: what an offloaded layer still holds on the GPU, paid once
         per stage (not per micro-batch in flight): its own activations while it
         runs and the next one's fetched back ahead of backward
-        (``OFFLOAD_RESIDENT_LAYERS``), plus its backward's working set."""
+        (``OFFLOAD_RESIDENT_LAYERS``), plus its backward's working set and the
+        activation gradients its backward holds (``runtime_memory.backward_gradients``:
+        with nothing stored after an offloaded layer, they make its peak)."""
         return self._cached(("offwork", tp, recompute, sequence_parallel),
                             lambda: OFFLOAD_RESIDENT_LAYERS * self.activation_bytes(tp, recompute, sequence_parallel)
-                            + self.backward_working_bytes(tp, recompute, sequence_parallel))
+                            + self.backward_working_bytes(tp, recompute, sequence_parallel)
+                            + self.backward_gradients[:, 0] / tp + self.backward_gradients[:, 1]
+                            / (tp if sequence_parallel else 1))
 
     def loss_bytes(self, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Per sample and layer, the loss's part of what a layer keeps (the

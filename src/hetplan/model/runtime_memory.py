@@ -405,3 +405,27 @@ def _hf_llama_shape(spec: ModelSpec, cuda: bool) -> DecoderShape | None:
                         head_dim=int(arch.get("kv_channels") or h // a), ffn=int(arch["ffn"]), seq=spec.seq_len,
                         vocab=spec.vocab_size, norm="hf-rms", mlp="swiglu", bias=False, rope=True, hf=True,
                         mask=True, qk_norm=model_type == "qwen3", cuda=cuda)
+
+
+# Gradients of a dense MLP's inner activations a block's backward holds at once, in units of
+# tokens x ffn of the activations' dtype: GELU/ReLU -- the second linear's input gradient (``mm``)
+# and the activation function's input gradient (``gelu_backward``) beside it; SwiGLU -- the
+# product's gradient and the gradients of its two factors. Seen in the replayed tensors at the
+# peak of an offloaded tiny-gpt block's backward (docs/cost-model.md, "The replay check").
+MLP_GRADIENTS = {"gelu": 2, "relu": 2, "swiglu": 3}
+
+
+def backward_gradients(spec: ModelSpec, cuda: bool = True) -> tuple[tuple[float, float], ...] | None:
+    """Per layer of ``spec``, per sample: the activation gradients its backward holds at once
+    beyond what it saved, as (the part TP divides, the part it does not) -- a dense block's
+    MLP gradients (``MLP_GRADIENTS``) and the fp32 gradient of its residual stream. They make
+    a stage's peak only where no layer after it still holds its activations, such as an
+    offloaded block (its two fetched layers are all it holds); the loss's gradients are the
+    head's ``working``. None for a model not written out here; 0 for other layers (and MoE
+    blocks: not measured)."""
+    shapes = decoder_shape(spec, cuda)
+    if shapes is None:
+        return None
+    return tuple((MLP_GRADIENTS[s.mlp] * spec.dtype_bytes * s.seq * s.ffn, FP32 * s.seq * s.hidden)
+                 if layer.kind not in ("embedding", "head") and not s.experts else (0.0, 0.0)
+                 for layer, s in zip(spec.layers, shapes))

@@ -187,7 +187,7 @@ _FILE_KEYS = ("format_version", "plans", "model_spec", "cluster_spec", "settings
 _ENTRY_KEYS = ("plan", "estimate", "planner_cost_s", "training", "replay")
 # "replay": the replay check's record ('hetplan plan --json' with torch, hetplan.app.replay.replay_record),
 # what was found when the file was written; it is costed again, not trusted, when the file is read
-_REPLAY_KEYS = ("peak_memory_bytes", "capacity_bytes", "fits", "seconds")
+_REPLAY_KEYS = ("peak_memory_bytes", "capacity_bytes", "host_peak_memory_bytes", "fits", "seconds")
 
 
 def _plan_of(where: str, entry: Any) -> Any:

@@ -35,7 +35,7 @@ import copy
 import os
 import sys
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,8 @@ class RuntimeContext:
         self._guarded_params: list[nn.Parameter] = []  # see hetplan.runtime.clip_guard
         self._dp_cp_mesh: Any = None  # dense-gradient mesh under context parallelism (dp_mesh)
         self._offload_pool: HostPool | None = None  # made when a layer offloads
+        # where a CPU device's offloaded copies are made when it stands for a GPU (the replay; HostPool)
+        self.offload_host_side: Callable[[], ContextManager[Any]] | None = None
         self._zero1_params: set[int] = set()  # ids of parameters of ZeRO-1 layers (dp > 1)
         self._zero1_groups: dict[int, Any] = {}  # their groups where not dp_mesh's (expert-parallel experts)
 
@@ -169,7 +171,7 @@ class RuntimeContext:
     def offload_pool(self) -> HostPool:
         """The ``HostPool`` holding this rank's offloaded activations (made on first use)."""
         if self._offload_pool is None:
-            self._offload_pool = HostPool(self.device)
+            self._offload_pool = HostPool(self.device, self.offload_host_side)
         return self._offload_pool
 
     # --- model -----------------------------------------------------------------------

@@ -138,10 +138,13 @@ class HeteroPipeline:
     # --- one step ---------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
              loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], scale: float, num_micro: int,
-             schedule: str, model_inputs: dict[str, torch.Tensor] | None = None
+             schedule: str, model_inputs: dict[str, torch.Tensor] | None = None, keep_outputs: bool = True
              ) -> tuple[list[torch.Tensor], list[Any]]:
         """``model_inputs``: the model's keyword inputs, this replica's rows of
-        each micro-batch after micro-batch (as ``inputs``), given to every stage."""
+        each micro-batch after micro-batch (as ``inputs``), given to every stage.
+        ``keep_outputs``: the last stage returns each micro-batch's output; off,
+        none is held past its backward (a detached output keeps its storage: the
+        logits of every micro-batch until the step ends)."""
         b = self.rows[1] - self.rows[0]
         saved: dict[int, tuple[torch.Tensor | None, Any]] = {}
         losses: list[torch.Tensor] = []
@@ -171,7 +174,8 @@ class HeteroPipeline:
                 if scale != 1.0:
                     loss = loss * scale
                 losses.append(loss.detach())
-                outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
+                if keep_outputs:
+                    outputs.append(out.detach() if isinstance(out, torch.Tensor) else out)
                 saved[k] = (x if not self.first else None, loss)
             else:
                 for link in self.send_fwd:

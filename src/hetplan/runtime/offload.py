@@ -12,17 +12,27 @@ checkpoint's saved input (torch.utils.checkpoint saves it as a saved tensor
 under the hooks around it), so only that is moved, as in SageMaker.
 
 Parameters the layer's ops save (a linear layer saves its weight) are not
-activations: they stay where they are. On CPU the "host" copy is a second CPU
-tensor, so the saved-activation bytes that stay on the device and those moved
-are still counted apart (``HostPool``), which is what the tests measure.
+activations: they stay where they are; they are told apart by storage, not by
+data pointer, which a fake tensor (the replay, ``runtime/replay.py``) lacks. On
+CPU the "host" copy is a second CPU tensor, so the saved-activation bytes that
+stay on the device and those moved are still counted apart (``HostPool``),
+which is what the tests measure. The replay runs a GPU's path on its CPU
+device (``HostPool(host_side=...)``): host copies are made where the replay
+counts them as host bytes, and fetched back as device copies one layer ahead.
+
+A call's record holds its saved tensors weakly: autograd's saved-tensor slots
+own them, so a fetched device copy is freed when the backward that used it
+releases its slot, not at the next garbage collection (a reference cycle
+between a call and its tensors kept every fetched copy to then).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -30,32 +40,58 @@ from torch import nn
 
 @dataclass
 class _Call:
-    """The tensors one forward call of an offloaded layer saved, and the call
-    of the layer before it in the same forward (fetched one layer ahead)."""
+    """The storages one forward call of an offloaded layer moved (weakly:
+    module doc), their host bytes, and the call of the layer before it in the
+    same forward (fetched one layer ahead)."""
 
-    packed: list[_Packed] = field(default_factory=list)
+    copies: list[weakref.ref[_Copy]] = field(default_factory=list)
     previous: _Call | None = None
     fetched: bool = False
+    host_bytes: int = 0
+
+    def alive(self) -> list[_Copy]:
+        """The moved storages some backward still holds."""
+        return [c for c in (ref() for ref in self.copies) if c is not None]
+
+
+@dataclass
+class _Copy:
+    """One moved storage: all of it, flat, in host memory, and its device copy
+    once fetched. Tensors saved as views of one storage (the q, k and v
+    projections each save their own view of the norm's output) share it: the
+    storage moves once, as the device held it once."""
+
+    host: torch.Tensor
+    device: torch.device
+    dtype: torch.dtype
+    storage: Any  # weak reference to the device storage moved
+    back: torch.Tensor | None = None  # the fetched device copy
+    ready: Any = None  # CUDA event of the fetch
 
 
 @dataclass
 class _Packed:
-    host: torch.Tensor
-    device: torch.device
+    """One saved tensor: its storage's copy, the call that saved it and where in the storage it lies."""
+
+    copy: _Copy
     call: _Call
-    source: Any  # weak reference to the tensor moved (a second save of it reuses this copy)
-    back: torch.Tensor | None = None  # the fetched device copy
-    ready: Any = None  # CUDA event of the fetch
+    view: tuple[torch.Size, tuple[int, ...], int]  # size, stride, storage offset
     dtensor: tuple[Any, Any, torch.Size, tuple[int, ...]] | None = None  # (mesh, placements, shape, stride)
 
 
 class HostPool:
     """Saved activations kept in host memory, counted: bytes moved in total
     (``moved_bytes``), moved and not yet fetched back (``held_bytes``) and the
-    most of those at once (``peak_bytes``)."""
+    most of those at once (``peak_bytes``).
 
-    def __init__(self, device: torch.device) -> None:
+    ``host_side``: for a CPU device standing for a GPU (the replay), a context
+    under which host copies are made (the replay counts what is made under it
+    as host bytes); they are then fetched back as device copies, as on CUDA.
+    None: on CPU the host copy is used where it is."""
+
+    def __init__(self, device: torch.device, host_side: Callable[[], ContextManager[Any]] | None = None) -> None:
         self.device = device
+        self._host_side = host_side
         self.moved_bytes = 0
         self.held_bytes = 0
         self.peak_bytes = 0
@@ -78,32 +114,42 @@ class HostPool:
         finally:
             self._call = outer
         first = next(iter(_tensors((out,), {})), None)
-        self._last = (call, id(first)) if first is not None and call.packed else None
+        self._last = (call, id(first)) if first is not None and call.copies else None
         return out
 
     def _pack(self, params: set[int], tensor: torch.Tensor) -> Any:
         from torch.distributed.tensor import DTensor
 
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if self._call is None or _storage(local) in params or local.device.type == "meta":
+        if self._call is None or _storage(local) in params or local.device.type == "meta" \
+                or local.layout != torch.strided:
             return tensor
-        for earlier in self._call.packed:  # one tensor saved by two ops is moved once
-            if earlier.source() is tensor:
-                return earlier
-        host = self._to_host(local)
+        copy = self._copy(local)
         spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) \
             if isinstance(tensor, DTensor) else None
-        packed = _Packed(host, local.device, self._call, weakref.ref(tensor), dtensor=spec)
-        self._call.packed.append(packed)
-        size = host.untyped_storage().nbytes()
+        return _Packed(copy, self._call, (local.size(), local.stride(), local.storage_offset()), spec)
+
+    def _copy(self, local: torch.Tensor) -> _Copy:
+        """The host copy of ``local``'s storage, made on its first save in this call."""
+        assert self._call is not None
+        storage = local.untyped_storage()
+        for earlier in self._call.alive():
+            if earlier.storage() is storage and earlier.dtype == local.dtype:
+                return earlier
+        whole = local.detach().as_strided((storage.nbytes() // local.element_size(),), (1,), 0)
+        copy = _Copy(self._to_host(whole), local.device, local.dtype, weakref.ref(storage))
+        self._call.copies.append(weakref.ref(copy))
+        size = copy.host.untyped_storage().nbytes()
+        self._call.host_bytes += size
         self.moved_bytes += size
         self.held_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        return packed
+        return copy
 
     def _to_host(self, local: torch.Tensor) -> torch.Tensor:
         if self._stream is None:  # CPU: a separate copy, so the bytes are counted as moved
-            return local.detach().clone()
+            with self._host_side() if self._host_side is not None else contextlib.nullcontext():
+                return local.clone()
         host = torch.empty(local.size(), dtype=local.dtype, layout=local.layout, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(local.device))
         with torch.cuda.stream(self._stream):
@@ -118,9 +164,10 @@ class HostPool:
         self._fetch(packed.call)
         if packed.call.previous is not None:
             self._fetch(packed.call.previous)  # one layer ahead
-        if packed.ready is not None:
-            torch.cuda.current_stream(packed.device).wait_event(packed.ready)
-        value = packed.back if packed.back is not None else packed.host
+        copy = packed.copy
+        if copy.ready is not None:
+            torch.cuda.current_stream(copy.device).wait_event(copy.ready)
+        value = (copy.back if copy.back is not None else copy.host).as_strided(*packed.view)
         if packed.dtensor is not None:
             from torch.distributed.tensor import DTensor
 
@@ -132,18 +179,22 @@ class HostPool:
         if call.fetched:
             return
         call.fetched = True
-        for packed in call.packed:
-            self.held_bytes -= packed.host.untyped_storage().nbytes()
+        self.held_bytes -= call.host_bytes
+        for copy in call.alive():
             if self._stream is None:
+                if self._host_side is not None:  # the replay's GPU path: a device copy of the host one
+                    copy.back = copy.host.clone()
                 continue
             with torch.cuda.stream(self._stream):
-                packed.back = packed.host.to(packed.device, non_blocking=True)
-                packed.ready = torch.cuda.Event()
-                packed.ready.record(self._stream)
+                copy.back = copy.host.to(copy.device, non_blocking=True)
+                copy.ready = torch.cuda.Event()
+                copy.ready.record(self._stream)
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    """The identity of ``tensor``'s storage: its C++ storage object, the same for
+    every view of it, real or fake (a fake tensor has no data pointer)."""
+    return tensor.untyped_storage()._cdata
 
 
 def _tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> Iterable[torch.Tensor]:

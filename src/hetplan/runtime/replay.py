@@ -37,10 +37,13 @@ What the replay does differently from ``hetplan train``, and why:
   (random initialisation needs the CUDA generator); the bytes of a tensor
   do not depend on the device. Autocast's CPU op lists decide the 16-bit
   casts.
-* not replayed (:func:`plan_refusal`, said in one line): activation offload
-  (host memory is the device's own here, and the offload pool tells
-  parameters from activations by data pointer, 0 for every fake tensor) and
-  heterogeneous pipelines (their stages send shapes as data).
+* activation offload runs a GPU's path on the CPU device: the offload pool
+  makes its host copies under :meth:`LiveBytes.on_host`, counted apart from
+  the device's bytes, and fetches them back as device copies
+  (``runtime/offload.py`` ``HostPool(host_side=...)``).
+* a heterogeneous pipeline's stages send their input shapes as data: the
+  replay answers them (:class:`StageMetadata`). Each share of a micro-batch
+  a stage's replicas take is replayed (:func:`replayed_ranks`).
 * the meshes are made, sliced and joined from real rank tensors
   (:func:`real_meshes`), and a host read of a real tensor (or of a fake one
   holding its value) reads its value: a DeviceMesh finds this rank's
@@ -72,6 +75,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from hetplan.errors import HetplanError
 from hetplan.plan.layout import PlanLayout
 from hetplan.plan.spec import Plan
+from hetplan.runtime.hetero import HeteroPipeline
 
 # The optimizer the replay steps with: AdamW, whose two fp32 states per parameter the cost model
 # charges, in its for-loop form (runtime/reference.py ``make_optimizer``): its temporaries are one
@@ -95,12 +99,15 @@ REPLAY_STEPS = 2
 @dataclass(frozen=True)
 class StageReplay:
     """One replayed rank: its pipeline stage, its rank, the plan's device it
-    runs on and its live-bytes peak."""
+    runs on, its live-bytes peak on that device and, apart, the peak of its
+    offloaded activations in host memory."""
 
     stage: int
     rank: int
     device: int
     peak_bytes: int
+    host_peak_bytes: int = 0
+    devices: tuple[int, ...] = ()  # the plan's devices whose ranks hold what this one holds (replayed_ranks)
 
 
 @dataclass(frozen=True)
@@ -117,13 +124,20 @@ class PlanReplay:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the fake-tensor storages alive now, and their peak."""
+    """Counts the bytes of the fake-tensor storages alive now, and their peak:
+    device bytes (``now``, ``peak``) and, apart, host bytes (``host_now``,
+    ``host_peak``: storages made under :meth:`on_host`, the offload pool's host
+    copies), which do not count against the GPU."""
 
     def __init__(self) -> None:
         super().__init__()
         self._bytes: dict[int, int] = {}
+        self._host: dict[int, int] = {}  # host storages' bytes
+        self._on_host = 0  # depth of on_host contexts
         self.now = 0
         self.peak = 0
+        self.host_now = 0
+        self.host_peak = 0
         self._values = WeakTensorKeyDictionary()  # fake tensors of MoE routing and their real values
         self._fake_mode: Any = None  # the fake mode under this one (set by ``under``)
 
@@ -136,6 +150,16 @@ class LiveBytes(TorchDispatchMode):
         """Start a new peak from what is alive now (after a garbage collection)."""
         gc.collect()
         self.peak = self.now
+        self.host_peak = self.host_now
+
+    @contextlib.contextmanager
+    def on_host(self) -> Iterator[None]:
+        """Storages made inside are host memory (``HostPool``'s ``host_side``)."""
+        self._on_host += 1
+        try:
+            yield
+        finally:
+            self._on_host -= 1
 
     def _count(self, tensor: torch.Tensor) -> None:
         from torch._subclasses.fake_tensor import FakeTensor
@@ -149,11 +173,16 @@ class LiveBytes(TorchDispatchMode):
             return
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self._bytes:
+        if key in self._bytes or key in self._host:
             return
-        self._bytes[key] = storage.nbytes()
-        self.now += self._bytes[key]
-        self.peak = max(self.peak, self.now)
+        if self._on_host:
+            self._host[key] = storage.nbytes()
+            self.host_now += self._host[key]
+            self.host_peak = max(self.host_peak, self.host_now)
+        else:
+            self._bytes[key] = storage.nbytes()
+            self.now += self._bytes[key]
+            self.peak = max(self.peak, self.now)
         weakref.finalize(storage, self._free, key)
 
     def _routing(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -211,6 +240,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.now -= self._bytes.pop(key, 0)
+        self.host_now -= self._host.pop(key, 0)
 
     def resized(self, storage: Any) -> None:
         """A counted storage resized in place: its bytes now."""
@@ -321,29 +351,31 @@ def real_meshes() -> Iterator[None]:
 
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
-    """Replay one rank of each distinct pipeline stage of ``plan`` (first dp, tp and cp index)."""
+    """Replay one rank of each distinct pipeline stage and micro-batch share of ``plan`` (:func:`replayed_ranks`)."""
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
-    why = plan_refusal(plan, layout)
-    if why:
-        raise HetplanError(f"the replay cannot run this plan: {why}")
-    firsts = [layout.stage_ranks(j)[0] for j in range(layout.pp)]
-    with StageMetadata():  # stage by stage, first to last: each receives what the one before it sent
-        stages = tuple(StageReplay(j, r, layout.devices[r], replay_rank(plan, spec, r)) for j, r in enumerate(firsts))
-    return PlanReplay(stages, time.perf_counter() - start)
+    stages = []
+    with StageMetadata() as shapes:  # stage by stage, first to last: each receives what the one before it sent
+        for rank, devices in replayed_ranks(layout):
+            position = layout.position(rank)
+            shapes.share = position.samples_per_micro_batch
+            device_peak, host_peak = replay_rank(plan, spec, rank)
+            stages.append(StageReplay(position.pp_index, rank, position.device, device_peak, host_peak, devices))
+    return PlanReplay(tuple(stages), time.perf_counter() - start)
 
 
-def plan_refusal(plan: Plan, layout: Any) -> str:
-    """Why the replay cannot run a plan's step ('' where it can)."""
-    from hetplan.runtime.spine import offloaded_layers
-
-    if offloaded_layers(plan, layout):
-        return ("offloaded activations go to host memory, which on the replay's CPU device is the device's own "
-                "(torch without CUDA makes no fake CUDA tensors)")
-    if layout.heterogeneous:
-        return ("a heterogeneous pipeline's stages send their tensors' shapes as data (runtime/hetero.py), "
-                "which fake tensors do not have")
-    return ""
+def replayed_ranks(layout: PlanLayout) -> list[tuple[int, tuple[int, ...]]]:
+    """The ranks replayed, first stage to last, each with the plan devices whose ranks
+    hold what it holds: per stage, the first rank of the first replica of each share of
+    a micro-batch (``dp_split``; replicas of one share, and the TP, CP and EP ranks of
+    a replica, hold tensors of the same sizes), standing for every rank of those replicas."""
+    out = []
+    for j in range(layout.pp):
+        by_share: dict[int, list[int]] = {}
+        for replica in layout.stage_mesh_ranks(j):
+            by_share.setdefault(layout.position(replica[0]).samples_per_micro_batch, []).extend(replica)
+        out.extend((ranks[0], tuple(layout.devices[r] for r in ranks)) for ranks in by_share.values())
+    return out
 
 
 class StageMetadata:
@@ -353,21 +385,34 @@ class StageMetadata:
     ``send_object_list``, which a fake process group does not carry). A stage
     receives the forward shapes the stage before it sent; the gradient shapes
     from the stage after it, not replayed yet, are those of its own outputs
-    (``_derive_grad_metas``, as torch derives them where no gradient is sent)."""
+    (``_derive_grad_metas``, as torch derives them where no gradient is sent).
+    Replicas of different shares of a micro-batch (an uneven ``dp_split``, the
+    same in every stage) send to the replica of their share (``share``: that of
+    the rank replayed now).
+
+    A heterogeneous pipeline's executor (``runtime/hetero.py``) sends a header
+    tensor with each input's shape once; its receiver reads it as data, which a
+    fake tensor has none of. Its stages take the row count of their own link
+    from the sender (``HeteroPipeline.recv_fwd``, the plan's ``dp_split``) and
+    the trailing shape and dtype of what the stage before sent, as the header
+    would say."""
 
     def __init__(self) -> None:
-        self._sent: dict[int, Any] = {}
+        self._sent: dict[tuple[int, int], Any] = {}
+        self._hetero_sent: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.share = 0
 
     def __enter__(self) -> StageMetadata:
         from torch.distributed.pipelining import stage as pipeline_stage
 
         self._module = pipeline_stage
         self._saved = (pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta)
+        self._hetero_saved = (HeteroPipeline._send_header, HeteroPipeline._recv_header)
         mailbox = self
 
         def send(stage: Any, meta: Any, dst_stage: int) -> None:
             if dst_stage > stage.stage_index:  # forward shapes; gradient shapes are derived (class doc)
-                mailbox._sent[dst_stage] = meta
+                mailbox._sent[(dst_stage, mailbox.share)] = meta
 
         def recv(stage: Any, src_stage: int) -> Any:
             if src_stage < stage.stage_index:
@@ -375,8 +420,23 @@ class StageMetadata:
             return pipeline_stage._StageBackwardMeta(
                 backward_metas=pipeline_stage._derive_grad_metas(stage._stage_meta.outputs))
 
+        def send_header(pipeline: Any, tensor: torch.Tensor, peer: int) -> None:
+            mailbox._hetero_sent[pipeline.stage + 1] = (tuple(tensor.shape[1:]), tensor.dtype)
+
+        def recv_header(pipeline: Any, peer: int) -> tuple[tuple[int, ...], torch.dtype]:
+            return mailbox.hetero_header(pipeline, peer)
+
         pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta = send, recv
+        HeteroPipeline._send_header, HeteroPipeline._recv_header = send_header, recv_header  # type: ignore[method-assign]  # patched only during a replay, put back after
         return self
+
+    def hetero_header(self, pipeline: Any, peer: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The (shape, dtype) header ``pipeline``'s stage would receive from ``peer`` (class doc)."""
+        if pipeline.stage not in self._hetero_sent:
+            raise HetplanError(f"the replay has no shapes for pipeline stage {pipeline.stage}'s input")
+        trailing, dtype = self._hetero_sent[pipeline.stage]
+        link = next(link for link in pipeline.recv_fwd if link.peer == peer)
+        return (link.hi - link.lo, *trailing), dtype
 
     def forward_meta(self, stage_index: int) -> Any:
         """The forward shapes stage ``stage_index`` receives: those sent to it,
@@ -384,17 +444,19 @@ class StageMetadata:
         replayed after this one) those the nearest earlier stage received: the
         chunks between the first and the last are runs of decoder blocks, which
         keep the hidden states' shape (``runtime/parallelize.py`` ``PipelinePart``)."""
-        earlier = [k for k in self._sent if k <= stage_index]
+        earlier = [k for k, share in self._sent if k <= stage_index and share == self.share]
         if not earlier:
             raise HetplanError(f"the replay has no shapes for pipeline stage {stage_index}'s input")
-        return self._sent[max(earlier)]
+        return self._sent[(max(earlier), self.share)]
 
     def __exit__(self, *exc: Any) -> None:
         self._module.PipelineStage._send_meta, self._module.PipelineStage._recv_meta = self._saved
+        HeteroPipeline._send_header, HeteroPipeline._recv_header = self._hetero_saved  # type: ignore[method-assign]  # patched only during a replay, put back after
 
 
-def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
-    """The live-bytes peak of ``rank`` over one training step (module doc)."""
+def replay_rank(plan: Plan, spec: Any, rank: int) -> tuple[int, int]:
+    """The live-bytes peaks of ``rank`` over one training step (module doc), on
+    its device and of its offloaded activations in host memory."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -415,6 +477,7 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
             # lack; its gradients are bucket views (parallelize.apply_ddp), the bytes replicate holds
             ctx.use_ddp = False
             live = LiveBytes()
+            ctx.offload_host_side = live.on_host  # offloaded copies are host bytes, fetched back as on a GPU
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
                 fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -430,7 +493,7 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> int:
                         opt.zero_grad(set_to_none=True)
             finally:
                 ctx.close()
-            return live.peak
+            return live.peak, live.host_peak
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -246,7 +246,7 @@ def pipeline_step(ctx: TrainingRank, info: ModelInfo, x: torch.Tensor, y: torch.
         losses, outputs = info.stages[0].step(x if ctx.is_first_stage else None,
                                               y if ctx.is_last_stage else None, loss_fn, scale,
                                               ctx.plan.num_micro_batches, ctx.layout.schedule,
-                                              info.step_inputs)
+                                              info.step_inputs, keep_outputs=return_outputs)
         ctx.last_outputs = outputs if ctx.is_last_stage and return_outputs else None
         return losses
     if info.schedule is None:
