@@ -23,7 +23,9 @@ from hetplan.cli import main
 from hetplan.model.presets import get_model
 from hetplan.plan.file import read_plan_file
 from hetplan.runtime.build import model_build
+from hetplan.runtime.launch import check_results, free_port, run_local
 from hetplan.runtime.reference import build_reference, make_optimizer, train_reference, training_batch
+from rt_helpers import train_worker
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -116,3 +118,42 @@ def test_run_elastic_starts_the_users_script_again_with_the_new_plan_and_its_che
     assert f"resumed from {ckpt / 'step_00000002'}" in proc.stdout
     assert [int(k) for k in re.findall(r"^step +(\d+) ", proc.stdout, re.M)] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert (ckpt / "step_00000006" / "hetplan-manifest.json").is_file()
+
+
+TWO_NODES = """name: two-nodes
+inter_node_bandwidth_gbps: 10
+nodes:
+  - {gpu: CPU, gpus: 2, intra_node_bandwidth_gbps: 10, count: 2}
+"""
+
+
+@pytest.mark.slow
+def test_two_node_supervisors_agree_on_the_lost_device_and_go_on_with_the_same_plan(tmp_path: Path) -> None:
+    """Two supervisors on this machine stand in for two nodes of 2 processes (one store, node 0's): rank 3
+    (node 1) is killed after step 2's checkpoint; both re-plan for the same 3 devices and go on from step 2,
+    with the losses a run of that plan from that checkpoint has."""
+    (tmp_path / "two.yaml").write_text(TWO_NODES)
+    plan = _plan(tmp_path, str(tmp_path / "two.yaml"))
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "HETPLAN_FAULT_KILL": "3:2:4"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "hetplan.cli", "train", "--plan", plan, "--steps", "4",
+                               "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--elastic", "--nnodes", "2",
+                               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--out", str(out),
+                               "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=ROOT) for rank in (0, 1)]
+    said = [node.communicate(timeout=600) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, said):
+        assert node.returncode == 0, stdout + stderr
+        assert "rank 3 (stage 0 of 1: embed..head, dp 3 of 4, device 3;" in stderr and "killed by SIGKILL" in stderr
+    replanned = [re.search(r"--elastic: re-planned for the 3 devices left without device\(s\) 3: (.*)", stdout)
+                 for stdout, _ in said]
+    assert replanned[0] and replanned[1] and replanned[0].group(1) == replanned[1].group(1)
+    assert "3 processes, 2 on node 0 of 2" in said[0][0] and "3 processes, 1 on node 1 of 2" in said[1][0]
+    new_plan = str(ckpt / "plan-replan-1.json")
+    assert read_plan_file(new_plan).cluster.num_devices == 3
+    start, losses = _losses(out)
+    assert start == 2 and len(losses) == 2
+    alone = run_local(train_worker, 3, (new_plan, 4, {"load_from": str(ckpt / "step_00000002"), "export": False}),
+                      timeout_s=240, env={"HETPLAN_ONE_MACHINE": "1"})
+    assert check_results(alone)[0]["losses"] == losses
