@@ -226,7 +226,8 @@ class NodeGroup:
             decision = Report.read(self.store.compare_set(f"{prefix}decision", "", proposal.text()))
         except (RuntimeError, OSError) as exc:
             raise HetplanError(store_gone_line(exc)) from None
-        if set(self.devices[self.members.index(self.me)]) <= set(decision.lost) and not set(mine.lost):
+        here = set(self.devices[self.members.index(self.me)])
+        if here <= set(decision.lost) and not here <= set(mine.lost):  # counted as silent: the others went on
             raise HetplanError(f"the other nodes decided without this one ({decision.line}); its devices are out of "
                                "the run: restart it with the nodes left ('hetplan replan', docs/elastic.md)")
         if decision.lost:
