@@ -13,10 +13,11 @@ samples an uninterrupted run would have seen, whatever the new data-parallel deg
 
 Each restart is a new torchrun launch with the new plan's world size: torchrun's own restarts
 (``--max-restarts``) rerun the same number of processes per node, and a lost GPU changes that number.
-Only the processes of this one ``hetplan train`` are supervised (it runs every rank on this machine);
-which devices are gone is what the launch saw die, so there is nothing for nodes to agree on. Several
-machines that each re-plan from the same file and the same lost devices compute the same plan (the
-planners are deterministic: ``tests/test_determinism.py``, ``tests/test_replan.py``).
+On one machine the supervisor watches every rank, and which devices are gone is what its launch saw
+die. On several (``--nnodes``), each node's supervisor watches its own ranks, and the supervisors agree on
+the devices gone through a store on node 0 (``hetplan.runtime.nodes``); each then computes the same plan
+from the same file and the same lost devices (the planners are deterministic:
+``tests/test_determinism.py``, ``tests/test_replan.py``).
 """
 
 from __future__ import annotations
