@@ -260,6 +260,14 @@ def test_a_lost_store_is_one_line() -> None:
         _group(Gone(), 1).wait_for(["launch0/report/0"], 1.0)
 
 
+def test_run_checks_the_node_flags_against_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _two_node_plan(tmp_path, capsys)
+    assert main(["run", plan, "--elastic", "--checkpoint-dir", str(tmp_path / "ck"), "--nnodes", "3", "--node-rank",
+                 "0", "--rdzv-endpoint", "h:1", "--", "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hetplan: error: --nnodes 3: the plan runs on 2 node(s)") and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nnodes", "2"], "--nnodes, --node-rank and --rdzv-endpoint go together"),
     (["--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--elastic"], "--nnodes 3: the plan runs on 2"),

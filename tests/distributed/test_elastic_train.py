@@ -147,13 +147,14 @@ def test_two_node_supervisors_agree_on_the_lost_device_and_go_on_with_the_same_p
                                "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               cwd=ROOT) for rank in (0, 1)]
     said = [node.communicate(timeout=600) for node in nodes]
+    shown = "\n".join(f"node {rank}:\n{stdout}{stderr}" for rank, (stdout, stderr) in enumerate(said))
     for node, (stdout, stderr) in zip(nodes, said):
-        assert node.returncode == 0, stdout + stderr
-        assert "rank 3 (stage 0 of 1: embed..head, dp 3 of 4, device 3;" in stderr and "killed by SIGKILL" in stderr
+        assert node.returncode == 0, shown
+        assert "rank 3 (stage 0 of 1: embed..head, dp 3 of 4, device 3;" in stderr and "killed by SIGKILL" in stderr, shown
     replanned = [re.search(r"--elastic: re-planned for the 3 devices left without device\(s\) 3: (.*)", stdout)
                  for stdout, _ in said]
-    assert replanned[0] and replanned[1] and replanned[0].group(1) == replanned[1].group(1)
-    assert "3 processes, 2 on node 0 of 2" in said[0][0] and "3 processes, 1 on node 1 of 2" in said[1][0]
+    assert replanned[0] and replanned[1] and replanned[0].group(1) == replanned[1].group(1), shown
+    assert "3 processes, 2 on node 0 of 2" in said[0][0] and "3 processes, 1 on node 1 of 2" in said[1][0], shown
     new_plan = str(ckpt / "plan-replan-1.json")
     assert read_plan_file(new_plan).cluster.num_devices == 3
     start, losses = _losses(out)

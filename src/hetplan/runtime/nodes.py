@@ -188,8 +188,12 @@ class NodeGroup:
             time.sleep(POLL_S)
 
     def _check(self, key: str) -> bool:
+        return bool(self._call("check", [key]))
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """``store.method(*args)``; a store that cannot be reached is one line (its host is gone)."""
         try:
-            return bool(self.store.check([key]))
+            return getattr(self.store, method)(*args)
         except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
             raise HetplanError(store_gone_line(exc)) from None
 
@@ -207,25 +211,19 @@ class NodeGroup:
         self.launches += 1
         self.current = None
         if self.me in self.members:
-            master = self.store.get(f"addr/{self.members[0]}").decode()
+            master = self._call("get", f"addr/{self.members[0]}").decode()
             self.current = NodeLaunch(len(self.members), self.members.index(self.me), master, self.port + 1 + launch)
         return self.current
 
     def agree(self, mine: Report) -> Report:
         """Publish this node's report of the launch just ended and return the decision every node reads."""
         prefix = f"launch{self.launches - 1}/"
-        try:
-            self.store.set(f"{prefix}report/{self.me}", mine.text())
-        except (RuntimeError, OSError) as exc:
-            raise HetplanError(store_gone_line(exc)) from None
+        self._call("set", f"{prefix}report/{self.me}", mine.text())
         keys = [f"{prefix}report/{m}" for m in self.members]
         silent = set(self.wait_for(keys, self.timeout_s))
-        reports = [None if key in silent else Report.read(self.store.get(key)) for key in keys]
+        reports = [None if key in silent else Report.read(self._call("get", key)) for key in keys]
         proposal = decide(reports, self.devices, self.timeout_s)
-        try:
-            decision = Report.read(self.store.compare_set(f"{prefix}decision", "", proposal.text()))
-        except (RuntimeError, OSError) as exc:
-            raise HetplanError(store_gone_line(exc)) from None
+        decision = Report.read(self._call("compare_set", f"{prefix}decision", "", proposal.text()))
         here = set(self.devices[self.members.index(self.me)])
         if here <= set(decision.lost) and not here <= set(mine.lost):  # counted as silent: the others went on
             raise HetplanError(f"the other nodes decided without this one ({decision.line}); its devices are out of "
@@ -239,7 +237,7 @@ class NodeGroup:
         as a report may take when it ran the last launch with them (they end with it), for the rest of the
         run when its devices are out of the plan (the others go on)."""
         try:
-            self.store.set(f"gone/{self.me}", "1")
+            self._call("set", f"gone/{self.me}", "1")
             if self.me == 0:
                 others = [f"gone/{m}" for m in range(1, self.nnodes) if self.where[m] is not None]
                 if self.current is not None:
