@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from torch.distributed import HashStore
 
 from hetplan.app import elastic
 from hetplan.app.elastic import Attempt, lost_devices, train_elastic, with_stragglers
@@ -22,6 +24,7 @@ from hetplan.plan.file import read_plan_file
 from hetplan.plan.layout import PlanLayout
 from hetplan.runtime.checkpoint_dirs import MANIFEST
 from hetplan.runtime.launch import RankExit
+from hetplan.runtime.nodes import NodeGroup, NodeLaunch, Report, decide, nodes_left
 from hetplan.runtime.faults import KILL_ENV as FAULT_ENV, fault_kills
 
 
@@ -131,11 +134,12 @@ def test_run_elastic_flags_are_one_line_each(tmp_path: Path, capsys: pytest.Capt
     assert err.startswith(f"hetplan: error: {message}") and len(err.splitlines()) == 1
 
 
-def test_run_elastic_refuses_a_plan_for_several_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_elastic_of_a_plan_for_several_nodes_asks_for_the_node_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = _plan(tmp_path, "metis-uneven-a", capsys)
     assert main(["run", plan, "--elastic", "--checkpoint-dir", str(tmp_path / "ck"), "--", "train.py"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--elastic supervises one machine, and this plan spans" in err and len(err.splitlines()) == 1
+    assert "this plan spans 3 nodes: run 'hetplan run PLAN --elastic --nnodes 3 --node-rank I" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_every_node_computes_the_same_plan_from_the_same_file_and_lost_devices(
@@ -181,3 +185,99 @@ def test_restart_cost_without_elastic_is_one_line(tmp_path: Path, capsys: pytest
     assert main(["train", "--plan", plan, "--restart-cost", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hetplan: error: --restart-cost weighs --elastic's re-plans") and len(err.splitlines()) == 1
+
+
+TWO_NODES = """name: two-nodes
+inter_node_bandwidth_gbps: 10
+nodes:
+  - {gpu: CPU, gpus: 2, intra_node_bandwidth_gbps: 10, count: 2}
+"""
+
+
+def _two_node_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    (tmp_path / "two.yaml").write_text(TWO_NODES)
+    return _plan(tmp_path, str(tmp_path / "two.yaml"), capsys)
+
+
+def test_the_nodes_decision_is_the_union_of_their_losses_and_a_silent_node_loses_all() -> None:
+    peer_lost = Report(False, (), "rank 0 failed: Connection reset by peer", 1)
+    killed = Report(False, (3,), "rank 3 stopped: killed by SIGKILL", 1)
+    assert decide([peer_lost, killed], [[0, 1], [2, 3]], 90) == Report(False, (3,), killed.line, 1)
+    silent = decide([peer_lost, None], [[0, 1], [2, 3]], 90)
+    assert silent.lost == (2, 3) and silent.line.startswith("node(s) 1 of the launch did not report within 90 s")
+    assert decide([Report(True), Report(True)], [[0, 1], [2, 3]], 90) == Report(True)
+
+
+def test_each_machine_keeps_its_node_after_a_replan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = read_plan_file(_two_node_plan(tmp_path, capsys)).cluster
+    assert nodes_left(cluster, [0, 1], [3]) == [0, 1]
+    assert nodes_left(cluster, [0, 1], [0, 1]) == [None, 0]  # node 0's devices gone: machine 1 is node 0 now
+    assert nodes_left(cluster, [0, 1], [2, 3]) == [0, None]
+
+
+def _group(store: Any, me: int) -> NodeGroup:
+    return NodeGroup(store, me, 2, 29400, timeout_s=0.5, where=[0, 1])
+
+
+def test_two_supervisors_read_one_decision_and_a_late_node_learns_it_was_left_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first proposal written wins (the store's compare_set): node 0 gives up on node 1 after its wait and
+    decides without it; node 1 reports later, reads that decision and leaves with one line."""
+    plan = _two_node_plan(tmp_path, capsys)
+    store = HashStore()
+    store.set("addr/0", "10.0.0.1")
+    store.set("addr/1", "10.0.0.2")
+    first, second = _group(store, 0), _group(store, 1)
+    assert first.enter(plan) == NodeLaunch(2, 0, "10.0.0.1", 29401)
+    assert second.enter(plan) == NodeLaunch(2, 1, "10.0.0.1", 29401)
+    decision = first.agree(Report(False, (), "rank 0 failed: Connection reset by peer", 1))
+    assert decision.lost == (2, 3) and first.where == [0, None]
+    with pytest.raises(HetplanError, match="the other nodes decided without this one"):
+        second.agree(Report(False, (3,), "rank 3 killed", 1))
+
+
+def test_both_nodes_reporting_agree_on_the_killed_rank_and_the_next_launch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _two_node_plan(tmp_path, capsys)
+    store = HashStore()
+    store.set("addr/0", "10.0.0.1")
+    store.set("addr/1", "10.0.0.2")
+    groups = [_group(store, 0), _group(store, 1)]
+    for group in groups:
+        group.enter(plan)
+    store.set("launch0/report/1", Report(False, (3,), "rank 3 killed", 1).text())  # node 1 reported first
+    assert groups[0].agree(Report(False, (), "rank 0 lost a peer", 1)) == Report(False, (3,), "rank 3 killed", 1)
+    assert groups[1].agree(Report(False, (3,), "rank 3 killed", 1)).lost == (3,)
+    assert groups[0].where == groups[1].where == [0, 1]
+
+
+def test_a_lost_store_is_one_line() -> None:
+    class Gone:
+        def check(self, keys: list[str]) -> bool:
+            raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(HetplanError, match="the nodes' store on the node started with --node-rank 0 is gone"):
+        _group(Gone(), 1).wait_for(["launch0/report/0"], 1.0)
+
+
+def test_run_checks_the_node_flags_against_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _two_node_plan(tmp_path, capsys)
+    assert main(["run", plan, "--elastic", "--checkpoint-dir", str(tmp_path / "ck"), "--nnodes", "3", "--node-rank",
+                 "0", "--rdzv-endpoint", "h:1", "--", "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hetplan: error: --nnodes 3: the plan runs on 2 node(s)") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "2"], "--nnodes, --node-rank and --rdzv-endpoint go together"),
+    (["--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--elastic"], "--nnodes 3: the plan runs on 2"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "--elastic"], "--node-rank 2: give 0..1"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h", "--elastic"], "--rdzv-endpoint 'h': give HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1"], "--nnodes runs a multi-node --elastic run"),
+])
+def test_node_flags_are_one_line_each(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                                      message: str) -> None:
+    plan = _two_node_plan(tmp_path, capsys)
+    assert main(["train", "--plan", plan, "--checkpoint-dir", str(tmp_path / "ck"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hetplan: error: {message}") and len(err.splitlines()) == 1, err

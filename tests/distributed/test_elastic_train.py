@@ -23,7 +23,9 @@ from hetplan.cli import main
 from hetplan.model.presets import get_model
 from hetplan.plan.file import read_plan_file
 from hetplan.runtime.build import model_build
+from hetplan.runtime.launch import check_results, free_port, run_local
 from hetplan.runtime.reference import build_reference, make_optimizer, train_reference, training_batch
+from rt_helpers import train_worker
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -55,6 +57,14 @@ def _uninterrupted_losses(steps: int) -> list[float]:
     return train_reference(model, batches, how.loss, make_optimizer(model.parameters(), "sgd", None), clip=1.0)
 
 
+def _from_checkpoint(plan: str, processes: int, steps: int, checkpoint: str) -> list[float]:
+    """The losses of ``plan`` trained from ``checkpoint`` to ``steps`` (processes forked from a server that
+    has imported torch: cheaper than a ``hetplan train`` of its own; all on this machine for a multi-node plan)."""
+    ranks = run_local(train_worker, processes, (plan, steps, {"load_from": checkpoint, "export": False}),
+                      timeout_s=240, env={"HETPLAN_ONE_MACHINE": "1"})
+    return check_results(ranks)[0]["losses"]
+
+
 @pytest.mark.slow
 def test_two_kills_and_a_straggler_the_run_replans_three_times_and_continues_as_the_new_plan_would(
         tmp_path: Path) -> None:
@@ -84,11 +94,7 @@ def test_two_kills_and_a_straggler_the_run_replans_three_times_and_continues_as_
     printed = {int(k): float(v) for k, v in re.findall(r"^step +(\d+) +loss ([\d.]+)", proc.stdout, re.M)}
     assert sorted(printed) == list(range(1, 13))
     torch.testing.assert_close([printed[k] for k in range(1, 13)], _uninterrupted_losses(12), rtol=1e-5, atol=0)
-    alone = tmp_path / "alone"
-    proc = _hetplan("train", "--plan", str(ckpt / "plan-replan-3.json"), "--steps", "12", "--load",
-                    str(ckpt / "step_00000010"), "--out", str(alone))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _losses(alone) == (start, losses)
+    assert _from_checkpoint(str(ckpt / "plan-replan-3.json"), 2, 12, str(ckpt / "step_00000010")) == losses
 
 
 def test_elastic_needs_a_checkpoint_directory_and_no_verify(tmp_path: Path) -> None:
@@ -116,3 +122,41 @@ def test_run_elastic_starts_the_users_script_again_with_the_new_plan_and_its_che
     assert f"resumed from {ckpt / 'step_00000002'}" in proc.stdout
     assert [int(k) for k in re.findall(r"^step +(\d+) ", proc.stdout, re.M)] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert (ckpt / "step_00000006" / "hetplan-manifest.json").is_file()
+
+
+TWO_NODES = """name: two-nodes
+inter_node_bandwidth_gbps: 10
+nodes:
+  - {gpu: CPU, gpus: 2, intra_node_bandwidth_gbps: 10, count: 2}
+"""
+
+
+@pytest.mark.slow
+def test_two_node_supervisors_agree_on_the_lost_device_and_go_on_with_the_same_plan(tmp_path: Path) -> None:
+    """Two supervisors on this machine stand in for two nodes of 2 processes (one store, node 0's): rank 3
+    (node 1) is killed after step 2's checkpoint; both re-plan for the same 3 devices and go on from step 2,
+    with the losses a run of that plan from that checkpoint has."""
+    (tmp_path / "two.yaml").write_text(TWO_NODES)
+    plan = _plan(tmp_path, str(tmp_path / "two.yaml"))
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "HETPLAN_FAULT_KILL": "3:2:4"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "hetplan.cli", "train", "--plan", plan, "--steps", "4",
+                               "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--elastic", "--nnodes", "2",
+                               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--out", str(out),
+                               "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=ROOT) for rank in (0, 1)]
+    said = [node.communicate(timeout=600) for node in nodes]
+    shown = "\n".join(f"node {rank}:\n{stdout}{stderr}" for rank, (stdout, stderr) in enumerate(said))
+    for node, (stdout, stderr) in zip(nodes, said):
+        assert node.returncode == 0, shown
+        assert "rank 3 (stage 0 of 1: embed..head, dp 3 of 4, device 3;" in stderr and "killed by SIGKILL" in stderr, shown
+    replanned = [re.search(r"--elastic: re-planned for the 3 devices left without device\(s\) 3: (.*)", stdout)
+                 for stdout, _ in said]
+    assert replanned[0] and replanned[1] and replanned[0].group(1) == replanned[1].group(1), shown
+    assert "3 processes, 2 on node 0 of 2" in said[0][0] and "3 processes, 1 on node 1 of 2" in said[1][0], shown
+    new_plan = str(ckpt / "plan-replan-1.json")
+    assert read_plan_file(new_plan).cluster.num_devices == 3
+    start, losses = _losses(out)
+    assert start == 2 and len(losses) == 2
+    assert _from_checkpoint(new_plan, 3, 4, str(ckpt / "step_00000002")) == losses

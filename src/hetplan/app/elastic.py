@@ -13,10 +13,11 @@ samples an uninterrupted run would have seen, whatever the new data-parallel deg
 
 Each restart is a new torchrun launch with the new plan's world size: torchrun's own restarts
 (``--max-restarts``) rerun the same number of processes per node, and a lost GPU changes that number.
-Only the processes of this one ``hetplan train`` are supervised (it runs every rank on this machine);
-which devices are gone is what the launch saw die, so there is nothing for nodes to agree on. Several
-machines that each re-plan from the same file and the same lost devices compute the same plan (the
-planners are deterministic: ``tests/test_determinism.py``, ``tests/test_replan.py``).
+On one machine the supervisor watches every rank, and which devices are gone is what its launch saw
+die. On several (``--nnodes``), each node's supervisor watches its own ranks, and the supervisors agree on
+the devices gone through a store on node 0 (``hetplan.runtime.nodes``); each then computes the same plan
+from the same file and the same lost devices (the planners are deterministic:
+``tests/test_determinism.py``, ``tests/test_replan.py``).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from hetplan.app.records import write_json
 from hetplan.app.replan import replan_file, replan_slower
 from hetplan.app.straggler import STRAGGLER_FILE
 from hetplan.errors import HetplanError
 from hetplan.runtime.checkpoint_dirs import latest_checkpoint
+from hetplan.runtime.nodes import NodeGroup, Report
 from hetplan.units import format_time
 
 # Re-plans one elastic run may make before it gives up: each costs a restart (minutes on a GPU
@@ -77,13 +78,21 @@ def lost_devices(exits: Sequence[Any], layout: Any) -> tuple[int, ...]:
 
 
 def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], Attempt],
-                  command: str = "hetplan train") -> int:
+                  command: str = "hetplan train", nodes: NodeGroup | None = None) -> int:
     """Run ``launch_plan(plan_path, resume)`` until it finishes, re-planning after each launch that
     lost devices; one line and exit 1 when a launch failed for another reason. ``args``: ``plan`` and
-    ``checkpoint_dir``; ``command``: the command the progress lines name."""
+    ``checkpoint_dir``; ``command``: the command the progress lines name; ``nodes``: the supervisors of
+    a multi-node run (``launch_plan`` runs this node's part, ``nodes.current``), whose agreed outcome of
+    each launch is what re-plans (hetplan.runtime.nodes)."""
     plan_path = args.plan
     for replans in range(MAX_REPLANS + 1):
+        if nodes is not None and nodes.enter(plan_path) is None:
+            print(f"{command}: --elastic: {plan_path} uses no device of this node (node {nodes.me} of the first "
+                  "launch): its part of the run is over", flush=True)
+            return 0
         attempt = launch_plan(plan_path, replans > 0)
+        if nodes is not None:
+            attempt = agreed(nodes, attempt)
         if attempt.ok:
             return attempt.status
         if not attempt.lost and not attempt.slow:
@@ -98,6 +107,15 @@ def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], A
     return 1
 
 
+def agreed(nodes: NodeGroup, attempt: Attempt) -> Attempt:
+    """The outcome of a multi-node launch every node agrees on, from this node's ``attempt``: finished
+    when every node finished, else the devices lost on any node (or of a node that did not report)."""
+    decision = nodes.agree(Report(attempt.ok, attempt.lost, attempt.line, attempt.status))
+    if decision.ok:
+        return Attempt(True, status=attempt.status)
+    return Attempt(False, decision.line, decision.lost, status=decision.status or 1)
+
+
 def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: int, command: str) -> str:
     """The plan for the devices left after ``attempt`` (or for its stragglers as slow as measured), written
     as a plan file in the checkpoint directory."""
@@ -107,7 +125,7 @@ def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: i
     except HetplanError as exc:
         raise HetplanError(f"{attempt.line}; --elastic cannot re-plan: {exc}") from None
     path = os.path.join(args.checkpoint_dir, f"plan-replan-{count}.json")
-    write_json(path, replan.result.record())
+    _write_whole(path, replan.result.record())
     new = replan.result.best
     if attempt.slow:
         what = "with " + ", ".join(f"device {d} {f:.2f}x slower" for d, f in attempt.slow) + " (measured)"
@@ -119,6 +137,18 @@ def _replan(args: argparse.Namespace, plan_path: str, attempt: Attempt, count: i
           f"{format_time(new.estimate.iteration_time_s)}/step ({100 * (replan.slowdown - 1):+.1f}%), plan file {path}; "
           f"{continue_from(args.checkpoint_dir)}", flush=True)
     return path
+
+
+def _write_whole(path: str, data: Any) -> None:
+    """``data`` as JSON at ``path``, replaced whole: the nodes of a multi-node run write the same plan to a
+    shared checkpoint directory while the ranks of another node may already read it."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+        os.replace(temporary, path)
+    except OSError as exc:
+        raise HetplanError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def with_stragglers(attempt: Attempt, root: str) -> Attempt:

@@ -3,8 +3,9 @@
 Every rank of ``hetplan train`` times its own work of each step (``runtime/trainer.py``). A synchronous
 step takes as long as its slowest rank, so the step time cannot name the slow one; each rank's own busy
 time can: on CPU processes the main thread's CPU time (``time.thread_time``), which a rank waiting for its
-peers in a collective does not accumulate (gloo waits in its own threads). On GPUs the busy time would be
-the CUDA time of the rank's own kernels; that timing is not built, so the check runs on CPU processes only.
+peers in a collective does not accumulate (gloo waits in its own threads). On GPUs the step is timed by
+CUDA events on the rank's stream, read once they completed (``runtime/busy_clock.py``); that span also holds
+the time the stream waits for a collective, so there a straggler shows only through its work outside them.
 
 The plan gives some ranks the same work: the same stage, rows and GPU type (``peer_groups``). A rank
 whose busy time is ``STRAGGLER_FACTOR`` times the median of its peers', over the median of at least

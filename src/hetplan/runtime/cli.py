@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from hetplan.app.elastic import Attempt, check_elastic_flags, lost_devices, train_elastic, with_stragglers
 from hetplan.app.straggler import LAUNCHED_AT_ENV, RESTART_COST_ENV
@@ -37,6 +37,7 @@ from hetplan.io.argtypes import (
 from hetplan.errors import HetplanError
 from hetplan.runtime.checkpoint_dirs import CHECKPOINT_DIR_ENV, resume_checkpoint
 from hetplan.runtime.heartbeat import describe_rank
+from hetplan.runtime.nodes import NodeFlags, NodeGroup, NodeLaunch, node_flags, report_timeout_s
 from hetplan.runtime import trainer
 from hetplan.runtime import launch
 from hetplan.plan.layout import PlanLayout
@@ -64,6 +65,17 @@ _TIMEOUT_HELP = ("seconds before a rank that stopped responding ends the run: th
 def _timeout_env(args: argparse.Namespace) -> dict[str, str]:
     """What passes ``--timeout`` to the processes (hetplan.runtime.init reads it)."""
     return {"HETPLAN_PG_TIMEOUT_S": repr(args.timeout)} if getattr(args, "timeout", None) else {}
+
+
+def _add_node_flags(p: Any) -> None:
+    """``--nnodes/--node-rank/--rdzv-endpoint``: one supervisor of a multi-node ``--elastic`` run."""
+    p.add_argument("--nnodes", type=positive_int, default=None,
+                   help="with --elastic: the plan's node count; run this command on each node (docs/elastic.md)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="with --nnodes: this node's place among the plan's nodes (0-based, as --print numbers them)")
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help="with --nnodes: the node of --node-rank 0 and a port; its supervisor keeps the nodes' store "
+                   "there, each launch's torchrun uses the ports after it")
 
 
 def register(subparsers: Any) -> None:
@@ -116,6 +128,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--restart-cost", type=finite_nonneg_float, default=None, metavar="SECONDS",
                    help="with --elastic: what a restart costs, weighed against a straggler re-plan's predicted gain "
                    "(default: measured, this launch's start to its first step)")
+    _add_node_flags(p)
     p.set_defaults(func=cmd_train)
 
     p = subparsers.add_parser("run", help="start a training script with a plan via torchrun (needs torch)")
@@ -131,6 +144,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--checkpoint-dir", default="",
                    help="the script's checkpoint directory, passed to it as $%s (--elastic writes its plans there)"
                    % CHECKPOINT_DIR_ENV)
+    _add_node_flags(p)
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     p.set_defaults(func=cmd_run)
 
@@ -206,7 +220,11 @@ def check_train_flags(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     check_train_flags(args)
+    flags = _node_flags(args, args.plan)
     require_torch()
+    if flags is not None:
+        return _elastic_on_nodes(args, flags, lambda plan_path, resume, node: _train_plan(args, plan_path, resume, node),
+                                 "hetplan train")
     if args.elastic:
         return train_elastic(args, lambda plan_path, resume: _train_plan(args, plan_path, resume))
     attempt = _train_plan(args, args.plan, False)
@@ -215,9 +233,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     return attempt.status
 
 
-def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attempt:
+def _node_flags(args: argparse.Namespace, plan_path: str) -> NodeFlags | None:
+    """The multi-node flags checked against the plan file at ``plan_path`` (None: not given)."""
+    if args.nnodes is None and args.node_rank is None and not args.rdzv_endpoint:
+        return None
+    plan_file = read_plan_file(plan_path)
+    return node_flags(args, len(launch.plan_nodes(plan_file.plan(), plan_file.cluster)))
+
+
+def _elastic_on_nodes(args: argparse.Namespace, flags: NodeFlags,
+                      launch_part: Callable[[str, bool, NodeLaunch | None], Attempt], command: str) -> int:
+    """This node's supervisor of a multi-node ``--elastic`` run (hetplan.runtime.nodes): each launch runs
+    ``launch_part(plan_path, resume, this node's part)``; the nodes agree on its outcome."""
+    from hetplan.runtime.setup import env_timeout  # imports torch: the command needs it anyway
+
+    group = NodeGroup.join(flags, args.plan, report_timeout_s(args.timeout or env_timeout()))
+    try:
+        return train_elastic(args, lambda plan_path, resume: launch_part(plan_path, resume, group.current),
+                             command=command, nodes=group)
+    finally:
+        group.leave()
+
+
+def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool, node: NodeLaunch | None = None) -> Attempt:
     """One run of ``hetplan train`` with the plan file at ``plan_path``
-    (``resume``: from the newest checkpoint of ``--checkpoint-dir``, or step 0)."""
+    (``resume``: from the newest checkpoint of ``--checkpoint-dir``, or step 0; ``node``: this node's part
+    of a multi-node launch, else every rank on this machine)."""
     import torch
 
     from hetplan.runtime.build import model_build
@@ -236,12 +277,16 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
     nodes = launch.plan_nodes(plan, cluster)
     n = layout.world_size
     compiled = args.compile or plan_compiles(plan_path)
+    here = nodes[node.node_rank][1] if node else [d for _, devices in nodes for d in devices]
     print(f"hetplan train: {spec.name} ({spec.total_params:,} parameters), {args.steps} steps of "
           f"{plan.global_batch_size} samples, {precision}{', compiled' if compiled else ''}, "
-          f"{n} process{'es' if n > 1 else ''}", flush=True)
+          f"{n} process{'es' if n > 1 else ''}"
+          + (f", {len(here)} on node {node.node_rank} of {node.nnodes}" if node else ""), flush=True)
     print(f"plan: {layout.describe()}", flush=True)
-    env = {**child_env(), **_timeout_env(args), **_elastic_env(args)}
-    if len(nodes) > 1:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
+    # a multi-node run does not re-plan around stragglers: the slowed device's node would be cut into
+    # runs of one type (hetplan.app.replan.slowed_cluster), no longer one per machine
+    env = {**child_env(), **_timeout_env(args), **({} if node else _elastic_env(args))}
+    if len(nodes) > 1 and node is None:  # a plan for several nodes (e.g. Metis's uneven ones): all its processes here
         env.update(HETPLAN_ONE_MACHINE="1", HETPLAN_DEVICE=env.get("HETPLAN_DEVICE", "cpu"))
         print(f"note: the plan spans {len(nodes)} nodes of {plan.cluster!r}; hetplan train runs its {n} processes "
               f"on this machine ({env['HETPLAN_DEVICE']}): the losses are the plan's, the speeds are not its GPUs' "
@@ -251,11 +296,12 @@ def _train_plan(args: argparse.Namespace, plan_path: str, resume: bool) -> Attem
     with tempfile.TemporaryDirectory(prefix="hetplan-train-") as tmp:
         out = args.out or tmp
         worker_args = _worker_args(args, plan_path, out, start_from, compiled)
-        if n == 1:
+        if n == 1 and node is None:
             torch.set_num_threads(int(os.environ.get("HETPLAN_NUM_THREADS", torch.get_num_threads())))
             trainer.train(trainer.parse_args(worker_args))
         else:
-            attempt = _run_ranks(n, worker_args, env, layout, args.out)
+            ranks = [r for r in range(n) if layout.devices[r] in here]
+            attempt = _run_ranks(ranks, worker_args, env, layout, args.out, node)
             if not attempt.ok:
                 return with_stragglers(attempt, args.checkpoint_dir) if args.elastic else attempt
         if args.verify:
@@ -337,8 +383,10 @@ def _start_checkpoint(args: argparse.Namespace, resume: bool = False) -> tuple[s
     return found
 
 
-def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any, out: str) -> Attempt:
-    """Run the trainer on ``n`` processes (torchrun). Each rank's stderr goes to
+def _run_ranks(ranks: list[int], worker_args: list[str], env: dict[str, str], layout: Any, out: str,
+               node: NodeLaunch | None = None) -> Attempt:
+    """Run the trainer on the processes of ``ranks`` (torchrun; ``node``: this node's part of a multi-node
+    launch, in ``OUT/logs/nodeI``, else all ranks). Each rank's stderr goes to
     a log (``OUT/logs``, or a temporary directory kept when the run fails), so a
     failed run ends in one line naming what stopped it, not the tracebacks of the
     ranks that lost a peer (hetplan.runtime.launch.failure_line), and the devices
@@ -346,11 +394,14 @@ def _run_ranks(n: int, worker_args: list[str], env: dict[str, str], layout: Any,
     import shutil
 
     logs = os.path.join(out, "logs") if out else tempfile.mkdtemp(prefix="hetplan-train-logs-")
+    if node is not None:
+        logs = os.path.join(logs, f"node{node.node_rank}")
     os.makedirs(logs, exist_ok=True)
-    argv = launch.reporting_argv(n, ["-m", "hetplan.runtime.trainer", *worker_args], logs)
+    argv = launch.reporting_argv(len(ranks), ["-m", "hetplan.runtime.trainer", *worker_args], logs,
+                                 node=node.torchrun_args(len(ranks)) if node else ())
     code = subprocess.call(argv, env={**env, launch.RANK_LOG_ENV: logs})
     if code == 0:
-        wrote = [r for r in range(n) if os.path.isfile(launch.rank_log(logs, r))
+        wrote = [r for r in ranks if os.path.isfile(launch.rank_log(logs, r))
                  and os.path.getsize(launch.rank_log(logs, r))]
         if wrote:
             print(f"note: rank(s) {', '.join(map(str, wrote))} wrote warnings to stderr: see {logs}", file=sys.stderr)
@@ -426,6 +477,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra.add_argument("--timeout", type=finite_positive_float, default=args.timeout)
         extra.add_argument("--elastic", action="store_true")
         extra.add_argument("--checkpoint-dir", default=args.checkpoint_dir)
+        extra.add_argument("--nnodes", type=positive_int, default=args.nnodes)
+        extra.add_argument("--node-rank", type=int, default=args.node_rank)
+        extra.add_argument("--rdzv-endpoint", default=args.rdzv_endpoint)
         more, unknown = extra.parse_known_args(head)
         if unknown:
             raise HetplanError(f"unknown option(s) for 'hetplan run': {' '.join(unknown)}")
@@ -433,6 +487,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.master_addr, args.master_port = more.master_addr, more.master_port
         args.timeout, args.checkpoint_dir = more.timeout, more.checkpoint_dir
         args.elastic = args.elastic or more.elastic
+        args.nnodes, args.node_rank, args.rdzv_endpoint = more.nnodes, more.node_rank, more.rdzv_endpoint
     if not script:
         raise HetplanError("no training script: use 'hetplan run plan.json -- train.py [args]'")
     if args.elastic:
@@ -442,10 +497,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan_file = read_plan_file(args.plan_file)
     plan = plan_file.plan()
     nodes = launch.plan_nodes(plan, plan_file.cluster)
-    if args.elastic and len(nodes) > 1:
-        raise HetplanError(f"--elastic supervises one machine, and this plan spans {len(nodes)} nodes: run each node's "
-                           "command of 'hetplan run --print' under your scheduler's restarts (docs/elastic.md)")
-    if args.print_only or len(nodes) > 1:
+    flags = node_flags(args, len(nodes))
+    if args.elastic and len(nodes) > 1 and flags is None:
+        raise HetplanError(f"this plan spans {len(nodes)} nodes: run 'hetplan run PLAN --elastic --nnodes "
+                           f"{len(nodes)} --node-rank I --rdzv-endpoint HOST:PORT ...' on each node I, HOST the one "
+                           "of --node-rank 0 (docs/elastic.md)")
+    if args.print_only or (len(nodes) > 1 and flags is None):
         cmds = launch.torchrun_commands(plan, args.plan_file, script, args.master_addr, args.master_port,
                                         cluster=plan_file.cluster, env=_timeout_env(args))
         n = sum(len(d) for _, d in nodes)
@@ -456,6 +513,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(cmd)
         return 0
     require_torch()
+    if flags is not None:
+        args.plan = args.plan_file
+        return _elastic_on_nodes(args, flags, lambda plan_path, resume, node: _run_plan_script(args, plan_path, script,
+                                                                                              node), "hetplan run")
     if args.elastic:
         args.plan = args.plan_file
         return train_elastic(args, lambda plan_path, resume: _run_plan_script(args, plan_path, script),
@@ -466,21 +527,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return attempt.status
 
 
-def _run_plan_script(args: argparse.Namespace, plan_path: str, script: list[str]) -> Attempt:
-    """One run of the user's script under the one-node plan at ``plan_path`` (``$HETPLAN_PLAN``; the
-    script's checkpoints in ``$HETPLAN_CHECKPOINT_DIR`` when ``--checkpoint-dir`` is given)."""
+def _run_plan_script(args: argparse.Namespace, plan_path: str, script: list[str],
+                     node: NodeLaunch | None = None) -> Attempt:
+    """One run of the user's script under the plan at ``plan_path`` (``$HETPLAN_PLAN``; the script's
+    checkpoints in ``$HETPLAN_CHECKPOINT_DIR`` when ``--checkpoint-dir`` is given): a one-node plan, or
+    ``node``'s part of a multi-node launch."""
     plan_file = read_plan_file(plan_path)
     plan = plan_file.plan()
-    n = len(launch.plan_nodes(plan, plan_file.cluster)[0][1])
+    n = len(launch.plan_nodes(plan, plan_file.cluster)[node.node_rank if node else 0][1])
     env = {**child_env(), **_timeout_env(args), "HETPLAN_PLAN": os.path.abspath(plan_path)}
     if args.checkpoint_dir:
         env[CHECKPOINT_DIR_ENV] = os.path.abspath(args.checkpoint_dir)
     layout = PlanLayout.from_plan(plan, [layer.name for layer in plan_file.model.layers]) \
         if plan_file.model is not None else None  # names each rank in a failure line; None: ranks by number
-    return _run_user_script(n, script, env, layout)
+    return _run_user_script(n, script, env, layout, node)
 
 
-def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any) -> Attempt:
+def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any,
+                     node: NodeLaunch | None = None) -> Attempt:
     """The user's script on ``n`` processes (torchrun), each rank's stderr in a
     log. A HetplanError or CUDA out-of-memory error of a rank is one line,
     printed once (rank 0's, else the first failing rank's:
@@ -491,7 +555,8 @@ def _run_user_script(n: int, script: list[str], env: dict[str, str], layout: Any
     import shutil
 
     logs = tempfile.mkdtemp(prefix="hetplan-run-logs-")
-    argv = launch.reporting_argv(n, launch.user_script_argv(logs, script), logs)
+    argv = launch.reporting_argv(n, launch.user_script_argv(logs, script), logs,
+                                 node=node.torchrun_args(n) if node else ())
     code = subprocess.call(argv, env=env)
     found = launch.first_error(logs) if code else None
     if found is not None:

@@ -102,12 +102,13 @@ PEER_LOST = ("Connection reset", "Connection closed", "killed by signal", "timed
 
 
 def reporting_argv(num_processes: int, script: Sequence[str], directory: str,
-                   python: str | None = None) -> list[str]:
-    """argv for ``hetplan train``'s single-node run: torchrun inside :func:`main`,
+                   python: str | None = None, node: Sequence[str] = ()) -> list[str]:
+    """argv for ``hetplan train``'s run: torchrun inside :func:`main`,
     which writes the exits of a failed run to ``directory`` instead of
-    torchrun's report (a traceback around a table)."""
-    return [python or sys.executable, "-m", "hetplan.runtime.launch", "--report-dir", directory, "--",
-            *_standalone_args(num_processes, script)]
+    torchrun's report (a traceback around a table). ``node``: this node's torchrun
+    arguments of a multi-node launch (``hetplan.runtime.nodes.NodeLaunch``); none: one node, standalone."""
+    torchrun = [*node, *script] if node else _standalone_args(num_processes, script)
+    return [python or sys.executable, "-m", "hetplan.runtime.launch", "--report-dir", directory, "--", *torchrun]
 
 
 @dataclass(frozen=True)

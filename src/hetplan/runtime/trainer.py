@@ -30,6 +30,7 @@ from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
 from hetplan.runtime import checkpoint_dirs as dirs
 from hetplan.runtime import launch
+from hetplan.runtime.busy_clock import busy_clock
 from hetplan.runtime.console import console, current_context, log_stderr
 from hetplan.runtime.faults import fault_kills, fault_slowdown
 from hetplan.runtime.profiling.timing import Stopwatch
@@ -104,14 +105,15 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
     ctx.step = start  # dropout masks of a resumed run continue where it stopped
     # step times without a host sync per step: CUDA events read once at the end (the host runs
     # ahead of the GPU, so the host clock would time the launches), the host clock on CPU
-    losses, clock, busy, walls = [], Stopwatch(ctx.device), [], []
+    losses, clock, busy, walls = [], Stopwatch(ctx.device), busy_clock(ctx.device), []
     slow = fault_slowdown(ctx.rank, ctx.world_size)
     watch = ElasticWatch.from_env()
     for step in range(start, cfg.steps):
         watch.first_step()
         # next-token batches (HF: with a padded attention mask), or a pkg.mod:build model's own (user_model)
         x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, cfg.seed)
-        t0, busy0 = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
+        busy.start()
         clock.mark()
         loss = ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
         if cfg.clip:
@@ -119,8 +121,8 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if slow > 1.0:  # HETPLAN_FAULT_SLOW: this rank's work takes `slow` times as long
-            _busy_wait((slow - 1.0) * (time.thread_time() - busy0))
-        busy.append(time.thread_time() - busy0)  # this rank's own work: waits for its peers take no CPU time
+            _busy_wait((slow - 1.0) * busy.elapsed())
+        busy.stop()  # this rank's own work (CPU time; CUDA events on a GPU: runtime/busy_clock.py)
         walls.append(time.perf_counter() - t0)
         clock.mark()
         losses.append(loss)  # no grad; a detach would wait for its all-reduce (runtime/pending.py)
@@ -131,7 +133,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
             # the sampler's position: step k's batch is drawn from (seed, k) with the global batch size
             ctx.save(dirs.checkpoint_dir(cfg.checkpoint_dir, step + 1), model, opt, step=step + 1,
                      samples=(step + 1) * plan.global_batch_size)
-            if watch.stop_for_stragglers(ctx, cfg, busy, walls, cfg.steps - step - 1):
+            if watch.stop_for_stragglers(ctx, cfg, busy.read(), walls, cfg.steps - step - 1):
                 ctx.close()
                 sys.stdout.flush()
                 os._exit(EXIT_REPLAN)  # every rank, right after the checkpoint: the supervisor re-plans
@@ -145,7 +147,7 @@ def train(cfg: TrainConfig, spec: Any = None) -> dict[str, Any]:
                 os.kill(os.getpid(), signal.SIGKILL)
     losses = torch.stack(losses).tolist() if losses else []  # one sync for the whole run's losses
     times = clock.laps()[::2]  # each step's start to its end, not the batch making between steps
-    rank_busy, stragglers = check_stragglers(ctx, cfg.plan_path, busy)
+    rank_busy, stragglers = check_stragglers(ctx, cfg.plan_path, busy.drain())
     state = ctx.full_state_dict(model) if cfg.export else {}
     result = {"losses": losses, "step_times_s": times, "notes": list(ctx.notes), "start_step": start,
               "rank_busy_s": rank_busy, "stragglers": [s.record() for s in stragglers],
@@ -226,11 +228,12 @@ def check_stragglers(ctx: Any, plan_path: str, busy: list[float], report: bool =
                      ) -> tuple[list[float], list[Straggler]]:
     """Each rank's median busy seconds a step, and the ranks slower than the plan says
     (hetplan.app.straggler), the same on every rank (an all-gather of each rank's busy times; every rank
-    must call it); rank 0 prints a line for each straggler (``report``). CPU processes only: on a GPU the
-    host thread's time is not the device's."""
+    must call it); rank 0 prints a line for each straggler (``report``). ``busy``: this rank's steps read so
+    far (runtime/busy_clock.py: CPU time, or CUDA events; the ranks may have read different numbers of
+    steps, and the check compares the last steps all of them have)."""
     import torch.distributed as dist
 
-    if ctx.device.type != "cpu" or not ctx.distributed:
+    if ctx.device.type not in ("cpu", "cuda") or not ctx.distributed:
         return [], []
     everyone: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(everyone, busy)
