@@ -309,7 +309,8 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         if strategy.zero >= 3 and group > 1:
             gathered = max(gathered, float(kernel.params_per_device(tp, stage.ep)[index]) * kernel.weight_bytes)
         if group > 1 and not ddp:  # DDP reduces its buckets in place: no buffer
-            buffer = kernel.reduce_peak_bytes(tp, stage.ep, strategy.recompute, stage.sequence_parallel, stage.cp)
+            buffer = kernel.reduce_peak_bytes(tp, stage.ep, strategy.zero, strategy.recompute, stage.sequence_parallel,
+                                              stage.cp)
             reduce = max(reduce, float(buffer[index]))
         tensor = float(kernel.largest_tensor(tp, stage.ep)[index])
         largest = max(largest, tensor / group if strategy.zero >= 1 else tensor)

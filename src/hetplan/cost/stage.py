@@ -335,10 +335,11 @@ class StageCosts:
         self._per_mb = None if rebuilt or not per_mb.any() else k.micro_batch_prefix(o.tp, o.ep)
         self._per_mb_max = None if not rebuilt or not per_mb.any() else \
             (OFFLOAD_RESIDENT_LAYERS if o.offload else 1) * k.range_max_matrix(per_mb, ("permb", o.tp, o.ep))
-        buffers = k.reduce_peak_bytes(o.tp, o.ep, o.recompute, o.sequence_parallel, o.cp) if o.dp * o.cp > 1 \
-            else np.zeros(self.num_layers)
+        buffers = k.reduce_peak_bytes(o.tp, o.ep, o.zero, o.recompute, o.sequence_parallel, o.cp) \
+            if o.dp * o.cp > 1 else np.zeros(self.num_layers)
         self._reduce_max = k.range_max_matrix(
-            buffers, ("reducepeak", o.tp, o.ep, o.recompute, o.sequence_parallel, o.cp)) if buffers.any() else None
+            buffers, ("reducepeak", o.tp, o.ep, o.zero, o.recompute, o.sequence_parallel, o.cp)) \
+            if buffers.any() else None
         largest = k.largest_tensor(o.tp, o.ep)
         self._largest_max = k.range_max_matrix(largest, ("largest", o.tp, o.ep)) if largest.any() else None
 
