@@ -12,7 +12,8 @@ peak = model states (weights, gradients, optimizer states; divided by TP, and
          layers after it have freed: ``working_beyond_stored``), plus what
          the code that trains holds whatever the batch (hetplan's runtime:
          the 16-bit weight copies autocast keeps per micro-batch in flight,
-         FSDP2's gradient reduction buffer)
+         FSDP2's gradient reduction buffer, the whole gradients a backward
+         holds while micro-batches accumulate: ``accumulated_grad_bytes``)
        - the optimizer step: its temporaries (``step_temporary_bytes``).
 
 Under target "hetplan" the activations and copies are what hetplan's runtime
