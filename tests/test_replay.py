@@ -229,6 +229,32 @@ def _replays_near_the_analytic_peak(setting: object, model: str, cluster: str, s
         assert abs(analytic - s.peak_bytes) <= tolerance * s.peak_bytes, (s, analytic)
 
 
+# One plan of each non-pipelined kind the runtime trains (local-cpu-2, global batch 8): plain data
+# parallelism on DDP, ZeRO-1/2 on FSDP2, TP with and without sequence parallelism, selective and full
+# recomputation, CP, EP, fp32 and bf16 mixed precision, one and several micro-batches. ZeRO-3 is not
+# within 5% yet (docs/cost-model.md says what its peak holds that the model does not count).
+NON_PIPELINED = {
+    "dp2-ddp-fp32-2mb": (UniformSetting(dp=2, tp=1, pp=1, micro_batch=2), "tiny-gpt"),
+    "dp2-ddp-bf16-1mb": (UniformSetting(dp=2, tp=1, pp=1, micro_batch=4), "tiny-llama-bf16"),
+    "dp2-zero1-bf16-2mb": (UniformSetting(dp=2, tp=1, pp=1, zero=1, micro_batch=2), "tiny-llama-bf16"),
+    "dp2-zero2-2mb": (UniformSetting(dp=2, tp=1, pp=1, zero=2, micro_batch=2), "tiny-gpt"),
+    "tp2-sp-selective-bf16": (UniformSetting(dp=1, tp=2, pp=1, sequence_parallel=True, recompute="selective",
+                                             micro_batch=4), "tiny-llama-bf16"),
+    "tp2-full-fp32": (UniformSetting(dp=1, tp=2, pp=1, recompute="full", micro_batch=8), "tiny-gpt"),
+    "cp2-bf16": (UniformSetting(dp=1, tp=1, pp=1, cp=2, micro_batch=2), "tiny-llama-bf16"),
+    "dp2-ep2-moe": (UniformSetting(dp=2, tp=1, pp=1, ep=2, micro_batch=2), "tiny-moe"),
+}
+
+
+@pytest.mark.parametrize("kind", list(NON_PIPELINED))
+def test_the_analytic_peak_of_a_non_pipelined_plan_is_its_replayed_peak(kind: str) -> None:
+    """Issue 28 item 4: for the non-pipelined plan kinds the runtime trains, the analytic peak
+    (less the framework overhead) is within 5% of the replayed peak of the runtime's own step
+    (docs/cost-model.md lists each effect; before them DDP was -11.9%, ZeRO-1 -12.3%, CP -13.1%)."""
+    setting, model = NON_PIPELINED[kind]
+    _replays_near_the_analytic_peak(setting, model, "local-cpu-2", [(0, 0)], 0.05)
+
+
 def test_every_parallel_dimension_of_a_pipeline_replays() -> None:
     """An interleaved pipeline (pp 2 x 2 chunks) with context and tensor parallelism: a later
     stage with dp x cp > 1, CP, interleaving and TP on ranks replayed one after another (refused

@@ -416,6 +416,30 @@ class CostKernel:
         return self._cached(("reducebuf", tp, ep), lambda: FSDP_REDUCE_BUFFER_LAYERS * self.grad_bytes
                             * self.params_per_device(tp, ep))
 
+    def reduce_peak_bytes(self, tp: int, ep: int, zero: int, recompute: str, sequence_parallel: bool,
+                          cp: int) -> np.ndarray:
+        """Per layer: what its reduce buffer (``reduce_buffer_bytes``) adds to
+        the backward's peak. FSDP2 reduces a layer's gradients in its
+        post-backward hook, after autograd has run the layer's backward and
+        released what it saved (a node frees its saved tensors once it has
+        run), and keeps the buffer until the next layer's reduce
+        (``_fully_shard/_fsdp_param_group.py`` ``post_backward``:
+        ``comm_ctx.reduce_scatter_state``), through the backward of the layer
+        before it: the buffer takes the place of what the layer stored
+        (``rank_activation_bytes`` under its recomputation) and the loss's
+        gradients it freed, so only what it exceeds them by counts, at one
+        sample (a micro-batch has at least one; never less). Replayed:
+        tiny-gpt/tiny-llama dp2 ZeRO-1/2 and CP2 peak at the loss's backward
+        without it. ZeRO-3 (``zero`` 3) reduces on every micro-batch, and
+        each layer's backward makes its unsharded fp32 gradients, the buffer's
+        size, beside the previous layer's buffer (replayed: tiny-gpt ZeRO-3
+        with full recompute peaks inside a block's backward holding both): the
+        whole buffer counts there."""
+        if zero >= 3:
+            return self.reduce_buffer_bytes(tp, ep)
+        freed = self.rank_activation_bytes(tp, recompute, sequence_parallel, cp) + self.arrays.column("working_bytes")
+        return np.maximum(self.reduce_buffer_bytes(tp, ep) - freed, 0.0)
+
     def host_link_rate(self, gpu: GPUSpec) -> float:
         """Bytes/s one GPU copies to or from host memory (``GPU_HOST_LINK``); a
         CPU "device" copies within its own memory."""

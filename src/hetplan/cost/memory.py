@@ -12,7 +12,8 @@ peak = model states (weights, gradients, optimizer states; divided by TP, and
          layers after it have freed: ``working_beyond_stored``), plus what
          the code that trains holds whatever the batch (hetplan's runtime:
          the 16-bit weight copies autocast keeps per micro-batch in flight,
-         FSDP2's gradient reduction buffer)
+         FSDP2's gradient reduction buffer, the whole gradients a backward
+         holds while micro-batches accumulate: ``accumulated_grad_bytes``)
        - the optimizer step: its temporaries (``step_temporary_bytes``).
 
 Under target "hetplan" the activations and copies are what hetplan's runtime
@@ -65,16 +66,69 @@ def state_bytes_per_param(zero: int, dp: int, state_bytes: tuple[int, int, int],
 
 
 def state_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
-                      implementation: str = "deepspeed") -> tuple[float, float, float]:
+                      implementation: str = "deepspeed", ddp: bool = False) -> tuple[float, float, float]:
     """(weight, gradient, optimizer-state) bytes one device holds per parameter
     at the step's peak: what it keeps between steps (``resident_bytes_split``)
     plus, for ZeRO-2 under FSDP2, the whole weights gathered from forward to
     backward (``fully_shard(reshard_after_forward=False)`` keeps its shard and
-    the unsharded copy). ZeRO-3's gathered layers are counted apart (``PeakTerms.weights``)."""
+    the unsharded copy), and for hetplan's runtime's ZeRO-0/1 on FSDP2
+    ``replicate`` the same copy (``runtime_replicate_copy``; not on ``ddp``,
+    plain data parallelism's DDP: ``runtime_uses_ddp``). ZeRO-3's gathered
+    layers are counted apart (``PeakTerms.weights``)."""
     weight, grad, opt = resident_bytes_split(zero, dp, state_bytes, implementation)
     if zero == 2 and implementation in FSDP_LIKE and dp > 1:
         weight += float(state_bytes[0])
+    elif runtime_replicate_copy(zero, dp, implementation, ddp):
+        weight += float(state_bytes[0])
     return weight, grad, opt
+
+
+def runtime_uses_ddp(zero: int, dp: int, tp: int, cp: int, ep: int, whole_model: bool) -> bool:
+    """hetplan's runtime trains plain data parallelism (ZeRO-0, no TP, CP, EP,
+    one stage holding ``whole_model``) on DDP, everything else data-parallel on
+    FSDP2 (``runtime/context.py`` ``_plain_ddp``)."""
+    return zero == 0 and dp > 1 and tp == 1 and cp == 1 and ep == 1 and whole_model
+
+
+def runtime_replicate_copy(zero: int, dp: int, implementation: str, ddp: bool) -> bool:
+    """hetplan's runtime runs ZeRO-0/1 layers under FSDP2 ``replicate``, a
+    ``fully_shard`` whose shard is the whole weight: it all-gathers the weights
+    into a second whole copy from forward until after backward (torch 2.13,
+    ``fsdp/_fully_shard/_fsdp_param.py`` ``init_all_gather_outputs`` beside the
+    ``padded_sharded_param`` of ``_init_sharded_param``; replayed: the weights
+    held twice at the peak). DDP (``ddp``) keeps the weights once."""
+    return implementation == "hetplan" and zero <= 1 and dp > 1 and not ddp
+
+
+def accumulated_grad_bytes(zero: int, dp: int, state_bytes: tuple[int, int, int], implementation: str,
+                           ddp: bool) -> float:
+    """Gradient bytes per parameter a backward of hetplan's runtime holds beyond
+    ``state_bytes_split``'s while it accumulates micro-batches (one stage's
+    step of several): the runtime reduces ZeRO-0/1/2 gradients once, after the
+    last micro-batch (``runtime/parallelize.py`` ``set_accumulating``; torch
+    pipelining alike, ``stage.py`` ``backward_maybe_with_nosync``), so until
+    then
+
+    * FSDP2 accumulates each gradient whole, unsharded (``_fsdp_param.py``
+      ``unsharded_accumulated_grad``): ZeRO-2 holds the whole fp32 gradients,
+      not its 1/dp shard;
+    * DDP's gradients accumulate in the tensors autograd made (``.grad``),
+      which its reducer copies into its bucket only when it reduces
+      (``torch/csrc/distributed/c10d/reducer.cpp``
+      ``Reducer::mark_variable_ready_dense``: ``bucket_view.copy_(grad)``
+      where the gradient is not a view of the bucket, as after
+      ``zero_grad(set_to_none=True)``): a second whole copy beside the bucket.
+
+    Replayed (``runtime/replay.py``): tiny-gpt dp2, 2 micro-batches, ZeRO-0
+    on DDP and ZeRO-2 on FSDP2 hold exactly these whole gradients at their peak."""
+    if implementation != "hetplan" or dp <= 1:
+        return 0.0
+    grad = float(state_bytes[1])
+    if ddp:
+        return grad
+    if zero == 2:
+        return grad - grad / dp
+    return 0.0
 
 
 def resident_bytes_split(zero: int, dp: int, state_bytes: tuple[int, int, int],
@@ -250,6 +304,8 @@ class PeakTerms:
     step: float = 0.0  # the optimizer step's temporaries
     first_backward: bool = False
     micro_batch: float = 0.0  # what one micro-batch in flight keeps (activations, copies, loss)
+    accumulated: float = 0.0  # gradients a backward after the first holds beyond ``grads`` (accumulated_grad_bytes)
+    grads_held: bool = False  # the gradients are held before the first backward too (DDP's buckets)
 
     @property
     def backward(self) -> float:
@@ -257,11 +313,13 @@ class PeakTerms:
 
     @property
     def moment(self) -> str:
-        """When the peak is: "step", "first" (a backward with no gradients yet) or "backward"."""
-        later = self.backward - self.micro_batch if self.first_backward else self.backward
-        if self.step > later and (not self.first_backward or self.grads + self.step > self.backward):
+        """When the peak is: "step", "first" (a backward with no gradients yet, or
+        with DDP's buckets only) or "backward" (one with the gradients)."""
+        later = self.accumulated + (self.backward - self.micro_batch if self.first_backward else self.backward)
+        first = self.backward - (0.0 if self.grads_held else self.grads)
+        if self.step > later and (not self.first_backward or self.step > first):
             return "step"
-        return "first" if self.first_backward and self.backward > self.grads + later else "backward"
+        return "first" if self.first_backward and first > later else "backward"
 
     @property
     def peak(self) -> float:
@@ -272,7 +330,9 @@ class PeakTerms:
         the step's temporaries count with the optimizer; a backward before any
         gradient has none; the next holds one micro-batch less."""
         moment = self.moment
-        kept = {"params": self.weights, "grads": 0.0 if moment == "first" else self.grads,
+        grads = {"first": self.grads if self.grads_held else 0.0, "step": self.grads}.get(
+            moment, self.grads + self.accumulated)
+        kept = {"params": self.weights, "grads": grads,
                 "optimizer": self.optimizer + (self.step if moment == "step" else 0.0)}
         if moment == "step":
             return {**kept, "activations": 0.0, "loss": 0.0, "buffers": self.overhead}

@@ -23,8 +23,8 @@ from hetplan.cost.groups import first_appearance
 from hetplan.cost.kernel import CostKernel
 from hetplan.cost.stage import SegmentTiming, zero12_gradient_collective
 from hetplan.cost.memory import (
-    PeakTerms, resident_bytes_split, state_bytes_split, step_temporary_bytes, working_beyond_stored,
-    zero1_gather_bytes,
+    PeakTerms, accumulated_grad_bytes, resident_bytes_split, runtime_uses_ddp, state_bytes_split, step_temporary_bytes,
+    working_beyond_stored, zero1_gather_bytes,
 )
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.errors import HetplanError
@@ -73,20 +73,43 @@ def expert_share(kernel: CostKernel, stage: Stage, position: int) -> float:
     return float(kernel.expert_params_per_device(stage.layer_degrees(position)[1], stage.ep)[stage.layers[position]])
 
 
+def stage_uses_ddp(kernel: CostKernel, stage: Stage) -> bool:
+    """hetplan's runtime trains ``stage`` on DDP (``memory.runtime_uses_ddp``)."""
+    if not kernel.runtime or stage.has_layer_degrees or any(s.zero for s in stage.strategies):
+        return False
+    whole = stage.layers[0] == 0 and stage.layers[-1] == kernel.num_layers - 1
+    return runtime_uses_ddp(0, stage.dp, stage.tp, stage.cp, stage.ep, whole)
+
+
+def accumulated_grads(kernel: CostKernel, stage: Stage, position: int, zero: int) -> float:
+    """Gradient bytes one device holds for a layer beyond ``state_split``'s while
+    the runtime accumulates micro-batches (``memory.accumulated_grad_bytes``)."""
+    dp = stage.layer_degrees(position)[0] * stage.cp
+    held, experts = held_params(kernel, stage, position), expert_share(kernel, stage, position)
+    state, implementation, ddp = kernel.workload.state_bytes, kernel.state_implementation, stage_uses_ddp(kernel, stage)
+    dense = accumulated_grad_bytes(zero, dp, state, implementation, ddp)
+    if not experts:
+        return held * dense
+    return (held - experts) * dense + experts * accumulated_grad_bytes(zero, dp // stage.ep, state, implementation, ddp)
+
+
 def state_split(kernel: CostKernel, stage: Stage, position: int, zero: int, resident: bool = False
                 ) -> tuple[float, float, float]:
     """(weight, gradient, optimizer-state) bytes one device holds for a layer:
     dense parameters sharded over the dp·cp devices with the same shard,
     routed experts over the dp·cp/ep with the same experts (``cp_ep``)."""
     dp = stage.layer_degrees(position)[0] * stage.cp
-    split = resident_bytes_split if resident else state_bytes_split
     held, experts = held_params(kernel, stage, position), expert_share(kernel, stage, position)
     state, implementation = kernel.workload.state_bytes, kernel.state_implementation
-    dense = split(zero, dp, state, implementation)
+    if resident:
+        dense = resident_bytes_split(zero, dp, state, implementation)
+    else:
+        dense = state_bytes_split(zero, dp, state, implementation, stage_uses_ddp(kernel, stage))
     weights, grads, states = dense
     if not experts:
         return held * weights, held * grads, held * states
-    e_weights, e_grads, e_states = split(zero, dp // stage.ep, state, implementation)
+    e_weights, e_grads, e_states = (resident_bytes_split if resident else state_bytes_split)(
+        zero, dp // stage.ep, state, implementation)
     dense_held = held - experts
     return (dense_held * weights + experts * e_weights, dense_held * grads + experts * e_grads,
             dense_held * states + experts * e_states)
@@ -269,12 +292,15 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         check_uniform_cp_ep(stage)
     per_layer = []
     weights = grads = optimizer = gathered = kept_per_mb = rebuilt_per_mb = reduce = largest = zero1 = 0.0
+    accumulated = 0.0
     experts = np.zeros(3)  # the routed experts' part of weights, grads, optimizer
+    ddp = stage_uses_ddp(kernel, stage)
     for pos, strategy in enumerate(stage.strategies):
         dp, tp = stage.layer_degrees(pos)
         index = stage.layers[pos]
         w, g, o = state_split(kernel, stage, pos, strategy.zero)
         weights, grads, optimizer = weights + w, grads + g, optimizer + o
+        accumulated += accumulated_grads(kernel, stage, pos, strategy.zero)
         experts += expert_states(kernel, stage, pos, strategy.zero)
         layer, kept, rebuilt = _layer_memory(kernel, stage, pos)
         per_layer.append(layer)
@@ -282,13 +308,16 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         group = dp * stage.cp
         if strategy.zero >= 3 and group > 1:
             gathered = max(gathered, float(kernel.params_per_device(tp, stage.ep)[index]) * kernel.weight_bytes)
-        if group > 1:
-            reduce = max(reduce, float(kernel.reduce_buffer_bytes(tp, stage.ep)[index]))
+        if group > 1 and not ddp:  # DDP reduces its buckets in place: no buffer
+            buffer = kernel.reduce_peak_bytes(tp, stage.ep, strategy.zero, strategy.recompute, stage.sequence_parallel,
+                                              stage.cp)
+            reduce = max(reduce, float(buffer[index]))
         tensor = float(kernel.largest_tensor(tp, stage.ep)[index])
         largest = max(largest, tensor / group if strategy.zero >= 1 else tensor)
         if strategy.zero == 1 and group > 1 and kernel.runtime:  # memory.zero1_gather_bytes, layer by layer
             zero1 += float(zero1_gather_bytes(held_params(kernel, stage, pos), group))
     step = float(step_temporary_bytes(kernel.workload.runtime_optimizer, largest)) + zero1
+    accumulating = not first_backward or in_flight > 1  # several micro-batches (first_backward: all in flight)
     positions = {layer.tp: pos for pos, layer in enumerate(per_layer)}  # one layer of each TP degree
     shares = {tp: [batch for _, batch in layer_replicas(stage, pos, micro_batch_size)]
               for tp, pos in positions.items()}  # a replica's share of a micro-batch, per TP degree
@@ -312,7 +341,8 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         activations = one * in_flight + work + rebuilt_per_mb
         terms.append(PeakTerms(float(w) + ZERO3_GATHERED_LAYERS * gathered, float(g), float(o),
                                activations - loss_stored - loss_work, loss_stored + loss_work, reduce,
-                               float(overhead[i]), step, first_backward and kernel.runtime, one))
+                               float(overhead[i]), step, first_backward and kernel.runtime, one,
+                               accumulated if accumulating else 0.0, ddp))
     return [terms[c] for c in classes.tolist()]
 
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from hetplan.cost.constants import OFFLOAD_RESIDENT_LAYERS
 from hetplan.cost.memory import (
-    peak_memory_bytes, state_bytes_per_param, state_bytes_split, step_temporary_bytes, zero1_gather_bytes,
+    accumulated_grad_bytes, peak_memory_bytes, runtime_uses_ddp, state_bytes_per_param, state_bytes_split,
+    step_temporary_bytes, zero1_gather_bytes,
 )
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.errors import HetplanError
@@ -43,6 +44,8 @@ class _MemoryLine(NamedTuple):
     grads: float  # the gradients, part of ``base``
     micro_batch_fixed: float  # what one micro-batch in flight keeps whatever the batch (weight copies, indices)
     micro_batch_per_sample: float  # and per sample (its activations)
+    accumulated: float = 0.0  # gradients a backward after the first holds beyond ``grads`` (PeakTerms.accumulated)
+    grads_held: bool = False  # gradients held before the first backward (DDP's buckets: PeakTerms.grads_held)
 
 
 def zero12_gradient_collective(zero: int) -> str:
@@ -268,12 +271,17 @@ class StageCosts:
         implementation = k.state_implementation
         self._state_per_param = state_bytes_per_param(o.zero, o.dp * o.cp, k.workload.state_bytes, implementation)
         self._grad_per_param = state_bytes_split(o.zero, o.dp * o.cp, k.workload.state_bytes, implementation)[1]
+        self._acc_per_param = accumulated_grad_bytes(o.zero, o.dp * o.cp, k.workload.state_bytes, implementation,
+                                                     False)
         # routed experts shard their states over the dp·cp/ep devices holding the same experts
-        self._expert_state = self._expert_grad = 0.0
+        self._expert_state = self._expert_grad = self._expert_acc = 0.0
         if o.ep > 1:
             dense = (self._state_per_param, self._grad_per_param)
             experts = state_bytes_split(o.zero, o.dp * o.cp // o.ep, k.workload.state_bytes, implementation)
             self._expert_state, self._expert_grad = sum(experts) - dense[0], experts[1] - dense[1]
+            self._expert_acc = accumulated_grad_bytes(o.zero, o.dp * o.cp // o.ep, k.workload.state_bytes,
+                                                      implementation, False) - self._acc_per_param
+        self._build_ddp_memory()
         # offloaded: what would be kept per micro-batch in flight goes to host memory
         self._host_act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp) if o.offload else None
         if o.offload:  # nothing kept per micro-batch in flight; a working set once (kernel.offload_working_bytes)
@@ -300,6 +308,22 @@ class StageCosts:
         self._use_profile = (k.memory_profile is not None and o.zero == 0 and o.recompute == "none"
                              and not o.sequence_parallel and not o.offload and o.cp == 1 and o.ep == 1)
 
+    def _build_ddp_memory(self) -> None:
+        """Plain data parallelism's per-parameter states: the runtime trains a stage
+        of the whole model on DDP (``memory.runtime_uses_ddp``), which keeps the
+        weights once, its gradients in buckets from the start and no reduce
+        buffer; ``_ddp_states`` is None where no range of this stage runs so."""
+        k, o = self.kernel, self.option
+        self._ddp_states: tuple[float, float] | None = None
+        if k.runtime and runtime_uses_ddp(o.zero, o.dp, o.tp, o.cp, o.ep, True):
+            split = state_bytes_split(0, o.dp, k.workload.state_bytes, k.state_implementation, True)
+            self._ddp_states = (sum(split), accumulated_grad_bytes(0, o.dp, k.workload.state_bytes,
+                                                                   k.state_implementation, True))
+
+    def _ddp(self, a: int, b: int) -> bool:
+        """Layers [a, b) run on DDP: the whole model, on a stage that may (``_build_ddp_memory``)."""
+        return self._ddp_states is not None and a == 0 and b == self.num_layers
+
     def _build_runtime_memory(self) -> None:
         """Range tables of what the batch does not scale: what each micro-batch
         keeps whatever its size (``CostKernel.micro_batch_bytes``: weight
@@ -314,8 +338,11 @@ class StageCosts:
         self._per_mb = None if rebuilt or not per_mb.any() else k.micro_batch_prefix(o.tp, o.ep)
         self._per_mb_max = None if not rebuilt or not per_mb.any() else \
             (OFFLOAD_RESIDENT_LAYERS if o.offload else 1) * k.range_max_matrix(per_mb, ("permb", o.tp, o.ep))
-        buffers = k.reduce_buffer_bytes(o.tp, o.ep) if o.dp * o.cp > 1 else np.zeros(self.num_layers)
-        self._reduce_max = k.range_max_matrix(buffers, ("reducebuf", o.tp, o.ep)) if buffers.any() else None
+        buffers = k.reduce_peak_bytes(o.tp, o.ep, o.zero, o.recompute, o.sequence_parallel, o.cp) \
+            if o.dp * o.cp > 1 else np.zeros(self.num_layers)
+        self._reduce_max = k.range_max_matrix(
+            buffers, ("reducepeak", o.tp, o.ep, o.zero, o.recompute, o.sequence_parallel, o.cp)) \
+            if buffers.any() else None
         largest = k.largest_tensor(o.tp, o.ep)
         self._largest_max = k.range_max_matrix(largest, ("largest", o.tp, o.ep)) if largest.any() else None
 
@@ -386,31 +413,40 @@ class StageCosts:
             return measured + overhead
         line = self._memory_line(a, b, in_flight, overhead, expert_scale)
         backward = line.fixed + line.per_sample * batch
+        # gradients accumulate over several micro-batches (with first_backward all of them are in flight)
+        accumulated = line.accumulated if not first_backward or in_flight > 1 else 0.0
         if not (first_backward and self.kernel.runtime):
-            return line.base + max(backward, line.step)
+            return line.base + max(backward + accumulated, line.step)
         one = line.micro_batch_fixed + line.micro_batch_per_sample * batch
-        return line.base - line.grads + max(backward, line.grads + backward - one, line.grads + line.step)
+        first = backward - (0.0 if line.grads_held else line.grads)
+        return line.base + max(first, accumulated + backward - one, line.step)
 
     def _memory_line(self, a: int, b: int, in_flight: float, overhead: float,
                      expert_scale: float = 1.0) -> _MemoryLine:
         """The analytic memory of layers [a, b) in the replica's samples (``_MemoryLine``)."""
         held, experts = self._held(a, b)
-        states = held * self._state_per_param + experts * self._expert_state
-        states += (expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
+        ddp = self._ddp(a, b)
+        per_param, acc_per_param = self._ddp_states if self._ddp_states is not None and ddp else \
+            (self._state_per_param, self._acc_per_param)
+        states = held * per_param + experts * self._expert_state
+        states += (expert_scale - 1.0) * experts * (per_param + self._expert_state)
         work = float(self._work_max[a, b]) if self._work_max is not None else 0.0
         gathered = float(self._gathered_max[a, b]) if self._gathered_max is not None else 0.0
         act = self._act_list[b] - self._act_list[a]
         per_mb = float(self._per_mb[b] - self._per_mb[a]) if self._per_mb is not None else 0.0
         rebuilt = float(self._per_mb_max[a, b]) if self._per_mb_max is not None else 0.0
-        reduce = float(self._reduce_max[a, b]) if self._reduce_max is not None else 0.0
+        reduce = float(self._reduce_max[a, b]) if self._reduce_max is not None and not ddp else 0.0
         largest = float(self._largest_max[a, b]) if self._largest_max is not None else 0.0
         grads = (held + (expert_scale - 1.0) * experts) * self._grad_per_param \
             + expert_scale * experts * self._expert_grad
+        accumulated = (held + (expert_scale - 1.0) * experts) * acc_per_param \
+            + expert_scale * experts * self._expert_acc
         return _MemoryLine(base=float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead)),
                            fixed=per_mb * in_flight + rebuilt + reduce,
                            per_sample=float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0)),
                            step=float(self._step_bytes(held, largest)), grads=grads,
-                           micro_batch_fixed=per_mb, micro_batch_per_sample=act)
+                           micro_batch_fixed=per_mb, micro_batch_per_sample=act, accumulated=accumulated,
+                           grads_held=ddp)
 
     def host_bytes(self, a: int, b: int, batch: float, in_flight: float) -> float:
         """Offloaded activations one GPU keeps in host memory for layers [a, b):
@@ -573,9 +609,14 @@ class StageCosts:
         step = self._step_bytes(held, self._largest_max[rows, cols] if self._largest_max is not None else 0.0)
         for c in self._memory_classes:
             held_states = states + (c.expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
+            accumulated = (held + (c.expert_scale - 1.0) * experts) * self._acc_per_param \
+                + c.expert_scale * experts * self._expert_acc  # searches count it at every backward (peak_bytes)
             peak = peak_memory_bytes(held_states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead,
-                                     fixed, step)
+                                     fixed + accumulated, step)
             ok &= peak <= c.capacity
+        whole = (0 - rows.start, self.num_layers - cols.start)  # the one range DDP trains (``_ddp``)
+        if self._ddp_states is not None and 0 <= whole[0] < ok.shape[0] and 0 <= whole[1] < ok.shape[1]:
+            ok[whole] = self.fits(0, self.num_layers, in_flight)
         if self._host_act is not None:  # offloaded activations within each GPU's host share (``host_bytes``)
             host = self._host_act[cols][None, :] - self._host_act[rows][:, None]
             for c in self._memory_classes:

@@ -198,8 +198,13 @@ def _norm(t: _Kept, shape: DecoderShape, tokens: float) -> None:
 def _linear_inputs(t: _Kept, shape: DecoderShape, tokens: float, linears: int, c: int) -> None:
     """The norm's fp32 output as its ``linears`` consumers keep it: one 16-bit
     copy each under autocast (``F.linear`` casts its own input), the fp32
-    tensor once in fp32 training."""
-    t.replicated += (linears * c if c < FP32 else FP32) * tokens * shape.hidden
+    tensor once in fp32 training. Whole on every TP rank, with sequence
+    parallelism too: the runtime gathers the attention's and the MLP's input
+    once, before their column-parallel linears, which keep the gathered tensor
+    (``runtime/models.py`` ``block_tp_plan``: ``PrepareModuleInput`` from
+    ``Shard(1)`` to ``Replicate()``; HF plans alike), where Megatron-LM gathers
+    it again in backward (Korthikanti et al. 2022 §4.2.2)."""
+    t.undivided += (linears * c if c < FP32 else FP32) * tokens * shape.hidden
 
 
 def _attention(t: _Kept, shape: DecoderShape, c: int) -> None:

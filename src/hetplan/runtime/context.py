@@ -90,7 +90,6 @@ class RuntimeContext:
         self.position = position
         self.rank = position.rank
         self.world_size = layout.world_size
-        self.use_ddp = True  # plain data parallelism on DDP (_plain_ddp); the replay turns it off
         self.device = device
         self.mesh = mesh
         self.ep_mesh = ep_mesh
@@ -251,10 +250,7 @@ class RuntimeContext:
 
     def _plain_ddp(self, dp: int, zero: dict[str, int]) -> bool:
         """Plain data parallelism (ZeRO-0 everywhere, no TP, PP, CP or EP) runs on
-        DDP: measured faster than FSDP2 ``replicate`` (docs/runtime.md, "Speed");
-        ``use_ddp`` False keeps FSDP2 (the replay: DDP's buckets need real storage)."""
-        if not self.use_ddp:
-            return False
+        DDP: measured faster than FSDP2 ``replicate`` (docs/runtime.md, "Speed")."""
         lay = self.layout
         plain = dp > 1 and lay.pp == 1 and lay.max_tp == 1 and lay.cp == 1 and lay.ep == 1
         return plain and all(z == 0 for z in zero.values())

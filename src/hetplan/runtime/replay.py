@@ -33,6 +33,9 @@ What the replay does differently from ``hetplan train``, and why:
   evenly as the analytic model assumes, each expert ``rows / experts``, and
   runs every op on those counts on real values too (``LiveBytes._routing``),
   so the sizes they decide are those of a balanced real step.
+* plain data parallelism's DDP runs with three reads of values skipped
+  (:func:`ddp_on_fake_tensors`): its buckets and gradient views are the
+  runtime's.
 * the fake device is the CPU: a CPU-only torch makes no fake CUDA tensors
   (random initialisation needs the CUDA generator); the bytes of a tensor
   do not depend on the device. Autocast's CPU op lists decide the 16-bit
@@ -473,15 +476,12 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> tuple[int, int]:
         try:
             ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
             ctx.dp_mesh  # CP's flattened dp x cp mesh too: flattening makes process groups (``RuntimeContext.dp_mesh``)
-            # plain data parallelism on FSDP2's replicate, not DDP: DDP's buckets read storage fake tensors
-            # lack; its gradients are bucket views (parallelize.apply_ddp), the bytes replicate holds
-            ctx.use_ddp = False
             live = LiveBytes()
             ctx.offload_host_side = live.on_host  # offloaded copies are host bytes, fetched back as on a GPU
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
                 fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-                with fake_mode, live.under(fake_mode), live.storage_resizes(), real_meshes():
+                with fake_mode, live.under(fake_mode), live.storage_resizes(), real_meshes(), ddp_on_fake_tensors():
                     model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
                     opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
                     ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
@@ -498,6 +498,66 @@ def replay_rank(plan: Plan, spec: Any, rank: int) -> tuple[int, int]:
             if dist.is_initialized():
                 dist.destroy_process_group()
             forget_sharding_decisions()
+
+
+@contextlib.contextmanager
+def ddp_on_fake_tensors() -> Iterator[None]:
+    """Plain data parallelism replayed on the DDP ``hetplan train`` runs (``parallelize.apply_ddp``),
+    its buckets and gradient views as they are, less three reads of values a fake group or a fake
+    tensor does not have (torch 2.13, ``nn/parallel/distributed.py``): DDP's check that every rank
+    has the same parameter shapes (``_verify_param_shape_across_processes``: one rank here, nothing
+    to compare), the built-in all-reduce hook's result (the fake group's future holds None where the
+    reducer expects the bucket: :func:`_bucket_all_reduce` all-reduces the bucket in place and
+    returns it, as the built-in hook does) and the bucket rebuild after the first step
+    (``Reducer._rebuild_buckets`` reads the new bucket order's indices on the host; the rebuilt
+    buckets hold the same gradients, so the same bytes: :class:`_KeptBuckets`)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import distributed as ddp_module
+
+    saved = ddp_module._verify_param_shape_across_processes, DistributedDataParallel.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        saved[1](self, *args, **kwargs)
+        self.register_comm_hook(self.process_group, _bucket_all_reduce)
+        self.reducer = _KeptBuckets(self.reducer)
+
+    def same_shapes(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    ddp_module._verify_param_shape_across_processes = same_shapes
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]  # patched only during a replay, put back after
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = saved[0]
+        DistributedDataParallel.__init__ = saved[1]  # type: ignore[method-assign]  # patched only during a replay, put back after
+
+
+class _KeptBuckets:
+    """A DDP reducer whose buckets stay as first built (``ddp_on_fake_tensors``)."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        """No rebuild: DDP's ``_pre_forward`` asks before every forward."""
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def _bucket_all_reduce(group: Any, bucket):  # type: ignore[no-untyped-def]  # DDP compares the annotations with its types, which postponed (string) annotations fail
+    """DDP's default all-reduce of a bucket (torch 2.13, ``ddp_comm_hooks/default_hooks.py``
+    ``allreduce_hook``: divide by the group's size, all-reduce in place) with its result the bucket."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    dist.all_reduce(buffer, group=group)
+    done: Any = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 def forget_sharding_decisions() -> None:
