@@ -274,6 +274,8 @@ PIPELINED = {  # plan kinds of a pipeline the runtime trains, 4 micro-batches: (
                       [(0, 0), (1, 2)]),
     "1f1b-bf16-dp2-zero3-full": (UniformSetting(dp=2, tp=1, pp=2, zero=3, recompute="full", micro_batch=1),
                                  "tiny-llama-bf16", "local-cpu-4", [(0, 0), (1, 2)]),
+    "1f1b-fp32-dp2-ddp": (UniformSetting(dp=2, tp=1, pp=2, micro_batch=1), "tiny-gpt", "local-cpu-4",
+                          [(0, 0), (1, 2)]),
 }
 
 
