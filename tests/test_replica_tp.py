@@ -190,7 +190,7 @@ def test_greedy_split_is_the_best_split() -> None:
 
 def test_choose_returns_mixed_replicas_with_mixed_tp() -> None:
     """``hetplan choose --mixed-tp``'s per-allocation planning on one node of 2
-    A100-80GB and one of 2 V100-16GB (one zone), with Metis held to one stage:
+    A100-80GB and one of 2 V100-32GB (one zone), with Metis held to one stage:
     the point's plan gives the A100 replicas their own TP degree and is faster
     than the planner's own best plan of one degree per stage; its egress,
     across zones, runs over the shard-chunk holder groups."""
@@ -199,7 +199,7 @@ def test_choose_returns_mixed_replicas_with_mixed_tp() -> None:
     pool = pool_from_dict({"name": "mixed", "zones": {"a": {"egress_usd_per_gb": 0.01}},
                            "inter_zone_bandwidth_gbps": 10,
                            "offers": [{**offer, "gpu": "A100-80GB", "price_per_gpu_hour": 1.8},
-                                      {**offer, "gpu": "V100-16GB", "price_per_gpu_hour": 0.9}]}, "pool.yaml")
+                                      {**offer, "gpu": "V100-32GB", "price_per_gpu_hour": 0.9}]}, "pool.yaml")
     base = load_workload(WorkloadOptions(model="gpt3-1.3b", global_batch=64))
     both = [a for a in allocations(pool, base) if a.counts == (1, 1)][0]
     planner = MetisPlanner(MetisOptions(max_stages=1))

@@ -74,16 +74,26 @@ def expert_share(kernel: CostKernel, stage: Stage, position: int) -> float:
 
 
 def stage_uses_ddp(kernel: CostKernel, stage: Stage) -> bool:
-    """hetplan's runtime trains ``stage`` on DDP (``memory.runtime_uses_ddp``)."""
+    """hetplan's runtime trains ``stage`` on DDP (``memory.runtime_uses_ddp``),
+    or, as DDP does, keeps its weights once and its gradients whole with no
+    reduce buffer: a replica of a stage of mixed TP degrees, which has no
+    data-parallel wrapper (``runtime/mixed.py`` averages its ``.grad`` after
+    the step; ``cost/replica_tp.replica_view`` marks it by ``replica_tp``)."""
     if not kernel.runtime or stage.has_layer_degrees or any(s.zero for s in stage.strategies):
         return False
+    if stage.replica_tp is not None:
+        return True
     whole = stage.layers[0] == 0 and stage.layers[-1] == kernel.num_layers - 1
     return runtime_uses_ddp(0, stage.dp, stage.tp, stage.cp, stage.ep, whole)
 
 
 def accumulated_grads(kernel: CostKernel, stage: Stage, position: int, zero: int) -> float:
     """Gradient bytes one device holds for a layer beyond ``state_split``'s while
-    the runtime accumulates micro-batches (``memory.accumulated_grad_bytes``)."""
+    the runtime accumulates micro-batches (``memory.accumulated_grad_bytes``);
+    none on a mixed-degree replica, whose gradients stay in ``.grad`` alone
+    (``stage_uses_ddp``)."""
+    if stage.replica_tp is not None:
+        return 0.0
     dp = stage.layer_degrees(position)[0] * stage.cp
     held, experts = held_params(kernel, stage, position), expert_share(kernel, stage, position)
     state, implementation, ddp = kernel.workload.state_bytes, kernel.state_implementation, stage_uses_ddp(kernel, stage)

@@ -31,11 +31,13 @@ def replica_view(stage: Stage, replica: int, share: int | None = None) -> Stage:
     group, each with its share (or ``share``), so that everything the kernel
     derives from dp (states sharded over dp devices, the reduce buffer,
     ZeRO's step slices) and from the degree and share comes out as this
-    replica's GPUs have it."""
+    replica's GPUs have it. The view keeps ``replica_tp`` (one degree for
+    every copy, so its groups are the uniform ones): it marks a replica the
+    runtime trains without a data-parallel wrapper (``mixed.stage_uses_ddp``)."""
     degree = stage.replica_degree(replica)
     share = stage.dp_split[replica] if share is None else share
     return Stage(stage.layers, stage.replica_devices(replica) * stage.dp, stage.dp, degree,
-                 (share,) * stage.dp, stage.strategies)
+                 (share,) * stage.dp, stage.strategies, replica_tp=(degree,) * stage.dp)
 
 
 def replica_time(kernel: CostKernel, stage: Stage, replica: int, share: int, micro_batch_size: int) -> float:
