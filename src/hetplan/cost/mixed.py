@@ -338,6 +338,11 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
     scales = expert_scales(stage)
     keys = np.stack([per_device[tp] for tp in sorted(per_device)] + [overhead.astype(np.float64), scales], axis=1)
     firsts, classes = first_appearance(keys)
+    # DDP's buckets hold the gradients before the first backward; a mixed-degree replica, costed
+    # like DDP (stage_uses_ddp), has no wrapper: autograd makes its gradients in backward after
+    # ``zero_grad(set_to_none=True)`` freed them (runtime/context.py ``_part_settings``: dp 1 with
+    # ``replica_tp``; runtime/mixed.py averages ``.grad`` after the backward)
+    grads_held = ddp and stage.replica_tp is None
     terms = []
     for i in firsts.tolist():
         batch = {tp: float(column[i]) for tp, column in per_device.items()}
@@ -352,7 +357,7 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         terms.append(PeakTerms(float(w) + ZERO3_GATHERED_LAYERS * gathered, float(g), float(o),
                                activations - loss_stored - loss_work, loss_stored + loss_work, reduce,
                                float(overhead[i]), step, first_backward and kernel.runtime, one,
-                               accumulated if accumulating else 0.0, ddp))
+                               accumulated if accumulating else 0.0, grads_held))
     return [terms[c] for c in classes.tolist()]
 
 
