@@ -46,7 +46,11 @@ What the replay does differently from ``hetplan train``, and why:
   (``runtime/offload.py`` ``HostPool(host_side=...)``).
 * a heterogeneous pipeline's stages send their input shapes as data: the
   replay answers them (:class:`StageMetadata`). Each share of a micro-batch
-  a stage's replicas take is replayed (:func:`replayed_ranks`).
+  a stage's replicas take, and each TP degree where they run their own
+  (``Stage.replica_tp``), is replayed (:func:`replayed_ranks`).
+* a stage of mixed TP degrees gathers its ranks' parameter layouts with
+  ``all_gather_object``, data a fake process group does not carry: the
+  replay answers it from a sharding rank's layout (:class:`MixedViews`).
 * the meshes are made, sliced and joined from real rank tensors
   (:func:`real_meshes`), and a host read of a real tensor (or of a fake one
   holding its value) reads its value: a DeviceMesh finds this rank's
@@ -355,7 +359,8 @@ def real_meshes() -> Iterator[None]:
 
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
-    """Replay one rank of each distinct pipeline stage and micro-batch share of ``plan`` (:func:`replayed_ranks`)."""
+    """Replay one rank of each distinct pipeline stage, micro-batch share and replica TP degree of ``plan``
+    (:func:`replayed_ranks`)."""
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     stages = []
