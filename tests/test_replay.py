@@ -322,3 +322,64 @@ def test_plans_not_replayed_for_one_reason_share_one_note_naming_their_rows() ->
     _, reranked = rerank(["p1", "p2", "p3", "p4"], outcome)  # the plan out of memory by its replay goes last
     assert reranked.notes == ("plans #1, #2 not replayed: why a",)
     assert ReplayOutcome((None,), unreplayed=("why b",)).notes == ("plan #1 not replayed: why b",)
+
+
+def _mixed_stage(layers: range, first: int, degrees: tuple[int, ...], split: tuple[int, ...]) -> Stage:
+    """A stage of replicas with their own TP degrees (``Stage.replica_tp``), devices from ``first`` on."""
+    devices = tuple(range(first, first + sum(degrees)))
+    return Stage(tuple(layers), devices, len(degrees), max(degrees), split, (LayerStrategy(),) * len(layers),
+                 replica_tp=degrees if len(set(degrees)) > 1 else None)
+
+
+def test_each_replica_of_a_pipeline_stage_of_mixed_tp_degrees_replays_on_its_own_gpu(tmp_path) -> None:
+    """Issue 35 item 3's plan of tests/distributed/test_runtime_mixed.py on two GPU types: stage 0
+    runs a tp-1 replica (1 sample of each micro-batch, a V100) beside a tp-2 one (3 samples, two
+    P100), stage 1 one replica (a P100). Refused before (one rank per stage, and the stage's
+    gather of its parameter layouts stopped on the fake process group): each replica of the
+    mixed stage replays through runtime/mixed.py, is reported with its degree, share and GPU type
+    against that GPU's memory, and is within 5% of the kernel's per-replica peak
+    (cost/replica_tp.py). Stage 1, the heterogeneous executor's last stage, is within 7%: the
+    analytic model holds the logits until each micro-batch's backward as torch pipelining does,
+    the executor (runtime/hetero.py) frees them after the loss (docs/cost-model.md)."""
+    from hetplan.runtime.replay import replay_plan
+
+    cluster = tmp_path / "mixed.yaml"
+    cluster.write_text("name: mixed\ninter_node_bandwidth_gbps: 100\nnodes:\n"
+                       "  - {gpu: V100-32GB, gpus: 1, intra_node_bandwidth_gbps: 1200}\n"
+                       "  - {gpu: P100, gpus: 3, intra_node_bandwidth_gbps: 640}\n")
+    stages = (_mixed_stage(range(0, 3), 0, (1, 2), (1, 3)), _mixed_stage(range(3, 6), 3, (1,), (4,)))
+    path = tmp_path / "mixed.json"
+    save_plan(str(path), Plan("tiny-gpt", str(cluster), 8, 4, 2, "1f1b", stages, planner="test"))
+    result = estimate(str(path), model="tiny-gpt", cluster=str(cluster), replay=False)
+    replay = replay_plan(result.ranked.plan, result.workload.model)
+    assert [(s.stage, s.rank, s.devices) for s in replay.stages] == [(0, 1, (1, 2)), (0, 0, (0,)), (1, 3, (3,))]
+    for s in replay.stages:
+        analytic = _analytic_tensors(result.ranked, result.workload, s.device)
+        assert abs(analytic - s.peak_bytes) <= (0.05 if s.stage == 0 else 0.07) * s.peak_bytes, (s, analytic)
+    check = replay_check(replay, result.ranked, result.workload, 0.0)
+    capacity = result.ranked.estimate.memory_capacity_bytes
+    assert [(r.stage, r.tp, r.samples, r.gpu, r.gpus, r.capacity_bytes) for r in check.replicas] == [
+        (0, 2, 3, "P100", 2, capacity[1]), (0, 1, 1, "V100-32GB", 1, capacity[0])]
+    assert [r.peak_bytes - OVERHEAD for r in check.replicas] == [s.peak_bytes for s in replay.stages[:2]]
+    line = ReplayOutcome((check,)).line()
+    assert "replay of plan #1, stage 0, tp2 replica(s) taking 3 sample(s) of each micro-batch on 2x P100" in line
+    assert "not replayed" not in line and check.fits
+    assert replay_record(check)["replicas"][1]["gpu"] == "V100-32GB"
+
+
+def test_a_stage_of_tp2_and_tp1_replicas_replays_each_near_its_analytic_peak() -> None:
+    """One stage, a tp-2 replica taking 3 samples of each micro-batch and a tp-1 replica taking 1
+    (tests/distributed/test_runtime_mixed.py's first plan): both replay, each within 5% of its
+    analytic peak; the plan goes through ``hetplan estimate``'s replay with no note."""
+    from hetplan.runtime.replay import replay_plan
+
+    stage = _mixed_stage(range(0, 6), 0, (2, 1), (3, 1))
+    plan = Plan("tiny-gpt", "local-cpu-3", 8, 4, 2, "1f1b", (stage,), planner="test")
+    path = os.path.join(tempfile.mkdtemp(), "p.json")
+    save_plan(path, plan)
+    result = estimate(path, model="tiny-gpt", cluster="local-cpu-3", replay=False)
+    replay = replay_plan(result.ranked.plan, result.workload.model)
+    assert [(s.stage, s.rank, s.devices) for s in replay.stages] == [(0, 0, (0, 1)), (0, 2, (2,))]
+    for s in replay.stages:
+        analytic = _analytic_tensors(result.ranked, result.workload, s.device)
+        assert abs(analytic - s.peak_bytes) <= 0.05 * s.peak_bytes, (s, analytic)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from hetplan.cost.memory import framework_overhead_bytes
 from hetplan.errors import HetplanError
 from hetplan.export.target import RUNTIME
-from hetplan.plan.spec import Plan, RankedPlan
+from hetplan.plan.spec import RankedPlan
 from hetplan.plan.workload import Workload
 from hetplan.progress import Progress
+from hetplan.units import format_bytes
 
 # Plans ``hetplan plan`` replays by default: its three best. A replay builds one rank per pipeline stage
 # and runs two steps on fake tensors: gpt3-1.3b on one H100 (4 x 4) replays in about 12 s on this
@@ -38,6 +39,30 @@ def default_replay() -> int:
 
 
 @dataclass(frozen=True)
+class ReplicaPeak:
+    """The replay of the replicas of one TP degree and share of a stage of mixed
+    TP degrees (``Stage.replica_tp``) on one GPU type: how many of the stage's
+    GPUs of that type it stands for, its replayed peak (tensors plus the
+    framework overhead), the analytic peak of its fullest GPU and that GPU's memory."""
+
+    stage: int
+    tp: int
+    samples: int  # its share of each micro-batch (dp_split)
+    gpu: str
+    gpus: int
+    peak_bytes: int
+    analytic_bytes: int
+    capacity_bytes: int
+
+    def line(self) -> str:
+        """One line: which replicas, their replayed and analytic peaks, their GPU's memory."""
+        verdict = "" if self.peak_bytes <= self.capacity_bytes else " (does not fit)"
+        return (f"stage {self.stage}, tp{self.tp} replica(s) taking {self.samples} sample(s) of each micro-batch on "
+                f"{self.gpus}x {self.gpu}: {format_bytes(self.peak_bytes)} replayed, "
+                f"{format_bytes(self.analytic_bytes)} analytic, of {format_bytes(self.capacity_bytes)}{verdict}")
+
+
+@dataclass(frozen=True)
 class ReplayCheck:
     """One plan's replay: the peak of its fullest replayed GPU (tensors replayed
     plus the framework overhead the analytic peak also adds), that GPU's memory,
@@ -50,6 +75,7 @@ class ReplayCheck:
     fits: bool
     seconds: float
     host_peak_bytes: int = 0
+    replicas: tuple[ReplicaPeak, ...] = ()  # each replayed replica of a stage of mixed TP degrees
 
 
 @dataclass(frozen=True)
@@ -86,7 +112,9 @@ class ReplayOutcome:
         verdict = f"; {bad} do not fit by it and are ranked last" if bad else ""
         lines = [f"replay: {len(done)} plan(s) checked by one training step of hetplan's runtime on fake tensors "
                  f"in {self.seconds:.1f} s{verdict}"] if done else []
-        return "\n".join([*lines, *(f"note: {n}" for n in self.notes)])
+        replicas = [f"replay of plan #{row}, {peak.line()}" for row, c in enumerate(self.checks, 1) if c is not None
+                    for peak in c.replicas]
+        return "\n".join([*lines, *replicas, *(f"note: {n}" for n in self.notes)])
 
 
 def replay_top(ranked: Sequence[RankedPlan], workload: Workload, count: int) -> ReplayOutcome:
@@ -122,25 +150,10 @@ def skip_reason(workload: Workload) -> str:
     return ""
 
 
-def mixed_degree_refusal(plan: Plan) -> str:
-    """The replay runs one rank of each stage and share of a micro-batch
-    (``runtime.replay.replayed_ranks``); in a stage whose replicas have different
-    TP degrees (``Stage.replica_tp``) the ranks of other replicas hold other
-    shapes, which it would not see."""
-    mixed = [j for j, s in enumerate(plan.stages) if s.replica_tp is not None]
-    if not mixed:
-        return ""
-    return (f"stage {mixed[0]} gives its replicas different TP degrees (replica_tp), and the replay runs one rank per "
-            "stage; its memory is the analytic model's")
-
-
 def replay_one(ranked: RankedPlan, workload: Workload) -> ReplayCheck:
     """One plan's replay, against the memory of every GPU whose rank a replayed
     rank stands for (a stage's GPUs may be of several types) and, for offloaded
     activations, against each one's share of host memory."""
-    why = mixed_degree_refusal(ranked.plan)
-    if why:
-        raise HetplanError(why)
     from hetplan.runtime.replay import replay_plan
 
     start = time.perf_counter()
@@ -155,7 +168,31 @@ def replay_check(replay: Any, ranked: RankedPlan, workload: Workload, seconds: f
     host_fits = all(s.host_peak_bytes <= estimate.host_capacity_bytes.get(d, s.host_peak_bytes) for s, d in held)
     peak, cap = max(totals, key=lambda t: t[0] / t[1])  # the fullest replayed GPU
     return ReplayCheck(peak, cap, host_fits and all(p <= c for p, c in totals), seconds,
-                       max(s.host_peak_bytes for s in replay.stages))
+                       max(s.host_peak_bytes for s in replay.stages), mixed_replica_peaks(replay, ranked, workload))
+
+
+def mixed_replica_peaks(replay: Any, ranked: RankedPlan, workload: Workload) -> tuple[ReplicaPeak, ...]:
+    """One :class:`ReplicaPeak` per replayed rank of a stage of mixed TP degrees
+    and GPU type of the devices it stands for (``runtime.replay.replayed_ranks``:
+    one rank per share and degree; the GPU type changes no tensor, only the
+    memory it is checked against)."""
+    out = []
+    for s in replay.stages:
+        stage = ranked.plan.stages[s.stage]
+        if stage.replica_tp is None:
+            continue
+        replica = next(r for r in range(stage.dp) if s.device in stage.replica_devices(r))
+        by_gpu: dict[str, list[int]] = {}
+        for d in s.devices or (s.device,):
+            by_gpu.setdefault(workload.cluster.devices[d].gpu.name, []).append(d)
+        for gpu, devices in sorted(by_gpu.items()):
+            fullest = max(devices, key=lambda d: (s.peak_bytes + _overhead(workload, d))
+                          / ranked.estimate.memory_capacity_bytes[d])
+            out.append(ReplicaPeak(s.stage, stage.replica_degree(replica), stage.dp_split[replica], gpu, len(devices),
+                                   s.peak_bytes + _overhead(workload, fullest),
+                                   max(ranked.estimate.peak_memory_bytes[d] for d in devices),
+                                   ranked.estimate.memory_capacity_bytes[fullest]))
+    return tuple(out)
 
 
 def _overhead(workload: Workload, device: int) -> int:
@@ -182,5 +219,6 @@ def replay_record(check: ReplayCheck | None) -> dict[str, Any] | None:
     if check is None:
         return None
     host = {"host_peak_memory_bytes": check.host_peak_bytes} if check.host_peak_bytes else {}
+    replicas = {"replicas": [asdict(r) for r in check.replicas]} if check.replicas else {}
     return {"peak_memory_bytes": check.peak_bytes, "capacity_bytes": check.capacity_bytes, **host,
-            "fits": check.fits, "seconds": round(check.seconds, 3)}
+            "fits": check.fits, "seconds": round(check.seconds, 3), **replicas}

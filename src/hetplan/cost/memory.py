@@ -306,6 +306,7 @@ class PeakTerms:
     micro_batch: float = 0.0  # what one micro-batch in flight keeps (activations, copies, loss)
     accumulated: float = 0.0  # gradients a backward after the first holds beyond ``grads`` (accumulated_grad_bytes)
     grads_held: bool = False  # the gradients are held before the first backward too (DDP's buckets)
+    first_grads: float = 0.0  # gradients the first backward holds at its peak where none are held before it
 
     @property
     def backward(self) -> float:
@@ -316,7 +317,7 @@ class PeakTerms:
         """When the peak is: "step", "first" (a backward with no gradients yet, or
         with DDP's buckets only) or "backward" (one with the gradients)."""
         later = self.accumulated + (self.backward - self.micro_batch if self.first_backward else self.backward)
-        first = self.backward - (0.0 if self.grads_held else self.grads)
+        first = self.backward - (0.0 if self.grads_held else self.grads - self.first_grads)
         if self.step > later and (not self.first_backward or self.step > first):
             return "step"
         return "first" if self.first_backward and first > later else "backward"
@@ -330,7 +331,7 @@ class PeakTerms:
         the step's temporaries count with the optimizer; a backward before any
         gradient has none; the next holds one micro-batch less."""
         moment = self.moment
-        grads = {"first": self.grads if self.grads_held else 0.0, "step": self.grads}.get(
+        grads = {"first": self.grads if self.grads_held else self.first_grads, "step": self.grads}.get(
             moment, self.grads + self.accumulated)
         kept = {"params": self.weights, "grads": grads,
                 "optimizer": self.optimizer + (self.step if moment == "step" else 0.0)}

@@ -302,7 +302,7 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         check_uniform_cp_ep(stage)
     per_layer = []
     weights = grads = optimizer = gathered = kept_per_mb = rebuilt_per_mb = reduce = largest = zero1 = 0.0
-    accumulated = 0.0
+    accumulated = layer_grads = 0.0
     experts = np.zeros(3)  # the routed experts' part of weights, grads, optimizer
     ddp = stage_uses_ddp(kernel, stage)
     for pos, strategy in enumerate(stage.strategies):
@@ -310,6 +310,7 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         index = stage.layers[pos]
         w, g, o = state_split(kernel, stage, pos, strategy.zero)
         weights, grads, optimizer = weights + w, grads + g, optimizer + o
+        layer_grads = max(layer_grads, g)
         accumulated += accumulated_grads(kernel, stage, pos, strategy.zero)
         experts += expert_states(kernel, stage, pos, strategy.zero)
         layer, kept, rebuilt = _layer_memory(kernel, stage, pos)
@@ -338,6 +339,15 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
     scales = expert_scales(stage)
     keys = np.stack([per_device[tp] for tp in sorted(per_device)] + [overhead.astype(np.float64), scales], axis=1)
     firsts, classes = first_appearance(keys)
+    # DDP's buckets hold the gradients before the first backward; a mixed-degree replica, costed
+    # like DDP (stage_uses_ddp), has no wrapper: autograd makes its gradients in backward after
+    # ``zero_grad(set_to_none=True)`` freed them (runtime/context.py ``_part_settings``: dp 1 with
+    # ``replica_tp``; runtime/mixed.py averages ``.grad`` after the backward), so its first backward
+    # holds, at its peak, those of the layer in backward (AccumulateGrad keeps each new gradient as
+    # ``.grad``): the largest layer's, as the replay of a tp1/2 pipeline's first stage shows
+    # (docs/cost-model.md, "The replay check")
+    grads_held = ddp and stage.replica_tp is None
+    first_grads = layer_grads if stage.replica_tp is not None and kernel.runtime else 0.0
     terms = []
     for i in firsts.tolist():
         batch = {tp: float(column[i]) for tp, column in per_device.items()}
@@ -352,7 +362,7 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
         terms.append(PeakTerms(float(w) + ZERO3_GATHERED_LAYERS * gathered, float(g), float(o),
                                activations - loss_stored - loss_work, loss_stored + loss_work, reduce,
                                float(overhead[i]), step, first_backward and kernel.runtime, one,
-                               accumulated if accumulating else 0.0, ddp))
+                               accumulated if accumulating else 0.0, grads_held, first_grads))
     return [terms[c] for c in classes.tolist()]
 
 

@@ -110,7 +110,9 @@ def receive_buffer_bytes(kernel: CostKernel, plan: Plan, stage_index: int) -> np
             per_sample += float(boundary[chunks[c][0]])
         if c < len(chunks) - 1:  # the gradient of its output, received from the chunk after
             per_sample += float(boundary[chunks[c][-1] + 1])
-    replica_samples = np.repeat(np.asarray(stage.dp_split, dtype=np.float64), stage.cp * stage.tp)  # Stage.replica_devices
+    # each replica's share on each of its devices (Stage.replica_devices: cp x its own TP degree with replica_tp)
+    replica_samples = np.asarray([stage.dp_split[r] for r in range(stage.dp) for _ in stage.replica_devices(r)],
+                                 dtype=np.float64)
     return per_sample / stage.cp * replica_samples * plan.num_micro_batches
 
 
@@ -130,15 +132,18 @@ def stage_in_flight(kernel: CostKernel, plan: Plan, stage_index: int) -> float |
     return interleaved_in_flight(plan.pp, stage_index, plan.num_micro_batches, sizes)
 
 
-def accumulating_gradient_bytes(kernel: CostKernel, stage: Stage, num_micro_batches: int) -> float:
+def accumulating_gradient_bytes(kernel: CostKernel, stage: Stage, num_micro_batches: int, tp: int | None = None
+                                ) -> float:
     """The new fp32 gradient of the stage's largest weight beside the ``.grad`` it is
-    added into (module doc): 0 with one micro-batch or where FSDP2 reduces it."""
+    added into (module doc), on a device of TP degree ``tp`` (default the stage's; a
+    replica of a stage of mixed degrees holds its own degree's share): 0 with one
+    micro-batch or where FSDP2 reduces it."""
     if num_micro_batches <= 1:
         return 0.0
     fsdp = stage.dp * stage.cp > 1 and all(s.zero >= 2 for s in stage.strategies)
     if fsdp:
         return 0.0
-    largest = kernel.largest_tensor(stage.tp, stage.ep)[list(stage.layers)]
+    largest = kernel.largest_tensor(stage.tp if tp is None else tp, stage.ep)[list(stage.layers)]
     return float(largest.max()) * kernel.grad_bytes if largest.size else 0.0
 
 
@@ -151,6 +156,7 @@ def pipelined_terms(kernel: CostKernel, plan: Plan, stage_index: int, terms: lis
         return terms
     stage = plan.stages[stage_index]
     buffers = receive_buffer_bytes(kernel, plan, stage_index)
-    new_grad = accumulating_gradient_bytes(kernel, stage, plan.num_micro_batches)
-    return [replace(t, overhead=t.overhead + float(b), reduce_buffer=t.reduce_buffer + new_grad)
-            for t, b in zip(terms, buffers)]
+    degrees = [stage.replica_degree(r) for r in range(stage.dp) for _ in stage.replica_devices(r)]
+    new_grad = {t: accumulating_gradient_bytes(kernel, stage, plan.num_micro_batches, t) for t in set(degrees)}
+    return [replace(t, overhead=t.overhead + float(b), reduce_buffer=t.reduce_buffer + new_grad[degree])
+            for t, b, degree in zip(terms, buffers, degrees)]

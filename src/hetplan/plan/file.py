@@ -186,8 +186,9 @@ _FILE_KEYS = ("format_version", "plans", "model_spec", "cluster_spec", "settings
               "target", "slowdown", "best_overall", "target_notes", "torchtitan_version")
 _ENTRY_KEYS = ("plan", "estimate", "planner_cost_s", "training", "replay")
 # "replay": the replay check's record ('hetplan plan --json' with torch, hetplan.app.replay.replay_record),
-# what was found when the file was written; it is costed again, not trusted, when the file is read
-_REPLAY_KEYS = ("peak_memory_bytes", "capacity_bytes", "host_peak_memory_bytes", "fits", "seconds")
+# what was found when the file was written ("replicas": each replayed replica of a stage of mixed TP
+# degrees, hetplan.app.replay.ReplicaPeak); it is costed again, not trusted, when the file is read
+_REPLAY_KEYS = ("peak_memory_bytes", "capacity_bytes", "host_peak_memory_bytes", "fits", "seconds", "replicas")
 
 
 def _plan_of(where: str, entry: Any) -> Any:

@@ -40,6 +40,7 @@ from hetplan.runtime.step import all_reduce_coalesced
 STAGE = -1  # key of a stage's whole group in MixedGroups (chunks are 0 .. tp - 1)
 
 MixedGroups = dict[tuple[int, int], Any]  # (stage, chunk or STAGE) -> process group
+LayoutView = dict[str, tuple[tuple[int, ...], tuple[int, ...], int | None]]  # name -> (full shape, local shape, TP dim)
 
 
 def chunk_holders(layout: PlanLayout, stage: int, chunk: int) -> list[int]:
@@ -124,10 +125,10 @@ def _local_grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def param_layouts(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], int | None]]:
+def param_layouts(model: nn.Module) -> LayoutView:
     """This rank's view of its parameters: name -> (full shape, local shape,
     TP-sharded dimension or None). A plain tensor is taken as replicated."""
-    out: dict[str, tuple[tuple[int, ...], tuple[int, ...], int | None]] = {}
+    out: LayoutView = {}
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             out[name] = (tuple(p.shape), tuple(p.shape), None)
@@ -141,7 +142,29 @@ def param_layouts(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[in
     return out
 
 
-def agree_layouts(views: list[dict[str, tuple[tuple[int, ...], tuple[int, ...], int | None]]],
+def stage_views(layout: PlanLayout, stage: int, mine: LayoutView, group: Any) -> list[LayoutView]:
+    """Every rank's :func:`param_layouts` of ``stage``, in rank order, from this
+    rank's (``mine``): gathered over the stage's group (the replay, which runs
+    one rank, answers it: ``runtime.replay.MixedViews``)."""
+    views: list[Any] = [None] * len(layout.stage_ranks(stage))
+    dist.all_gather_object(views, mine, group=group)
+    return views
+
+
+def view_at_degree(view: LayoutView, degree: int) -> LayoutView:
+    """What a rank of a replica at TP ``degree`` holds, from the view of a rank
+    that shards (TP > 1): each sharded parameter's dimension cut into ``degree``
+    equal parts (``agree_layouts`` requires them equal), plain full tensors at degree 1."""
+    out: LayoutView = {}
+    for name, (shape, _, dim) in view.items():
+        if dim is None or degree == 1:
+            out[name] = (shape, shape, None)
+        else:
+            out[name] = (shape, shape[:dim] + (shape[dim] // degree,) + shape[dim + 1:], dim)
+    return out
+
+
+def agree_layouts(views: list[LayoutView],
                   degrees: list[int], tp: int) -> dict[str, ParamLayout]:
     """One layout per parameter from every rank's view (``degrees``: each
     view's replica TP degree): the sharded dimension as the ranks with TP > 1
@@ -174,10 +197,8 @@ def mixed_sync(layout: PlanLayout, position: RankPosition, groups: MixedGroups, 
     j = position.pp_index
     if layout.plan.stages[j].replica_tp is None:
         return None
-    group = groups[(j, STAGE)]
     ranks = sorted(layout.stage_ranks(j))
-    views: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(views, param_layouts(model), group=group)
+    views = stage_views(layout, j, param_layouts(model), groups[(j, STAGE)])
     degrees = [layout.replica_tp(j, layout.position(r).dp_index) for r in ranks]
     tp = layout.stage_tp(j)
     return MixedSync(groups, j, tp, layout.stage_dp(j), layout.replica_tp(j, position.dp_index), position.tp_index,

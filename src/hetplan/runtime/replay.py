@@ -46,7 +46,11 @@ What the replay does differently from ``hetplan train``, and why:
   (``runtime/offload.py`` ``HostPool(host_side=...)``).
 * a heterogeneous pipeline's stages send their input shapes as data: the
   replay answers them (:class:`StageMetadata`). Each share of a micro-batch
-  a stage's replicas take is replayed (:func:`replayed_ranks`).
+  a stage's replicas take, and each TP degree where they run their own
+  (``Stage.replica_tp``), is replayed (:func:`replayed_ranks`).
+* a stage of mixed TP degrees gathers its ranks' parameter layouts with
+  ``all_gather_object``, data a fake process group does not carry: the
+  replay answers it from a sharding rank's layout (:class:`MixedViews`).
 * the meshes are made, sliced and joined from real rank tensors
   (:func:`real_meshes`), and a host read of a real tensor (or of a fake one
   holding its value) reads its value: a DeviceMesh finds this rank's
@@ -78,6 +82,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from hetplan.errors import HetplanError
 from hetplan.plan.layout import PlanLayout
 from hetplan.plan.spec import Plan
+from hetplan.runtime import mixed
 from hetplan.runtime.hetero import HeteroPipeline
 
 # The optimizer the replay steps with: AdamW, whose two fp32 states per parameter the cost model
@@ -354,11 +359,12 @@ def real_meshes() -> Iterator[None]:
 
 
 def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
-    """Replay one rank of each distinct pipeline stage and micro-batch share of ``plan`` (:func:`replayed_ranks`)."""
+    """Replay one rank of each distinct pipeline stage, micro-batch share and replica TP degree of ``plan``
+    (:func:`replayed_ranks`)."""
     start = time.perf_counter()
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     stages = []
-    with StageMetadata() as shapes:  # stage by stage, first to last: each receives what the one before it sent
+    with StageMetadata() as shapes, MixedViews():  # stage by stage, first to last: each receives what the one before sent
         for rank, devices in replayed_ranks(layout):
             position = layout.position(rank)
             shapes.share = position.samples_per_micro_batch
@@ -370,15 +376,53 @@ def replay_plan(plan: Plan, spec: Any) -> PlanReplay:
 def replayed_ranks(layout: PlanLayout) -> list[tuple[int, tuple[int, ...]]]:
     """The ranks replayed, first stage to last, each with the plan devices whose ranks
     hold what it holds: per stage, the first rank of the first replica of each share of
-    a micro-batch (``dp_split``; replicas of one share, and the TP, CP and EP ranks of
-    a replica, hold tensors of the same sizes), standing for every rank of those replicas."""
+    a micro-batch (``dp_split``) and TP degree (``Stage.replica_tp``: a stage's replicas
+    may run their own), standing for every rank of the replicas of that share and degree
+    (they, and the TP, CP and EP ranks of a replica, hold tensors of the same sizes; the
+    GPU type changes no tensor, and each device is checked against its own memory).
+    A stage's replicas of the largest degree come first: a replica at TP 1 learns how
+    its stage shards each parameter from one that shards it (:class:`MixedViews`)."""
     out = []
     for j in range(layout.pp):
-        by_share: dict[int, list[int]] = {}
-        for replica in layout.stage_mesh_ranks(j):
-            by_share.setdefault(layout.position(replica[0]).samples_per_micro_batch, []).extend(replica)
-        out.extend((ranks[0], tuple(layout.devices[r] for r in ranks)) for ranks in by_share.values())
+        kinds: dict[tuple[int, int], list[int]] = {}
+        for r, replica in enumerate(layout.stage_mesh_ranks(j)):
+            kind = (layout.position(replica[0]).samples_per_micro_batch, layout.replica_tp(j, r))
+            kinds.setdefault(kind, []).extend(replica)
+        ordered = sorted(kinds.items(), key=lambda item: -item[0][1])  # stable: the plan's order within a degree
+        out.extend((ranks[0], tuple(layout.devices[r] for r in ranks)) for _, ranks in ordered)
     return out
+
+
+class MixedViews:
+    """How every rank of a stage of mixed TP degrees lays out its parameters,
+    for a replay that runs one rank at a time: the runtime gathers each rank's
+    :func:`runtime.mixed.param_layouts` over the stage (``mixed.stage_views``,
+    an ``all_gather_object`` a fake process group does not carry). A replayed
+    rank whose replica shards (TP > 1) records its own view; each rank of the
+    stage then holds that view at its own replica's degree
+    (``mixed.view_at_degree``), as the real gather would give. The stage's
+    replicas of the largest degree are replayed first (:func:`replayed_ranks`)."""
+
+    def __init__(self) -> None:
+        self._sharded: dict[int, mixed.LayoutView] = {}  # stage -> the view of a rank that shards
+
+    def __enter__(self) -> MixedViews:
+        self._saved = mixed.stage_views
+        mixed.stage_views = self.stage_views
+        return self
+
+    def stage_views(self, layout: PlanLayout, stage: int, mine: mixed.LayoutView, group: Any) -> list[mixed.LayoutView]:
+        """The views the stage's gather returns (class doc)."""
+        ranks = sorted(layout.stage_ranks(stage))
+        degrees = [layout.replica_tp(stage, layout.position(r).dp_index) for r in ranks]
+        if layout.replica_tp(stage, layout.position(torch.distributed.get_rank()).dp_index) > 1:
+            self._sharded[stage] = mine
+        if stage not in self._sharded:
+            raise HetplanError(f"the replay has no sharded layout for stage {stage}'s replicas of mixed TP degrees")
+        return [mixed.view_at_degree(self._sharded[stage], t) for t in degrees]
+
+    def __exit__(self, *exc: Any) -> None:
+        mixed.stage_views = self._saved
 
 
 class StageMetadata:
