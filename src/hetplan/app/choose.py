@@ -79,8 +79,6 @@ OBJECTIVES = ("frontier", "deadline", "budget")
 NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
                            "build them; stages mixing GPU types and TP degrees inside (Sailor's) are searched "
                            "only with --mixed-tp")
-NOTE_ZONES = ("* spans zones: its time and $ are upper bounds, since every node's network runs at min(its NIC, "
-              "the inter-zone link), also for traffic that stays inside a zone (cluster/pool.py, docs/choose.md)")
 
 
 @dataclass(frozen=True)
@@ -96,9 +94,9 @@ class Allocation:
 
     @property
     def spans_zones(self) -> bool:
-        """Whether its nodes lie in two or more zones: its cluster then runs
-        every node's network at the inter-zone link (``cluster/pool.py``), so
-        the time and $ planned for it are upper bounds of a per-link model."""
+        """Whether its nodes lie in two or more zones (information: its
+        cluster prices each link by its zones, ``cluster/pool.py``, so its
+        time and $ are as exact as those of one zone)."""
         return len(self.zones) > 1
 
 
@@ -182,7 +180,7 @@ class FrontierPoint:
     hours: float
     usd: float
     plan: str
-    spans_zones: bool = False  # time and $ are upper bounds (``Allocation.spans_zones``)
+    spans_zones: bool = False  # its nodes lie in two or more zones (``Allocation.spans_zones``)
 
 
 @dataclass(frozen=True)
@@ -433,8 +431,6 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     best = best_point(points, objective, limit) if objective != "frontier" and limit is not None else None
     chosen = pareto_front(points) if objective == "frontier" else [best] if best is not None else []
     notes = [NOTE_ONE_TYPE_PER_GROUP]
-    if any(p.allocation.spans_zones for p in chosen):
-        notes.append(NOTE_ZONES)
     if unplanned:
         notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {unplanned} "
                      "allocations were not planned, so the answer is the best found, not proven")
