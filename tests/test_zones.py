@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
+from hetplan.app.replan import slowed_cluster
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cluster.io import cluster_from_dict, dump_cluster_yaml
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
@@ -89,3 +90,12 @@ def test_cluster_file_keeps_zones():
     again = cluster_from_dict(yaml.safe_load(dump_cluster_yaml(cluster)))
     assert again == cluster and [n.zone for n in again.nodes] == ["a", "a", "b", "b"]
     assert again.link_gbps(0, 4) == ZONE_GBPS and again.link_gbps(0, 2) == NIC_GBPS
+
+
+def test_replan_keeps_the_zones_links_in_its_matrix():
+    """replan's cluster of a slowed GPU reads its device matrix off
+    ``link_gbps``: the nodes keep their zones and every link its bandwidth."""
+    cluster = two_zones()
+    slowed = slowed_cluster(cluster, {0: 2.0})
+    assert [n.zone for n in slowed.nodes] == ["a", "a", "a", "b", "b"]  # node 0 cut into runs of one GPU type
+    assert all(slowed.link_gbps(a, b) == cluster.link_gbps(a, b) for a in range(8) for b in range(8) if a != b)

@@ -126,7 +126,8 @@ class ClusterSpec:
         description: where the cluster comes from (paper, file).
         inter_zone_bandwidth_gbps: the link between two nodes of different
             zones (per node pair, per direction); needed when the nodes are in
-            two or more zones, 0 when they carry no zones.
+            two or more zones, 0 when they carry no zones. A bandwidth matrix
+            overrides it (replan's matrices are read off ``link_gbps``).
     """
 
     name: str
@@ -178,9 +179,6 @@ class ClusterSpec:
         if not zoned and bandwidth > 0:
             raise HetplanError(f"cluster {self.name!r}: inter_zone_bandwidth_gbps is given but no node has a zone; "
                                "give the nodes their 'zone' or drop it")
-        if zoned and self.bandwidth_matrix_gbps is not None:
-            raise HetplanError(f"cluster {self.name!r}: a bandwidth matrix gives every link itself; drop the zones "
-                               "or the matrix")
         if len(self.zones) > 1 and bandwidth <= 0:
             raise HetplanError(f"cluster {self.name!r}: nodes in {len(self.zones)} zones but no "
                                "inter_zone_bandwidth_gbps; give the bandwidth between zones in Gbit/s")
