@@ -98,6 +98,11 @@ def test_yaml_round_trip_with_matrix(tmp_path) -> None:
     assert load_cluster_yaml(path).link_gbps(1, 0) == 7
 
 
+# two nodes in zones a and b (no inter-zone link: a test adds one)
+ZONED = ("inter_node_bandwidth_gbps: 48\nnodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, zone: a}\n"
+         "  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, zone: b}\n")
+
+
 @pytest.mark.parametrize("text, message", [
     ("nodes: [", r"not valid YAML: .*\(line 2\)"),
     ("- 1\n- 2", "expected a mapping"),
@@ -115,6 +120,15 @@ def test_yaml_round_trip_with_matrix(tmp_path) -> None:
      "inter_node_bandwidth_gbps must be a finite number, got inf"),
     ("nodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5, memory_gb: .nan}", "memory_gb must be a finite"),
     ("nodes:\n  - {gpu: T4, gpus: 2, intra_node_bandwidth_gbps: 5}\nbandwidth_matrix_gbps: [[0, 1]]", "2x2"),
+    (f"{ZONED.replace('zone: b', 'zone: [b]')}inter_zone_bandwidth_gbps: 8.7", r"nodes\[1\]\.zone must be text, got list"),
+    (ZONED, "nodes in 2 zones but no inter_zone_bandwidth_gbps; give the bandwidth between zones in Gbit/s"),
+    (f"{ZONED}inter_zone_bandwidth_gbps: 0", "inter_zone_bandwidth_gbps must be positive, got 0"),
+    (f"{ZONED.replace('zone: b', 'zone: ' + chr(39) * 2)}inter_zone_bandwidth_gbps: 8.7",
+     r"nodes\[1\]\.zone must be one line"),
+    (f"{ZONED.replace('zone: a', 'name: x')}inter_zone_bandwidth_gbps: 8.7",
+     "node 'x' has no zone but others do; give every node a 'zone' or none"),
+    ("inter_zone_bandwidth_gbps: 8.7\nnodes:\n  - {gpu: T4, gpus: 1, intra_node_bandwidth_gbps: 5}",
+     "inter_zone_bandwidth_gbps is given but no node has a zone; give the nodes their 'zone' or drop it"),
 ])
 def test_bad_yaml_gives_one_clear_line(tmp_path, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -49,7 +50,20 @@ def _random_workload(rng: random.Random) -> Workload:
 WORKLOADS = [_random_workload(random.Random(seed)) for seed in range(8)]
 
 
-@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: f"{w.model.name}-{w.cluster.summary()}")
+def _in_zones(workload: Workload, zones: tuple[str, ...], gbps: float) -> Workload:
+    """``workload`` with its nodes in ``zones`` (one per node) and ``gbps`` between zones."""
+    cluster = workload.cluster
+    nodes = tuple(replace(node, zone=zone) for node, zone in zip(cluster.nodes, zones, strict=True))
+    return replace(workload, cluster=replace(cluster, name=f"{cluster.name}-zoned", nodes=nodes,
+                                             inter_zone_bandwidth_gbps=gbps))
+
+
+# the 3-node workload with its outer nodes in one zone and the middle one in
+# another (5 Gbps, slower than every NIC): no node order keeps zones together
+ZONED = _in_zones(WORKLOADS[6], ("a", "b", "a"), 5.0)
+
+
+@pytest.mark.parametrize("workload", [*WORKLOADS, ZONED], ids=lambda w: f"{w.model.name}-{w.cluster.name}")
 def test_every_planners_own_cost_is_the_estimate(workload: Workload) -> None:
     cost = CostModel(workload)
     checked = 0

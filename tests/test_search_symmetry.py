@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,17 @@ def _uneven_cluster() -> ClusterSpec:
                                   NodeSpec("A100-80GB", 4, 2400.0)), 200.0)
 
 
+def _zoned_cluster() -> ClusterSpec:
+    """The uneven cluster with its nodes in zones a, b, a, b, a and 50 Gbps between
+    zones: alike nodes in two zones must not share a group shape."""
+    base = _uneven_cluster()
+    nodes = tuple(replace(node, zone="ab"[i % 2]) for i, node in enumerate(base.nodes))
+    return replace(base, name="zoned", nodes=nodes, inter_zone_bandwidth_gbps=50.0)
+
+
 CLUSTERS = {"mixed-64": lambda: mixed_cluster(64), "metis-mixed-64": lambda: load_cluster("metis-mixed-64"),
-            "uneven": _uneven_cluster, "matrix": _matrix_cluster, "128xH100": lambda: load_cluster("128xH100")}
+            "uneven": _uneven_cluster, "matrix": _matrix_cluster, "128xH100": lambda: load_cluster("128xH100"),
+            "zoned": _zoned_cluster}
 
 
 def _random_groups(n: int, rng: random.Random, count: int) -> list[tuple[int, ...]]:

@@ -76,11 +76,13 @@ DEFAULT_MAX_PLANS = 200
 BOUND_ROUNDING = 1e-9
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 OBJECTIVES = ("frontier", "deadline", "budget")
+NOTE_SEND_BOUND = ("a pipeline send of {labels} takes longer per micro-batch than its slowest stage (a slow link, "
+                   "such as the one between zones); the cost model counts each send once, as if hidden behind "
+                   "compute (cost/pipeline.py), so the link that paces such a pipeline is not charged and its time "
+                   "is optimistic")
 NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
                            "build them; stages mixing GPU types and TP degrees inside (Sailor's) are searched "
                            "only with --mixed-tp")
-NOTE_ZONES = ("* spans zones: its time and $ are upper bounds, since every node's network runs at min(its NIC, "
-              "the inter-zone link), also for traffic that stays inside a zone (cluster/pool.py, docs/choose.md)")
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,9 @@ class Allocation:
 
     @property
     def spans_zones(self) -> bool:
-        """Whether its nodes lie in two or more zones: its cluster then runs
-        every node's network at the inter-zone link (``cluster/pool.py``), so
-        the time and $ planned for it are upper bounds of a per-link model."""
+        """Whether its nodes lie in two or more zones (information: its
+        cluster prices each link by its zones, ``cluster/pool.py``, so its
+        time and $ are as exact as those of one zone)."""
         return len(self.zones) > 1
 
 
@@ -182,7 +184,7 @@ class FrontierPoint:
     hours: float
     usd: float
     plan: str
-    spans_zones: bool = False  # time and $ are upper bounds (``Allocation.spans_zones``)
+    spans_zones: bool = False  # its nodes lie in two or more zones (``Allocation.spans_zones``)
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,17 @@ def plan_allocation(pool: Pool, base: Workload, allocation: Allocation, planner:
     return Point(allocation, workload, best, steps, egress, usd)
 
 
+def sends_outlast_stages(workload: Workload, plan: Plan) -> bool:
+    """Whether one of the plan's pipeline sends (one micro-batch, one way)
+    takes longer than its slowest stage's micro-batch: then the link, not the
+    stages, paces the pipeline, which ``cost/pipeline.py`` does not model."""
+    if plan.pp < 2:
+        return False
+    model = CostModel(workload)
+    slowest = max(model.stage_timing(stage, plan.micro_batch_size).per_micro_batch_s for stage in plan.stages)
+    return max(model.p2p_times(plan)) > slowest
+
+
 # --- the answer ---------------------------------------------------------------------
 def pareto_front(points: Sequence[Point]) -> list[Point]:
     """The points no other beats in both time and $ (fastest first; of equal
@@ -433,8 +446,9 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     best = best_point(points, objective, limit) if objective != "frontier" and limit is not None else None
     chosen = pareto_front(points) if objective == "frontier" else [best] if best is not None else []
     notes = [NOTE_ONE_TYPE_PER_GROUP]
-    if any(p.allocation.spans_zones for p in chosen):
-        notes.append(NOTE_ZONES)
+    send_bound = [p.allocation.label for p in chosen if sends_outlast_stages(p.workload, p.best.plan)]
+    if send_bound:
+        notes.append(NOTE_SEND_BOUND.format(labels=", ".join(send_bound)))
     if unplanned:
         notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {unplanned} "
                      "allocations were not planned, so the answer is the best found, not proven")

@@ -23,10 +23,12 @@ Format (every key is checked; an unknown key is an error, never ignored)::
         overrides: {memory_bandwidth_gbps: 800}   # optional: any GPU number, this node only
         price_per_gpu_hour: 2.1         # optional: what one GPU of this node costs per hour
         host_memory_gb: 2048            # optional: the node's host RAM (GiB) for offloaded activations
+        zone: us-east-1a                # optional: its zone (every node gets one, or none does)
       - gpu: T4
         gpus: 4
         intra_node_bandwidth_gbps: 50
     bandwidth_matrix_gbps: [[...], ...] # optional: full GPU-to-GPU matrix
+    inter_zone_bandwidth_gbps: 8.7      # between nodes of two zones (needed with 2+ zones)
 
 Link bandwidths (``*_node_bandwidth_gbps``) are gigaBITS per second, as links
 are sold; ``memory_bandwidth_gbps`` is gigaBYTES per second, as GPU datasheets
@@ -60,9 +62,9 @@ from hetplan.cost.calibration import calibration_from_dict, read_calibration
 from hetplan.cluster.presets import get_cluster
 
 _TOP_KEYS = {"name", "inter_node_bandwidth_gbps", "nodes", "bandwidth_matrix_gbps", "description", "gpu_types",
-             "calibration"}
+             "calibration", "inter_zone_bandwidth_gbps"}
 _NODE_KEYS = {"gpu", "gpus", "intra_node_bandwidth_gbps", "count", "inter_node_bandwidth_gbps", "memory_gb", "name",
-              "overrides", "price_per_gpu_hour", "host_memory_gb"}
+              "overrides", "price_per_gpu_hour", "host_memory_gb", "zone"}
 GB_PER_S = 1e9  # memory bandwidth is quoted in decimal GB/s on datasheets
 
 # A GPU's numbers as a file writes them: key -> (GPUSpec attribute, SI units per file unit).
@@ -273,9 +275,11 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> ClusterSpec:
         matrix = tuple(tuple(_number(f"{source}: bandwidth_matrix_gbps[{i}]", v, positive=False) for v in row)
                        for i, row in enumerate(matrix))
     meta = {"calibration": _calibration(source, data["calibration"])} if data.get("calibration") is not None else {}
+    inter_zone = _number(f"{source}: inter_zone_bandwidth_gbps", data["inter_zone_bandwidth_gbps"]) \
+        if "inter_zone_bandwidth_gbps" in data else 0.0
     cluster = ClusterSpec(_text(f"{source}: name", data.get("name", source)), tuple(nodes), inter, matrix,
                           description=_text(f"{source}: description", data.get("description", f"from {source}")),
-                          meta=meta)
+                          meta=meta, inter_zone_bandwidth_gbps=inter_zone)
     _check_name_is_not_a_preset(cluster, source)
     return cluster
 
@@ -324,6 +328,7 @@ def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int)
     memory = _gpu_memory_bytes(f"{where}.memory_gb", nd["memory_gb"]) if "memory_gb" in nd else 0
     price = _price(f"{where}.price_per_gpu_hour", nd["price_per_gpu_hour"]) if "price_per_gpu_hour" in nd else 0.0
     host = _host_memory_bytes(where, nd["host_memory_gb"]) if "host_memory_gb" in nd else 0
+    zone = _text(f"{where}.zone", nd["zone"]) if "zone" in nd else ""
     gpu = _node_gpu(where, nd, custom)
     nodes = []
     for k in range(int(count)):
@@ -331,7 +336,7 @@ def _nodes(where: str, nd: Any, custom: Mapping[str, GPUSpec], first_index: int)
         if count > 1:
             label = f"{label}-{k}"
         nodes.append(NodeSpec(gpu, int(gpus), intra, inter, memory, label, price_per_gpu_hour=price,
-                              host_memory_bytes=host))
+                              host_memory_bytes=host, zone=zone))
     return nodes
 
 
@@ -419,6 +424,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
             entry["price_per_gpu_hour"] = node.price_per_gpu_hour
         if node.host_memory_bytes:
             entry["host_memory_gb"] = node.host_memory_bytes / GIB
+        if node.zone:
+            entry["zone"] = node.zone
         nodes.append(entry)
     data: dict[str, Any] = {"name": cluster.name, "description": cluster.description}
     if custom:
@@ -426,6 +433,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
     data["nodes"] = nodes
     if cluster.inter_bandwidth_gbps:
         data["inter_node_bandwidth_gbps"] = cluster.inter_bandwidth_gbps
+    if cluster.inter_zone_bandwidth_gbps:
+        data["inter_zone_bandwidth_gbps"] = cluster.inter_zone_bandwidth_gbps
     if cluster.bandwidth_matrix_gbps is not None:
         data["bandwidth_matrix_gbps"] = [list(r) for r in cluster.bandwidth_matrix_gbps]
     if cluster.meta.get("calibration") is not None:  # inline, so a plan file carries it

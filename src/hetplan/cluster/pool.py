@@ -19,14 +19,12 @@ Format (every key is checked; an unknown key is an error, never ignored)::
         inter_node_bandwidth_gbps: 48    # the node's network inside its zone
         name: a100-a                     # optional (default GPU@zone), unique
 
-An allocation takes ``counts[i]`` nodes of offer ``i``. ``ClusterSpec`` gives
-each node one network speed (the link between two nodes is the slower NIC,
-``ClusterSpec.link_gbps``), and the cost kernel's collectives use it per node
-(``cost/comm.py``), so a cluster cannot say "fast inside a zone, slow across".
-An allocation that spans zones therefore gets every node's network at
-``min(its NIC, inter_zone_bandwidth_gbps)``: the link its cross-zone groups
-would see, pessimistic for traffic that stays inside one zone; one in a
-single zone keeps its nodes' own NICs.
+An allocation takes ``counts[i]`` nodes of offer ``i``. Its cluster's nodes
+keep their offer's NIC and carry its zone, and the cluster the pool's
+``inter_zone_bandwidth_gbps``: a link between two nodes of one zone runs at the
+slower NIC, one between zones also at most at the inter-zone link
+(``ClusterSpec.link_gbps``), and the cost kernel prices each collective and
+pipeline send by the links its group uses (``cost/comm.py``).
 """
 
 from __future__ import annotations
@@ -219,21 +217,19 @@ def allocation_zones(pool: Pool, counts: Sequence[int]) -> tuple[str, ...]:
 
 
 def allocation_cluster(pool: Pool, counts: Sequence[int]) -> ClusterSpec:
-    """The cluster of ``counts[i]`` nodes of each offer ``i``, in offer order
-    (zones as the module docstring says)."""
+    """The cluster of ``counts[i]`` nodes of each offer ``i``, in offer order,
+    each node in its offer's zone (links as the module docstring says)."""
     check_counts(pool, counts)
     zones = set(allocation_zones(pool, counts))
     nodes: list[NodeSpec] = []
     for offer, count in zip(pool.offers, counts):
-        nic = offer.inter_node_bandwidth_gbps
-        if len(zones) > 1:
-            nic = min(nic, pool.inter_zone_bandwidth_gbps)
-        nodes += [NodeSpec(offer.gpu, offer.gpus_per_node, offer.intra_node_bandwidth_gbps, nic,
-                           name=f"{offer.name}-{k}", price_per_gpu_hour=offer.price_per_gpu_hour)
+        nodes += [NodeSpec(offer.gpu, offer.gpus_per_node, offer.intra_node_bandwidth_gbps,
+                           offer.inter_node_bandwidth_gbps, name=f"{offer.name}-{k}",
+                           price_per_gpu_hour=offer.price_per_gpu_hour, zone=offer.zone)
                   for k in range(count)]
-    where = (f"zones {', '.join(sorted(zones))}: every node's network at min(its NIC, the "
-             f"{pool.inter_zone_bandwidth_gbps:g} Gbps inter-zone link)" if len(zones) > 1 else
-             f"zone {next(iter(zones))}")
+    where = (f"zones {', '.join(sorted(zones))}, {pool.inter_zone_bandwidth_gbps:g} Gbps between them"
+             if len(zones) > 1 else f"zone {next(iter(zones))}")
     label = "-".join(f"{n}x{o.name}" for o, n in zip(pool.offers, counts) if n)
     return ClusterSpec(f"{pool.name}-{label}", tuple(nodes), 0.0,
-                       description=f"allocation {allocation_label(pool, counts)} of pool {pool.name!r} ({where})")
+                       description=f"allocation {allocation_label(pool, counts)} of pool {pool.name!r} ({where})",
+                       inter_zone_bandwidth_gbps=pool.inter_zone_bandwidth_gbps)

@@ -4,8 +4,10 @@ Devices get global ids node by node: node 0's GPUs are 0..n0-1, node 1's follow,
 and so on; a Plan names devices by these ids. Bandwidths are in gigabits per
 second as links are sold (``*_gbps``); ``bandwidth_bytes_per_s`` converts.
 Between two nodes the usable bandwidth is the smaller of the two nodes' network
-bandwidth (a node's NIC is shared by its GPUs); a full device-to-device matrix
-overrides everything when given.
+bandwidth (a node's NIC is shared by its GPUs). Nodes may carry a zone; between
+nodes of two zones the link is also at most the cluster's inter-zone bandwidth,
+per node pair, as Sailor's zone data gives it (issue 35: 48 Gbps inside a zone,
+8.7 Gbps across). A full device-to-device matrix overrides everything when given.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class NodeSpec:
         gpu_spec: the resolved GPU type (set from ``gpu_type`` when not given);
             compared with the rest, so two nodes of differently capped or tuned
             GPUs never compare equal.
+        zone: the zone (data centre, cloud zone) the node is in; "" = none.
+            Links between zones run at most at the cluster's
+            ``inter_zone_bandwidth_gbps``.
     """
 
     gpu_type: str | GPUSpec
@@ -52,6 +57,7 @@ class NodeSpec:
     gpu_spec: GPUSpec | None = None
     price_per_gpu_hour: float = 0.0
     host_memory_bytes: int = 0
+    zone: str = ""
 
     def __post_init__(self) -> None:
         spec = self._resolve_gpu()
@@ -72,6 +78,9 @@ class NodeSpec:
             raise HetplanError(f"node {label!r}: price_per_gpu_hour must be a number >= 0")
         if self.host_memory_bytes < 0:
             raise HetplanError(f"node {label!r}: host_memory_gb must be positive (or left out for the default)")
+        if self.zone != self.zone.strip() or not self.zone.isprintable() or len(self.zone) > 1000:
+            raise HetplanError(f"node {label!r}: zone must be one line of printable characters without "
+                               f"surrounding spaces, got {self.zone!r}")
 
     def _resolve_gpu(self) -> GPUSpec:
         """The GPUSpec this node runs: given directly, given as ``gpu_spec``
@@ -115,6 +124,10 @@ class ClusterSpec:
         bandwidth_matrix_gbps: optional full device-to-device matrix (overrides
             the node model; diagonal ignored).
         description: where the cluster comes from (paper, file).
+        inter_zone_bandwidth_gbps: the link between two nodes of different
+            zones (per node pair, per direction); needed when the nodes are in
+            two or more zones, 0 when they carry no zones. A bandwidth matrix
+            overrides it (replan's matrices are read off ``link_gbps``).
     """
 
     name: str
@@ -123,11 +136,13 @@ class ClusterSpec:
     bandwidth_matrix_gbps: tuple[tuple[float, ...], ...] | None = None
     description: str = ""
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    inter_zone_bandwidth_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         if not self.nodes:
             raise HetplanError(f"cluster {self.name!r} has no nodes")
+        self._check_zones()
         if len(self.nodes) > 1 and self.inter_bandwidth_gbps <= 0 and any(
             n.inter_bandwidth_gbps <= 0 for n in self.nodes
         ):
@@ -149,6 +164,29 @@ class ClusterSpec:
                             f"cluster {self.name!r}: bandwidth between GPU {i} and {j} must be positive"
                         )
             object.__setattr__(self, "bandwidth_matrix_gbps", tuple(tuple(map(float, r)) for r in rows))
+
+    def _check_zones(self) -> None:
+        """Zones on every node or on none, and a link between them when there are several."""
+        zoned = [node for node in self.nodes if node.zone]
+        bandwidth = self.inter_zone_bandwidth_gbps
+        if not (bandwidth >= 0 and math.isfinite(bandwidth)):
+            raise HetplanError(f"cluster {self.name!r}: inter_zone_bandwidth_gbps must be a positive number, "
+                               f"got {bandwidth}")
+        if zoned and len(zoned) < len(self.nodes):
+            bare = next(node for node in self.nodes if not node.zone)
+            raise HetplanError(f"cluster {self.name!r}: node {bare.name or bare.gpu.name!r} has no zone but others "
+                               "do; give every node a 'zone' or none")
+        if not zoned and bandwidth > 0:
+            raise HetplanError(f"cluster {self.name!r}: inter_zone_bandwidth_gbps is given but no node has a zone; "
+                               "give the nodes their 'zone' or drop it")
+        if len(self.zones) > 1 and bandwidth <= 0:
+            raise HetplanError(f"cluster {self.name!r}: nodes in {len(self.zones)} zones but no "
+                               "inter_zone_bandwidth_gbps; give the bandwidth between zones in Gbit/s")
+
+    @property
+    def zones(self) -> tuple[str, ...]:
+        """The nodes' distinct zones in node order (empty when they carry none)."""
+        return tuple(dict.fromkeys(node.zone for node in self.nodes if node.zone))
 
     def _check_gpu_names(self) -> None:
         """One name, one GPU: costs are cached and reported by GPU type name."""
@@ -200,6 +238,20 @@ class ClusterSpec:
         node = self.nodes[node_index]
         return node.inter_bandwidth_gbps or self.inter_bandwidth_gbps
 
+    def network_gbps(self, nodes: Iterable[int]) -> float:
+        """The slowest network link among ``nodes`` (two or more): the slowest
+        NIC, and the inter-zone link when they lie in more than one zone.
+        A ring over nodes runs every link at once, so this is what its
+        slowest step, and with it the ring, runs at (NCCL's ring bandwidth is
+        the minimum over the ring's links: ``src/graph/search.cc``); a ring
+        over two zones crosses the boundary twice, once each way, on two node
+        pairs, so both crossings run in parallel at the inter-zone link."""
+        nodes = list(nodes)
+        slowest = min(self.node_inter_gbps(n) for n in nodes)
+        if len({self.nodes[n].zone for n in nodes}) > 1:
+            slowest = min(slowest, self.inter_zone_bandwidth_gbps)
+        return slowest
+
     def link_gbps(self, a: int, b: int) -> float:
         """Bandwidth between devices ``a`` and ``b`` in Gbit/s (per direction)."""
         if self.bandwidth_matrix_gbps is not None:
@@ -211,7 +263,7 @@ class ClusterSpec:
             return float("inf")
         if da.node == db.node:
             return self.nodes[da.node].intra_bandwidth_gbps
-        return min(self.node_inter_gbps(da.node), self.node_inter_gbps(db.node))
+        return self.network_gbps((da.node, db.node))
 
     def bandwidth_bytes_per_s(self, a: int, b: int) -> float:
         return gbps_to_bytes_per_s(self.link_gbps(a, b))
@@ -223,11 +275,11 @@ class ClusterSpec:
         if self.bandwidth_matrix_gbps is not None:
             return min(self.bandwidth_bytes_per_s(a, b) for i, a in enumerate(group) for b in group[i + 1:])
         # node model: the slowest of each node's fabric (where two of its GPUs
-        # are in the group) and, across nodes, the slowest NIC involved
+        # are in the group) and, across nodes, the slowest network link involved
         by_node = self.nodes_of(group)
         links = [self.nodes[n].intra_bandwidth_gbps for n, members in by_node.items() if len(members) > 1]
         if len(by_node) > 1:
-            links.append(min(self.node_inter_gbps(n) for n in by_node))
+            links.append(self.network_gbps(by_node))
         return gbps_to_bytes_per_s(min(links))
 
     def nodes_of(self, group: Iterable[int]) -> dict[int, list[int]]:

@@ -157,7 +157,8 @@ def read_calibration(path: str | os.PathLike[str]) -> Calibration:
 
 def calibrated_cluster(cluster: ClusterSpec, calibration: Calibration | None) -> ClusterSpec:
     """``cluster`` with its link bandwidths scaled (the kernel costs comm on
-    this copy; the workload keeps the cluster as the user described it)."""
+    this copy; the workload keeps the cluster as the user described it). The
+    inter-zone link is a network link: it takes the network's factor."""
     if calibration is None:
         return cluster
     intra, inter = calibration.bandwidth("intra"), calibration.bandwidth("inter")
@@ -171,7 +172,8 @@ def calibrated_cluster(cluster: ClusterSpec, calibration: Calibration | None) ->
         matrix = tuple(tuple(b * (intra if node_of[i] == node_of[j] else inter) for j, b in enumerate(row))
                        for i, row in enumerate(matrix))
     return dataclasses.replace(cluster, nodes=nodes, inter_bandwidth_gbps=cluster.inter_bandwidth_gbps * inter,
-                               bandwidth_matrix_gbps=matrix)
+                               bandwidth_matrix_gbps=matrix,
+                               inter_zone_bandwidth_gbps=cluster.inter_zone_bandwidth_gbps * inter)
 
 
 def link_calibration_from_profile(profile: Any, cluster: ClusterSpec) -> Calibration | None:

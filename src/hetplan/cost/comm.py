@@ -7,6 +7,15 @@ hierarchically — reduce-scatter inside each node, all-reduce of the shards
 between nodes over the nodes' shared NICs, all-gather inside each node — which
 is how NCCL's tree/ring algorithms behave on multi-GPU nodes; the flat ring over
 the slowest link (AMP's formula) is kept as ``flat_ring_allreduce_time``.
+
+Zones (``ClusterSpec.network_gbps``): a group whose nodes lie in one zone runs
+its network phase at their NICs; a group spanning zones runs its ring over nodes
+at the inter-zone link too, since a ring moves the same bytes over every link at
+once and its slowest link sets its pace (the ring crosses the zone boundary
+twice, on two node pairs, in parallel). A pipeline p2p between two zones runs
+at the inter-zone link (``ClusterSpec.link_gbps``), one inside a zone at the
+NICs. The per-collective latency does not change with zones: no source gives
+an inter-zone hop latency apart from the network hop's.
 """
 
 from __future__ import annotations
@@ -85,7 +94,7 @@ def _hierarchical(cluster: ClusterSpec, group: Sequence[int], num_bytes: float, 
     intra = max(_node_ring_time(cluster, node, n, num_bytes, factor / 2.0) for node, n in by_node.items())
     nodes = list(by_node)
     num_nodes = len(nodes)
-    nic = (min(cluster.node_inter_gbps(n) for n in nodes) * 1e9 / 8.0 * COLLECTIVE_BANDWIDTH_EFFICIENCY
+    nic = (cluster.network_gbps(nodes) * 1e9 / 8.0 * COLLECTIVE_BANDWIDTH_EFFICIENCY
            / max(1, concurrent_groups))
     # each node pushes its data across the network once per collective phase
     inter = factor * (num_nodes - 1) * num_bytes / (num_nodes * nic)
@@ -120,13 +129,17 @@ def alltoall_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
     Across nodes, a node with k of the group's GPUs sends k·M·(n−k)/n bytes
     through its NICs (shared by ``concurrent_groups`` groups running at once,
     the TP ranks' expert-parallel groups) while its in-node part runs on
-    NVLink at the same time: the slower of the two."""
+    NVLink at the same time: the slower of the two. Across zones, each pair
+    of nodes in two zones also has its inter-zone link, which carries the
+    k·k_q·M/n bytes between them (k_q: the peer node's GPUs of the group)."""
     n = len(group)
     if n < 2 or num_bytes <= 0:
         return 0.0
     if cluster.bandwidth_matrix_gbps is not None:
         return _ring_time(cluster, group, num_bytes, 1.0)
     by_node = node_counts(cluster, group)
+    zone_link = (gbps_to_bytes_per_s(cluster.inter_zone_bandwidth_gbps) * COLLECTIVE_BANDWIDTH_EFFICIENCY
+                 / max(1, concurrent_groups))
     worst = 0.0
     for node, k in by_node.items():
         intra = 0.0
@@ -138,7 +151,10 @@ def alltoall_time(cluster: ClusterSpec, group: Sequence[int], num_bytes: float,
             nic = (cluster.node_inter_gbps(node) * 1e9 / 8.0 * COLLECTIVE_BANDWIDTH_EFFICIENCY
                    / max(1, concurrent_groups))
             inter = k * num_bytes * (n - k) / (n * nic)
-        worst = max(worst, intra, inter)
+        zone = cluster.nodes[node].zone
+        peer = max((k_q for q, k_q in by_node.items() if cluster.nodes[q].zone != zone), default=0)
+        across = k * peer * num_bytes / (n * zone_link) if peer else 0.0
+        worst = max(worst, intra, inter, across)
     return worst
 
 

@@ -4,8 +4,8 @@ On a cluster described by nodes (no device-to-device matrix), what a
 collective over a group costs (``cost/comm.py``) depends only on how many of
 the group's GPUs sit on each node and on those nodes' links: the formulas take
 maxima and minima over the nodes, never anything that depends on which node is
-which. Two groups with the same multiset of (node links, GPUs of the group on
-the node) — the group's :meth:`ClusterArrays.shape` — therefore cost the same
+which. Two groups with the same multiset of (node links and zone, GPUs of the
+group on the node) — the group's :meth:`ClusterArrays.shape` — therefore cost the same
 to the last bit, and the kernel computes a collective once per shape. On a
 4,096-GPU cluster all 8 data-parallel groups of a 1,024-GPU stage have one
 shape, and so do the stages of a uniform plan.
@@ -38,19 +38,23 @@ class ClusterArrays:
         self.matrix = cluster.bandwidth_matrix_gbps is not None
         devices = cluster.devices
         self.node = np.fromiter((d.node for d in devices), np.int64, len(devices))
-        links: dict[tuple[float, float], int] = {}
+        # a node's links: its fabric, its NIC and its zone (which links cross to other zones)
+        links: dict[tuple[float, float, str], int] = {}
         self._node_list = self.node.tolist()
-        self.node_links = np.array([links.setdefault((node.intra_bandwidth_gbps, cluster.node_inter_gbps(i)),
+        self.node_links = np.array([links.setdefault((node.intra_bandwidth_gbps, cluster.node_inter_gbps(i), node.zone),
                                                      len(links)) for i, node in enumerate(cluster.nodes)],
                                    dtype=np.int64)
         self._link_list = self.node_links.tolist()
         self.intra_gbps = np.array([node.intra_bandwidth_gbps for node in cluster.nodes], dtype=np.float64)
         self.inter_gbps = np.array([cluster.node_inter_gbps(i) for i in range(len(cluster.nodes))], dtype=np.float64)
+        zones = {zone: i for i, zone in enumerate(dict.fromkeys(node.zone for node in cluster.nodes))}
+        self.zone = np.array([zones[node.zone] for node in cluster.nodes], dtype=np.int64)
+        self.inter_zone_gbps = cluster.inter_zone_bandwidth_gbps
         self._matrix_gbps = cluster.bandwidth_matrix_gbps
         firsts = np.searchsorted(self.node, np.arange(len(cluster.nodes)))  # each node's first GPU
         kinds_of_nodes: dict[tuple[object, ...], int] = {}
         self.node_kind = np.array([kinds_of_nodes.setdefault(
-            (node.gpu.name, node.num_gpus, node.intra_bandwidth_gbps, cluster.node_inter_gbps(i),
+            (node.gpu.name, node.num_gpus, node.intra_bandwidth_gbps, cluster.node_inter_gbps(i), node.zone,
              capacity[first], overhead[first], host[first]), len(kinds_of_nodes))
             for i, (node, first) in enumerate(zip(cluster.nodes, firsts.tolist()))], dtype=np.int64)
         self._node_first = firsts.tolist()
@@ -129,12 +133,16 @@ class ClusterArrays:
                             dtype=np.float64).reshape(a.shape)
         else:
             na, nb = self.node[a], self.node[b]
-            gbps = np.where(na == nb, self.intra_gbps[na], np.minimum(self.inter_gbps[na], self.inter_gbps[nb]))
+            network = np.minimum(self.inter_gbps[na], self.inter_gbps[nb])
+            if len(self.zone) and bool((self.zone != self.zone[0]).any()):  # the inter-zone link between zones
+                network = np.where(self.zone[na] == self.zone[nb], network,
+                                   np.minimum(network, self.inter_zone_gbps))
+            gbps = np.where(na == nb, self.intra_gbps[na], network)
         return np.where(a == b, np.inf, gbps) * 1e9 / 8.0
 
     def group_class(self, group: Sequence[int]) -> Hashable:
         """Groups equal up to renaming interchangeable nodes (same GPUs, count,
-        links and memory) get equal keys: per GPU, its node's kind and its node
+        links, zone and memory) get equal keys: per GPU, its node's kind and its node
         numbered in order of first appearance. Everything the kernel computes
         for one group alone (its stages' costs and memory, its collectives) is
         the same for every group of a class. On a bandwidth-matrix cluster

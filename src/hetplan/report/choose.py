@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from hetplan.app.choose import NOTE_ZONES, ChooseResult, ChooseSummary
+from hetplan.app.choose import ChooseResult, ChooseSummary
 from hetplan.report.svg import FONT_SIZE, TITLE_SIZE, svg_document, text_width
 from hetplan.report.text import table
 from hetplan.units import format_count, format_time
@@ -15,16 +15,10 @@ CHOOSE_HEADERS = ("#", "allocation", "GPUs", "$/hour", "iter time", "days", "GPU
 _POINT = "#4C78A8"
 
 
-def zone_marked(label: str, spans_zones: bool) -> str:
-    """An allocation's label, with `` *`` where it spans zones (``NOTE_ZONES`` says what that means)."""
-    return label + (" *" if spans_zones else "")
-
-
 def choose_rows(result: ChooseResult) -> list[list[str]]:
-    """A row per point: allocation (``*``: it spans zones, its time and $ are
-    upper bounds, ``app.choose.NOTE_ZONES``), GPUs, price, iteration, days, $
-    (GPUs, egress, total), plan."""
-    return [[str(i), zone_marked(p.allocation.label, p.allocation.spans_zones), str(p.allocation.gpus),
+    """A row per point: allocation, GPUs, price, iteration, days, $ (GPUs,
+    egress, total), plan."""
+    return [[str(i), p.allocation.label, str(p.allocation.gpus),
              f"{p.allocation.usd_per_hour:,.2f}", format_time(p.iteration_s), f"{p.hours / 24:,.2f}", f"{p.gpu_usd:,.0f}", f"{p.egress_usd:,.0f}",
              f"{p.usd:,.0f}", p.best.plan.describe()] for i, p in enumerate(result.points, 1)]
 
@@ -97,9 +91,7 @@ FRONTIER_HEADERS = ("#", "allocation", "GPUs", "iter time", "days", "total $", "
 
 
 def frontier_table(result: ChooseSummary) -> str:
-    """The points of a summary as a text table (the report's frontier section),
-    with the note on points that span zones when there are any."""
-    rows = [[str(i), zone_marked(p.label, p.spans_zones), str(p.gpus), format_time(p.iteration_s),
+    """The points of a summary as a text table (the report's frontier section)."""
+    rows = [[str(i), p.label, str(p.gpus), format_time(p.iteration_s),
              f"{p.hours / 24:,.2f}", f"{p.usd:,.0f}", p.plan] for i, p in enumerate(result.points, 1)]
-    text = table(FRONTIER_HEADERS, rows, [True, False, True, True, True, True, False])
-    return text + (f"\n{NOTE_ZONES}" if any(p.spans_zones for p in result.points) else "")
+    return table(FRONTIER_HEADERS, rows, [True, False, True, True, True, True, False])

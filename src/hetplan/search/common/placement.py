@@ -62,8 +62,8 @@ def node_first_devices(cluster: ClusterSpec) -> list[int]:
 
 
 def _node_classes(cluster: ClusterSpec) -> list[tuple[object, ...]]:
-    """What makes two nodes interchangeable: GPU type, count, links and memory."""
-    return [(node.gpu.name, node.num_gpus, node.intra_bandwidth_gbps, cluster.node_inter_gbps(q),
+    """What makes two nodes interchangeable: GPU type, count, links, zone and memory."""
+    return [(node.gpu.name, node.num_gpus, node.intra_bandwidth_gbps, cluster.node_inter_gbps(q), node.zone,
              cluster.devices[first].memory_bytes)
             for q, (node, first) in enumerate(zip(cluster.nodes, node_first_devices(cluster)))]
 

@@ -37,13 +37,13 @@ from hetplan.cluster.spec import ClusterSpec
 from hetplan.errors import HetplanError
 from hetplan.search.common.placement import node_first_devices
 
-NodeClass = tuple[str, int, float, float]  # (GPU type, GPUs in node, intra Gbps, inter Gbps)
+NodeClass = tuple[str, int, float, float, str]  # (GPU type, GPUs in node, intra Gbps, inter Gbps, zone)
 
 
 def node_class(cluster: ClusterSpec, node: int) -> NodeClass:
-    """What makes a node interchangeable with another: GPU type, size, links."""
+    """What makes a node interchangeable with another: GPU type, size, links, zone."""
     spec = cluster.nodes[node]
-    return (spec.gpu.name, spec.num_gpus, spec.intra_bandwidth_gbps, cluster.node_inter_gbps(node))
+    return (spec.gpu.name, spec.num_gpus, spec.intra_bandwidth_gbps, cluster.node_inter_gbps(node), spec.zone)
 
 
 _UIDS: dict[tuple[str, tuple[int, ...]], int] = {}
