@@ -50,13 +50,16 @@ costed with the non-pipelined plans).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hetplan.cost.kernel import CostKernel
 from hetplan.cost.memory import PeakTerms
 from hetplan.plan.layout import interleaved_chunks
 from hetplan.plan.spec import Plan, Stage
+
+if TYPE_CHECKING:  # the kernel's range tables use this module (cost/stage.py); here only its type
+    from hetplan.cost.kernel import CostKernel
 
 
 def _stage_chunks(plan: Plan) -> tuple[tuple[int, ...], ...]:
@@ -111,14 +114,29 @@ def receive_buffer_bytes(kernel: CostKernel, plan: Plan, stage_index: int) -> np
     stage = plan.stages[stage_index]
     chunks = _stage_chunks(plan)
     boundary = kernel.memory_arrays.input_bytes  # per sample: the tensor entering each layer
-    per_sample = 0.0
-    for c in range(stage_index, len(chunks), plan.pp):
-        if c > 0:  # its input, received from the chunk before
-            per_sample += float(boundary[chunks[c][0]])
-        if c < len(chunks) - 1:  # the gradient of its output, received from the chunk after
-            per_sample += float(boundary[chunks[c][-1] + 1])
+    per_sample = sum(float(received_per_sample(boundary, chunk[0], chunk[-1] + 1))
+                     for chunk in chunks[stage_index::plan.pp])
     replica_samples = np.repeat(np.asarray(stage.dp_split, dtype=np.float64), stage.cp * stage.tp)  # Stage.replica_devices
     return per_sample / stage.cp * replica_samples * plan.num_micro_batches
+
+
+def received_per_sample(boundary: np.ndarray, starts: np.ndarray | int, ends: np.ndarray | int) -> np.ndarray:
+    """Bytes per sample of one micro-batch's receive buffers for a chunk of layers
+    ``[start, end)`` (module doc; ``boundary``: per layer, the tensor entering it):
+    its input, received from the chunk before, unless it starts the model, and the
+    gradient of its output, received from the chunk after, unless it ends it.
+    Broadcasts over arrays of starts and ends (the searches' range tables)."""
+    layers = len(boundary)
+    starts, ends = np.asarray(starts), np.asarray(ends)
+    received = np.where(starts > 0, boundary[np.minimum(starts, layers - 1)], 0.0)
+    return received + np.where(ends < layers, boundary[np.minimum(ends, layers - 1)], 0.0)
+
+
+def holds_new_gradient(num_micro_batches: int, group: int, zero: int) -> bool:
+    """A weight's new gradient stands beside the ``.grad`` it is added into (module
+    doc): with several micro-batches, unless FSDP2 reduces it (ZeRO-2/3 on a
+    ``group`` of dp·cp > 1; ``zero``: the stage's lowest stage)."""
+    return num_micro_batches > 1 and not (group > 1 and zero >= 2)
 
 
 def stage_in_flight(kernel: CostKernel, plan: Plan, stage_index: int) -> float | None:
@@ -140,10 +158,7 @@ def stage_in_flight(kernel: CostKernel, plan: Plan, stage_index: int) -> float |
 def accumulating_gradient_bytes(kernel: CostKernel, stage: Stage, num_micro_batches: int) -> float:
     """The new fp32 gradient of the stage's largest weight beside the ``.grad`` it is
     added into (module doc): 0 with one micro-batch or where FSDP2 reduces it."""
-    if num_micro_batches <= 1:
-        return 0.0
-    fsdp = stage.dp * stage.cp > 1 and all(s.zero >= 2 for s in stage.strategies)
-    if fsdp:
+    if not holds_new_gradient(num_micro_batches, stage.dp * stage.cp, min(s.zero for s in stage.strategies)):
         return 0.0
     largest = kernel.largest_tensor(stage.tp, stage.ep)[list(stage.layers)]
     return float(largest.max()) * kernel.grad_bytes if largest.size else 0.0
