@@ -23,7 +23,14 @@ and read from torch 2.13's code:
   ``AccumulateGrad::accumulateGrad``: ``variable_grad += new_grad``), so for a
   moment both are held: at most the largest weight's fp32 gradient at once.
   FSDP2 (ZeRO-2/3 on dp > 1) reduces each layer's new gradients through its
-  reduce buffer instead (``FSDP_REDUCE_BUFFER_LAYERS``, already counted).
+  reduce buffer instead (``FSDP_REDUCE_BUFFER_LAYERS``, already counted). It
+  stands beside the loss's buffers (the last stage's first backward is the
+  head's), which the ZeRO-0/1 reduce buffer never does: that buffer is made in
+  a layer's post-backward hook of the last micro-batch, after the head's
+  backward has freed the loss's gradients (``memory.PeakTerms``: ``loss``), so
+  only what it exceeds them by adds to the new gradient (replayed: tiny-gpt
+  pp2 x dp2 ZeRO-0, the last stage peaks inside the head's backward holding the
+  head weight's new gradient and no reduce buffer; counting both was +4.3%).
 
 * **interleaved 1F1B's micro-batches in flight** per model chunk: torch's
   ``ScheduleInterleaved1F1B`` (``distributed/pipelining/schedules.py``,
@@ -43,13 +50,16 @@ costed with the non-pipelined plans).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hetplan.cost.kernel import CostKernel
 from hetplan.cost.memory import PeakTerms
 from hetplan.plan.layout import interleaved_chunks
 from hetplan.plan.spec import Plan, Stage
+
+if TYPE_CHECKING:  # the kernel's range tables use this module (cost/stage.py); here only its type
+    from hetplan.cost.kernel import CostKernel
 
 
 def _stage_chunks(plan: Plan) -> tuple[tuple[int, ...], ...]:
@@ -104,16 +114,31 @@ def receive_buffer_bytes(kernel: CostKernel, plan: Plan, stage_index: int) -> np
     stage = plan.stages[stage_index]
     chunks = _stage_chunks(plan)
     boundary = kernel.memory_arrays.input_bytes  # per sample: the tensor entering each layer
-    per_sample = 0.0
-    for c in range(stage_index, len(chunks), plan.pp):
-        if c > 0:  # its input, received from the chunk before
-            per_sample += float(boundary[chunks[c][0]])
-        if c < len(chunks) - 1:  # the gradient of its output, received from the chunk after
-            per_sample += float(boundary[chunks[c][-1] + 1])
+    per_sample = sum(float(received_per_sample(boundary, chunk[0], chunk[-1] + 1))
+                     for chunk in chunks[stage_index::plan.pp])
     # each replica's share on each of its devices (Stage.replica_devices: cp x its own TP degree with replica_tp)
     replica_samples = np.asarray([stage.dp_split[r] for r in range(stage.dp) for _ in stage.replica_devices(r)],
                                  dtype=np.float64)
     return per_sample / stage.cp * replica_samples * plan.num_micro_batches
+
+
+def received_per_sample(boundary: np.ndarray, starts: np.ndarray | int, ends: np.ndarray | int) -> np.ndarray:
+    """Bytes per sample of one micro-batch's receive buffers for a chunk of layers
+    ``[start, end)`` (module doc; ``boundary``: per layer, the tensor entering it):
+    its input, received from the chunk before, unless it starts the model, and the
+    gradient of its output, received from the chunk after, unless it ends it.
+    Broadcasts over arrays of starts and ends (the searches' range tables)."""
+    layers = len(boundary)
+    starts, ends = np.asarray(starts), np.asarray(ends)
+    received = np.where(starts > 0, boundary[np.minimum(starts, layers - 1)], 0.0)
+    return received + np.where(ends < layers, boundary[np.minimum(ends, layers - 1)], 0.0)
+
+
+def holds_new_gradient(num_micro_batches: int, group: int, zero: int) -> bool:
+    """A weight's new gradient stands beside the ``.grad`` it is added into (module
+    doc): with several micro-batches, unless FSDP2 reduces it (ZeRO-2/3 on a
+    ``group`` of dp·cp > 1; ``zero``: the stage's lowest stage)."""
+    return num_micro_batches > 1 and not (group > 1 and zero >= 2)
 
 
 def stage_in_flight(kernel: CostKernel, plan: Plan, stage_index: int) -> float | None:
@@ -138,10 +163,7 @@ def accumulating_gradient_bytes(kernel: CostKernel, stage: Stage, num_micro_batc
     added into (module doc), on a device of TP degree ``tp`` (default the stage's; a
     replica of a stage of mixed degrees holds its own degree's share): 0 with one
     micro-batch or where FSDP2 reduces it."""
-    if num_micro_batches <= 1:
-        return 0.0
-    fsdp = stage.dp * stage.cp > 1 and all(s.zero >= 2 for s in stage.strategies)
-    if fsdp:
+    if not holds_new_gradient(num_micro_batches, stage.dp * stage.cp, min(s.zero for s in stage.strategies)):
         return 0.0
     largest = kernel.largest_tensor(stage.tp if tp is None else tp, stage.ep)[list(stage.layers)]
     return float(largest.max()) * kernel.grad_bytes if largest.size else 0.0
@@ -158,5 +180,13 @@ def pipelined_terms(kernel: CostKernel, plan: Plan, stage_index: int, terms: lis
     buffers = receive_buffer_bytes(kernel, plan, stage_index)
     degrees = [stage.replica_degree(r) for r in range(stage.dp) for _ in stage.replica_devices(r)]
     new_grad = {t: accumulating_gradient_bytes(kernel, stage, plan.num_micro_batches, t) for t in set(degrees)}
-    return [replace(t, overhead=t.overhead + float(b), reduce_buffer=t.reduce_buffer + new_grad[degree])
+    return [replace(t, overhead=t.overhead + float(b), reduce_buffer=_beside_new_gradient(t, new_grad[degree]))
             for t, b, degree in zip(terms, buffers, degrees)]
+
+
+def _beside_new_gradient(terms: PeakTerms, new_grad: float) -> float:
+    """The backward's buffers with the new gradient (module doc): the reduce buffer
+    counts only beyond the loss's buffers, which are freed before it is made."""
+    if new_grad <= 0:
+        return terms.reduce_buffer
+    return new_grad + max(terms.reduce_buffer - terms.loss, 0.0)

@@ -18,7 +18,7 @@ import numpy as np
 Index = Union[int, slice, np.ndarray]
 
 
-def _positions(index: Index) -> np.ndarray:
+def positions(index: Index) -> np.ndarray:
     """Slice or index array -> the positions it names."""
     if isinstance(index, slice):
         return np.arange(index.start or 0, index.stop, index.step or 1)
@@ -45,7 +45,7 @@ class RangeMax:
         rows, cols = key
         if isinstance(rows, (int, np.integer)) and isinstance(cols, (int, np.integer)):
             return self._one(int(rows), int(cols))
-        return self._block(_positions(rows)[:, None], _positions(cols)[None, :])
+        return self._block(positions(rows)[:, None], positions(cols)[None, :])
 
     def _one(self, a: int, b: int) -> float:
         """One range (the scalar path of ``_block``)."""
@@ -100,7 +100,7 @@ class RangeSum:
                 if rows <= previous and index < cols:
                     held -= share
             return held
-        return self._block(_positions(rows)[:, None], _positions(cols)[None, :])
+        return self._block(positions(rows)[:, None], positions(cols)[None, :])
 
     def _block(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         held = self._prefix[ends] - self._prefix[starts]

@@ -25,6 +25,8 @@ from hetplan.cost.memory import (
     step_temporary_bytes, zero1_gather_bytes,
 )
 from hetplan.cost.pipeline import stage_micro_batch_time
+from hetplan.cost.pipeline_memory import holds_new_gradient, received_per_sample
+from hetplan.cost.ranges import Index, positions
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import LayerStrategy, Stage
 
@@ -189,7 +191,7 @@ class StageCosts:
         self._layout = kernel.layout(option.devices, option.dp, option.tp, option.split, option.cp, option.ep,
                                      option.ep_split)
         self._layer_totals: np.ndarray | None = None
-        self._fits: dict[tuple[int, int, float, bool], bool] = {}
+        self._fits: dict[tuple[int, int, float, bool, int], bool] = {}
         self._time_classes: list[Any] | None = None  # built on first use: a fit check needs none
         self._build_comm()
         self._build_memory()
@@ -343,6 +345,10 @@ class StageCosts:
         self._reduce_max = k.range_max_matrix(
             buffers, ("reducepeak", o.tp, o.ep, o.zero, o.recompute, o.sequence_parallel, o.cp)) \
             if buffers.any() else None
+        # a pipelined stage's receive buffers and new gradient (CostModel.stage_terms, cost/pipeline_memory.py)
+        self._boundary = k.memory_arrays.input_bytes if k.runtime and k.memory_profile is None else None
+        self._new_grad_max = None if self._boundary is None else \
+            k.range_max_matrix(k.largest_tensor(o.tp, o.ep), ("largest", o.tp, o.ep)) * k.grad_bytes
         largest = k.largest_tensor(o.tp, o.ep)
         self._largest_max = k.range_max_matrix(largest, ("largest", o.tp, o.ep)) if largest.any() else None
 
@@ -393,26 +399,47 @@ class StageCosts:
             self._layer_totals = np.diff(worst.total)
         return self._layer_totals
 
-    def class_memory(self, a: int, b: int, in_flight: float, first_backward: bool = False) -> list[float]:
+    def class_memory(self, a: int, b: int, in_flight: float, first_backward: bool = False,
+                     micro_batches: int = 0) -> list[float]:
         """Peak bytes of a GPU of each memory class for layers [a, b)
-        (``first_backward``: as ``memory.PeakTerms``)."""
-        return [self.peak_bytes(a, b, c.batch, in_flight, c.overhead, c.expert_scale, first_backward)
+        (``first_backward``: as ``memory.PeakTerms``; ``micro_batches``: as ``peak_bytes``)."""
+        return [self.peak_bytes(a, b, c.batch, in_flight, c.overhead, c.expert_scale, first_backward, micro_batches)
                 for c in self._memory_classes]
 
+    def pipeline_terms(self, rows: Index, cols: Index, micro_batches: int) -> tuple[Any, Any]:
+        """(receive buffers per sample of a replica's micro-batch share, new gradient) that
+        hetplan's runtime holds on a pipelined stage of layers [a, b), in a step of
+        ``micro_batches`` (``pipeline_memory``, as ``CostModel.stage_terms`` adds them);
+        nothing for the whole model (one stage, no pipeline), without ``micro_batches``
+        or for other code. Scalars for one range, the table's block for slices."""
+        if self._boundary is None or micro_batches <= 0:
+            return 0.0, 0.0
+        one = isinstance(rows, (int, np.integer)) and isinstance(cols, (int, np.integer))
+        starts, ends = (np.asarray(rows), np.asarray(cols)) if one else \
+            (positions(rows)[:, None], positions(cols)[None, :])
+        pipelined = (starts > 0) | (ends < self.num_layers)
+        o = self.option
+        received = np.where(pipelined, received_per_sample(self._boundary, starts, ends), 0.0) / o.cp * micro_batches
+        new_grad = np.where(pipelined, self._new_grad_max[rows, cols], 0.0) \
+            if self._new_grad_max is not None and holds_new_gradient(micro_batches, o.dp * o.cp, o.zero) else 0.0
+        return (float(received), float(new_grad)) if one else (received, new_grad)
+
     def peak_bytes(self, a: int, b: int, batch: float, in_flight: float, overhead: float,
-                   expert_scale: float = 1.0, first_backward: bool = False) -> float:
+                   expert_scale: float = 1.0, first_backward: bool = False, micro_batches: int = 0) -> float:
         """Peak bytes of one GPU of this stage whose replica gets ``batch`` samples
         per micro-batch, for layers [a, b) (``expert_scale``: its routed experts
         over an even 1/ep share, ``Stage.ep_split``; ``first_backward``: every
         micro-batch is in flight before the first backward, and the code that
         trains makes its gradients then: ``memory.PeakTerms``). Searches ask
         without ``first_backward``, which counts the gradients at every
-        backward: never less."""
+        backward: never less. ``micro_batches``: the step's, for a pipelined
+        stage's own buffers (``pipeline_terms``)."""
         measured = self._profiled_memory(a, b, batch, in_flight)
         if measured is not None:
             return measured + overhead
-        line = self._memory_line(a, b, in_flight, overhead, expert_scale)
-        backward = line.fixed + line.per_sample * batch
+        received, new_grad = self.pipeline_terms(a, b, micro_batches)
+        line = self._memory_line(a, b, in_flight, overhead + received * batch, expert_scale)
+        backward = line.fixed + new_grad + line.per_sample * batch
         # gradients accumulate over several micro-batches (with first_backward all of them are in flight)
         accumulated = line.accumulated if not first_backward or in_flight > 1 else 0.0
         if not (first_backward and self.kernel.runtime):
@@ -505,29 +532,35 @@ class StageCosts:
         per_class = np.array([int(m) for m in self.class_memory(a, b, in_flight, first_backward)], dtype=np.int64)
         return per_class[self._device_class].tolist()
 
-    def fits(self, a: int, b: int, in_flight: float, first_backward: bool = False) -> bool:
+    def fits(self, a: int, b: int, in_flight: float, first_backward: bool = False, micro_batches: int = 0) -> bool:
         """Every GPU of the stage holds layers [a, b) and its micro-batches
-        (memoised: searches such as Metis's DFS ask about the same ranges again)."""
-        key = (a, b, in_flight, first_backward)
+        (memoised: searches such as Metis's DFS ask about the same ranges again;
+        ``micro_batches``: as ``peak_bytes``)."""
+        key = (a, b, in_flight, first_backward, micro_batches)
         found = self._fits.get(key)
         if found is None:
             found = self._fits[key] = all(
                 m <= c.capacity and self.host_bytes(a, b, c.batch, in_flight) <= c.host_capacity
-                for m, c in zip(self.class_memory(a, b, in_flight, first_backward), self._memory_classes))
+                for m, c in zip(self.class_memory(a, b, in_flight, first_backward, micro_batches),
+                                self._memory_classes))
         return found
 
     # --- every range at once ----------------------------------------------------------------------
-    def tables(self, in_flight: float, window: tuple[int, int] | None = None) -> SegmentTables:
+    def tables(self, in_flight: float, window: tuple[int, int] | None = None,
+               micro_batches: int = 0) -> SegmentTables:
         """Every ``[a, b)`` as matrices (see :class:`SegmentTables`). With
         ``window = (j, span)`` only stage ``j``'s window of a pipeline: rows
-        ``a = j + x``, columns ``b = j + 1 + y`` for ``x, y < span``."""
+        ``a = j + x``, columns ``b = j + 1 + y`` for ``x, y < span``.
+        ``micro_batches``: the step's, for a pipelined stage's own buffers
+        (``pipeline_terms``)."""
         recent = self.kernel.recent_tables
         times = recent.get((self.key, window))
         if times is None:  # the times do not depend on the micro-batches in flight: shared
             times = recent.put((self.key, window), self._time_tables(window))
-        fits = recent.get((self.key, window, in_flight))
+        fits = recent.get((self.key, window, in_flight, micro_batches))
         if fits is None:
-            fits = recent.put((self.key, window, in_flight), self._fits_table(in_flight, window))
+            fits = recent.put((self.key, window, in_flight, micro_batches),
+                              self._fits_table(in_flight, window, micro_batches))
         # one cache holds both kinds of entry, under different keys
         return replace(cast(SegmentTables, times), fits=cast(np.ndarray, fits))
 
@@ -561,10 +594,10 @@ class StageCosts:
         held = np.asarray(self.kernel.held_params_matrix(o.tp, o.ep)[rows, cols])
         return held, (np.asarray(self.kernel.expert_held_matrix(o.tp, o.ep)[rows, cols]) if o.ep > 1 else 0.0)
 
-    def _fits_table(self, in_flight: float, window: tuple[int, int] | None) -> np.ndarray:
+    def _fits_table(self, in_flight: float, window: tuple[int, int] | None, micro_batches: int) -> np.ndarray:
         rows, cols = self._cells(window)
         held, experts = self._held_matrices(rows, cols)
-        return self._valid(rows, cols) & self._fits_matrix(held, in_flight, rows, cols, experts)
+        return self._valid(rows, cols) & self._fits_matrix(held, in_flight, rows, cols, experts, micro_batches)
 
     def _worst_replica_matrices(self, rows: slice, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward, backward (+ recompute) and TP comm of the slowest replica class per range."""
@@ -588,12 +621,12 @@ class StageCosts:
         return fwd, back, take([c.tpc for c in self._classes])
 
     def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice,
-                     experts: np.ndarray | float = 0.0) -> np.ndarray:
+                     experts: np.ndarray | float = 0.0, micro_batches: int = 0) -> np.ndarray:
         ok = np.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=bool)
         if self._use_profile:
             for x, a in enumerate(range(rows.start, rows.stop)):
                 for y, b in enumerate(range(cols.start, cols.stop)):
-                    ok[x, y] = b > a and self.fits(a, b, in_flight)
+                    ok[x, y] = b > a and self.fits(a, b, in_flight, micro_batches=micro_batches)
             return ok
         states = held * self._state_per_param + experts * self._expert_state
         act = self._act[cols][None, :] - self._act[rows][:, None]
@@ -606,13 +639,15 @@ class StageCosts:
             fixed = fixed + self._per_mb_max[rows, cols]
         if self._reduce_max is not None:
             fixed = fixed + self._reduce_max[rows, cols]
+        received, new_grad = self.pipeline_terms(rows, cols, micro_batches)
+        fixed = fixed + new_grad
         step = self._step_bytes(held, self._largest_max[rows, cols] if self._largest_max is not None else 0.0)
         for c in self._memory_classes:
             held_states = states + (c.expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
             accumulated = (held + (c.expert_scale - 1.0) * experts) * self._acc_per_param \
                 + c.expert_scale * experts * self._expert_acc  # searches count it at every backward (peak_bytes)
-            peak = peak_memory_bytes(held_states, act * c.batch, in_flight, work * c.batch, gathered, c.overhead,
-                                     fixed + accumulated, step)
+            peak = peak_memory_bytes(held_states, act * c.batch, in_flight, work * c.batch, gathered,
+                                     c.overhead + received * c.batch, fixed + accumulated, step)
             ok &= peak <= c.capacity
         whole = (0 - rows.start, self.num_layers - cols.start)  # the one range DDP trains (``_ddp``)
         if self._ddp_states is not None and 0 <= whole[0] < ok.shape[0] and 0 <= whole[1] < ok.shape[1]:

@@ -249,7 +249,11 @@ class Experts(nn.Module):
         self.proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.bias else None
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        weights = {n: local_tensor(p) for n, p in self.named_parameters()}
+        """The experts' MLPs over their rows. The stacked weights are split by one
+        ``unbind`` each: its backward stacks the experts' gradients once, where indexing
+        per expert made a whole-stack gradient per expert (``select_backward``) that
+        autograd summed, holding a stacked weight's gradient twice (docs/cost-model.md)."""
+        weights = {n: local_tensor(p).unbind(0) for n, p in self.named_parameters() if n != "proj_bias"}
         rows = expert_tp_input(rows, self.tp_group)
         outs, start = [], 0
         for e, n in enumerate(counts):
@@ -264,8 +268,8 @@ class Experts(nn.Module):
                 a = F.relu(a) if self.kind == "relu" else F.gelu(a)
             outs.append(a @ weights["proj_weight"][e])
         out = expert_tp_output(torch.cat(outs) if outs else rows[:0], self.tp_group)
-        if "proj_bias" in weights:
-            out = out + weights["proj_bias"].repeat_interleave(torch.tensor(counts, device=out.device), dim=0)
+        if self.proj_bias is not None:
+            out = out + local_tensor(self.proj_bias).repeat_interleave(torch.tensor(counts, device=out.device), dim=0)
         return out
 
 

@@ -343,15 +343,17 @@ class _AutoSearch:
             in_flight = in_flight_micro_batches("1f1b", j, k, shape.num_micro_batches)
             window = (j, span)
             roomy = {o.zero for o in stage_options if o.recompute == "none" and not o.offload
-                     and self._fits_everywhere(o, in_flight, window)}
+                     and self._fits_everywhere(o, in_flight, window, shape.num_micro_batches)}
             kept = [o for o in stage_options if o.recompute == "none" and not o.offload or o.zero not in roomy]
+            m = shape.num_micro_batches
             enough = {(o.zero, o.recompute) for o in kept if not o.offload and o.zero not in roomy
-                      and self._fits_everywhere(o, in_flight, window)} if any(o.offload for o in kept) else set()
+                      and self._fits_everywhere(o, in_flight, window, m)} if any(o.offload for o in kept) else set()
             out.append([o for o in kept if not o.offload or (o.zero, o.recompute) not in enough])
         return out
 
-    def _fits_everywhere(self, option: StageOption, in_flight: float, window: tuple[int, int]) -> bool:
-        tables = self.cost.kernel.stage(option).tables(in_flight, window)
+    def _fits_everywhere(self, option: StageOption, in_flight: float, window: tuple[int, int],
+                         micro_batches: int) -> bool:
+        tables = self.cost.kernel.stage(option).tables(in_flight, window, micro_batches)
         valid = np.triu(np.ones(tables.fits.shape, dtype=bool))
         return bool(tables.fits[valid].all())
 

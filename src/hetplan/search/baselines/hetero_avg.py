@@ -151,7 +151,8 @@ def own_cost(kernel: CostKernel, plan: Plan, per_layer: np.ndarray, capacity_avg
             t += P2P_PASSES * kernel.p2p_time(stage.devices, plan.stages[j + 1].devices, b - 1,
                                               plan.micro_batch_size)
         times.append(t)
-        if max(costs.class_memory(a, b, float(min(plan.pp - j, plan.num_micro_batches)))) > capacity_avg:
+        if max(costs.class_memory(a, b, float(min(plan.pp - j, plan.num_micro_batches)),
+                                micro_batches=plan.num_micro_batches)) > capacity_avg:
             return None
         sync = max(sync, timing.grad_sync_s)
     return sum(times) + (plan.num_micro_batches - 1) * max(times) + sync

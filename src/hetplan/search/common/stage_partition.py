@@ -151,7 +151,7 @@ class PipelinePartitioner:
     def _segment(self, j: int, k: int, option: StageOption) -> SegmentTables:
         """Stage ``j``'s window (of ``k`` stages) of one option's kernel tables."""
         in_flight = in_flight_micro_batches(self.schedule, j, k, self.num_micro_batches)
-        return self.kernel.stage(option).tables(in_flight, (j, self.kernel.num_layers - k + 1))
+        return self.kernel.stage(option).tables(in_flight, (j, self.kernel.num_layers - k + 1), self.num_micro_batches)
 
     def _assemble(self, options: Sequence[Sequence[StageOption]], segments: Sequence[Sequence[SegmentTables]],
                   members: Sequence[Sequence[tuple[SegmentTables, ...]]],

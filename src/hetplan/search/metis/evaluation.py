@@ -122,7 +122,7 @@ class Evaluation:
             return  # InvalidIntraPlan
         a, b = bounds[i], bounds[i + 1]
         in_flight = self.in_flight[i]
-        if not h.fits(a, b, in_flight):
+        if not h.fits(a, b, in_flight, self.num_micro_batches):
             group, intra = h.group, h.intra
             # a heterogeneous group may fit by moving samples to GPUs with spare
             # memory (data balancing bounded by memory); rebalance the layers
@@ -188,7 +188,7 @@ class Evaluation:
         """Move one boundary layer at a time from the slowest stage (from
         ``start`` on) to a neighbour while that lowers the slower of the two
         and the neighbour keeps fitting in memory."""
-        n = self.num_stages
+        n, m = self.num_stages, self.num_micro_batches
         in_flight = self.in_flight
         times = [hs[j].time(bounds[j], bounds[j + 1]) if j >= start else 0.0 for j in range(n)]
         for _ in range(2 * self.num_layers):
@@ -203,16 +203,16 @@ class Evaluation:
                 t_k = hs[k].time(bounds[k] + 1, bounds[k + 1])
                 t_nb = hs[k - 1].time(bounds[k - 1], bounds[k] + 1)
                 worst = t_k if t_k > t_nb else t_nb
-                if worst < times[k] - 1e-12 and (hs[k - 1].fits(bounds[k - 1], bounds[k] + 1, in_flight[k - 1])
-                                                 or not hs[k - 1].fits(bounds[k - 1], bounds[k], in_flight[k - 1])):
+                if worst < times[k] - 1e-12 and (hs[k - 1].fits(bounds[k - 1], bounds[k] + 1, in_flight[k - 1], m)
+                                                 or not hs[k - 1].fits(bounds[k - 1], bounds[k], in_flight[k - 1], m)):
                     best = (worst, k, k - 1, t_k, t_nb)
             if k + 1 < n:  # give the last layer to the next stage
                 t_k = hs[k].time(bounds[k], bounds[k + 1] - 1)
                 t_nb = hs[k + 1].time(bounds[k + 1] - 1, bounds[k + 2])
                 worst = t_k if t_k > t_nb else t_nb
                 if worst < times[k] - 1e-12 and (best is None or worst < best[0]) and \
-                        (hs[k + 1].fits(bounds[k + 1] - 1, bounds[k + 2], in_flight[k + 1])
-                         or not hs[k + 1].fits(bounds[k + 1], bounds[k + 2], in_flight[k + 1])):
+                        (hs[k + 1].fits(bounds[k + 1] - 1, bounds[k + 2], in_flight[k + 1], m)
+                         or not hs[k + 1].fits(bounds[k + 1], bounds[k + 2], in_flight[k + 1], m)):
                     best = (worst, k, k + 1, t_k, t_nb)
             if best is None:
                 break
@@ -233,7 +233,7 @@ class Evaluation:
         lo, hi = a, b  # the most layers [a, hold) that fit: memory only grows with more layers
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if h.fits(a, mid, self.in_flight[i]) else (lo, mid)
+            lo, hi = (mid, hi) if h.fits(a, mid, self.in_flight[i], self.num_micro_batches) else (lo, mid)
         hold = lo
         if hold <= a:
             return None

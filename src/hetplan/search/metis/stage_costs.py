@@ -187,13 +187,14 @@ class StageHandle:
         """Gradient all-reduce time of layers [a, b) over the slowest dp group."""
         return self.costs.timing(a, b).grad_sync_s
 
-    def fits(self, a: int, b: int, in_flight: float) -> bool:
-        """Every GPU of the stage holds layers [a, b) and its micro-batches."""
-        return self.costs.fits(a, b, in_flight)
+    def fits(self, a: int, b: int, in_flight: float, micro_batches: int = 0) -> bool:
+        """Every GPU of the stage holds layers [a, b) and its micro-batches (``micro_batches``:
+        the step's, for a pipelined stage's own buffers: ``StageCosts.pipeline_terms``)."""
+        return self.costs.fits(a, b, in_flight, micro_batches=micro_batches)
 
-    def tables(self, in_flight: float) -> SegmentTables:
-        """Every range of layers at once (for the exact partition)."""
-        return self.costs.tables(in_flight)
+    def tables(self, in_flight: float, micro_batches: int = 0) -> SegmentTables:
+        """Every range of layers at once (for the exact partition; ``micro_batches`` as ``fits``)."""
+        return self.costs.tables(in_flight, micro_batches=micro_batches)
 
 
 # --- data load balancing ---------------------------------------------------------------
