@@ -354,3 +354,58 @@ def peak_memory_bytes(states: np.ndarray | float, activations_per_micro_batch: n
     checks the two agree on every device of every ranked plan)."""
     backward = activations_per_micro_batch * in_flight + recompute_working + backward_fixed
     return states + ZERO3_GATHERED_LAYERS * largest_gathered + overhead + np.maximum(backward, step)
+
+
+@dataclass(frozen=True)
+class Zero3Moment:
+    """What one micro-batch's backward holds on a ZeRO-3 stage of hetplan's
+    runtime at its peak moment (``zero3_backward_moment``), by category."""
+
+    activations: float  # stored by the layers not yet run backward, held outputs, the running layer's working set
+    loss: float  # the loss's part of ``activations``
+    gathered: float  # the unsharded parameters of the running layer and the one prefetched
+    grads: float  # unsharded gradients: the running layer's, the previous one's reduce-scatter input, the root's
+
+
+def zero3_backward_moment(stored: np.ndarray, held: np.ndarray, work: np.ndarray, loss: np.ndarray,
+                          loss_work: np.ndarray, grads: np.ndarray, gathered: np.ndarray,
+                          root_grads: np.ndarray) -> Zero3Moment:
+    """The peak of one micro-batch's backward on a ZeRO-3 stage of hetplan's
+    runtime (FSDP2 ``fully_shard`` per layer, ``reshard_after_forward=True``;
+    a tied weight's layers with the root, ``runtime/parallelize.py``
+    ``apply_dp``): the largest, over the stage's layers ``i`` run backward from
+    the last, of what is alive while layer ``i`` runs its backward:
+
+    * what the layers up to ``i`` stored, what the layers after it still hold
+      (``held``: the logits, until the micro-batch's backward ends) and
+      layer ``i``'s working set (a checkpointed layer's rebuilt activations,
+      the loss's gradients);
+    * layer ``i``'s unsharded fp32 gradients (``grads``: autograd makes them
+      in its backward; ``post_backward`` reduce-scatters them after it) and
+      layer ``i + 1``'s reduce-scatter input, which FSDP2 keeps until the
+      next reduce-scatter (``_fsdp_param_group.py`` ``post_backward``:
+      ``reduce_scatter_states``, at most ``reduce_scatter_max_input_buffers``
+      = 1 of them);
+    * layer ``i``'s unsharded parameters (``gathered``: unsharded in its
+      ``pre_backward``) and layer ``i - 1``'s, prefetched there
+      (``_backward_prefetch``: the previous module of ``post_forward_order``;
+      the root prefetches the last layer);
+    * the root's unsharded gradients (``root_grads``: the layers wrapped with
+      the root, whose parameters stay gathered for the step, make them in
+      their backward and the root reduces them after the last layer's).
+
+    Every array is per layer of the stage in forward order, in bytes of one
+    micro-batch; a root layer has no ``grads`` or ``gathered`` of its own.
+    Replayed (``runtime/replay.py``): tiny-gpt dp2 peaks in its last block's
+    backward, tiny-gpt with full recomputation in the block before."""
+    stored_before = np.cumsum(stored)
+    held_after = np.cumsum(held[::-1])[::-1] - held
+    loss_before = np.cumsum(loss)
+    root_after = np.cumsum(root_grads[::-1])[::-1]
+    following = np.append(grads[1:], 0.0)  # layer i + 1's reduce-scatter input (none after the stage's last)
+    previous = np.insert(gathered[:-1], 0, 0.0)  # layer i - 1's prefetched parameters
+    act = stored_before + held_after + work
+    total = act + grads + following + gathered + previous + root_after
+    i = int(np.argmax(total))
+    return Zero3Moment(activations=float(act[i]), loss=float(loss_before[i] + held_after[i] + loss_work[i]),
+                       gathered=float(gathered[i] + previous[i]), grads=float(grads[i] + following[i] + root_after[i]))

@@ -1,0 +1,127 @@
+"""ZeRO-3's backward peak on hetplan's runtime, layer by layer.
+
+FSDP2 gathers a ZeRO-3 layer's parameters just before it runs and frees them
+after, and reduce-scatters its gradients right after its backward, so what a
+ZeRO-3 stage holds at its peak depends on which layer is running: the stage's
+peak is the largest over the moments of its layers' backward
+(``memory.zero3_backward_moment``), each with what is alive then. The layers
+sharing a tied weight are wrapped with the stage's root module, whose
+parameters stay gathered for the whole step (``runtime/parallelize.py``
+``apply_dp``: ``fully_shard(root, reshard_after_forward=False)``).
+
+``Zero3Layers`` holds a stage's layers as the moments need them, per sample
+(what scales with the micro-batch) and per micro-batch (what does not);
+``zero3_moment`` evaluates them at a batch size. ``StageCosts`` (one recompute
+mode for the stage) and ``mixed.stage_peak_terms`` (per-layer strategies) use
+the same two functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from hetplan.cost.memory import Zero3Moment, zero3_backward_moment
+
+if TYPE_CHECKING:  # the kernel builds the stages that call this module
+    from hetplan.cost.kernel import CostKernel
+
+
+@dataclass(frozen=True)
+class Zero3Layers:
+    """A ZeRO-3 stage's layers ``[a, b)`` in forward order: per sample what
+    each stores for backward (``stored``; of which the loss's, ``loss``, and
+    what is still held after its backward, ``held``) and its backward's working
+    set (``work``; the loss's part ``loss_work``); per micro-batch the 16-bit
+    weight copies and indices it keeps (``kept``) or rebuilds with its
+    activations (``rebuilt``); in bytes its unsharded gradients and parameters
+    (``grads``, ``gathered``: 0 for root layers) and the root's gradients it
+    makes (``root_grads``). ``root_weights``: the root layers' parameters,
+    gathered for the whole step."""
+
+    stored: np.ndarray
+    held: np.ndarray
+    work: np.ndarray
+    loss: np.ndarray
+    loss_work: np.ndarray
+    kept: np.ndarray
+    rebuilt: np.ndarray
+    grads: np.ndarray
+    gathered: np.ndarray
+    root_grads: np.ndarray
+    root_weights: float
+
+    @property
+    def one_per_sample(self) -> float:
+        """What one micro-batch in flight stores, per sample."""
+        return float(self.stored.sum())
+
+    @property
+    def one_fixed(self) -> float:
+        """And whatever its size."""
+        return float(self.kept.sum())
+
+
+def runs_zero3_moments(kernel: CostKernel, zeros: Sequence[int], group: int, offload: bool) -> bool:
+    """The stage's peak is ZeRO-3's per-layer moments: hetplan's runtime, every
+    layer ZeRO-3 over a data-parallel group of more than one, nothing offloaded
+    (an offloaded layer's working set is ``CostKernel.offload_working_bytes``)."""
+    return kernel.runtime and group > 1 and not offload and all(z >= 3 for z in zeros)
+
+
+def zero3_layers(kernel: CostKernel, a: int, b: int, tp: int, ep: int, recompute: Sequence[str],
+                 sequence_parallel: bool, cp: int) -> Zero3Layers:
+    """``Zero3Layers`` of layers ``[a, b)`` with recomputation ``recompute``
+    per layer (one mode for all: a sequence of one)."""
+    modes = list(recompute) if len(recompute) > 1 else [recompute[0]] * (b - a)
+    index = np.arange(a, b)
+
+    def per_mode(table: Callable[[str], np.ndarray]) -> np.ndarray:
+        return np.array([float(table(mode)[i]) for i, mode in zip(index, modes)])
+
+    stored = per_mode(lambda m: kernel.rank_activation_bytes(tp, m, sequence_parallel, cp))
+    work = per_mode(lambda m: kernel.backward_working_bytes(tp, m, sequence_parallel, cp))
+    loss, loss_work = (x[a:b] for x in kernel.loss_bytes(cp))
+    held = kernel.memory_arrays.column("act_held_bytes")[a:b] / cp
+    per_mb = kernel.micro_batch_bytes(tp, ep)[a:b]
+    full = np.array([m == "full" for m in modes])
+    params = kernel.params_per_device(tp, ep)[a:b]
+    if ep > 1:  # routed experts are not FSDP's (apply_dp's ignored_params)
+        params = params - kernel.expert_params_per_device(tp, ep)[a:b]
+    own, rooted, root_params = _root_split(kernel, a, b, tp, params)
+    return Zero3Layers(stored=stored, held=held, work=work, loss=loss, loss_work=loss_work,
+                       kept=np.where(full, 0.0, per_mb), rebuilt=np.where(full, per_mb, 0.0),
+                       grads=np.where(rooted, 0.0, own * kernel.grad_bytes),
+                       gathered=np.where(rooted, 0.0, own * kernel.weight_bytes),
+                       root_grads=root_params * kernel.grad_bytes,
+                       root_weights=float(np.where(rooted, own, 0.0).sum() * kernel.weight_bytes))
+
+
+def _root_split(kernel: CostKernel, a: int, b: int, tp: int,
+                params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parameters each layer holds, a tied weight once: at its first layer;
+    which layers are the root's: those of a tied group with another member in
+    ``[a, b)``; the root's parameters whose gradients each layer's backward
+    makes, a tied weight's at its last layer, whose backward runs first)."""
+    own = params.copy()
+    rooted = np.zeros(b - a, dtype=bool)
+    share = kernel.tied_share(tp)
+    pairs = [(i - a, int(p) - a, float(share[i])) for i, p in enumerate(kernel.arrays.tied_previous)
+             if a <= p and i < b]
+    for later, first, tied in pairs:
+        own[later] -= tied
+        rooted[later] = rooted[first] = True
+    grads = np.where(rooted, own, 0.0)
+    for later, first, tied in pairs:
+        grads[later] += tied
+        grads[first] -= tied
+    return own, rooted, grads
+
+
+def zero3_moment(layers: Zero3Layers, batch: float) -> Zero3Moment:
+    """``memory.zero3_backward_moment`` of ``layers`` for a micro-batch of ``batch`` samples."""
+    return zero3_backward_moment(layers.stored * batch + layers.kept, layers.held * batch,
+                                 layers.work * batch + layers.rebuilt, layers.loss * batch,
+                                 layers.loss_work * batch, layers.grads, layers.gathered, layers.root_grads)
