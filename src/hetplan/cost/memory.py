@@ -373,39 +373,56 @@ def zero3_backward_moment(stored: np.ndarray, held: np.ndarray, work: np.ndarray
     """The peak of one micro-batch's backward on a ZeRO-3 stage of hetplan's
     runtime (FSDP2 ``fully_shard`` per layer, ``reshard_after_forward=True``;
     a tied weight's layers with the root, ``runtime/parallelize.py``
-    ``apply_dp``): the largest, over the stage's layers ``i`` run backward from
-    the last, of what is alive while layer ``i`` runs its backward:
+    ``apply_dp``; torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_param_group.py``):
+    the largest, over the stage's layers ``i`` run backward from the last, of
+    what is alive while layer ``i`` runs its backward. Throughout it:
 
-    * what the layers up to ``i`` stored, what the layers after it still hold
-      (``held``: the logits, until the micro-batch's backward ends) and
-      layer ``i``'s working set (a checkpointed layer's rebuilt activations,
-      the loss's gradients);
-    * layer ``i``'s unsharded fp32 gradients (``grads``: autograd makes them
-      in its backward; ``post_backward`` reduce-scatters them after it) and
-      layer ``i + 1``'s reduce-scatter input, which FSDP2 keeps until the
-      next reduce-scatter (``_fsdp_param_group.py`` ``post_backward``:
-      ``reduce_scatter_states``, at most ``reduce_scatter_max_input_buffers``
-      = 1 of them);
-    * layer ``i``'s unsharded parameters (``gathered``: unsharded in its
-      ``pre_backward``) and layer ``i - 1``'s, prefetched there
-      (``_backward_prefetch``: the previous module of ``post_forward_order``;
-      the root prefetches the last layer);
-    * the root's unsharded gradients (``root_grads``: the layers wrapped with
-      the root, whose parameters stay gathered for the step, make them in
-      their backward and the root reduces them after the last layer's).
+    * what the layers after ``i`` still hold (``held``: the logits, until
+      the micro-batch's backward ends);
+    * layer ``i - 1``'s unsharded parameters, prefetched by layer ``i``'s
+      ``pre_backward`` (``_backward_prefetch``: the previous module of
+      ``post_forward_order``; the root prefetches the last layer);
+    * the root's unsharded gradients its layers ``i`` and after made
+      (``root_grads``: the root's parameters stay gathered for the step and
+      it reduces their gradients after its last layer's backward);
+
+    and the largest of three moments:
+
+    * its start: its unsharded parameters (``gathered``: unsharded in its
+      ``pre_backward``), what the layers up to ``i`` stored, its working set
+      (``work``: a checkpointed layer's rebuilt activations, the loss's
+      gradients, the activation gradients its MLP's backward holds) and layer
+      ``i + 1``'s reduce-scatter input, which FSDP2 keeps until the next
+      reduce-scatter (``post_backward``: ``reduce_scatter_states``, at most
+      ``reduce_scatter_max_input_buffers`` = 1);
+    * its end, its activations freed: its parameters, its whole unsharded
+      fp32 gradients (``grads``: autograd makes them in its backward) and
+      layer ``i + 1``'s reduce-scatter input;
+    * its ``post_backward``: it reshards its parameters and drops layer
+      ``i + 1``'s input, then copies its gradients into its own
+      (``_fsdp_collectives.py`` ``foreach_reduce``: ``reduce_scatter_input``
+      allocated and filled before ``unsharded_grads.clear()``): its
+      gradients twice.
 
     Every array is per layer of the stage in forward order, in bytes of one
-    micro-batch; a root layer has no ``grads`` or ``gathered`` of its own.
-    Replayed (``runtime/replay.py``): tiny-gpt dp2 peaks in its last block's
-    backward, tiny-gpt with full recomputation in the block before."""
-    stored_before = np.cumsum(stored)
+    micro-batch; a root layer has no ``grads`` or ``gathered`` of its own."""
+    stored_through = np.cumsum(stored)
     held_after = np.cumsum(held[::-1])[::-1] - held
-    loss_before = np.cumsum(loss)
+    loss_through = np.cumsum(loss)
     root_after = np.cumsum(root_grads[::-1])[::-1]
     following = np.append(grads[1:], 0.0)  # layer i + 1's reduce-scatter input (none after the stage's last)
     previous = np.insert(gathered[:-1], 0, 0.0)  # layer i - 1's prefetched parameters
-    act = stored_before + held_after + work
-    total = act + grads + following + gathered + previous + root_after
+    before = stored_through - stored  # stored by the layers before i
+    start = stored_through + work + gathered + following
+    end = before + np.maximum(gathered + grads + following, 2 * grads)
+    total = np.maximum(start, end) + held_after + previous + root_after
     i = int(np.argmax(total))
-    return Zero3Moment(activations=float(act[i]), loss=float(loss_before[i] + held_after[i] + loss_work[i]),
-                       gathered=float(gathered[i] + previous[i]), grads=float(grads[i] + following[i] + root_after[i]))
+    if start[i] >= end[i]:
+        return Zero3Moment(activations=float(stored_through[i] + work[i] + held_after[i]),
+                           loss=float(loss_through[i] + loss_work[i] + held_after[i]),
+                           gathered=float(gathered[i] + previous[i]), grads=float(following[i] + root_after[i]))
+    kept = gathered[i] + grads[i] + following[i] >= 2 * grads[i]  # its end, before post_backward
+    return Zero3Moment(activations=float(before[i] + held_after[i]),
+                       loss=float(loss_through[i] - loss[i] + held_after[i]),
+                       gathered=float((gathered[i] if kept else 0.0) + previous[i]),
+                       grads=float(grads[i] + (following[i] if kept else grads[i]) + root_after[i]))

@@ -34,7 +34,9 @@ class Zero3Layers:
     """A ZeRO-3 stage's layers ``[a, b)`` in forward order: per sample what
     each stores for backward (``stored``; of which the loss's, ``loss``, and
     what is still held after its backward, ``held``) and its backward's working
-    set (``work``; the loss's part ``loss_work``); per micro-batch the 16-bit
+    set (``work``: recomputed activations, the loss's gradients, its MLP's
+    activation gradients, ``CostKernel.activation_gradient_bytes``; the loss's
+    part ``loss_work``); per micro-batch the 16-bit
     weight copies and indices it keeps (``kept``) or rebuilds with its
     activations (``rebuilt``); in bytes its unsharded gradients and parameters
     (``grads``, ``gathered``: 0 for root layers) and the root's gradients it
@@ -82,7 +84,8 @@ def zero3_layers(kernel: CostKernel, a: int, b: int, tp: int, ep: int, recompute
         return np.array([float(table(mode)[i]) for i, mode in zip(index, modes)])
 
     stored = per_mode(lambda m: kernel.rank_activation_bytes(tp, m, sequence_parallel, cp))
-    work = per_mode(lambda m: kernel.backward_working_bytes(tp, m, sequence_parallel, cp))
+    work = per_mode(lambda m: kernel.backward_working_bytes(tp, m, sequence_parallel, cp)) \
+        + kernel.activation_gradient_bytes(tp, sequence_parallel, cp)[a:b]
     loss, loss_work = (x[a:b] for x in kernel.loss_bytes(cp))
     held = kernel.memory_arrays.column("act_held_bytes")[a:b] / cp
     per_mb = kernel.micro_batch_bytes(tp, ep)[a:b]
