@@ -1052,6 +1052,10 @@ class CostKernel:
         return self._ranges(("held", tp, ep), lambda: RangeSum(_prefix(self.params_per_device(tp, ep)),
                                                                self._tied_corrections(tp)))
 
+    def tied_pairs(self) -> list[tuple[int, int, float]]:
+        """(layer, its nearest earlier tied layer, the tied parameters) of every tied copy."""
+        return self._tied_corrections(1)
+
     def _tied_corrections(self, tp: int) -> list[tuple[int, int, float]]:
         """(layer, its nearest earlier tied layer, the tied share per device) of every tied copy."""
         found = self._corrections.get(tp)

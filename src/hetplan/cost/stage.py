@@ -25,7 +25,7 @@ from hetplan.cost.memory import (
     step_temporary_bytes, zero1_gather_bytes,
 )
 from hetplan.cost.pipeline import stage_micro_batch_time
-from hetplan.cost.zero3 import Zero3Layers, runs_zero3_moments, zero3_layers, zero3_moment
+from hetplan.cost.zero3 import Zero3Layers, runs_zero3_moments, zero3_layers, zero3_moment, zero3_moment_table
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import LayerStrategy, Stage
 
@@ -295,6 +295,7 @@ class StageCosts:
         # ZeRO-3 on hetplan's runtime: the peak is per-layer moments (cost/zero3.py), gathered layers included
         self._zero3 = runs_zero3_moments(k, (o.zero,), o.dp * o.cp, o.offload)
         self._zero3_cache: dict[tuple[int, int], Zero3Layers] = {}
+        self._zero3_model: Zero3Layers | None = None  # every layer on its own, for the range tables
         self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes \
             if o.zero >= 3 and o.dp * o.cp > 1 and not self._zero3 else None
         self._act_list = self._act.tolist()  # scalar lookups (one range) are faster on lists
@@ -424,6 +425,32 @@ class StageCosts:
         one = line.micro_batch_fixed + line.micro_batch_per_sample * batch
         first = backward - (0.0 if line.grads_held else line.grads)
         return line.base + max(first, accumulated + backward - one, line.step)
+
+    def _zero3_fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice,
+                           experts: np.ndarray | float) -> np.ndarray:
+        """``_fits_matrix`` of a ZeRO-3 stage: its moments for every range at once
+        (``zero3.zero3_moment_table``), the ranges holding two layers of a tied group
+        (wrapped with the root) one by one (``fits``)."""
+        starts, ends = np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop)
+        layers = self._zero3_model
+        if layers is None:
+            o = self.option
+            layers = self._zero3_model = zero3_layers(self.kernel, 0, self.num_layers, o.tp, o.ep, (o.recompute,),
+                                                      o.sequence_parallel, o.cp, tied=False)
+        states = held * self._state_per_param + experts * self._expert_state
+        act = self._act[cols][None, :] - self._act[rows][:, None]
+        per_mb = (self._per_mb[cols][None, :] - self._per_mb[rows][:, None]) if self._per_mb is not None else 0.0
+        step = self._step_bytes(held, self._largest_max[rows, cols] if self._largest_max is not None else 0.0)
+        ok = self._valid(rows, cols)
+        for c in self._memory_classes:
+            held_states = states + (c.expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
+            backward = (act * c.batch + per_mb) * (in_flight - 1.0) + zero3_moment_table(layers, c.batch, starts, ends)
+            ok &= held_states + c.overhead + np.maximum(backward, step) <= c.capacity
+        for later, first, _ in self.kernel.tied_pairs():  # ranges holding both: the root's layers
+            for x in np.nonzero(starts <= first)[0]:
+                for y in np.nonzero(ends > later)[0]:
+                    ok[x, y] = self.fits(int(starts[x]), int(ends[y]), in_flight)
+        return ok
 
     def _zero3_layers(self, a: int, b: int) -> Zero3Layers:
         """Layers [a, b) as ZeRO-3's moments see them (``zero3.zero3_layers``), memoised."""
@@ -616,7 +643,9 @@ class StageCosts:
     def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice,
                      experts: np.ndarray | float = 0.0) -> np.ndarray:
         ok = np.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=bool)
-        if self._use_profile or self._zero3:  # range by range (ZeRO-3: its moments depend on the batch)
+        if self._zero3:
+            return self._zero3_fits_matrix(held, in_flight, rows, cols, experts)
+        if self._use_profile:
             for x, a in enumerate(range(rows.start, rows.stop)):
                 for y, b in enumerate(range(cols.start, cols.stop)):
                     ok[x, y] = b > a and self.fits(a, b, in_flight)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from hetplan.cost.memory import Zero3Moment, zero3_backward_moment
+from hetplan.cost.ranges import RangeMax
 
 if TYPE_CHECKING:  # the kernel builds the stages that call this module
     from hetplan.cost.kernel import CostKernel
@@ -74,13 +75,16 @@ def runs_zero3_moments(kernel: CostKernel, zeros: Sequence[int], group: int, off
 
 
 def zero3_layers(kernel: CostKernel, a: int, b: int, tp: int, ep: int, recompute: Sequence[str],
-                 sequence_parallel: bool, cp: int) -> Zero3Layers:
+                 sequence_parallel: bool, cp: int, tied: bool = True) -> Zero3Layers:
     """``Zero3Layers`` of layers ``[a, b)`` with recomputation ``recompute``
-    per layer (one mode for all: a sequence of one)."""
+    per layer (one mode for all: a sequence of one); ``tied=False``: every
+    layer wrapped on its own, as where no tied group has two layers in the range."""
     modes = list(recompute) if len(recompute) > 1 else [recompute[0]] * (b - a)
     index = np.arange(a, b)
 
     def per_mode(table: Callable[[str], np.ndarray]) -> np.ndarray:
+        if len(recompute) == 1:
+            return table(recompute[0])[a:b]
         return np.array([float(table(mode)[i]) for i, mode in zip(index, modes)])
 
     stored = per_mode(lambda m: kernel.rank_activation_bytes(tp, m, sequence_parallel, cp))
@@ -93,7 +97,8 @@ def zero3_layers(kernel: CostKernel, a: int, b: int, tp: int, ep: int, recompute
     params = kernel.params_per_device(tp, ep)[a:b]
     if ep > 1:  # routed experts are not FSDP's (apply_dp's ignored_params)
         params = params - kernel.expert_params_per_device(tp, ep)[a:b]
-    own, rooted, root_params = _root_split(kernel, a, b, tp, params)
+    own, rooted, root_params = _root_split(kernel, a, b, tp, params) if tied else \
+        (params, np.zeros(b - a, dtype=bool), np.zeros(b - a))
     return Zero3Layers(stored=stored, held=held, work=work, loss=loss, loss_work=loss_work,
                        kept=np.where(full, 0.0, per_mb), rebuilt=np.where(full, per_mb, 0.0),
                        grads=np.where(rooted, 0.0, own * kernel.grad_bytes),
@@ -128,3 +133,35 @@ def zero3_moment(layers: Zero3Layers, batch: float) -> Zero3Moment:
     return zero3_backward_moment(layers.stored * batch + layers.kept, layers.held * batch,
                                  layers.work * batch + layers.rebuilt, layers.loss * batch,
                                  layers.loss_work * batch, layers.grads, layers.gathered, layers.root_grads)
+
+
+def zero3_moment_table(layers: Zero3Layers, batch: float, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """For every range ``[a, b)`` (``a`` in ``rows``, ``b`` in ``cols``: a matrix) of the model's ``layers`` (built with ``tied=False``): the total of
+    ``zero3_moment`` over that range, as ``zero3_backward_moment`` computes it
+    (0 where ``a >= b``). A layer's moment depends on the range only through
+    the layer after it (its reduce-scatter input; none after the range's last),
+    the layer before it (prefetched; none before the range's first), what the
+    layers before it in the range stored and what the layers after it hold, so
+    the interior layers' largest is one range-maximum table (``RangeMax``) and
+    the first and last layer are taken apart."""
+    stored = layers.stored * batch + layers.kept
+    through = np.cumsum(stored)
+    held = np.concatenate(([0.0], np.cumsum(layers.held * batch)))
+    work = layers.work * batch + layers.rebuilt
+    grads, gathered = layers.grads, layers.gathered
+    following = np.append(grads[1:], 0.0)
+    previous = np.insert(gathered[:-1], 0, 0.0)
+
+    def moment(after: np.ndarray) -> np.ndarray:  # the larger of a layer's start and end, less what it holds after
+        return np.maximum(through + work + gathered + after,
+                          through - stored + np.maximum(gathered + grads + after, 2 * grads)) - held[1:]
+
+    inner, last = moment(following) + previous, moment(np.zeros_like(grads)) + previous
+    first, alone = inner - previous, last - previous
+    starts, ends = np.broadcast_arrays(rows[:, None], cols[None, :])
+    valid = ends > starts
+    a, z = np.where(valid, starts, 0), np.where(valid, ends - 1, 0)  # the range's first and last layer
+    edges = np.where(a == z, alone[a], np.maximum(first[a], last[z]))
+    best = np.maximum(RangeMax(inner)[rows + 1, cols - 1], edges)
+    prefix = np.concatenate(([0.0], through))
+    return np.where(valid, best - prefix[a] + held[np.where(valid, ends, 0)], 0.0)
