@@ -3,7 +3,8 @@ of one GPU.
 
 peak = model states (weights, gradients, optimizer states; divided by TP, and
        by dp according to the ZeRO stage)
-     + ZeRO-3 working set (gathered parameters of the running and next layer)
+     + ZeRO-3 working set (gathered parameters of the running and next layer;
+       on hetplan's runtime per layer instead: ``zero3_backward_moment``)
      + framework overhead
      + the larger of
        - the backward pass: activations of one micro-batch × micro-batches in
