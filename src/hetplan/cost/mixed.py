@@ -366,7 +366,8 @@ def _zero3_layers(kernel: CostKernel, stage: Stage, ddp: bool) -> Zero3Layers | 
     """The stage's layers for ZeRO-3's per-layer moments (``cost/zero3.py``), or
     None where its peak is not theirs (one TP degree for the stage's layers)."""
     if ddp or stage.has_layer_degrees or not runs_zero3_moments(
-            kernel, [s.zero for s in stage.strategies], stage.dp * stage.cp, any(s.offload for s in stage.strategies)):
+            kernel, [s.zero for s in stage.strategies], stage.dp * stage.cp, any(s.offload for s in stage.strategies),
+            stage.dp_split):
         return None
     return zero3_layers(kernel, stage.layers[0], stage.layers[-1] + 1, stage.tp, stage.ep,
                         [s.recompute for s in stage.strategies], stage.sequence_parallel, stage.cp)

@@ -293,7 +293,7 @@ class StageCosts:
             work = k.backward_working_bytes(o.tp, o.recompute, o.sequence_parallel, o.cp)
         self._work: np.ndarray | None = work if work.any() else None
         # ZeRO-3 on hetplan's runtime: the peak is per-layer moments (cost/zero3.py), gathered layers included
-        self._zero3 = runs_zero3_moments(k, (o.zero,), o.dp * o.cp, o.offload)
+        self._zero3 = runs_zero3_moments(k, (o.zero,), o.dp * o.cp, o.offload, o.split)
         self._zero3_cache: dict[tuple[int, int], Zero3Layers] = {}
         self._zero3_model: Zero3Layers | None = None  # every layer on its own, for the range tables
         self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes \

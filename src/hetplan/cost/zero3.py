@@ -67,11 +67,16 @@ class Zero3Layers:
         return float(self.kept.sum())
 
 
-def runs_zero3_moments(kernel: CostKernel, zeros: Sequence[int], group: int, offload: bool) -> bool:
+def runs_zero3_moments(kernel: CostKernel, zeros: Sequence[int], group: int, offload: bool,
+                       split: Sequence[int]) -> bool:
     """The stage's peak is ZeRO-3's per-layer moments: hetplan's runtime, every
     layer ZeRO-3 over a data-parallel group of more than one, nothing offloaded
-    (an offloaded layer's working set is ``CostKernel.offload_working_bytes``)."""
-    return kernel.runtime and group > 1 and not offload and all(z >= 3 for z in zeros)
+    (an offloaded layer's working set is ``CostKernel.offload_working_bytes``),
+    every replica taking the same share of a micro-batch (``split``). Uneven
+    shares keep the whole-stage terms: replayed on the heterogeneous executor
+    (``runtime/hetero.py``), the moments put a 1-sample replica 7.7% below its
+    replay, where those terms are within 1%."""
+    return kernel.runtime and group > 1 and not offload and all(z >= 3 for z in zeros) and len(set(split)) <= 1
 
 
 def zero3_layers(kernel: CostKernel, a: int, b: int, tp: int, ep: int, recompute: Sequence[str],
