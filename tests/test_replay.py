@@ -231,8 +231,8 @@ def _replays_near_the_analytic_peak(setting: object, model: str, cluster: str, s
 
 # One plan of each non-pipelined kind the runtime trains (local-cpu-2, global batch 8): plain data
 # parallelism on DDP, ZeRO-1/2 on FSDP2, TP with and without sequence parallelism, selective and full
-# recomputation, CP, EP, fp32 and bf16 mixed precision, one and several micro-batches. ZeRO-3 is not
-# within 5% yet (docs/cost-model.md says what its peak holds that the model does not count).
+# recomputation, CP, EP, fp32 and bf16 mixed precision, one and several micro-batches, ZeRO-3 with and
+# without recomputation (its peak inside a layer's backward: cost/zero3.py).
 NON_PIPELINED = {
     "dp2-ddp-fp32-2mb": (UniformSetting(dp=2, tp=1, pp=1, micro_batch=2), "tiny-gpt"),
     "dp2-ddp-bf16-1mb": (UniformSetting(dp=2, tp=1, pp=1, micro_batch=4), "tiny-llama-bf16"),
@@ -244,6 +244,9 @@ NON_PIPELINED = {
     "cp2-bf16": (UniformSetting(dp=1, tp=1, pp=1, cp=2, micro_batch=2), "tiny-llama-bf16"),
     "dp2-ep2-moe": (UniformSetting(dp=2, tp=1, pp=1, ep=2, micro_batch=2), "tiny-moe"),
     "dp2-ddp-moe": (UniformSetting(dp=2, tp=1, pp=1, micro_batch=2), "tiny-moe"),
+    "dp2-zero3-1mb": (UniformSetting(dp=2, tp=1, pp=1, zero=3, micro_batch=4), "tiny-gpt"),
+    "dp2-zero3-full-2mb": (UniformSetting(dp=2, tp=1, pp=1, zero=3, recompute="full", micro_batch=2), "tiny-gpt"),
+    "dp2-zero3-bf16-2mb": (UniformSetting(dp=2, tp=1, pp=1, zero=3, micro_batch=2), "tiny-llama-bf16"),
 }
 
 
@@ -251,7 +254,8 @@ NON_PIPELINED = {
 def test_the_analytic_peak_of_a_non_pipelined_plan_is_its_replayed_peak(kind: str) -> None:
     """Issue 28 item 4: for the non-pipelined plan kinds the runtime trains, the analytic peak
     (less the framework overhead) is within 5% of the replayed peak of the runtime's own step
-    (docs/cost-model.md lists each effect; before them DDP was -11.9%, ZeRO-1 -12.3%, CP -13.1%)."""
+    (docs/cost-model.md lists each effect; before them DDP was -11.9%, ZeRO-1 -12.3%, CP -13.1%, and
+    ZeRO-3 +6.6%, -9.8% with full recompute, +9.2% in bf16)."""
     setting, model = NON_PIPELINED[kind]
     _replays_near_the_analytic_peak(setting, model, "local-cpu-2", [(0, 0)], 0.05)
 
@@ -268,7 +272,9 @@ def test_every_parallel_dimension_of_a_pipeline_replays() -> None:
                                     [(0, 0), (1, 4)], 0.3)
 
 
-PIPELINED = {  # plan kinds of a pipeline the runtime trains, 4 micro-batches: (setting, model, cluster, ranks)
+# Plan kinds of a pipeline the runtime trains, 4 micro-batches: (setting, model, cluster, ranks); tiny-gpt
+# pp2 x dp2 ZeRO-3 without recomputation is test_a_pipelined_zero3_stage_reshards_every_micro_batch's plan.
+PIPELINED = {
     "interleaved-fp32": (UniformSetting(dp=1, tp=1, pp=2, micro_batch=1, schedule="interleaved-1f1b",
                                         virtual_stages=2), "tiny-gpt", "local-cpu-2", [(0, 0), (1, 1)]),
     "1f1b-bf16-tp2": (UniformSetting(dp=1, tp=2, pp=2, micro_batch=1), "tiny-llama-bf16", "local-cpu-4",
@@ -297,16 +303,19 @@ def test_pipelined_plans_replay_within_5_percent_of_the_analytic_peak(kind: str)
 def test_a_pipelined_zero3_stage_reshards_every_micro_batch() -> None:
     """torch pipelining turns a stage's gradient sync and resharding off until the last
     micro-batch (stage.py backward_maybe_with_nosync); the runtime keeps ZeRO-3's per-micro-batch
-    reduce-scatter and reshard (spine.keep_plan_sharding), so each replayed stage stays within the
-    analytic peak (above it by 6-8% before: whole gradients and gathered weights held)."""
+    reduce-scatter and reshard (spine.keep_plan_sharding), so each replayed stage (tiny-gpt pp2 x
+    dp2 ZeRO-3, fp32, 4 micro-batches) is within 5% of the analytic peak of ZeRO-3's per-layer
+    moments (cost/zero3.py). Holding whole gradients and gathered weights put the replay 6-8% above
+    an analytic peak that was itself 3-7% above this one; before the moments it was +3.0% / +6.8%."""
     from hetplan.runtime.replay import replay_plan
 
     result = estimate(UniformSetting(dp=2, tp=1, pp=2, zero=3, micro_batch=1), model="tiny-gpt",
                       cluster="local-cpu-4", global_batch=8, replay=False)
     replay = replay_plan(result.ranked.plan, result.workload.model)
+    assert [(s.stage, s.rank) for s in replay.stages] == [(0, 0), (1, 2)]
     for s in replay.stages:
         analytic = result.ranked.estimate.peak_memory_bytes[s.device] - framework_overhead_bytes(True)
-        assert s.peak_bytes <= analytic, (s, analytic)
+        assert abs(analytic - s.peak_bytes) <= 0.05 * s.peak_bytes, (s, analytic)
 
 
 def test_plans_not_replayed_for_one_reason_share_one_note_naming_their_rows() -> None:

@@ -371,8 +371,14 @@ class CostKernel:
         return self._cached(("offwork", tp, recompute, sequence_parallel),
                             lambda: OFFLOAD_RESIDENT_LAYERS * self.activation_bytes(tp, recompute, sequence_parallel)
                             + self.backward_working_bytes(tp, recompute, sequence_parallel)
-                            + self.backward_gradients[:, 0] / tp + self.backward_gradients[:, 1]
-                            / (tp if sequence_parallel else 1))
+                            + self.activation_gradient_bytes(tp, sequence_parallel))
+
+    def activation_gradient_bytes(self, tp: int, sequence_parallel: bool, cp: int = 1) -> np.ndarray:
+        """Per sample and layer, the activation gradients a layer's backward holds at
+        once beyond what it saved, on one TP and CP rank (``runtime_memory.backward_gradients``:
+        its MLP's and the residual stream's; sequence parallelism divides the latter)."""
+        return (self.backward_gradients[:, 0] / tp
+                + self.backward_gradients[:, 1] / (tp if sequence_parallel else 1)) / cp
 
     def loss_bytes(self, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Per sample and layer, the loss's part of what a layer keeps (the
@@ -1045,6 +1051,10 @@ class CostKernel:
         """``held_params`` for every ``[a, b)`` (a range table: ``cost/ranges.py``)."""
         return self._ranges(("held", tp, ep), lambda: RangeSum(_prefix(self.params_per_device(tp, ep)),
                                                                self._tied_corrections(tp)))
+
+    def tied_pairs(self) -> list[tuple[int, int, float]]:
+        """(layer, its nearest earlier tied layer, the tied parameters) of every tied copy."""
+        return self._tied_corrections(1)
 
     def _tied_corrections(self, tp: int) -> list[tuple[int, int, float]]:
         """(layer, its nearest earlier tied layer, the tied share per device) of every tied copy."""

@@ -61,6 +61,7 @@ class LayerArrays:
     # what the code that trains keeps beyond a ModelSpec's columns (``runtime_arrays``; None: nothing)
     act_undivided_bytes: np.ndarray | None = None  # part of act_tp_replicated_bytes sequence parallelism keeps whole
     act_outside_bytes: np.ndarray | None = None  # part of that a recomputed layer keeps too (its loss)
+    act_held_bytes: np.ndarray | None = None  # part of that held until the micro-batch's backward ends (the logits)
     working_bytes: np.ndarray | None = None  # transient bytes per sample its backward adds (the loss's gradients)
     cast_params: np.ndarray | None = None  # dense weights autocast copies per micro-batch (TP divides them)
     act_fixed_bytes: np.ndarray | None = None  # kept once per micro-batch whatever its size (indices, tables)
@@ -188,7 +189,7 @@ def runtime_arrays(arrays: LayerArrays, memory: Sequence[LayerMemory]) -> LayerA
         act_attention_core_bytes=column("core"), input_bytes=column("boundary"),
         act_linear_input_bytes=None, act_linear_input_replicated_bytes=None,
         act_undivided_bytes=column("undivided"), act_outside_bytes=column("outside"),
-        working_bytes=column("working"), cast_params=column("cast_params"), act_fixed_bytes=column("fixed"),
+        act_held_bytes=column("held"), working_bytes=column("working"), cast_params=column("cast_params"), act_fixed_bytes=column("fixed"),
         cast_expert_params=column("cast_expert_params"), largest_param=column("largest_param"),
         largest_expert_param=column("largest_expert_param"),
     )

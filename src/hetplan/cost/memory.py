@@ -3,7 +3,8 @@ of one GPU.
 
 peak = model states (weights, gradients, optimizer states; divided by TP, and
        by dp according to the ZeRO stage)
-     + ZeRO-3 working set (gathered parameters of the running and next layer)
+     + ZeRO-3 working set (gathered parameters of the running and next layer;
+       on hetplan's runtime per layer instead: ``zero3_backward_moment``)
      + framework overhead
      + the larger of
        - the backward pass: activations of one micro-batch × micro-batches in
@@ -355,3 +356,75 @@ def peak_memory_bytes(states: np.ndarray | float, activations_per_micro_batch: n
     checks the two agree on every device of every ranked plan)."""
     backward = activations_per_micro_batch * in_flight + recompute_working + backward_fixed
     return states + ZERO3_GATHERED_LAYERS * largest_gathered + overhead + np.maximum(backward, step)
+
+
+@dataclass(frozen=True)
+class Zero3Moment:
+    """What one micro-batch's backward holds on a ZeRO-3 stage of hetplan's
+    runtime at its peak moment (``zero3_backward_moment``), by category."""
+
+    activations: float  # stored by the layers not yet run backward, held outputs, the running layer's working set
+    loss: float  # the loss's part of ``activations``
+    gathered: float  # the unsharded parameters of the running layer and the one prefetched
+    grads: float  # unsharded gradients: the running layer's, the previous one's reduce-scatter input, the root's
+
+
+def zero3_backward_moment(stored: np.ndarray, held: np.ndarray, work: np.ndarray, loss: np.ndarray,
+                          loss_work: np.ndarray, grads: np.ndarray, gathered: np.ndarray,
+                          root_grads: np.ndarray) -> Zero3Moment:
+    """The peak of one micro-batch's backward on a ZeRO-3 stage of hetplan's
+    runtime (FSDP2 ``fully_shard`` per layer, ``reshard_after_forward=True``;
+    a tied weight's layers with the root, ``runtime/parallelize.py``
+    ``apply_dp``; torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_param_group.py``):
+    the largest, over the stage's layers ``i`` run backward from the last, of
+    what is alive while layer ``i`` runs its backward. Throughout it:
+
+    * what the layers after ``i`` still hold (``held``: the logits, until
+      the micro-batch's backward ends);
+    * layer ``i - 1``'s unsharded parameters, prefetched by layer ``i``'s
+      ``pre_backward`` (``_backward_prefetch``: the previous module of
+      ``post_forward_order``; the root prefetches the last layer);
+    * the root's unsharded gradients its layers ``i`` and after made
+      (``root_grads``: the root's parameters stay gathered for the step and
+      it reduces their gradients after its last layer's backward);
+
+    and the largest of three moments:
+
+    * its start: its unsharded parameters (``gathered``: unsharded in its
+      ``pre_backward``), what the layers up to ``i`` stored, its working set
+      (``work``: a checkpointed layer's rebuilt activations, the loss's
+      gradients, the activation gradients its MLP's backward holds) and layer
+      ``i + 1``'s reduce-scatter input, which FSDP2 keeps until the next
+      reduce-scatter (``post_backward``: ``reduce_scatter_states``, at most
+      ``reduce_scatter_max_input_buffers`` = 1);
+    * its end, its activations freed: its parameters, its whole unsharded
+      fp32 gradients (``grads``: autograd makes them in its backward) and
+      layer ``i + 1``'s reduce-scatter input;
+    * its ``post_backward``: it reshards its parameters and drops layer
+      ``i + 1``'s input, then copies its gradients into its own
+      (``_fsdp_collectives.py`` ``foreach_reduce``: ``reduce_scatter_input``
+      allocated and filled before ``unsharded_grads.clear()``): its
+      gradients twice.
+
+    Every array is per layer of the stage in forward order, in bytes of one
+    micro-batch; a root layer has no ``grads`` or ``gathered`` of its own."""
+    stored_through = np.cumsum(stored)
+    held_after = np.cumsum(held[::-1])[::-1] - held
+    loss_through = np.cumsum(loss)
+    root_after = np.cumsum(root_grads[::-1])[::-1]
+    following = np.append(grads[1:], 0.0)  # layer i + 1's reduce-scatter input (none after the stage's last)
+    previous = np.insert(gathered[:-1], 0, 0.0)  # layer i - 1's prefetched parameters
+    before = stored_through - stored  # stored by the layers before i
+    start = stored_through + work + gathered + following
+    end = before + np.maximum(gathered + grads + following, 2 * grads)
+    total = np.maximum(start, end) + held_after + previous + root_after
+    i = int(np.argmax(total))
+    if start[i] >= end[i]:
+        return Zero3Moment(activations=float(stored_through[i] + work[i] + held_after[i]),
+                           loss=float(loss_through[i] + loss_work[i] + held_after[i]),
+                           gathered=float(gathered[i] + previous[i]), grads=float(following[i] + root_after[i]))
+    kept = gathered[i] + grads[i] + following[i] >= 2 * grads[i]  # its end, before post_backward
+    return Zero3Moment(activations=float(before[i] + held_after[i]),
+                       loss=float(loss_through[i] - loss[i] + held_after[i]),
+                       gathered=float((gathered[i] if kept else 0.0) + previous[i]),
+                       grads=float(grads[i] + (following[i] if kept else grads[i]) + root_after[i]))

@@ -27,6 +27,7 @@ from hetplan.cost.memory import (
     working_beyond_stored, zero1_gather_bytes,
 )
 from hetplan.cost.pipeline import stage_micro_batch_time
+from hetplan.cost.zero3 import Zero3Layers, runs_zero3_moments, zero3_layers, zero3_moment
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import Stage
 
@@ -348,15 +349,20 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
     # (docs/cost-model.md, "The replay check")
     grads_held = ddp and stage.replica_tp is None
     first_grads = layer_grads if stage.replica_tp is not None and kernel.runtime else 0.0
+    zero3 = _zero3_layers(kernel, stage, ddp)
     terms = []
     for i in firsts.tolist():
         batch = {tp: float(column[i]) for tp, column in per_device.items()}
+        w, g, o = np.array([weights, grads, optimizer]) + (scales[i] - 1.0) * experts
+        if zero3 is not None:
+            terms.append(_zero3_terms(zero3, float(w), float(g), float(o), batch[stage.tp], in_flight,
+                                      float(overhead[i]), step, first_backward and kernel.runtime))
+            continue
         stored = np.array([layer.act * batch[layer.tp] for layer in per_layer])
         work = float(working_beyond_stored(stored, np.array([layer.work * batch[layer.tp] for layer in per_layer])))
         loss_stored = sum(layer.loss * batch[layer.tp] for layer in per_layer) * in_flight
         loss_work = min(work, float(working_beyond_stored(
             stored, np.array([layer.transient * batch[layer.tp] for layer in per_layer]))))
-        w, g, o = np.array([weights, grads, optimizer]) + (scales[i] - 1.0) * experts
         one = float(stored.sum()) + kept_per_mb  # what one micro-batch in flight keeps
         activations = one * in_flight + work + rebuilt_per_mb
         terms.append(PeakTerms(float(w) + ZERO3_GATHERED_LAYERS * gathered, float(g), float(o),
@@ -364,6 +370,31 @@ def stage_peak_terms(kernel: CostKernel, stage: Stage, micro_batch_size: int, in
                                float(overhead[i]), step, first_backward and kernel.runtime, one,
                                accumulated if accumulating else 0.0, grads_held, first_grads))
     return [terms[c] for c in classes.tolist()]
+
+
+def _zero3_layers(kernel: CostKernel, stage: Stage, ddp: bool) -> Zero3Layers | None:
+    """The stage's layers for ZeRO-3's per-layer moments (``cost/zero3.py``), or
+    None where its peak is not theirs (one TP degree for the stage's layers)."""
+    if ddp or stage.has_layer_degrees or not runs_zero3_moments(
+            kernel, [s.zero for s in stage.strategies], stage.dp * stage.cp, any(s.offload for s in stage.strategies),
+            stage.dp_split):
+        return None
+    return zero3_layers(kernel, stage.layers[0], stage.layers[-1] + 1, stage.tp, stage.ep,
+                        [s.recompute for s in stage.strategies], stage.sequence_parallel, stage.cp)
+
+
+def _zero3_terms(layers: Zero3Layers, weights: float, grads: float, optimizer: float, batch: float,
+                 in_flight: float, overhead: float, step: float, first_backward: bool) -> PeakTerms:
+    """``PeakTerms`` of a ZeRO-3 stage: the micro-batches in flight besides the one
+    in backward keep what they stored, that one is at its peak moment
+    (``zero3.zero3_moment``), and the root's layers stay gathered throughout."""
+    moment = zero3_moment(layers, batch)
+    one = layers.one_per_sample * batch + layers.one_fixed
+    one_loss = float(layers.loss.sum()) * batch
+    others = in_flight - 1.0
+    return PeakTerms(weights + layers.root_weights + moment.gathered, grads, optimizer,
+                     others * (one - one_loss) + moment.activations - moment.loss, others * one_loss + moment.loss,
+                     moment.grads, overhead, step, first_backward, one, 0.0, False)
 
 
 def stage_host_bytes(kernel: CostKernel, stage: Stage, micro_batch_size: int, in_flight: float) -> list[float]:

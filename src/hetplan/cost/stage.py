@@ -27,6 +27,7 @@ from hetplan.cost.memory import (
 from hetplan.cost.pipeline import stage_micro_batch_time
 from hetplan.cost.pipeline_memory import holds_new_gradient, received_per_sample
 from hetplan.cost.ranges import Index, positions
+from hetplan.cost.zero3 import Zero3Layers, runs_zero3_moments, zero3_layers, zero3_moment, zero3_moment_table
 from hetplan.errors import HetplanError
 from hetplan.plan.spec import LayerStrategy, Stage
 
@@ -293,10 +294,14 @@ class StageCosts:
             self._act = k.activation_prefix(o.tp, o.recompute, o.sequence_parallel, o.cp)
             work = k.backward_working_bytes(o.tp, o.recompute, o.sequence_parallel, o.cp)
         self._work: np.ndarray | None = work if work.any() else None
-        self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes if o.zero >= 3 and o.dp * o.cp > 1 \
-            else None
+        # ZeRO-3 on hetplan's runtime: the peak is per-layer moments (cost/zero3.py), gathered layers included
+        self._zero3 = runs_zero3_moments(k, (o.zero,), o.dp * o.cp, o.offload, o.split)
+        self._zero3_cache: dict[tuple[int, int], Zero3Layers] = {}
+        self._zero3_model: Zero3Layers | None = None  # every layer on its own, for the range tables
+        self._gathered = k.params_per_device(o.tp, o.ep) * k.weight_bytes \
+            if o.zero >= 3 and o.dp * o.cp > 1 and not self._zero3 else None
         self._act_list = self._act.tolist()  # scalar lookups (one range) are faster on lists
-        if self._work is None:
+        if self._work is None or self._zero3:
             self._work_max = None
         elif o.offload:  # nothing stored on the GPU that backward could free: the largest working set
             self._work_max = k.range_max_matrix(self._work, ("offwork", o.tp, o.recompute, o.sequence_parallel))
@@ -338,10 +343,10 @@ class StageCosts:
         per_mb = k.micro_batch_bytes(o.tp, o.ep)
         rebuilt = o.recompute == "full" or o.offload
         self._per_mb = None if rebuilt or not per_mb.any() else k.micro_batch_prefix(o.tp, o.ep)
-        self._per_mb_max = None if not rebuilt or not per_mb.any() else \
+        self._per_mb_max = None if not rebuilt or not per_mb.any() or self._zero3 else \
             (OFFLOAD_RESIDENT_LAYERS if o.offload else 1) * k.range_max_matrix(per_mb, ("permb", o.tp, o.ep))
         buffers = k.reduce_peak_bytes(o.tp, o.ep, o.zero, o.recompute, o.sequence_parallel, o.cp) \
-            if o.dp * o.cp > 1 else np.zeros(self.num_layers)
+            if o.dp * o.cp > 1 and not self._zero3 else np.zeros(self.num_layers)
         self._reduce_max = k.range_max_matrix(
             buffers, ("reducepeak", o.tp, o.ep, o.zero, o.recompute, o.sequence_parallel, o.cp)) \
             if buffers.any() else None
@@ -439,7 +444,7 @@ class StageCosts:
             return measured + overhead
         received, new_grad = self.pipeline_terms(a, b, micro_batches)
         line = self._memory_line(a, b, in_flight, overhead + received * batch, expert_scale)
-        backward = line.fixed + new_grad + line.per_sample * batch
+        backward = line.fixed + new_grad + line.per_sample * batch + self._zero3_moment_bytes(a, b, batch)
         # gradients accumulate over several micro-batches (with first_backward all of them are in flight)
         accumulated = line.accumulated if not first_backward or in_flight > 1 else 0.0
         if not (first_backward and self.kernel.runtime):
@@ -448,9 +453,54 @@ class StageCosts:
         first = backward - (0.0 if line.grads_held else line.grads)
         return line.base + max(first, accumulated + backward - one, line.step)
 
+    def _zero3_fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice,
+                           experts: np.ndarray | float, micro_batches: int) -> np.ndarray:
+        """``_fits_matrix`` of a ZeRO-3 stage: its moments for every range at once
+        (``zero3.zero3_moment_table``), the ranges holding two layers of a tied group
+        (wrapped with the root) one by one (``fits``)."""
+        starts, ends = np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop)
+        layers = self._zero3_model
+        if layers is None:
+            o = self.option
+            layers = self._zero3_model = zero3_layers(self.kernel, 0, self.num_layers, o.tp, o.ep, (o.recompute,),
+                                                      o.sequence_parallel, o.cp, tied=False)
+        states = held * self._state_per_param + experts * self._expert_state
+        act = self._act[cols][None, :] - self._act[rows][:, None]
+        per_mb = (self._per_mb[cols][None, :] - self._per_mb[rows][:, None]) if self._per_mb is not None else 0.0
+        step = self._step_bytes(held, self._largest_max[rows, cols] if self._largest_max is not None else 0.0)
+        received, new_grad = self.pipeline_terms(rows, cols, micro_batches)  # as peak_bytes
+        ok = self._valid(rows, cols)
+        for c in self._memory_classes:
+            held_states = states + (c.expert_scale - 1.0) * experts * (self._state_per_param + self._expert_state)
+            backward = (act * c.batch + per_mb) * (in_flight - 1.0) + zero3_moment_table(layers, c.batch, starts, ends)
+            ok &= held_states + c.overhead + received * c.batch + np.maximum(backward + new_grad, step) <= c.capacity
+        for later, first, _ in self.kernel.tied_pairs():  # ranges holding both: the root's layers
+            for x in np.nonzero(starts <= first)[0]:
+                for y in np.nonzero(ends > later)[0]:
+                    ok[x, y] = self.fits(int(starts[x]), int(ends[y]), in_flight, micro_batches=micro_batches)
+        return ok
+
+    def _zero3_layers(self, a: int, b: int) -> Zero3Layers:
+        """Layers [a, b) as ZeRO-3's moments see them (``zero3.zero3_layers``), memoised."""
+        found = self._zero3_cache.get((a, b))
+        if found is None:
+            o = self.option
+            found = self._zero3_cache[(a, b)] = zero3_layers(self.kernel, a, b, o.tp, o.ep, (o.recompute,),
+                                                              o.sequence_parallel, o.cp)
+        return found
+
+    def _zero3_moment_bytes(self, a: int, b: int, batch: float) -> float:
+        """What the micro-batch in backward holds at ZeRO-3's peak moment of layers [a, b)
+        (``zero3.zero3_moment``; 0 for other stages, whose working set ``_memory_line`` has)."""
+        if not self._zero3:
+            return 0.0
+        moment = zero3_moment(self._zero3_layers(a, b), batch)
+        return moment.activations + moment.gathered + moment.grads
+
     def _memory_line(self, a: int, b: int, in_flight: float, overhead: float,
                      expert_scale: float = 1.0) -> _MemoryLine:
-        """The analytic memory of layers [a, b) in the replica's samples (``_MemoryLine``)."""
+        """The analytic memory of layers [a, b) in the replica's samples (``_MemoryLine``);
+        on a ZeRO-3 stage without the micro-batch in backward (``_zero3_moment_bytes``)."""
         held, experts = self._held(a, b)
         ddp = self._ddp(a, b)
         per_param, acc_per_param = self._ddp_states if self._ddp_states is not None and ddp else \
@@ -464,13 +514,17 @@ class StageCosts:
         rebuilt = float(self._per_mb_max[a, b]) if self._per_mb_max is not None else 0.0
         reduce = float(self._reduce_max[a, b]) if self._reduce_max is not None and not ddp else 0.0
         largest = float(self._largest_max[a, b]) if self._largest_max is not None else 0.0
+        stored = in_flight
+        if self._zero3:  # the micro-batch in backward is at its moment; the root's layers stay gathered
+            stored = in_flight - 1.0
+            states += self._zero3_layers(a, b).root_weights
         grads = (held + (expert_scale - 1.0) * experts) * self._grad_per_param \
             + expert_scale * experts * self._expert_grad
         accumulated = (held + (expert_scale - 1.0) * experts) * acc_per_param \
             + expert_scale * experts * self._expert_acc
         return _MemoryLine(base=float(peak_memory_bytes(states, 0.0, in_flight, 0.0, gathered, overhead)),
-                           fixed=per_mb * in_flight + rebuilt + reduce,
-                           per_sample=float(peak_memory_bytes(0.0, act, in_flight, work, 0.0, 0.0)),
+                           fixed=per_mb * stored + rebuilt + reduce,
+                           per_sample=float(peak_memory_bytes(0.0, act, stored, work, 0.0, 0.0)),
                            step=float(self._step_bytes(held, largest)), grads=grads,
                            micro_batch_fixed=per_mb, micro_batch_per_sample=act, accumulated=accumulated,
                            grads_held=ddp)
@@ -499,7 +553,7 @@ class StageCosts:
                 limit -= 1
             if limit == 0:
                 return 0
-        if self._profiled_memory(a, b, 1, in_flight) is None:
+        if self._profiled_memory(a, b, 1, in_flight) is None and not self._zero3:
             line = self._memory_line(a, b, in_flight, overhead)
             fixed, per_sample = line.base + line.fixed, line.per_sample
             if fixed + per_sample > capacity or line.base + line.step > capacity:
@@ -623,6 +677,8 @@ class StageCosts:
     def _fits_matrix(self, held: np.ndarray, in_flight: float, rows: slice, cols: slice,
                      experts: np.ndarray | float = 0.0, micro_batches: int = 0) -> np.ndarray:
         ok = np.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=bool)
+        if self._zero3:
+            return self._zero3_fits_matrix(held, in_flight, rows, cols, experts, micro_batches)
         if self._use_profile:
             for x, a in enumerate(range(rows.start, rows.stop)):
                 for y, b in enumerate(range(cols.start, cols.stop)):

@@ -86,6 +86,10 @@ class LayerMemory:
         largest_param: elements of the layer's largest dense parameter tensor
             (TP divides it), whose update the optimizer's temporaries match.
         largest_expert_param: elements of its stacked expert weights (TP and EP divide them).
+        held: the part of ``outside`` the runtime still holds after the
+            layer's backward, until the micro-batch's whole backward is done:
+            the logits (its loop variable; torch pipelining's ``fwd_cache``),
+            which the layers before it see at their backward.
     """
 
     saved: float
@@ -100,6 +104,7 @@ class LayerMemory:
     cast_expert_params: int = 0
     largest_param: int = 0
     largest_expert_param: int = 0
+    held: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -314,7 +319,7 @@ def head(shape: DecoderShape, dtype_bytes: int) -> LayerMemory:
     t.outside += c * s * v + FP32 * s * v + INDEX_BYTES * s  # logits, log-softmax output, targets
     t.cast = v * h if c < FP32 else 0
     t.largest = v * h
-    return t.result(boundary=FP32 * s * h, working=2 * FP32 * s * v)
+    return replace(t.result(boundary=FP32 * s * h, working=2 * FP32 * s * v), held=c * s * v)
 
 
 def runtime_memory(spec: ModelSpec, cuda: bool = True) -> tuple[LayerMemory, ...] | None:
