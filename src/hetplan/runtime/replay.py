@@ -21,7 +21,8 @@ What the replay does differently from ``hetplan train``, and why:
   ("Couldn't swap Embedding.weight"); the parameters end up the same shapes,
   so the step holds the same bytes. The peak is counted over the second
   step (:data:`REPLAY_STEPS`): building the whole model is transient, and the
-  first step has no optimizer states yet.
+  first step has no optimizer states yet; a one-stage plan makes those states
+  first and replays one step (:func:`replay_rank`).
 * host reads of device values (``float(loss)``, AdamW's step count, torch
   pipelining's warm-up vote ``result.item() == 1``) have no value on a fake
   tensor: the replay answers 1 (:data:`HOST_READ`), which decides no
