@@ -388,3 +388,48 @@ def test_a_stage_of_tp2_and_tp1_replicas_replays_each_near_its_analytic_peak() -
     for s in replay.stages:
         analytic = _analytic_tensors(result.ranked, result.workload, s.device)
         assert abs(analytic - s.peak_bytes) <= 0.05 * s.peak_bytes, (s, analytic)
+
+
+# One-stage plans whose one-step replay (optimizer states made first) is held to the two-step replay:
+# ZeRO-1's sharded optimizer, DDP's buckets, MoE routing's valued tensors, FSDP2 with full recompute.
+ONE_STEP = {
+    "dp2-zero1-bf16-2mb": NON_PIPELINED["dp2-zero1-bf16-2mb"],
+    "dp2-ep2-moe": NON_PIPELINED["dp2-ep2-moe"],
+    "dp2-zero3-full-bf16": (UniformSetting(dp=2, tp=1, pp=1, zero=3, recompute="full", micro_batch=2),
+                            "tiny-llama-bf16"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ONE_STEP))
+def test_a_one_step_replay_peaks_where_the_second_of_two_steps_does(kind: str) -> None:
+    """The replay of a one-stage plan makes the optimizer's states and the loss the step before
+    leaves, then replays one step (``replay_rank(states_first=True)``): its peak is the second
+    of two replayed steps' to the byte (4 bytes short before the pending loss was made: the
+    step before's 0-dim loss, held through the next step)."""
+    from hetplan.runtime.replay import replay_plan
+
+    setting, model = ONE_STEP[kind]
+    result = estimate(setting, model=model, cluster="local-cpu-2", global_batch=8, replay=False)
+    plan, spec = result.ranked.plan, result.workload.model
+    one, two = (replay_plan(plan, spec, states_first=first) for first in (True, False))
+    assert [(s.peak_bytes, s.host_peak_bytes) for s in one.stages] == \
+        [(s.peak_bytes, s.host_peak_bytes) for s in two.stages]
+
+
+def test_fsdp2_chunks_made_when_asked_are_its_chunks() -> None:
+    """``ChunkViews`` (the replay's stand-in for FSDP2's ``_chunk_with_empty``) gives the same views:
+    sizes, strides, storage offsets, empty padding, over sizes below, at and above the chunk count."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from hetplan.runtime.replay import ChunkViews
+
+    for size in range(0, 11):
+        for chunks in (1, 3, 4, 8):
+            tensor = torch.empty(size, 3)
+            views, lazy = _chunk_with_empty(tensor, chunks, 0), ChunkViews(tensor, chunks, 0)
+            assert len(lazy) == len(views) == chunks
+            for index in (*range(chunks), -1):
+                a, b = views[index], lazy[index]
+                assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+                assert b.numel() == 0 or b.untyped_storage()._cdata == tensor.untyped_storage()._cdata
