@@ -259,8 +259,8 @@ def test_issue_pool_puts_the_pipeline_boundary_between_zones():
     pool, auto's best plan keeps every stage, and so every dp group, inside
     one zone and crosses the 8.7 Gbps link only at one pipeline boundary;
     the point's cluster file keeps the zones. That send takes longer than
-    the slowest stage, which the pipeline formula does not charge: the note
-    names the point's time as optimistic."""
+    the slowest stage, so the link paces the pipeline; 1F1B's round trips over
+    it are not charged, and the note names the point's time as optimistic."""
     data = yaml.safe_load(ISSUE_POOL)
     data["offers"] = [{**offer, "nodes": 1} for offer in data["offers"]]
     gpt2 = load_workload(WorkloadOptions(model="gpt2-amp", global_batch=1024))

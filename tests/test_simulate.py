@@ -61,3 +61,26 @@ def test_plan_simulation_and_svgs(gpt2_hetero: Workload, gpt2_cost: CostModel) -
     assert svg.startswith("<svg") and svg.count("<rect") >= len(events)
     mem = memory_svg(plan, estimate, gpt2_hetero)
     assert mem.count("<title>GPU") == plan.num_devices
+
+
+def test_a_link_slower_than_every_stage_sets_the_pace() -> None:
+    """A link carries one transfer at a time each way, so m micro-batches over a link
+    slower than the stages take about m link times, not one (the closed form's
+    bottleneck is max(slowest stage, slowest link); before, a slow link was counted
+    only in the first and last micro-batch's crossing, up to 3x short of the replay). On
+    random link-bound pipelines neither the replay nor the closed form is below the link's m
+    transfers, and the closed form is never above the replay by more than the compute-bound
+    band. It can still be below it (GPipe crosses each link one way at a time; 1F1B holds pp
+    micro-batches per round trip): docs/cost-model.md says by how much."""
+    rng = random.Random(11)
+    for _ in range(300):
+        pp, m = rng.randint(2, 6), rng.randint(1, 12)
+        fwd = [rng.uniform(0.5, 3) for _ in range(pp)]
+        bwd = [f * rng.uniform(1.5, 2.5) for f in fwd]
+        p2p = [rng.uniform(0, 8) for _ in range(pp - 1)]
+        closed = pipeline_time([f + b for f, b in zip(fwd, bwd)], p2p, m)
+        assert closed >= m * max(p2p) - 1e-9
+        for schedule in ("1f1b", "gpipe"):
+            simulated = makespan(simulate(build_schedule(schedule, pp, m), fwd, bwd, p2p))
+            assert simulated >= m * max(p2p) - 1e-9
+            assert simulated / closed >= 0.75, (schedule, pp, m, simulated, closed)

@@ -77,9 +77,9 @@ BOUND_ROUNDING = 1e-9
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 OBJECTIVES = ("frontier", "deadline", "budget")
 NOTE_SEND_BOUND = ("a pipeline send of {labels} takes longer per micro-batch than its slowest stage (a slow link, "
-                   "such as the one between zones); the cost model counts each send once, as if hidden behind "
-                   "compute (cost/pipeline.py), so the link that paces such a pipeline is not charged and its time "
-                   "is optimistic")
+                   "such as the one between zones): the link paces the pipeline (cost/pipeline.py), but 1F1B's "
+                   "round trips over it are not modelled (docs/cost-model.md, Known limits), so its time may be "
+                   "optimistic")
 NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
                            "build them; stages mixing GPU types and TP degrees inside (Sailor's) are searched "
                            "only with --mixed-tp")
@@ -360,7 +360,8 @@ def plan_allocation(pool: Pool, base: Workload, allocation: Allocation, planner:
 def sends_outlast_stages(workload: Workload, plan: Plan) -> bool:
     """Whether one of the plan's pipeline sends (one micro-batch, one way)
     takes longer than its slowest stage's micro-batch: then the link, not the
-    stages, paces the pipeline, which ``cost/pipeline.py`` does not model."""
+    stages, paces the pipeline; ``cost/pipeline.py`` charges that pace but not
+    1F1B's round trips over the link, which add to it."""
     if plan.pp < 2:
         return False
     model = CostModel(workload)

@@ -8,7 +8,10 @@ backward) and one-way p2p times ``c_j`` between stage j and j+1::
 
 The first micro-batch crosses every stage and link forward and the last one
 crosses them backward (the ``Σ`` terms); in between the slowest stage sets the
-pace. Interleaved 1F1B with ``v`` model chunks per device shrinks the fill and
+pace, or the slowest link if it is slower still: each link carries one
+micro-batch's activations forward and its gradients back per micro-batch (one
+transfer at a time each way, so ``max_j t_j`` becomes ``max(max_j t_j, max_j c_j)``;
+on a fast network it is the stage). Interleaved 1F1B with ``v`` model chunks per device shrinks the fill and
 drain by ``v`` (Narayanan et al. 2021 §2.2.2) but crosses each link ``v`` times:
 ``T = m·max t + (Σ t − max t)/v + 2v·Σ c``. For v = 1 both formulas agree.
 
@@ -81,8 +84,10 @@ def pipeline_time(stage_times: Sequence[float], p2p_times: Sequence[float], num_
     """Time for ``num_micro_batches`` to pass forward and backward through the pipeline."""
     if not len(stage_times):
         return 0.0
-    slowest = max(stage_times)
     v = max(1, virtual_stages)
+    # a link busier per micro-batch than every stage sets the pace (each chunk boundary on it is crossed once per
+    # micro-batch each way: v crossings of a physical link under interleaving); simulate/events.py replays it
+    slowest = max(max(stage_times), v * max(p2p_times, default=0.0))
     return num_micro_batches * slowest + (sum(stage_times) - slowest) / v + P2P_PASSES * v * sum(p2p_times)
 
 

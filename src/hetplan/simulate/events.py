@@ -3,7 +3,9 @@
 Each stage runs its action list in order. A forward of micro-batch i on stage j
 starts when stage j is free and stage j−1's forward of i has arrived (its end +
 p2p time); a backward starts when stage j is free and stage j+1's backward of i
-has arrived. The simulator gives the exact makespan of the schedule under those
+has arrived. A link carries one transfer at a time in each direction (activations
+forward, gradients back: a full-duplex link), in the order they are sent, so a
+link slower than the stages sets the pace. The simulator gives the exact makespan of the schedule under those
 rules, which checks the closed-form pipeline formula of ``cost/pipeline.py``
 and draws timelines.
 """
@@ -33,6 +35,7 @@ def simulate(schedule: Sequence[Sequence[Action]], fwd_s: Sequence[float], bwd_s
     done: dict[tuple[int, str, int], float] = {}
     position = [0] * num_stages
     free_at = [0.0] * num_stages
+    link_free: dict[tuple[int, str], float] = {}  # (link j between stage j and j+1, direction) -> free from
     events: list[Event] = []
     remaining = sum(len(a) for a in schedule)
     while remaining:
@@ -46,15 +49,20 @@ def simulate(schedule: Sequence[Sequence[Action]], fwd_s: Sequence[float], bwd_s
                 dep = (j - 1, "F", i) if j > 0 else None
                 ready = done.get(dep, None) if dep else 0.0
                 link = p2p_s[j - 1] if j > 0 else 0.0
+                channel = (j - 1, "F")
                 duration = fwd_s[j]
             else:
                 dep = (j + 1, "B", i) if j < num_stages - 1 else (j, "F", i)
                 ready = done.get(dep, None)
                 link = p2p_s[j] if j < num_stages - 1 else 0.0
+                channel = (j, "B")
                 duration = bwd_s[j]
             if ready is None:
                 continue
-            start = max(free_at[j], ready + link)
+            arrival = max(ready, link_free.get(channel, 0.0)) + link
+            if link:
+                link_free[channel] = arrival
+            start = max(free_at[j], arrival)
             end = start + duration
             done[(j, action.kind, i)] = end
             free_at[j] = end
