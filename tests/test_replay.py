@@ -343,9 +343,10 @@ def test_each_replica_of_a_pipeline_stage_of_mixed_tp_degrees_replays_on_its_own
     gather of its parameter layouts stopped on the fake process group): each replica of the
     mixed stage replays through runtime/mixed.py, is reported with its degree, share and GPU type
     against that GPU's memory, and is within 5% of the kernel's per-replica peak
-    (cost/replica_tp.py). Stage 1, the heterogeneous executor's last stage, is within 7%: the
-    analytic model holds the logits until each micro-batch's backward as torch pipelining does,
-    the executor (runtime/hetero.py) frees them after the loss (docs/cost-model.md)."""
+    (cost/replica_tp.py). Stage 1, the heterogeneous executor's last stage, is within 5% too (it
+    was +6.6% while the analytic model held the logits until each micro-batch's backward, as
+    torch pipelining does; the executor, runtime/hetero.py, frees them after the loss:
+    pipeline_memory.freed_logits_bytes)."""
     from hetplan.runtime.replay import replay_plan
 
     cluster = tmp_path / "mixed.yaml"
@@ -360,7 +361,7 @@ def test_each_replica_of_a_pipeline_stage_of_mixed_tp_degrees_replays_on_its_own
     assert [(s.stage, s.rank, s.devices) for s in replay.stages] == [(0, 1, (1, 2)), (0, 0, (0,)), (1, 3, (3,))]
     for s in replay.stages:
         analytic = _analytic_tensors(result.ranked, result.workload, s.device)
-        assert abs(analytic - s.peak_bytes) <= (0.05 if s.stage == 0 else 0.07) * s.peak_bytes, (s, analytic)
+        assert abs(analytic - s.peak_bytes) <= 0.05 * s.peak_bytes, (s, analytic)
     check = replay_check(replay, result.ranked, result.workload, 0.0)
     capacity = result.ranked.estimate.memory_capacity_bytes
     assert [(r.stage, r.tp, r.samples, r.gpu, r.gpus, r.capacity_bytes) for r in check.replicas] == [

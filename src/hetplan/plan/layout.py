@@ -115,8 +115,6 @@ class PlanLayout:
                 f"the plan's stages cover layers {_ranges(covered)}, but model {plan.model!r} has "
                 f"{len(names)} layers (0-{len(names) - 1}); make the plan for this model"
             )
-        first = plan.stages[0]
-        heterogeneous = False
         for j, s in enumerate(plan.stages):
             if len(s.devices) != s.cp * sum(replica_degrees(s)) or len(s.dp_split) != s.dp:
                 raise PlanNotSupportedError(
@@ -126,8 +124,8 @@ class PlanLayout:
                     f"stage {j}: dp_split {list(s.dp_split)} must give every replica >= 1 sample and sum to the "
                     f"micro-batch size {plan.micro_batch_size}"
                 )
-            if (s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)) or s.replica_tp:
-                heterogeneous = True
+        first = plan.stages[0]
+        heterogeneous = runs_heterogeneous(plan)
         _check_layer_degrees(plan)
         _check_replica_tp(plan)
         _check_plan_cp_ep(plan, heterogeneous)
@@ -360,6 +358,15 @@ def _check_replica_tp(plan: Plan) -> None:
             raise PlanNotSupportedError(
                 f"stage {j} mixes TP degrees across replicas (replica_tp {list(degrees)}) with {uses[0]}, which the "
                 "runtime does not run together; plan that stage with one TP degree or without it")
+
+
+def runs_heterogeneous(plan: Plan) -> bool:
+    """Whether the runtime runs ``plan`` on its own pipeline executor
+    (``runtime/hetero.py``; module doc): its stages differ in (dp, tp) or
+    ``dp_split``, or a stage's replicas mix TP degrees."""
+    first = plan.stages[0]
+    return any((s.dp, s.tp, tuple(s.dp_split)) != (first.dp, first.tp, tuple(first.dp_split)) or bool(s.replica_tp)
+               for s in plan.stages)
 
 
 def _check_plan_cp_ep(plan: Plan, heterogeneous: bool) -> None:
