@@ -1,10 +1,11 @@
 """Context parallelism (CP) and expert parallelism (EP) in the runtime.
 
-End to end with ``hetplan train --verify`` (torchrun, gloo): tiny-moe under
-ep2, ep2 x dp2 (per-layer ZeRO 3/2/1/0), ep2 x pp2, tp2 x dp2 (expert TP,
-ZeRO-3), ep2 x tp2 (expert TP), cp2 x ep2 (ZeRO-3 over the CP ranks), and
-tiny-gpt under cp2 x tp2, cp2 x pp2 match the single-process loss and
-parameters within 1e-5 (fp32); each run also checks the expert weights'
+``hetplan train``'s trainer (gloo; in processes forked from a server that has
+imported torch): tiny-moe under ep2, ep2 x dp2 (per-layer ZeRO 3/2/1/0),
+ep2 x pp2, tp2 x dp2 (expert TP, ZeRO-3), ep2 x tp2 (expert TP), and tiny-gpt
+under cp2 x tp2, cp2 x pp2 match the single-process loss and parameters within
+1e-5 (fp32); cp2 x ep2 (ZeRO-3 over the CP ranks) the same end to end with
+``hetplan train --verify`` (torchrun). Each run also checks the expert weights'
 shards. Plus the refusals before any process starts (the pieces without
 processes are in tests/test_runtime_cp_ep_units.py).
 """
@@ -19,10 +20,13 @@ from dataclasses import replace
 
 import pytest
 
+from hetplan.cli import main
 from hetplan.plan.file import save_plan
 from hetplan.plan.spec import Plan, uniform_stage
 from hetplan.search.common.layer_splits import even_split
+from rt_helpers import assert_matches_reference, run, train_worker
 
+STEPS = 2  # two optimizer steps: the second starts from parameters the first changed
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
@@ -64,23 +68,44 @@ CASES = {
 }
 
 
+def _check_summary(case: str, summary: dict) -> None:
+    """The layout names CP where the plan has it; rank 0 really holds its experts' shard, no more."""
+    _, degrees, shards = CASES[case]
+    if degrees.get("cp", 1) > 1:
+        assert f"cp={degrees['cp']}" in summary["layout"], summary["layout"]
+    for name, local_shape in shards.items():
+        glob, local, placements = summary["parameters"][name]
+        assert list(glob) == [4, 64, 256] and list(local) == local_shape, (name, glob, local, placements)
+
+
+FORKED = [case for case in CASES if case != "cp2xep2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_train_verify_matches_single_process(case: str, tmp_path) -> None:
-    model, degrees, shards = CASES[case]
+@pytest.mark.parametrize("case", FORKED)
+def test_train_matches_single_process(case: str, tmp_path) -> None:
+    """The trainer ``hetplan train`` runs, in processes forked from a server that has imported torch (a
+    torchrun start and a torch import per rank less than the command), against the single-process run."""
+    model, degrees, _ = CASES[case]
     plan = cp_ep_plan(model, **degrees)
     path = str(tmp_path / "p.json")
     save_plan(path, plan)
+    result = run(train_worker, plan.num_devices, path, STEPS, {"export": True})[0]
+    assert_matches_reference(result, steps=STEPS, spec_name=model)
+    _check_summary(case, result)
+
+
+@pytest.mark.slow
+def test_hetplan_train_verify_matches_single_process_under_cp2xep2(tmp_path) -> None:
+    """The same from the command line, with its own ``--verify``, for the plan with both CP and EP."""
+    model, degrees, _ = CASES["cp2xep2"]
+    path = str(tmp_path / "p.json")
+    save_plan(path, cp_ep_plan(model, **degrees))
     out = tmp_path / "out"
-    proc = _hetplan("train", "--model", model, "--plan", path, "--steps", "2", "--verify", "--out", str(out))
+    proc = _hetplan("train", "--model", model, "--plan", path, "--steps", str(STEPS), "--verify", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verify: OK" in proc.stdout, proc.stdout
-    summary = json.loads((out / "summary.json").read_text())
-    if degrees.get("cp", 1) > 1:
-        assert f"cp={degrees['cp']}" in summary["layout"], summary["layout"]
-    for name, local_shape in shards.items():  # rank 0 really holds its experts' shard, no more
-        glob, local, placements = summary["parameters"][name]
-        assert glob == [4, 64, 256] and local == local_shape, (name, glob, local, placements)
+    _check_summary("cp2xep2", json.loads((out / "summary.json").read_text()))
 
 
 # --- refused before any process starts ----------------------------------------------------------------
@@ -91,11 +116,14 @@ def test_train_verify_matches_single_process(case: str, tmp_path) -> None:
     ("tiny-gpt", dict(cp=2, tp=2), None, True, "sequence parallelism together with cp or ep"),
     ("tiny-moe", dict(tp=2), None, True, "sequence parallelism with the mixture-of-experts layer 'layers.1'"),
 ])
-def test_unsupported_cp_ep_plans_are_refused_in_one_line(model, degrees, dp_split, sp, message, tmp_path) -> None:
+def test_unsupported_cp_ep_plans_are_refused_in_one_line(model, degrees, dp_split, sp, message, tmp_path,
+                                                         capsys) -> None:
+    """``hetplan train`` in this process (torch imported already: a process start less)."""
     path = str(tmp_path / "p.json")
     save_plan(path, cp_ep_plan(model, dp_split=dp_split, sp=sp, **degrees))
-    proc = _hetplan("train", "--plan", path, "--steps", "1", timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hetplan: error:") and message in lines[0], proc.stderr
-    assert "processes" not in proc.stdout  # nothing started
+    code = main(["train", "--plan", path, "--steps", "1"])
+    said = capsys.readouterr()
+    assert code == 2, said.out + said.err
+    lines = said.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetplan: error:") and message in lines[0], said.err
+    assert "processes" not in said.out  # nothing started
