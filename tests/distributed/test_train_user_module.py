@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+from hetplan.cli import main
+
 torch = pytest.importorskip("torch")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -31,21 +33,28 @@ def _hetplan(*args: str, path: str = ROOT, timeout: float = 300) -> subprocess.C
                           env=env, timeout=timeout, cwd=ROOT)
 
 
-def _smp_plan(reference: str, plan: str, cluster: str, path: str = ROOT, pp: int = 2) -> None:
-    proc = _hetplan("plan", "--planner", "smp", "--smp-pp", str(pp), "--model", reference, "--cluster", cluster,
-                    "--global-batch", "8", "--json", plan, "--quiet", path=path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def _smp_plan(monkeypatch: pytest.MonkeyPatch, reference: str, plan: str, cluster: str, path: str = ROOT,
+              pp: int = 2) -> None:
+    """``hetplan plan --planner smp`` in this process, which has imported torch already: a process start
+    less per test. The build function's module is dropped from ``sys.modules`` after, so a later import
+    reads the file again, as the ``hetplan train`` processes do."""
+    monkeypatch.syspath_prepend(path)
+    try:
+        assert main(["plan", "--planner", "smp", "--smp-pp", str(pp), "--model", reference, "--cluster", cluster,
+                     "--global-batch", "8", "--json", plan, "--quiet"]) == 0
+    finally:
+        sys.modules.pop(reference.split(":")[0], None)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_lm", "resnet_classes", "encdec"])
-def test_smp_plan_of_a_build_function_trains_and_verifies(name: str, tmp_path) -> None:
+def test_smp_plan_of_a_build_function_trains_and_verifies(name: str, tmp_path, monkeypatch) -> None:
     """GPT with its own next-token ``hetplan_loss``; CNN with example targets (class labels);
     encoder-decoder with the default loss (mean output squared)."""
     from hetplan.plan.file import read_plan_file
 
     plan = str(tmp_path / "p.json")
-    _smp_plan(f"tests.smp_models:{name}", plan, "local-cpu-4")
+    _smp_plan(monkeypatch, f"tests.smp_models:{name}", plan, "local-cpu-4")
     pf = read_plan_file(plan)
     assert pf.model.source.reference == f"tests.smp_models:{name}" and pf.model.source.module_hash
     assert len(pf.plan().stages) == 2
@@ -64,12 +73,12 @@ def _write_module(directory, hidden: int) -> None:
     """))
 
 
-def test_changed_or_missing_build_function_is_refused_before_start(tmp_path) -> None:
+def test_changed_or_missing_build_function_is_refused_before_start(tmp_path, monkeypatch) -> None:
     code = tmp_path / "code"
     code.mkdir()
     _write_module(code, 8)
     plan = str(tmp_path / "p.json")
-    _smp_plan("um_cli:build", plan, "local-cpu-2", path=str(code), pp=1)
+    _smp_plan(monkeypatch, "um_cli:build", plan, "local-cpu-2", path=str(code), pp=1)
     _write_module(code, 16)
     proc = _hetplan("train", "--plan", plan, "--steps", "1", "--trust-plan-code", path=str(code))
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -122,8 +131,6 @@ def test_keyword_input_passed_on_to_each_block_trains_pipelined(tmp_path, monkey
     mask rows (2 micro-batches), matching the reference."""
     import json
 
-    from hetplan.cli import main
-
     code = tmp_path / "code"
     code.mkdir()
     (code / "um_mask.py").write_text(MASKED)
@@ -163,13 +170,13 @@ ctx.close(exit_process=True)
 
 
 @pytest.mark.slow
-def test_init_with_the_plan_alone_in_a_user_script(tmp_path) -> None:
+def test_init_with_the_plan_alone_in_a_user_script(tmp_path, monkeypatch) -> None:
     from hetplan.runtime.build import model_build
     from hetplan.runtime.reference import build_reference, compare, train_reference, training_batch
     from hetplan.runtime.setup import check_plan
 
     plan = str(tmp_path / "p.json")
-    _smp_plan("tests.smp_models:gpt_lm", plan, "local-cpu-2")
+    _smp_plan(monkeypatch, "tests.smp_models:gpt_lm", plan, "local-cpu-2")
     script = tmp_path / "train_it.py"
     script.write_text(SCRIPT)
     out = str(tmp_path / "out.pt")
