@@ -23,6 +23,8 @@ from hetplan.search.baselines.megatron import layer_split
 from hetplan.search.common.partition import fast_partition
 from hetplan.search.common.placement import heuristic_placement
 from hetplan.search.baselines.uniform import uniform_plan
+from hetplan.simulate.events import makespan
+from hetplan.simulate.plan import simulate_plan
 
 
 def megatron_plan(workload: Workload) -> RankedPlan:
@@ -126,7 +128,8 @@ def fig3_speedups(gbs: int, target: float) -> dict[str, float]:
     """Fig. 3: with mp=1, pp=4, dp=4 and micro-batch 1, the DP layer assignment's
     speed-up over the uniform-layer and uniform-parameter assignments, by AMP's
     pipeline objective (eq. 5, what the assignment optimises), AMP's full cost
-    (eq. 4) and the shared cost model."""
+    (eq. 4), the shared cost model and the event simulator's pipeline (links
+    carrying one transfer at a time each way)."""
     model, het = with_heterogeneity(get_model("transgan-het"), "amp-hetero-model", target)
     workload = Workload(model, get_cluster("amp-hetero-model"), gbs)
     cost_model = CostModel(workload)
@@ -143,10 +146,12 @@ def fig3_speedups(gbs: int, target: float) -> dict[str, float]:
         bounds = [0] + [r.stop for r in ranges]
         cost = amp.cost(terms, gas, bounds)
         plan = uniform_plan(workload, dp, tp, pp, u, layer_split=list(ranges))
-        values[name] = (cost.pipeline_s, cost.total_s, cost_model.estimate(plan).iteration_time_s)
+        estimate = cost_model.estimate(plan)
+        simulated = makespan(simulate_plan(cost_model, plan, estimate))
+        values[name] = (cost.pipeline_s, cost.total_s, estimate.iteration_time_s, simulated)
     out = {"heterogeneity": het}
     for rule in ("layers", "parameters"):
-        for i, what in enumerate(("eq5", "amp", "shared")):
+        for i, what in enumerate(("eq5", "amp", "shared", "simulated")):
             out[f"{what}_vs_{rule}"] = values[rule][i] / values["dp"][i]
     return out
 
@@ -172,7 +177,17 @@ def test_fig3_speedup_grows_with_heterogeneity(gbs: int) -> None:
     split cuts right after the upsampling layer, whose output is 16x larger
     than a dim-1024 block's, and with only 4 micro-batches that p2p weighs
     more than the bottleneck; and on AMP's whole cost at gbs 16 the DP can
-    lose, as eq. 4's DP-sync term — ignored by the assignment — weighs more."""
+    lose, as eq. 4's DP-sync term — ignored by the assignment — weighs more.
+
+    On the shared cost model at gbs 64 the DP's split loses to the parameter
+    split: it cuts after the upsampling layer, whose 8.5 ms send per
+    micro-batch outlasts every 2-4 ms stage, and a link slower than the stages
+    paces the pipeline (cost/pipeline.py), which eq. 5 does not charge. The
+    event simulator's replay of both schedules agrees (at heterogeneity 1.0:
+    186 ms against 95 ms), so the shared model ranks the two splits as the
+    replay does at every heterogeneity (before the link's pace was charged it
+    ranked the DP first, the replay's slower one). Against the uniform-layer
+    split both are within a few percent of a tie, not asserted."""
     rows = [fig3_speedups(gbs, h) for h in GRID]
     xs = [r["heterogeneity"] for r in rows]
     assert xs == pytest.approx(list(GRID), rel=1e-3)
@@ -184,6 +199,8 @@ def test_fig3_speedup_grows_with_heterogeneity(gbs: int) -> None:
     if gbs == 64:
         for rule in ("layers", "parameters"):
             assert min(r[f"amp_vs_{rule}"] for r in rows) > 1.0
-        for what in ("amp", "shared"):
+        by_params = [r["amp_vs_parameters"] for r in rows]
+        assert min(by_params) > 1.0 and by_params[-1] > by_params[0] and slope(xs, by_params) > 0
+        for what in ("shared", "simulated"):  # the DP's split slower, by less as heterogeneity grows
             by_params = [r[f"{what}_vs_parameters"] for r in rows]
-            assert min(by_params) > 1.0 and by_params[-1] > by_params[0] and slope(xs, by_params) > 0
+            assert max(by_params) < 1.0 and slope(xs, by_params) > 0
