@@ -43,7 +43,7 @@ from hetplan.runtime.replay import LiveBytes, PlanReplay, StageReplay, replay_co
 
 # The schedules whose phase peaks tests/test_replay_micro.py holds affine in the micro-batch count from
 # micro_batch_samples' first on (to the byte against full replays).
-EXTRAPOLATED_SCHEDULES = frozenset({"1f1b", "gpipe"})
+EXTRAPOLATED_SCHEDULES = frozenset({"1f1b", "gpipe", "interleaved-1f1b"})
 # The phases whose peaks lie each on its own line (module doc).
 PHASES = ("forward", "backward", "optimizer")
 
@@ -96,9 +96,15 @@ class PhasePeaks(LiveBytes):
 
 
 def micro_batch_samples(plan: Plan) -> tuple[int, int]:
-    """The two micro-batch counts replayed: ``pp + 1`` (every stage past its warm-up: module doc) and one more."""
-    first = len(plan.stages) + 1
-    return first, first + 1
+    """The two micro-batch counts replayed. 1F1B and GPipe: ``pp + 1`` (every stage past its
+    warm-up: module doc) and one more. Interleaved 1F1B runs a multiple of ``pp`` micro-batches
+    (``plan/validate.py``) in rounds of ``pp`` (torch 2.13 ``_PipelineScheduleRuntime``'s
+    ``microbatches_per_round``): ``3 pp`` and ``4 pp``, a round apart (from ``2 pp`` the line
+    missed tiny-gpt pp2 x 2 chunks' stage 0 by +8,448 B at 8 micro-batches)."""
+    pp = len(plan.stages)
+    if plan.schedule == "interleaved-1f1b":
+        return 3 * pp, 4 * pp
+    return pp + 1, pp + 2
 
 
 def extrapolates(plan: Plan) -> bool:
@@ -113,8 +119,10 @@ def fast_replay(plan: Plan, spec: Any) -> PlanReplay:
     if not extrapolates(plan):
         return replay_plan(plan, spec)
     start = time.perf_counter()
-    low, high = (phase_replay(with_micro_batches(plan, m), spec) for m in micro_batch_samples(plan))
-    steps = plan.num_micro_batches - micro_batch_samples(plan)[0]
+    first, second = micro_batch_samples(plan)
+    low, high = (phase_replay(with_micro_batches(plan, m), spec) for m in (first, second))
+    steps, rest = divmod(plan.num_micro_batches - first, second - first)  # rest 0: m a multiple of pp if interleaved
+    assert rest == 0, (plan.num_micro_batches, first, second)
     stages = []
     for (stage, at_low), (_, at_high) in zip(low, high):
         device, host = zip(*(_line(at_low.get(p, (0, 0)), at_high.get(p, (0, 0)), steps) for p in PHASES))
@@ -123,7 +131,7 @@ def fast_replay(plan: Plan, spec: Any) -> PlanReplay:
 
 
 def _line(low: tuple[int, int], high: tuple[int, int], steps: int) -> tuple[int, int]:
-    """The (device, host) peaks ``steps`` micro-batches past ``low``, ``high`` one past it."""
+    """The (device, host) peaks ``steps`` sample intervals past ``low``, ``high`` one past it."""
     return low[0] + steps * (high[0] - low[0]), low[1] + steps * (high[1] - low[1])
 
 
