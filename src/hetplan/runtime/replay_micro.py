@@ -24,8 +24,10 @@ affine from ``m1`` on is what ``tests/test_replay_micro.py`` checks: the
 extrapolated peaks equal full replays to the byte.
 
 Only the schedules those tests hold (:data:`EXTRAPOLATED_SCHEDULES`) are
-extrapolated; a plan of another schedule, of one stage (replayed in one step
-already), or with ``m`` no larger than the samples' is replayed in full.
+extrapolated, on torch pipelining's executor: a plan of another schedule, a
+heterogeneous pipeline (``runtime/hetero.py``, not tested here), a plan of one
+stage (replayed in one step already), or one with ``m`` no larger than the
+samples' is replayed in full.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any, Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from hetplan.plan.layout import runs_heterogeneous
 from hetplan.plan.spec import Plan
 from hetplan.runtime.replay import LiveBytes, PlanReplay, StageReplay, replay_counted, replay_plan
 
@@ -109,7 +112,7 @@ def micro_batch_samples(plan: Plan) -> tuple[int, int]:
 
 def extrapolates(plan: Plan) -> bool:
     """Whether :func:`fast_replay` replays ``plan`` with fewer micro-batches (module doc)."""
-    return len(plan.stages) > 1 and plan.schedule in EXTRAPOLATED_SCHEDULES \
+    return len(plan.stages) > 1 and plan.schedule in EXTRAPOLATED_SCHEDULES and not runs_heterogeneous(plan) \
         and plan.num_micro_batches > micro_batch_samples(plan)[1]
 
 
