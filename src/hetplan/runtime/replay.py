@@ -72,7 +72,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, \
@@ -198,7 +198,12 @@ class LiveBytes(TorchDispatchMode):
             self._bytes[key] = storage.nbytes()
             self.now += self._bytes[key]
             self.peak = max(self.peak, self.now)
+        self.grew()
         weakref.finalize(storage, self._free, key)
+
+    def grew(self) -> None:
+        """Called each time the live bytes have grown: nothing here; a subclass that keeps more
+        peaks than the step's (``runtime/replay_micro.PhasePeaks``) reads ``now`` and ``host_now``."""
 
     def _routing(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """An op on the expert counts of MoE routing, which size buffers by value: the
@@ -266,6 +271,7 @@ class LiveBytes(TorchDispatchMode):
             self.now += storage.nbytes() - self._bytes[key]
             self._bytes[key] = storage.nbytes()
             self.peak = max(self.peak, self.now)
+            self.grew()
 
     @contextlib.contextmanager
     def storage_resizes(self) -> Iterator[None]:
@@ -434,15 +440,24 @@ def replay_plan(plan: Plan, spec: Any, states_first: bool = True) -> PlanReplay:
     """Replay one rank of each distinct pipeline stage, micro-batch share and replica TP degree of ``plan``
     (:func:`replayed_ranks`; ``states_first``: :func:`replay_rank`)."""
     start = time.perf_counter()
+    stages = tuple(stage for stage, _ in replay_counted(plan, spec, LiveBytes, states_first))
+    return PlanReplay(stages, time.perf_counter() - start)
+
+
+def replay_counted(plan: Plan, spec: Any, counter: Callable[[], LiveBytes],
+                   states_first: bool = True) -> list[tuple[StageReplay, LiveBytes]]:
+    """Each replayed rank of ``plan`` (:func:`replayed_ranks`) with the ``counter()`` that counted its
+    bytes (``runtime/replay_micro.py`` passes one that also keeps each phase's peaks)."""
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
-    stages = []
+    out = []
     with StageMetadata() as shapes, MixedViews():  # stage by stage, first to last: each receives what the one before sent
         for rank, devices in replayed_ranks(layout):
             position = layout.position(rank)
             shapes.share = position.samples_per_micro_batch
-            device_peak, host_peak = replay_rank(plan, spec, rank, states_first)
-            stages.append(StageReplay(position.pp_index, rank, position.device, device_peak, host_peak, devices))
-    return PlanReplay(tuple(stages), time.perf_counter() - start)
+            live = counter()
+            device_peak, host_peak = replay_rank(plan, spec, rank, states_first, live)
+            out.append((StageReplay(position.pp_index, rank, position.device, device_peak, host_peak, devices), live))
+    return out
 
 
 def replayed_ranks(layout: PlanLayout) -> list[tuple[int, tuple[int, ...]]]:
@@ -573,7 +588,8 @@ class StageMetadata:
         HeteroPipeline._send_header, HeteroPipeline._recv_header = self._hetero_saved  # type: ignore[method-assign]  # patched only during a replay, put back after
 
 
-def replay_rank(plan: Plan, spec: Any, rank: int, states_first: bool = True) -> tuple[int, int]:
+def replay_rank(plan: Plan, spec: Any, rank: int, states_first: bool = True,
+                live: LiveBytes | None = None) -> tuple[int, int]:
     """The live-bytes peaks of ``rank`` over one training step (module doc), on
     its device and of its offloaded activations in host memory. ``states_first``
     and one pipeline stage: the optimizer's states are made before the one step
@@ -584,7 +600,8 @@ def replay_rank(plan: Plan, spec: Any, rank: int, states_first: bool = True) -> 
     byte (``tests/test_replay.py``), the first in about half the operator calls.
     A pipeline's stage always runs two: torch pipelining's first step infers and
     sends its shapes, which raised a bf16 stage's peak above the second step's
-    (tiny-llama-bf16 pp2 x tp2: 1,396,300 B against 1,302,644 B)."""
+    (tiny-llama-bf16 pp2 x tp2: 1,396,300 B against 1,302,644 B). ``live`` counts
+    the bytes (a fresh :class:`LiveBytes` unless given)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -601,7 +618,7 @@ def replay_rank(plan: Plan, spec: Any, rank: int, states_first: bool = True) -> 
         try:
             ctx = init(plan, spec)  # meshes from real rank tensors: outside the fake mode
             ctx.dp_mesh  # CP's flattened dp x cp mesh too: flattening makes process groups (``RuntimeContext.dp_mesh``)
-            live = LiveBytes()
+            live = live if live is not None else LiveBytes()
             ctx.offload_host_side = live.on_host  # offloaded copies are host bytes, fetched back as on a GPU
             try:
                 how = ctx.model_build  # a pkg.mod:build model's checks read its example inputs' values
