@@ -159,6 +159,9 @@ class ChooseResult:
     no_plan: int
     unplanned: int
     notes: tuple[str, ...] = field(default=())
+    # the allocations the planner-call budget left unplanned (``bound_shortfall`` says how far each bound is
+    # from pruning it); not written to JSON
+    left_unplanned: tuple[Allocation, ...] = field(default=(), repr=False)
 
     @property
     def proven(self) -> bool:
@@ -391,6 +394,18 @@ def _beaten(bound: tuple[float, float], points: Sequence[Point], objective: str,
     return any(p.hours <= hours and p.usd <= usd and (p.hours < hours or p.usd < usd) for p in points)
 
 
+def bound_shortfall(allocation: Allocation, points: Sequence[Point], steps: float) -> float:
+    """By how much the allocation's lower bound would have to rise to be
+    pruned for the frontier: the least ``k`` such that some point is no slower
+    than ``k`` x its bound time and no dearer than ``k`` x its bound $ (inf
+    without points). Below 1 it is pruned already (``_beaten``); a bound
+    ``k`` times tighter would prune every allocation whose shortfall is at most
+    ``k``, which is how ``benchmarks/bench_choose.py`` measures what a tighter
+    bound would buy before anyone proves one."""
+    hours, usd = _bound_point(allocation, steps)
+    return min((max(p.hours / hours, p.usd / usd) for p in points), default=math.inf)
+
+
 def search_order(candidates: Sequence[Allocation], objective: str, steps: float) -> list[Allocation]:
     """Least bound first: by $ (frontier, deadline) or by time (budget); ties by label."""
     def key(a: Allocation) -> tuple[float, float, str]:
@@ -413,13 +428,14 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     candidates = allocations(pool, base)
     points: list[Point] = []
     reasons: list[str] = []
-    planned = pruned = unplanned = 0
+    planned = pruned = 0
+    left: list[Allocation] = []
     for allocation in search_order(candidates, objective, steps):
         if _beaten(_bound_point(allocation, steps), points, objective, limit):
             pruned += 1
             continue
         if planned >= max_plans:
-            unplanned += 1
+            left.append(allocation)
             continue
         planned += 1
         found = plan_allocation(pool, base, allocation, planner, steps, best_of)
@@ -435,11 +451,11 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     notes = [NOTE_ONE_TYPE_PER_GROUP]
     if any(p.allocation.spans_zones for p in chosen):
         notes.append(NOTE_ZONES)
-    if unplanned:
-        notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {unplanned} "
+    if left:
+        notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {len(left)} "
                      "allocations were not planned, so the answer is the best found, not proven")
     return ChooseResult(pool, objective, limit, tokens, tuple(chosen), len(candidates), planned, pruned,
-                        len(reasons), unplanned, tuple(notes))
+                        len(reasons), len(left), tuple(notes), tuple(left))
 
 
 # --- exports ------------------------------------------------------------------------
