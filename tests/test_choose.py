@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from hetplan.app.choose import (
-    NOTE_ZONES, allocation_workload, allocations, best_point, bound_shortfall, choose, cross_zone_bytes, pareto_front, plan_allocation,
+    EXACT, HEURISTIC, NOTE_ZONES, allocation_workload, allocations, best_point, bound_shortfall, choose, cross_zone_bytes, pareto_front, plan_allocation,
     summary,
 )
 from hetplan.app.workload import WorkloadOptions, load_workload
@@ -181,7 +181,12 @@ def test_a_cut_search_says_it_is_not_proven(tiny):
     pool = pool_from_dict(small_pool())
     result = choose(pool, tiny, get_planner("uniform"), 1e9, max_plans=2)
     assert result.planned == 2 and result.unplanned > 0 and not result.proven
-    assert any("not proven" in n for n in result.notes)
+    assert any("not proven" in n and HEURISTIC in n for n in result.notes)
+    # the heuristic is named wherever the answer shows: CLI header, JSON, the summary a report reads
+    assert f"method   {HEURISTIC}: the 2 allocations of least bound planned" in choose_text(result)
+    assert result.record()["search"] == result.search == summary(result).search
+    assert result.search.startswith(HEURISTIC) and result.search.endswith("not proven")
+    assert choose(pool, tiny, get_planner("uniform"), 1e9).search == EXACT
 
 
 def test_bound_shortfall_is_the_factor_that_would_prune_an_unplanned_allocation(tiny):

@@ -30,8 +30,12 @@ already beats its bound (frontier: dominates it; deadline: cheaper; budget:
 faster) or its bound misses the deadline or budget. Nothing else is pruned:
 hetplan's planners use every GPU of a cluster, so more GPUs may give a slower
 best plan and no monotonicity in counts holds. The work is counted in planner
-calls (``max_plans``); when that budget cuts the search, the notes say how
-many allocations were left unplanned, so the answer is not proven.
+calls (``max_plans``); when that budget cuts the search, the answer is a
+named heuristic, **least-bound-first, cut** (``HEURISTIC``): the ``max_plans``
+allocations of least bound that no point rules out are planned, the rest are
+not, and the result says so (``ChooseResult.search``: CLI header and note,
+JSON, report) as the best found, not proven. Its measured quality on the
+256-GPU pool is in ``docs/choose.md``.
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ DEFAULT_MAX_PLANS = 200
 BOUND_ROUNDING = 1e-9
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 OBJECTIVES = ("frontier", "deadline", "budget")
+# The two searches ``choose`` may have run, as every output names them.
+EXACT = "exact: every allocation planned or pruned by a proven bound"
+HEURISTIC = "heuristic (least-bound-first, cut)"
 NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
                            "build them; stages mixing GPU types and TP degrees inside (Sailor's) are searched "
                            "only with --mixed-tp")
@@ -168,10 +175,18 @@ class ChooseResult:
         """Every allocation was planned or pruned by a proven bound."""
         return self.unplanned == 0
 
+    @property
+    def search(self) -> str:
+        """Which search gave the answer, in words (``EXACT``, or ``HEURISTIC`` with what it planned)."""
+        if self.proven:
+            return EXACT
+        return (f"{HEURISTIC}: the {self.planned} allocations of least bound planned, {self.unplanned} left "
+                "unplanned; the best found, not proven")
+
     def record(self) -> dict[str, Any]:
         return {"pool": self.pool.name, "objective": self.objective, "limit": self.limit, "tokens": self.tokens,
                 "allocations": self.allocations, "planned": self.planned, "pruned": self.pruned,
-                "no_plan": self.no_plan, "unplanned": self.unplanned, "proven": self.proven,
+                "no_plan": self.no_plan, "unplanned": self.unplanned, "proven": self.proven, "search": self.search,
                 "notes": list(self.notes), "points": [p.record() for p in self.points]}
 
 
@@ -196,6 +211,7 @@ class ChooseSummary:
     objective: str
     proven: bool
     points: tuple[FrontierPoint, ...]
+    search: str = ""  # ``ChooseResult.search`` (empty in files written before it was kept)
 
 
 def summary(result: ChooseResult) -> ChooseSummary:
@@ -203,11 +219,11 @@ def summary(result: ChooseResult) -> ChooseSummary:
     return ChooseSummary(result.pool.name, result.objective, result.proven, tuple(
         FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe(),
                       p.allocation.spans_zones)
-        for p in result.points))
+        for p in result.points), result.search)
 
 
 _RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "unplanned",
-                "proven", "notes", "points")
+                "proven", "search", "notes", "points")
 _POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
                "egress_usd", "spans_zones", "egress_gb_per_step", "usd", "plan", "plan_record")
 
@@ -229,7 +245,8 @@ def read_choose_json(path: str) -> ChooseSummary:
                                     fields.flag(f"{where}.spans_zones", entry.get("spans_zones", False))))
     return ChooseSummary(fields.text(f"{path}: pool", data["pool"]),
                          fields.text(f"{path}: objective", data["objective"], OBJECTIVES),
-                         fields.flag(f"{path}: proven", data["proven"]), tuple(points))
+                         fields.flag(f"{path}: proven", data["proven"]), tuple(points),
+                         fields.text(f"{path}: search", data.get("search", "")))
 
 
 # --- allocations and bounds ---------------------------------------------------------
@@ -452,8 +469,9 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     if any(p.allocation.spans_zones for p in chosen):
         notes.append(NOTE_ZONES)
     if left:
-        notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {len(left)} "
-                     "allocations were not planned, so the answer is the best found, not proven")
+        notes.append(f"{HEURISTIC}: the search stopped at its budget of {max_plans} planner calls (--max-plans), "
+                     f"having planned the allocations of least bound; {len(left)} allocations were not planned, so "
+                     "the answer is the best found, not proven (docs/choose.md: its measured quality)")
     return ChooseResult(pool, objective, limit, tokens, tuple(chosen), len(candidates), planned, pruned,
                         len(reasons), len(left), tuple(notes), tuple(left))
 
