@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from hetplan.app.choose import (
-    NOTE_SEND_BOUND, allocation_workload, allocations, best_point, choose, cross_zone_bytes, pareto_front,
-    plan_allocation, point_files, sends_outlast_stages, summary,
+    EXACT, HEURISTIC, NOTE_SEND_BOUND, allocation_workload, allocations, best_point, bound_shortfall, choose,
+    cross_zone_bytes, pareto_front, plan_allocation, point_files, sends_outlast_stages, summary,
 )
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cli import main
@@ -183,7 +183,34 @@ def test_a_cut_search_says_it_is_not_proven(tiny):
     pool = pool_from_dict(small_pool())
     result = choose(pool, tiny, get_planner("uniform"), 1e9, max_plans=2)
     assert result.planned == 2 and result.unplanned > 0 and not result.proven
-    assert any("not proven" in n for n in result.notes)
+    assert any("not proven" in n and HEURISTIC in n for n in result.notes)
+    # the heuristic is named wherever the answer shows: CLI header, JSON, the summary a report reads
+    assert f"method   {HEURISTIC}: the 2 allocations of least bound planned" in choose_text(result)
+    assert result.record()["search"] == result.search == summary(result).search
+    assert result.search.startswith(HEURISTIC) and result.search.endswith("not proven")
+    assert choose(pool, tiny, get_planner("uniform"), 1e9).search == EXACT
+
+
+def test_bound_shortfall_is_the_factor_that_would_prune_an_unplanned_allocation(tiny):
+    """A search cut by its budget keeps the allocations it left; for each,
+    ``bound_shortfall`` is the factor its bound misses pruning by: its bound
+    point times a little more than that is dominated by a point of the
+    answer, times a little less is not (checked here by dominance itself)."""
+    pool = pool_from_dict(small_pool())
+    tokens = 1e9
+    steps = tokens / (tiny.global_batch_size * tiny.model.seq_len)
+    result = choose(pool, tiny, get_planner("uniform"), tokens, max_plans=4, best_of=cached_best)
+    assert len(result.left_unplanned) == result.unplanned > 0
+
+    def dominated(a, factor):
+        hours = a.bound_iteration_s * factor * steps / 3600
+        return any(p.hours <= hours and p.usd <= hours * a.usd_per_hour for p in result.points)
+
+    for a in result.left_unplanned:
+        k = bound_shortfall(a, result.points, steps)
+        assert 1 <= k < float("inf") and not dominated(a, 1)
+        assert dominated(a, k * (1 + 1e-6)) and not dominated(a, k * (1 - 1e-6)), a.label
+    assert bound_shortfall(result.left_unplanned[0], (), steps) == float("inf")
 
 
 def test_cli_choose_writes_table_json_chart_and_point_files(tmp_path, capsys):

@@ -30,8 +30,12 @@ already beats its bound (frontier: dominates it; deadline: cheaper; budget:
 faster) or its bound misses the deadline or budget. Nothing else is pruned:
 hetplan's planners use every GPU of a cluster, so more GPUs may give a slower
 best plan and no monotonicity in counts holds. The work is counted in planner
-calls (``max_plans``); when that budget cuts the search, the notes say how
-many allocations were left unplanned, so the answer is not proven.
+calls (``max_plans``); when that budget cuts the search, the answer is a
+named heuristic, **least-bound-first, cut** (``HEURISTIC``): the ``max_plans``
+allocations of least bound that no point rules out are planned, the rest are
+not, and the result says so (``ChooseResult.search``: CLI header and note,
+JSON, report) as the best found, not proven. Its measured quality on the
+256-GPU pool is in ``docs/choose.md``.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ NOTE_SEND_BOUND = ("a pipeline send of {labels} takes longer per micro-batch tha
                    "such as the one between zones): the link paces the pipeline (cost/pipeline.py), but 1F1B's "
                    "round trips over it are not modelled (docs/cost-model.md, Known limits), so its time may be "
                    "optimistic")
+# The two searches ``choose`` may have run, as every output names them.
+EXACT = "exact: every allocation planned or pruned by a proven bound"
+HEURISTIC = "heuristic (least-bound-first, cut)"
 NOTE_ONE_TYPE_PER_GROUP = ("each stage's replicas are of one GPU type per replica group, as hetplan's planners "
                            "build them; stages mixing GPU types and TP degrees inside (Sailor's) are searched "
                            "only with --mixed-tp")
@@ -161,16 +168,27 @@ class ChooseResult:
     no_plan: int
     unplanned: int
     notes: tuple[str, ...] = field(default=())
+    # the allocations the planner-call budget left unplanned (``bound_shortfall`` says how far each bound is
+    # from pruning it); not written to JSON
+    left_unplanned: tuple[Allocation, ...] = field(default=(), repr=False)
 
     @property
     def proven(self) -> bool:
         """Every allocation was planned or pruned by a proven bound."""
         return self.unplanned == 0
 
+    @property
+    def search(self) -> str:
+        """Which search gave the answer, in words (``EXACT``, or ``HEURISTIC`` with what it planned)."""
+        if self.proven:
+            return EXACT
+        return (f"{HEURISTIC}: the {self.planned} allocations of least bound planned, {self.unplanned} left "
+                "unplanned; the best found, not proven")
+
     def record(self) -> dict[str, Any]:
         return {"pool": self.pool.name, "objective": self.objective, "limit": self.limit, "tokens": self.tokens,
                 "allocations": self.allocations, "planned": self.planned, "pruned": self.pruned,
-                "no_plan": self.no_plan, "unplanned": self.unplanned, "proven": self.proven,
+                "no_plan": self.no_plan, "unplanned": self.unplanned, "proven": self.proven, "search": self.search,
                 "notes": list(self.notes), "points": [p.record() for p in self.points]}
 
 
@@ -195,6 +213,7 @@ class ChooseSummary:
     objective: str
     proven: bool
     points: tuple[FrontierPoint, ...]
+    search: str = ""  # ``ChooseResult.search`` (empty in files written before it was kept)
 
 
 def summary(result: ChooseResult) -> ChooseSummary:
@@ -202,11 +221,11 @@ def summary(result: ChooseResult) -> ChooseSummary:
     return ChooseSummary(result.pool.name, result.objective, result.proven, tuple(
         FrontierPoint(p.allocation.label, p.allocation.gpus, p.iteration_s, p.hours, p.usd, p.best.plan.describe(),
                       p.allocation.spans_zones)
-        for p in result.points))
+        for p in result.points), result.search)
 
 
 _RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "unplanned",
-                "proven", "notes", "points")
+                "proven", "search", "notes", "points")
 _POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
                "egress_usd", "spans_zones", "egress_gb_per_step", "usd", "plan", "plan_record")
 
@@ -228,7 +247,8 @@ def read_choose_json(path: str) -> ChooseSummary:
                                     fields.flag(f"{where}.spans_zones", entry.get("spans_zones", False))))
     return ChooseSummary(fields.text(f"{path}: pool", data["pool"]),
                          fields.text(f"{path}: objective", data["objective"], OBJECTIVES),
-                         fields.flag(f"{path}: proven", data["proven"]), tuple(points))
+                         fields.flag(f"{path}: proven", data["proven"]), tuple(points),
+                         fields.text(f"{path}: search", data.get("search", "")))
 
 
 # --- allocations and bounds ---------------------------------------------------------
@@ -405,6 +425,18 @@ def _beaten(bound: tuple[float, float], points: Sequence[Point], objective: str,
     return any(p.hours <= hours and p.usd <= usd and (p.hours < hours or p.usd < usd) for p in points)
 
 
+def bound_shortfall(allocation: Allocation, points: Sequence[Point], steps: float) -> float:
+    """By how much the allocation's lower bound would have to rise to be
+    pruned for the frontier: the least ``k`` such that some point is no slower
+    than ``k`` x its bound time and no dearer than ``k`` x its bound $ (inf
+    without points). Below 1 it is pruned already (``_beaten``); a bound
+    ``k`` times tighter would prune every allocation whose shortfall is at most
+    ``k``, which is how ``benchmarks/bench_choose.py`` measures what a tighter
+    bound would buy before anyone proves one."""
+    hours, usd = _bound_point(allocation, steps)
+    return min((max(p.hours / hours, p.usd / usd) for p in points), default=math.inf)
+
+
 def search_order(candidates: Sequence[Allocation], objective: str, steps: float) -> list[Allocation]:
     """Least bound first: by $ (frontier, deadline) or by time (budget); ties by label."""
     def key(a: Allocation) -> tuple[float, float, str]:
@@ -427,13 +459,14 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     candidates = allocations(pool, base)
     points: list[Point] = []
     reasons: list[str] = []
-    planned = pruned = unplanned = 0
+    planned = pruned = 0
+    left: list[Allocation] = []
     for allocation in search_order(candidates, objective, steps):
         if _beaten(_bound_point(allocation, steps), points, objective, limit):
             pruned += 1
             continue
         if planned >= max_plans:
-            unplanned += 1
+            left.append(allocation)
             continue
         planned += 1
         found = plan_allocation(pool, base, allocation, planner, steps, best_of)
@@ -450,11 +483,12 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     send_bound = [p.allocation.label for p in chosen if sends_outlast_stages(p.workload, p.best.plan)]
     if send_bound:
         notes.append(NOTE_SEND_BOUND.format(labels=", ".join(send_bound)))
-    if unplanned:
-        notes.append(f"the search stopped at its budget of {max_plans} planner calls (--max-plans): {unplanned} "
-                     "allocations were not planned, so the answer is the best found, not proven")
+    if left:
+        notes.append(f"{HEURISTIC}: the search stopped at its budget of {max_plans} planner calls (--max-plans), "
+                     f"having planned the allocations of least bound; {len(left)} allocations were not planned, so "
+                     "the answer is the best found, not proven (docs/choose.md: its measured quality)")
     return ChooseResult(pool, objective, limit, tokens, tuple(chosen), len(candidates), planned, pruned,
-                        len(reasons), unplanned, tuple(notes))
+                        len(reasons), len(left), tuple(notes), tuple(left))
 
 
 # --- exports ------------------------------------------------------------------------

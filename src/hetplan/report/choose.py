@@ -34,7 +34,8 @@ def choose_header(result: ChooseResult) -> str:
     return (f"choose   {asked}, {format_count(result.tokens)} tokens, pool {result.pool.name!r}\n"
             f"search   {result.allocations} allocations: {result.planned} planned ({result.no_plan} without a plan), "
             f"{result.pruned} pruned by bounds, {result.unplanned} left unplanned "
-            f"({'proven' if result.proven else 'not proven'})")
+            f"({'proven' if result.proven else 'not proven'})\n"
+            f"method   {result.search}")
 
 
 def choose_text(result: ChooseResult) -> str:

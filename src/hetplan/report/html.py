@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from hetplan import __version__
 from hetplan.app.report import PlanReport, file_report
-from hetplan.app.choose import ChooseSummary
+from hetplan.app.choose import HEURISTIC, ChooseSummary
 from hetplan.app.whatif import WhatIfResult
 from hetplan.plan.file import PlanFile
 from hetplan.report.svg import breakdown_svg, memory_svg, timeline_svg
@@ -181,7 +181,7 @@ def _choose_section(choose: ChooseSummary) -> list[str]:
                         "another)", "deadline": "the cheapest allocation within the deadline",
             "budget": "the fastest allocation within the budget"}[choose.objective]
     proof = "proven: every other allocation was planned or ruled out by a bound" if choose.proven else \
-        "not proven: the search stopped at its planner-call budget"
+        f"not proven: {choose.search or HEURISTIC}, the search stopped at its planner-call budget"
     out = ['<section id="choose">', "<h2>Choosing the GPUs</h2>",
            f"<p>From <code>hetplan choose</code> on pool {escape(choose.pool)}: {what} ({proof}).</p>"]
     if choose.points:
