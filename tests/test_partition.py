@@ -178,6 +178,53 @@ def test_fast_with_options_and_extras_equals_brute_force(problem: PartitionProbl
     assert same(problem.cost(fast.boundaries, fast.options), fast.cost_s)
 
 
+@st.composite
+def paced_instances(draw: st.DrawFn) -> tuple[PartitionProblem, dict[str, np.ndarray | int | None]]:
+    """``option_instances`` whose links are sometimes slower than every stage
+    (``link_pace``), with the arrays they were built from."""
+    n = draw(st.integers(2, 7))
+    k = draw(st.integers(2, min(3, n)))
+    q = draw(st.integers(1, 2))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    layer = rng.uniform(0.0, 2.0, size=(k, q, n))
+    prefix = np.concatenate([np.zeros((k, q, 1)), np.cumsum(layer, axis=2)], axis=2)
+    times = np.maximum(prefix[:, :, None, :] - prefix[:, :, :, None], 0.0)
+    fits = rng.uniform(size=times.shape) < 0.85
+    extra = rng.uniform(-1.0, 1.0, size=times.shape) if draw(st.booleans()) else None
+    pace = np.zeros((k - 1, n + 1))
+    pace[:, 1:n] = rng.uniform(0.0, draw(st.sampled_from([0.5, 4.0, 20.0])), size=(k - 1, n - 1))
+    m = draw(st.integers(1, 16))
+    problem = PartitionProblem.from_segments(times, m, 2 * pace[:, 1:n], fits, extra, link_pace=pace)
+    return problem, {"times": times, "fits": fits, "extra": extra, "pace": pace, "m": m}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(paced_instances())
+def test_a_link_slower_than_every_stage_paces_the_optimum(instance: tuple[PartitionProblem, dict]) -> None:
+    """With ``link_pace`` the solver minimises ``(m − 1)·max(max t, max c) + Σ t
+    + Σ extra + 2·Σ c`` (``cost.pipeline.pipeline_time`` with the link's pace):
+    equal to every split and option choice so written out by hand."""
+    problem, raw = instance
+    times, fits, extra, pace, m = raw["times"], raw["fits"], raw["extra"], raw["pace"], raw["m"]
+    k, q, n = times.shape[0], times.shape[1], times.shape[2] - 1
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        b = (0, *cuts, n)
+        for choice in itertools.product(range(q), repeat=k):
+            cells = [(j, o, b[j], b[j + 1]) for j, o in enumerate(choice)]
+            if not all(fits[c] for c in cells):
+                continue
+            stage = [times[c] for c in cells]
+            links = [pace[j, b[j + 1]] for j in range(k - 1)]
+            added = sum(extra[c] for c in cells) if extra is not None else 0.0
+            best = min(best, (m - 1) * max(max(stage), max(links)) + sum(stage) + added + 2 * sum(links))
+    fast = fast_partition(problem)
+    if not math.isfinite(best):
+        assert fast is None
+        return
+    assert fast is not None and math.isclose(fast.cost_s, best, rel_tol=1e-9, abs_tol=1e-9), (fast, best)
+
+
 def _layout_options(workload: Workload, dp: int, tp: int, pp: int, u: int) -> list[list[StageOption]]:
     base = uniform_plan(workload, dp, tp, pp, u)
     return [[StageOption(s.devices, dp, tp, s.dp_split, zero, recompute, tp > 1)
@@ -266,3 +313,26 @@ def test_dual_bounds_are_valid_and_tighter(monkeypatch: pytest.MonkeyPatch) -> N
         raised += dual.lower_bound_s > plain.lower_bound_s * (1 + 1e-9)
     
     assert raised >= 1
+
+
+def test_the_exact_partition_certifies_a_pipeline_paced_by_its_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two zones joined by 0.2 Gbps: the best split's middle link is slower
+    than every stage and paces the pipeline. The staircase alone (no
+    enumeration) finds the estimate's optimum over every split and option and
+    certifies it: its objective carries the link's pace (``link_pace``), so
+    auto need not fall back to the planners it contains."""
+    monkeypatch.setattr(stage_partition, "BRUTE_FORCE_LIMIT", 0)
+    cluster = ClusterSpec("two-zones", (NodeSpec("V100-16GB", 2, 100.0, 25.0, name="a", zone="a"),
+                                        NodeSpec("A100-40GB", 2, 100.0, 25.0, name="b", zone="b")), 25.0,
+                          inter_zone_bandwidth_gbps=0.2)
+    workload = Workload(get_model("tiny-gpt"), cluster, 16)
+    cost = CostModel(workload)
+    options = _layout_options(workload, 1, 1, 4, 1)
+    partitioner = PipelinePartitioner(cost.kernel, 1, 16)
+    solution = partitioner.solve(options)
+    assert solution is not None and solution.certified
+    assert same(solution.iteration_s, partitioner._brute_force(partitioner.tables(options))[2])
+    plan = Plan("tiny-gpt", cluster.name, 16, 1, 16, "1f1b", solution.stages)
+    assert same(cost.estimate(plan).iteration_time_s, solution.iteration_s)
+    slowest = max(cost.stage_timing(s, 1).per_micro_batch_s for s in plan.stages)
+    assert max(cost.p2p_times(plan)) > slowest  # the link paces it

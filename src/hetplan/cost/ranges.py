@@ -17,6 +17,12 @@ import numpy as np
 
 Index = Union[int, slice, np.ndarray]
 
+# Up to this many layers a RangeMax also keeps the whole (L+1) x (L+1) matrix
+# (at most 0.5 MB), built on its first block query: the searches ask for blocks
+# of small models tens of thousands of times, and one fancy index is cheaper
+# than the sparse table's per-level passes (same values).
+DENSE_LAYERS = 256
+
 
 def positions(index: Index) -> np.ndarray:
     """Slice or index array -> the positions it names."""
@@ -37,6 +43,7 @@ class RangeMax:
         self._scale = scale
         # sparse table: level p holds the max of every run of 2**p values
         self._levels = [values]
+        self._dense: np.ndarray | None = None
         while 2 ** len(self._levels) <= len(values):
             previous, width = self._levels[-1], 2 ** (len(self._levels) - 1)
             self._levels.append(np.maximum(previous[:-width], previous[width:]))
@@ -66,6 +73,11 @@ class RangeMax:
 
     def _block(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The table at every (start, end) pair of the broadcast arrays."""
+        if self.num_layers <= DENSE_LAYERS:
+            out = self._dense_max()[starts, ends] * self._scale
+            if self._minus is None:
+                return out
+            return np.where(ends > starts, np.maximum(out - self._minus[ends], 0.0), 0.0)
         length = ends - starts
         inside = length > 0
         safe = np.where(inside, length, 1)
@@ -81,6 +93,17 @@ class RangeMax:
         if self._minus is not None:
             out = np.where(inside, np.maximum(out - np.broadcast_to(self._minus[ends], out.shape), 0.0), 0.0)
         return np.where(inside, out, 0.0)
+
+
+    def _dense_max(self) -> np.ndarray:
+        """``[a, b]``: ``max(values[a:b])``, 0 where ``a >= b`` (``DENSE_LAYERS``)."""
+        if self._dense is None:
+            values, n = self._levels[0], self.num_layers
+            dense = np.zeros((n + 1, n + 1))
+            for a in range(n):
+                dense[a, a + 1:] = np.maximum.accumulate(values[a:])
+            self._dense = dense
+        return self._dense
 
 
 class RangeSum:

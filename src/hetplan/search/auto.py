@@ -79,7 +79,7 @@ CONTAINED_PLANNERS: tuple[Callable[[], Planner], ...] = (UniformPlanner, Megatro
 SEEDS_PER_PLANNER = 3
 MAX_PLACEMENTS = 24  # placements up to symmetry per (pp, dp, tp) beyond the Megatron one
 MAX_SOLVES = 300  # exact shape solves per search (work budget)
-POLISH_DUAL_STEPS = 2  # dual steps of the best shape's second, exact solve
+SETTLE_DUAL_STEPS = 2  # dual steps of the second, exact solve of a shape left uncertified (settle_open)
 ZERO_OPTIONS = (0, 2, 3)  # ZeRO-1 never beats ZeRO-2 in the cost model
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
 OFFLOAD_OPTIONS = (False, True)  # activation offloading, searched where memory is short (useful_options)
@@ -164,8 +164,7 @@ class _AutoSearch:
         self.pool: dict[tuple[object, ...], tuple[tuple[int, float, str], Plan]] = {}
         self.errors: list[str] = []
         self.best_s = math.inf
-        self._open_bounds: list[float] = []  # lower bounds of AMP-space shapes solved without a certificate
-        self._best_shape: tuple[float, PlanShape] | None = None  # the shape of the best uncertified solve
+        self._open: list[tuple[float, PlanShape]] = []  # shapes solved without a certificate, and their bounds
         self._floors: dict[tuple[object, ...], np.ndarray] = {}
 
     # --- the steps -------------------------------------------------------------------------
@@ -176,7 +175,6 @@ class _AutoSearch:
             shapes = self.shapes(seeds)
             progress.expect(len(shapes))  # one step per shape, those the bounds rule out at once
             self.solve_all(shapes, progress)
-            self.polish_best()
             if stats.budget_hit or stats.grid_uncertified or not self.pool:
                 stats.ran_contained = True
                 progress.expect(len(self.planner.contained))
@@ -270,24 +268,33 @@ class _AutoSearch:
             solution = partitioner.solve(self.useful_options(shape), self.best_s)
             if solution is not None:
                 stats.certified += solution.certified
-                if shape.source == GRID and not solution.certified:
-                    self._open_bounds.append(solution.lower_bound_s)
-                if not solution.certified and solution.iteration_s <= self.best_s:
-                    self._best_shape = (solution.iteration_s, shape)
+                if not solution.certified:
+                    self._open.append((solution.lower_bound_s, shape))
                 self.add(self.to_plan(shape, solution))
+        self.settle_open()
         # a shape whose bound reaches the best plan holds nothing faster, certified or not
-        stats.grid_uncertified = any(bound < self.best_s * (1 - 1e-12) for bound in self._open_bounds)
+        stats.grid_uncertified = any(bound < self.best_s * (1 - 1e-12) and shape.source == GRID
+                                     for bound, shape in self._open)
 
-    def polish_best(self) -> None:
-        """Solve the shape of the best plan again with more dual steps and exact
-        staircases, when that plan came from an uncertified solve."""
-        if self._best_shape is None or self._best_shape[0] > self.best_s:
-            return
-        shape = self._best_shape[1]
-        partitioner = PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches)
-        solution = partitioner.solve(self.useful_options(shape), self.best_s, POLISH_DUAL_STEPS, None, 0.0)
-        if solution is not None:
+    def settle_open(self) -> None:
+        """Solve again, exactly (more dual steps, exact staircases), each shape
+        left uncertified whose bound is under the best plan, least bound first.
+        A shape it certifies, or whose new bound reaches the best plan, holds
+        nothing better; once no AMP-space shape stays open, auto's containment
+        of the uniform, Megatron and AMP planners is proven (``CONTAINED_PLANNERS``
+        run only otherwise)."""
+        still_open = []
+        for bound, shape in sorted(self._open, key=lambda item: item[0]):
+            if bound >= self.best_s * (1 - 1e-12):
+                continue
+            partitioner = PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches)
+            solution = partitioner.solve(self.useful_options(shape), self.best_s, SETTLE_DUAL_STEPS, None, 0.0)
+            if solution is None:  # nothing of the shape beats the best plan
+                continue
             self.add(self.to_plan(shape, solution))
+            if not solution.certified:
+                still_open.append((solution.lower_bound_s, shape))
+        self._open = still_open
 
     def _layer_floor(self, shape: PlanShape) -> np.ndarray:
         """(stages, layers): a time per layer and stage that no option undercuts —
@@ -309,17 +316,20 @@ class _AutoSearch:
     def pipeline_bound(self, shape: PlanShape) -> float:
         """A tighter bound, for every split with every stage at its layers'
         floors and no memory limit: ``(m − 1)`` times the smallest possible
-        bottleneck plus the smallest possible sum of stage and link times."""
+        bottleneck (a stage, or its outgoing link where that is slower) plus the
+        smallest possible sum of stage and link times."""
         floors = self._layer_floor(shape)
         k, n = floors.shape
         if k > n:
             return math.inf
         kernel = self.cost.kernel
-        links = None
+        links = pace = None
         if k > 1:
             rates = [kernel.p2p_rate(a[0], b[0]) for a, b in zip(shape.stages, shape.stages[1:])]
-            links = P2P_PASSES * np.outer(rates, kernel.arrays.output_bytes[:n - 1]) * shape.micro_batch_size
-        problem = PartitionProblem(floors, shape.num_micro_batches, links)
+            pace = np.zeros((k - 1, n + 1))  # one way, by cut position: a slow link paces the pipeline
+            pace[:, 1:n] = np.outer(rates, kernel.arrays.output_bytes[:n - 1]) * shape.micro_batch_size
+            links = P2P_PASSES * pace[:, 1:n]
+        problem = PartitionProblem(floors, shape.num_micro_batches, links, link_pace=pace)
         least_sum = problem._min_sum(math.inf)
         if least_sum is None:
             return math.inf

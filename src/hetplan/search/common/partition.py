@@ -156,6 +156,11 @@ class PartitionProblem:
             or ``(L,)``; ``None`` for no memory limit.
         stage_memory_capacity: bytes each stage may use (scalar or ``(k,)``).
         num_stages: k, needed when every per-stage input is one-dimensional.
+        link_pace: ``(k − 1, L + 1)``, one way of boundary ``j``'s transfer
+            when the cut is at position ``c``: the pipeline runs at the pace of
+            its slowest stage *or link* (``cost.pipeline.pipeline_time``), so
+            a stage's bottleneck value is ``max(t_j, pace_j)`` while the sum
+            keeps ``t_j`` (``None``: stages alone set the pace, as in AMP eq. 5).
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class PartitionProblem:
         stage_layer_memory: Sequence[float] | Sequence[Sequence[float]] | np.ndarray | None = None,
         stage_memory_capacity: float | Sequence[float] | np.ndarray | None = None,
         num_stages: int | None = None,
+        link_pace: np.ndarray | None = None,
     ) -> None:
         times = np.asarray(stage_layer_times, dtype=float)
         if times.ndim == 2:
@@ -190,7 +196,7 @@ class PartitionProblem:
             cap = np.broadcast_to(np.asarray(stage_memory_capacity, dtype=float), (k,))
             fits = (_window_sums(mem) <= cap[:, None, None] * (1.0 + 1e-12))[:, None]
         segments = np.maximum(_window_sums(times), 0.0)[:, None]  # rounding of prefix differences
-        self._init(segments, fits, None, num_micro_batches, boundary_times, num_layers)
+        self._init(segments, fits, None, num_micro_batches, boundary_times, num_layers, link_pace)
 
     @classmethod
     def from_segments(
@@ -200,6 +206,7 @@ class PartitionProblem:
         boundary_times: Sequence[float] | Sequence[Sequence[float]] | np.ndarray | None = None,
         segment_fits: np.ndarray | None = None,
         segment_extra: np.ndarray | None = None,
+        link_pace: np.ndarray | None = None,
     ) -> PartitionProblem:
         """A problem from whole-segment numbers.
 
@@ -210,6 +217,7 @@ class PartitionProblem:
                 gives every stage ``q`` options to choose from.
             segment_fits: same shape, bool: stage ``j`` may hold ``[a, b)``.
             segment_extra: same shape, >= 0: added to the sum, not the bottleneck.
+            link_pace: as in the constructor.
         """
         times = np.asarray(segment_times, dtype=float)
         if times.ndim == 3:
@@ -229,22 +237,26 @@ class PartitionProblem:
         fits = same_shape(segment_fits, "segment_fits", bool)
         extra = same_shape(segment_extra, "segment_extra", float)
         self = cls.__new__(cls)
-        self._init(_windows(times), fits, extra, num_micro_batches, boundary_times, times.shape[2] - 1)
+        self._init(_windows(times), fits, extra, num_micro_batches, boundary_times, times.shape[2] - 1, link_pace)
         return self
 
     @classmethod
     def from_windows(cls, times: np.ndarray, num_micro_batches: int, boundary_times: np.ndarray | None,
-                     fits: np.ndarray | None = None, extra: np.ndarray | None = None) -> PartitionProblem:
+                     fits: np.ndarray | None = None, extra: np.ndarray | None = None,
+                     link_pace: np.ndarray | None = None) -> PartitionProblem:
         """A problem from the windows themselves, ``(k, q, span, span)`` each
         (see the class docstring; what ``StageCosts.tables`` returns)."""
         k, _, span, _ = times.shape
         self = cls.__new__(cls)
-        self._init(times, fits, extra, num_micro_batches, boundary_times, span + k - 1)
+        self._init(times, fits, extra, num_micro_batches, boundary_times, span + k - 1, link_pace)
         return self
 
     def _init(self, times: np.ndarray, fits: np.ndarray | None, extra: np.ndarray | None,
-              num_micro_batches: int, boundary_times: object, num_layers: int) -> None:
+              num_micro_batches: int, boundary_times: object, num_layers: int,
+              link_pace: np.ndarray | None = None) -> None:
         k, q, span = times.shape[0], times.shape[1], times.shape[2]
+        if link_pace is not None and k > 1:
+            times, extra = _paced(times, extra, link_pace)
         n = num_layers
         if k < 1:
             raise HetplanError("a pipeline needs at least one stage")
@@ -413,6 +425,23 @@ class PartitionProblem:
         for j in range(self.num_stages):
             best = np.maximum(window[j], best).min(axis=1)
         return float(best[span - 1])
+
+
+def _paced(times: np.ndarray, extra: np.ndarray | None,
+           link_pace: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Windows whose bottleneck value is ``max(t, the outgoing link's one-way
+    time)`` and a sum-only extra that gives the sum back its ``t``: the
+    objective becomes ``(m − 1)·max_j max(t_j, c_j) + Σ t + Σ e``, the shared
+    model's pipeline time when a link is slower than every stage."""
+    k, span = times.shape[0], times.shape[2]
+    outgoing = np.zeros((k, span))  # [j, y]: stage j ends at layer j + 1 + y, where its link's cut is
+    for j in range(k - 1):
+        outgoing[j] = link_pace[j, j + 1:j + 1 + span]
+    paced = np.maximum(times, outgoing[:, None, None, :])
+    finite = np.isfinite(times)
+    shift = np.zeros(times.shape)
+    shift[finite] = times[finite] - paced[finite]
+    return paced, shift if extra is None else extra + shift
 
 
 def _window_sums(per_layer: np.ndarray) -> np.ndarray:

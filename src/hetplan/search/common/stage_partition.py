@@ -7,8 +7,10 @@ minimise :meth:`hetplan.cost.CostModel.estimate`'s iteration time::
 
     F = P + max(0, max_j (x_j − A_j)) + max_j o_j
 
-``P`` is the pipeline time ``(m − 1)·max t_j + Σ t_j + Σ e_j`` (stage time
-per micro-batch ``t_j``, the two transfers of each boundary ``e_j``); ``x_j``
+``P`` is the pipeline time ``(m − 1)·max_j max(t_j, c_j) + Σ t_j + Σ e_j`` (stage
+time per micro-batch ``t_j``, one way of its outgoing link ``c_j``, which paces
+the pipeline when it is slower than every stage, the two transfers of each
+boundary ``e_j``); ``x_j``
 is stage j's exposed gradient sync, ``A_j`` the backward passes and links in
 front of it; ``o_j`` its optimizer step plus (ZeRO-1/2) the all-gather of its
 updated parameters (``cost/pipeline.py``). Every number comes from the
@@ -33,7 +35,7 @@ earlier). When the answer's ``F`` does not reach the bound, another stage's
 sync ended last; ``λ`` moves toward that stage (a subgradient step on the
 dual; at most ``LAGRANGE_STEPS`` times, and only while the answer is more than
 ``DUAL_GAP`` above the bound — callers that want a close answer, like auto's
-polish of its best layout, ask for more). The layout's bound is the largest
+second solve of a layout left uncertified, ask for more). The layout's bound is the largest
 ``min L_λ``, its answer the best ``F`` seen, *certified* when they meet. Small
 instances that stay uncertified are settled by enumerating every split.
 """
@@ -300,7 +302,8 @@ class PipelinePartitioner:
             return None
         best_l, best_true, best, relaxed = INF, INF, None, None
         bound = INF
-        base = PartitionProblem.from_windows(tables.per_mb, m, cuts, tables.fits, relaxation.extra)
+        base = PartitionProblem.from_windows(tables.per_mb, m, cuts, tables.fits, relaxation.extra,
+                                             link_pace=tables.p2p)
         for stair in itertools.count():
             problem = base.restricted(tables.fits & (step < bound)) if math.isfinite(bound) else base
             part = fast_partition(problem)
