@@ -164,7 +164,8 @@ class _AutoSearch:
         self.pool: dict[tuple[object, ...], tuple[tuple[int, float, str], Plan]] = {}
         self.errors: list[str] = []
         self.best_s = math.inf
-        self._open: list[tuple[float, PlanShape]] = []  # shapes solved without a certificate, and their bounds
+        # shapes solved without a certificate: (bound, answer, shape)
+        self._open: list[tuple[float, float, PlanShape]] = []
         self._floors: dict[tuple[object, ...], np.ndarray] = {}
 
     # --- the steps -------------------------------------------------------------------------
@@ -269,22 +270,26 @@ class _AutoSearch:
             if solution is not None:
                 stats.certified += solution.certified
                 if not solution.certified:
-                    self._open.append((solution.lower_bound_s, shape))
+                    self._open.append((solution.lower_bound_s, solution.iteration_s, shape))
                 self.add(self.to_plan(shape, solution))
         self.settle_open()
         # a shape whose bound reaches the best plan holds nothing faster, certified or not
         stats.grid_uncertified = any(bound < self.best_s * (1 - 1e-12) and shape.source == GRID
-                                     for bound, shape in self._open)
+                                     for bound, _, shape in self._open)
 
     def settle_open(self) -> None:
-        """Solve again, exactly (more dual steps, exact staircases), each shape
-        left uncertified whose bound is under the best plan, least bound first.
-        A shape it certifies, or whose new bound reaches the best plan, holds
+        """Solve again, exactly (more dual steps, exact staircases), the shapes
+        left uncertified whose bound is under the best plan: the one with the
+        best answer first (it may hide a better plan), then least bound first.
+        A shape so certified, or whose new bound reaches the best plan, holds
         nothing better; once no AMP-space shape stays open, auto's containment
         of the uniform, Megatron and AMP planners is proven (``CONTAINED_PLANNERS``
-        run only otherwise)."""
-        still_open = []
-        for bound, shape in sorted(self._open, key=lambda item: item[0]):
+        run only otherwise), so settling stops at the first AMP-space shape
+        that stays open: the planners it contains run then anyway."""
+        by_answer = sorted(self._open, key=lambda item: (item[1], item[0]))
+        queue = by_answer[:1] + sorted(by_answer[1:], key=lambda item: item[0])
+        settled: list[tuple[float, float, PlanShape]] = []
+        for index, (bound, _, shape) in enumerate(queue):
             if bound >= self.best_s * (1 - 1e-12):
                 continue
             partitioner = PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches)
@@ -293,8 +298,11 @@ class _AutoSearch:
                 continue
             self.add(self.to_plan(shape, solution))
             if not solution.certified:
-                still_open.append((solution.lower_bound_s, shape))
-        self._open = still_open
+                settled.append((solution.lower_bound_s, solution.iteration_s, shape))
+                if shape.source == GRID:
+                    self._open = settled + queue[index + 1:]
+                    return
+        self._open = settled
 
     def _layer_floor(self, shape: PlanShape) -> np.ndarray:
         """(stages, layers): a time per layer and stage that no option undercuts —
