@@ -94,7 +94,6 @@ class RangeMax:
             out = np.where(inside, np.maximum(out - np.broadcast_to(self._minus[ends], out.shape), 0.0), 0.0)
         return np.where(inside, out, 0.0)
 
-
     def _dense_max(self) -> np.ndarray:
         """``[a, b]``: ``max(values[a:b])``, 0 where ``a >= b`` (``DENSE_LAYERS``)."""
         if self._dense is None:

@@ -88,7 +88,8 @@ class Partition:
     Attributes:
         boundaries: ``(0, b_1, …, L)``; stage ``j`` runs layers ``[b_j, b_{j+1})``.
         cost_s: the objective, ``(m − 1)·max t + Σ t + Σ e``.
-        stage_times_s: ``t_j`` per stage.
+        stage_times_s: ``t_j`` per stage (with ``link_pace``: the larger of
+            ``t_j`` and its outgoing link's one-way time, its bottleneck value).
         boundary_times_s: ``e_j`` per boundary (k − 1 of them).
         options: the option each stage runs (all 0 for a problem without options).
     """
