@@ -11,7 +11,14 @@ from hetplan.plan.workload import Workload
 from hetplan.cost.pipeline import pipeline_time
 from hetplan.report.svg import memory_svg, timeline_svg
 from hetplan.search.baselines.uniform import uniform_plan
-from hetplan.simulate.plan import build_schedule, makespan, simulate, simulate_plan
+from hetplan.simulate.plan import (
+    SIMULATION_TOLERANCE, build_schedule, closed_form_pipeline_s, makespan, simulate, simulate_plan,
+    simulated_over_closed,
+)
+from hetplan.app.planning import simulator_note
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
+from hetplan.model.presets import get_model
+from hetplan.plan.spec import RankedPlan
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -84,3 +91,26 @@ def test_a_link_slower_than_every_stage_sets_the_pace() -> None:
             simulated = makespan(simulate(build_schedule(schedule, pp, m), fwd, bwd, p2p))
             assert simulated >= m * max(p2p) - 1e-9
             assert simulated / closed >= 0.75, (schedule, pp, m, simulated, closed)
+
+
+def test_a_plan_whose_round_trips_the_closed_form_misses_says_so() -> None:
+    """Two one-GPU nodes, pp2, 8 micro-batches: over a 400 Gbps link the event
+    simulator and the estimate's pipeline agree and ``hetplan plan`` adds
+    nothing; over 2 Gbps, where a send takes about what a stage does, 1F1B's
+    round trips make the simulated pipeline longer by more than
+    SIMULATION_TOLERANCE, and the plan's note says by how much."""
+    model = get_model("tiny-gpt")
+    notes = {}
+    for gbps in (400.0, 2.0):
+        cluster = ClusterSpec(f"two-{gbps}", tuple(NodeSpec("A100-40GB", 1, 600.0, gbps, name=f"n{i}")
+                                                   for i in range(2)), gbps)
+        workload = Workload(model, cluster, 64)
+        cost = CostModel(workload)
+        plan = uniform_plan(workload, 1, 1, 2, 8)
+        ranked = RankedPlan(plan, cost.estimate(plan))
+        over = simulated_over_closed(cost, plan, ranked.estimate)
+        closed = closed_form_pipeline_s(ranked.estimate)
+        assert over == pytest.approx(makespan(simulate_plan(cost, plan, ranked.estimate)) / closed - 1)
+        notes[gbps] = (over, simulator_note(cost, ranked))
+    assert notes[400.0][0] <= SIMULATION_TOLERANCE and notes[400.0][1] is None
+    assert notes[2.0][0] > SIMULATION_TOLERANCE and f"{notes[2.0][0]:.0%} longer" in notes[2.0][1]

@@ -65,6 +65,7 @@ from hetplan.plan.file import workload_record
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.workload import Workload
 from hetplan.search.base import states_refusal
+from hetplan.simulate.plan import SIMULATION_TOLERANCE, simulated_over_closed
 
 # Allocations a pool may have (the product of nodes + 1 over its offers): each
 # costs a few microseconds to bound and 8 bytes per offer to hold, so 10^7 is
@@ -80,10 +81,10 @@ DEFAULT_MAX_PLANS = 200
 BOUND_ROUNDING = 1e-9
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 OBJECTIVES = ("frontier", "deadline", "budget")
-NOTE_SEND_BOUND = ("a pipeline send of {labels} takes longer per micro-batch than its slowest stage (a slow link, "
-                   "such as the one between zones): the link paces the pipeline (cost/pipeline.py), but 1F1B's "
-                   "round trips over it are not modelled (docs/cost-model.md, Known limits), so its time may be "
-                   "optimistic")
+NOTE_ROUND_TRIPS = ("the event simulator runs the pipelines of {labels} {low:.0%}-{high:.0%} longer than the "
+                    "estimate: 1F1B's round trips over links comparable to the stages, which the closed form "
+                    "does not charge (docs/cost-model.md, Known limits); their times and $ are optimistic by "
+                    "up to that much, and the frontier may differ")
 # The two searches ``choose`` may have run, as every output names them.
 EXACT = "exact: every allocation planned or pruned by a proven bound"
 HEURISTIC = "heuristic (least-bound-first, cut)"
@@ -121,6 +122,8 @@ class Point:
     steps: float
     egress_bytes_per_step: Mapping[str, float]
     egress_usd: float
+    # how much longer the event simulator runs its pipeline than the estimate (SIMULATION_TOLERANCE)
+    simulated_over_estimate: float = 0.0
 
     @property
     def iteration_s(self) -> float:
@@ -147,7 +150,7 @@ class Point:
         return {"allocation": a.label, "counts": list(a.counts), "gpus": a.gpus, "cluster": self.workload.cluster.name,
                 "usd_per_hour": a.usd_per_hour, "iteration_s": self.iteration_s, "steps": self.steps,
                 "hours": self.hours, "gpu_usd": self.gpu_usd, "egress_usd": self.egress_usd,
-                "spans_zones": a.spans_zones,
+                "spans_zones": a.spans_zones, "simulated_pipeline_over_estimate": self.simulated_over_estimate,
                 "egress_gb_per_step": {z: b / BYTES_PER_GB for z, b in sorted(self.egress_bytes_per_step.items())},
                 "usd": self.usd, "plan": self.best.plan.describe(), "plan_record": self.best.to_dict()}
 
@@ -227,7 +230,8 @@ def summary(result: ChooseResult) -> ChooseSummary:
 _RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "unplanned",
                 "proven", "search", "notes", "points")
 _POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
-               "egress_usd", "spans_zones", "egress_gb_per_step", "usd", "plan", "plan_record")
+               "egress_usd", "spans_zones", "simulated_pipeline_over_estimate", "egress_gb_per_step", "usd", "plan",
+               "plan_record")
 
 
 def read_choose_json(path: str) -> ChooseSummary:
@@ -374,19 +378,18 @@ def plan_allocation(pool: Pool, base: Workload, allocation: Allocation, planner:
     device_zones = [node_zones[d.node] for d in workload.cluster.devices]
     egress = cross_zone_bytes(best.plan, workload, device_zones)
     usd = sum(b / BYTES_PER_GB * pool.egress_usd_per_gb[z] for z, b in egress.items()) * steps
-    return Point(allocation, workload, best, steps, egress, usd)
+    simulated = simulated_over_closed(CostModel(workload), best.plan, best.estimate)
+    return Point(allocation, workload, best, steps, egress, usd, simulated)
 
 
-def sends_outlast_stages(workload: Workload, plan: Plan) -> bool:
-    """Whether one of the plan's pipeline sends (one micro-batch, one way)
-    takes longer than its slowest stage's micro-batch: then the link, not the
-    stages, paces the pipeline; ``cost/pipeline.py`` charges that pace but not
-    1F1B's round trips over the link, which add to it."""
-    if plan.pp < 2:
-        return False
-    model = CostModel(workload)
-    slowest = max(model.stage_timing(stage, plan.micro_batch_size).per_micro_batch_s for stage in plan.stages)
-    return max(model.p2p_times(plan)) > slowest
+def round_trips_note(points: Sequence[Point]) -> str | None:
+    """The note naming the points whose pipeline the event simulator runs
+    more than ``SIMULATION_TOLERANCE`` longer than their estimate (None: none)."""
+    late = [p for p in points if p.simulated_over_estimate > SIMULATION_TOLERANCE]
+    if not late:
+        return None
+    over = [p.simulated_over_estimate for p in late]
+    return NOTE_ROUND_TRIPS.format(labels=", ".join(p.allocation.label for p in late), low=min(over), high=max(over))
 
 
 # --- the answer ---------------------------------------------------------------------
@@ -480,9 +483,9 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     best = best_point(points, objective, limit) if objective != "frontier" and limit is not None else None
     chosen = pareto_front(points) if objective == "frontier" else [best] if best is not None else []
     notes = [NOTE_ONE_TYPE_PER_GROUP]
-    send_bound = [p.allocation.label for p in chosen if sends_outlast_stages(p.workload, p.best.plan)]
-    if send_bound:
-        notes.append(NOTE_SEND_BOUND.format(labels=", ".join(send_bound)))
+    late = round_trips_note(chosen)
+    if late:
+        notes.append(late)
     if left:
         notes.append(f"{HEURISTIC}: the search stopped at its budget of {max_plans} planner calls (--max-plans), "
                      f"having planned the allocations of least bound; {len(left)} allocations were not planned, so "

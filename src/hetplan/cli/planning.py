@@ -35,7 +35,7 @@ from hetplan.report.text import estimate_text, plan_text, workload_header
 from hetplan.report.whatif import whatif_table
 from hetplan.search import get_planner, planner_names
 from hetplan.search.smp import DEFAULT_ALPHA, SMPPlanner
-from hetplan.simulate.plan import build_schedule, format_schedule, makespan, simulate_plan
+from hetplan.simulate.plan import build_schedule, closed_form_pipeline_s, format_schedule, makespan, simulate_plan
 from hetplan.plan.validate import validate_plan
 
 # estimate --simulate prints the schedule grid up to this many slots (stages x micro-batches):
@@ -227,7 +227,7 @@ def _print_simulation(workload: Workload, ranked: RankedPlan) -> None:
     """``estimate --simulate``: the schedule (when small) and the simulated pipeline against the closed form."""
     plan, estimate = ranked.plan, ranked.estimate
     events = simulate_plan(CostModel(workload), plan, estimate)
-    pipeline = estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
+    pipeline = closed_form_pipeline_s(estimate)
     print()
     if plan.num_micro_batches * plan.pp <= SCHEDULE_PRINT_LIMIT:
         print(format_schedule(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches)))

@@ -40,7 +40,7 @@ from hetplan.report.text import breakdown, ranked_table, report_memory_table, wo
 from hetplan.report.training import training_lines
 from hetplan.report.choose import frontier_svg, frontier_table
 from hetplan.report.whatif import whatif_table
-from hetplan.simulate.plan import makespan, simulate_plan
+from hetplan.simulate.plan import closed_form_pipeline_s, makespan, simulate_plan
 from hetplan.units import format_time
 
 CSS = """
@@ -165,7 +165,7 @@ def _alternatives_section(report: PlanReport, index: int) -> list[str]:
 def _timeline_section(report: PlanReport) -> list[str]:
     workload, plan, estimate = report.workload, report.chosen.plan, report.chosen.estimate
     events = simulate_plan(report.cost_model, plan, estimate)
-    pipeline = estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
+    pipeline = closed_form_pipeline_s(estimate)
     return ['<section id="timeline">', "<h2>Pipeline timeline</h2>",
             f'<p class="note">The schedule replayed event by event with the cost model\'s stage times '
             f"(blue forward, orange backward, numbers are micro-batches). Simulated pipeline "
