@@ -135,9 +135,10 @@ def simulator_note(cost_model: CostModel, ranked: RankedPlan) -> str | None:
     over = simulated_over_closed(cost_model, ranked.plan, ranked.estimate)
     if over <= SIMULATION_TOLERANCE:
         return None
-    return (f"the event simulator runs this plan's pipeline {over:.0%} longer than its estimate: 1F1B's round trips "
-            "over links comparable to the stages, which the closed form does not charge (docs/cost-model.md, "
-            "Known limits); its time is optimistic by up to that much ('hetplan estimate --simulate' shows both)")
+    return (f"the event simulator runs this plan's pipeline {over:.0%} longer than its estimate: its schedule's "
+            "round trips (1F1B) or one-way phases (GPipe) over links comparable to the stages, which the closed "
+            "form does not charge (docs/cost-model.md, Known limits); its time is optimistic by up to that much "
+            "('hetplan estimate --simulate' shows both)")
 
 
 def plan_workload(options: WorkloadOptions, planner: str | Any, top: int = DEFAULT_TOP, auto_batch: bool = False,
