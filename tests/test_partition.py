@@ -148,6 +148,16 @@ def test_bad_inputs_say_what_to_change() -> None:
                                              num_stages=2))
 
 
+def segment_tables(rng: np.random.Generator, k: int, q: int, n: int, layer_s: float,
+                   fit_share: float) -> tuple[np.ndarray, np.ndarray]:
+    """Random per-layer times summed into ``(k, q, n + 1, n + 1)`` segment
+    times, and a memory verdict per segment (``fit_share`` of them fit)."""
+    layer = rng.uniform(0.0, layer_s, size=(k, q, n))
+    prefix = np.concatenate([np.zeros((k, q, 1)), np.cumsum(layer, axis=2)], axis=2)
+    times = np.maximum(prefix[:, :, None, :] - prefix[:, :, :, None], 0.0)
+    return times, rng.uniform(size=times.shape) < fit_share
+
+
 @st.composite
 def option_instances(draw: st.DrawFn) -> PartitionProblem:
     """Stages with up to 3 options each (own times, memory verdicts) and a
@@ -156,10 +166,7 @@ def option_instances(draw: st.DrawFn) -> PartitionProblem:
     k = draw(st.integers(1, min(3, n)))
     q = draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-    layer = rng.uniform(0.0, 4.0, size=(k, q, n))
-    prefix = np.concatenate([np.zeros((k, q, 1)), np.cumsum(layer, axis=2)], axis=2)
-    times = np.maximum(prefix[:, :, None, :] - prefix[:, :, :, None], 0.0)
-    fits = rng.uniform(size=times.shape) < 0.8
+    times, fits = segment_tables(rng, k, q, n, 4.0, 0.8)
     extra = rng.uniform(0.0, 3.0, size=times.shape) if draw(st.booleans()) else None
     links = rng.uniform(0.0, 1.0, size=(k - 1, n - 1)) if k > 1 else None
     return PartitionProblem.from_segments(times, draw(st.integers(1, 16)), links, fits, extra)
@@ -186,10 +193,7 @@ def paced_instances(draw: st.DrawFn) -> tuple[PartitionProblem, dict[str, np.nda
     k = draw(st.integers(2, min(3, n)))
     q = draw(st.integers(1, 2))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-    layer = rng.uniform(0.0, 2.0, size=(k, q, n))
-    prefix = np.concatenate([np.zeros((k, q, 1)), np.cumsum(layer, axis=2)], axis=2)
-    times = np.maximum(prefix[:, :, None, :] - prefix[:, :, :, None], 0.0)
-    fits = rng.uniform(size=times.shape) < 0.85
+    times, fits = segment_tables(rng, k, q, n, 2.0, 0.85)
     extra = rng.uniform(-1.0, 1.0, size=times.shape) if draw(st.booleans()) else None
     pace = np.zeros((k - 1, n + 1))
     pace[:, 1:n] = rng.uniform(0.0, draw(st.sampled_from([0.5, 4.0, 20.0])), size=(k - 1, n - 1))
