@@ -15,10 +15,9 @@ from hetplan.simulate.plan import (
     SIMULATION_TOLERANCE, build_schedule, closed_form_pipeline_s, makespan, simulate, simulate_plan,
     simulated_over_closed,
 )
-from hetplan.app.planning import simulator_note
+from hetplan.app.explain import simulator_note
 from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.model.presets import get_model
-from hetplan.plan.spec import RankedPlan
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -107,12 +106,12 @@ def test_a_plan_whose_round_trips_the_closed_form_misses_says_so() -> None:
         workload = Workload(model, cluster, 64)
         cost = CostModel(workload)
         plan = uniform_plan(workload, 1, 1, 2, 8)
-        ranked = RankedPlan(plan, cost.estimate(plan))
-        over = simulated_over_closed(cost, plan, ranked.estimate)
-        closed = closed_form_pipeline_s(ranked.estimate)
-        assert over == pytest.approx(makespan(simulate_plan(cost, plan, ranked.estimate)) / closed - 1)
-        notes[gbps] = (over, simulator_note(cost, ranked))
-    assert notes[400.0][0] <= SIMULATION_TOLERANCE and notes[400.0][1] is None
+        estimate = cost.estimate(plan)
+        over = simulated_over_closed(cost, plan, estimate)
+        closed = closed_form_pipeline_s(estimate)
+        assert over == pytest.approx(makespan(simulate_plan(cost, plan, estimate)) / closed - 1)
+        notes[gbps] = (over, simulator_note(cost, plan, estimate))
+    assert notes[400.0][0] <= SIMULATION_TOLERANCE and notes[400.0][1] == ""
     assert notes[2.0][0] > SIMULATION_TOLERANCE and f"{notes[2.0][0]:.0%} longer" in notes[2.0][1]
 
 

@@ -6,11 +6,13 @@ and HTML renderers print them."""
 
 from __future__ import annotations
 
+from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.plan.support import tied_span_refusal
 from hetplan.model.spec import ModelSpec
 from hetplan.plan.spec import Estimate, Plan
 from hetplan.plan.support import support_of
+from hetplan.simulate.plan import SIMULATION_TOLERANCE, simulated_over_closed
 from hetplan.units import format_bytes, format_time
 
 
@@ -27,9 +29,25 @@ def runtime_pipeline_note(plan: Plan, model: ModelSpec) -> str:
             "(exports to Megatron-LM, DeepSpeed and torchtitan are not affected)")
 
 
-def model_notes(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
-    """The notes that qualify ``plan``'s estimate for ``model`` (none: an empty tuple)."""
-    return tuple(n for n in (runtime_pipeline_note(plan, model), fine_grained_moe_note(model)) if n)
+def model_notes(plan: Plan, estimate: Estimate, cost_model: CostModel) -> tuple[str, ...]:
+    """The notes that qualify ``plan``'s estimate for its model, and for its
+    schedule on its links (none: an empty tuple)."""
+    model = cost_model.model
+    return tuple(n for n in (runtime_pipeline_note(plan, model), fine_grained_moe_note(model),
+                             simulator_note(cost_model, plan, estimate)) if n)
+
+
+def simulator_note(cost_model: CostModel, plan: Plan, estimate: Estimate) -> str:
+    """Said when the event simulator runs the plan's pipeline more than
+    ``SIMULATION_TOLERANCE`` longer than its estimate (docs/cost-model.md,
+    Known limits: round trips over links comparable to the stages)."""
+    over = simulated_over_closed(cost_model, plan, estimate)
+    if over <= SIMULATION_TOLERANCE:
+        return ""
+    return (f"the event simulator runs this plan's pipeline {over:.0%} longer than its estimate: its schedule's "
+            "round trips (1F1B) or one-way phases (GPipe) over links comparable to the stages, which the closed "
+            "form does not charge (docs/cost-model.md, Known limits); its time is optimistic by up to that much "
+            "('hetplan estimate --simulate' shows both)")
 
 
 def fine_grained_moe_note(model: ModelSpec) -> str:

@@ -22,7 +22,6 @@ from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.file import workload_record
 from hetplan.search import get_planner
 from hetplan.search.common.replica_tp import widen
-from hetplan.simulate.plan import SIMULATION_TOLERANCE, simulated_over_closed
 from hetplan.export.target import ANY, RUNTIME, TargetResult, default_notes, refusal, search_for_target, target_json, tool_name
 
 DEFAULT_TOP = 5  # plans ``hetplan plan`` shows
@@ -129,18 +128,6 @@ class PlanResult:
         return data
 
 
-def simulator_note(cost_model: CostModel, ranked: RankedPlan) -> str | None:
-    """What a plan says when the event simulator runs its pipeline more than
-    ``SIMULATION_TOLERANCE`` longer than its estimate (None otherwise)."""
-    over = simulated_over_closed(cost_model, ranked.plan, ranked.estimate)
-    if over <= SIMULATION_TOLERANCE:
-        return None
-    return (f"the event simulator runs this plan's pipeline {over:.0%} longer than its estimate: its schedule's "
-            "round trips (1F1B) or one-way phases (GPipe) over links comparable to the stages, which the closed "
-            "form does not charge (docs/cost-model.md, Known limits); its time is optimistic by up to that much "
-            "('hetplan estimate --simulate' shows both)")
-
-
 def plan_workload(options: WorkloadOptions, planner: str | Any, top: int = DEFAULT_TOP, auto_batch: bool = False,
                   torchtitan_version: str = DEFAULT_TORCHTITAN_VERSION, tokens: float | None = None,
                   prices: dict[str, float] | None = None, replay: int | None = None) -> PlanResult:
@@ -184,9 +171,6 @@ def plan_loaded(workload: Workload, planner: str | Any, top: int = DEFAULT_TOP,
     cost_model = CostModel(workload)
     target_lines = ([target.summary(), *(f"note: {n}" for n in target.notes)] if explicit and target else
                     [f"note: {n}" for n in default_notes(target, workload) if not any_target])
-    late = simulator_note(cost_model, best)
-    if late:
-        target_lines.append(f"note: {late}")
     report = plan_report(workload, cost_model, ranked, best, tokens, prices, target_lines,
                          f"planner  {planner.name}: searched in {elapsed:.2f} s")
     report = replace(report, replay=checked)

@@ -30,7 +30,8 @@ class PlanReport:
     ``why``: ``explain``'s sentences; ``training``: ``training_numbers`` for
     ``tokens`` at ``prices`` (per GPU-hour by type or "*"; None: the cluster
     file's, else the defaults); ``plan_notes``: the planner's notes on the plan;
-    ``model_notes``: what qualifies the estimate for this model;
+    ``model_notes``: what qualifies the estimate for this model, and for its
+    schedule on its links (the event simulator's check);
     ``target_lines``: what the target restriction cost (``hetplan plan``);
     ``header_extra``: a last header line (the planner and its search time);
     ``replay``: the replay check of the ranked rows (``hetplan.app.replay``;
@@ -77,7 +78,7 @@ def plan_report(workload: Workload, cost_model: CostModel, ranked: Sequence[Rank
         memory=cost_model.memory_breakdown(plan), why=tuple(explain(plan, estimate, workload)),
         training=training_numbers(plan, estimate, workload.cluster, workload.model.seq_len, tokens, prices),
         tokens=tokens, prices=prices, plan_notes=tuple(n for n in plan.notes if n),
-        model_notes=model_notes(plan, workload.model), target_lines=tuple(target_lines), header_extra=header_extra,
+        model_notes=model_notes(plan, estimate, cost_model), target_lines=tuple(target_lines), header_extra=header_extra,
         positions=tuple(positions) or tuple(range(1, len(ranked) + 1)), problems=tuple(problems),
         runs_on=tuple(runners(r.plan, workload) for r in ranked))
 
