@@ -23,7 +23,7 @@ from hetplan.errors import HetplanError
 from hetplan.plan.file import read_plan_file
 from hetplan.plan.layout import PlanLayout
 from hetplan.runtime.checkpoint_dirs import MANIFEST
-from hetplan.runtime.launch import RankExit
+from hetplan.runtime.launch import RankExit, failure_line
 from hetplan.runtime.nodes import NodeGroup, NodeLaunch, Report, decide, nodes_left
 from hetplan.runtime.faults import KILL_ENV as FAULT_ENV, fault_kills
 
@@ -48,6 +48,22 @@ def test_the_lost_devices_are_the_ranks_killed_not_those_torchrun_stopped(
              RankExit(3, -signal.SIGTERM, 13)]
     assert lost_devices(exits, layout) == (layout.position(1).device,)
     assert lost_devices([RankExit(0, 1, 10)], layout) == ()
+
+
+def test_a_rank_that_aborted_after_its_peer_was_killed_is_not_lost(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank whose peer vanished mid-collective may abort itself (SIGABRT), at
+    times before the supervisor reaped the killed one: whatever order the exits
+    come in, the lost device is the killed rank's alone, and the failure line
+    names that rank. A rank that aborted with no other killed is lost."""
+    pf = read_plan_file(_plan(tmp_path, "local-cpu-2", capsys))
+    layout = PlanLayout.from_plan(pf.plan(1), [layer.name for layer in pf.model.layers])
+    aborted, killed = RankExit(0, -signal.SIGABRT, 10), RankExit(1, -signal.SIGKILL, 11)
+    for exits in ([aborted, killed], [killed, aborted]):
+        assert lost_devices(exits, layout) == (layout.position(1).device,)
+        line = failure_line(exits, str(tmp_path), lambda r: f"rank {r} of 2")
+        assert "(rank 1 of 2;" in line and "killed by SIGKILL" in line, line
+    assert lost_devices([aborted, RankExit(1, -signal.SIGTERM, 11)], layout) == (layout.position(0).device,)
 
 
 def test_each_launch_runs_the_plan_made_without_the_devices_the_last_one_lost(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -34,6 +33,7 @@ from hetplan.app.replan import replan_file, replan_slower
 from hetplan.app.straggler import STRAGGLER_FILE
 from hetplan.errors import HetplanError
 from hetplan.runtime.checkpoint_dirs import latest_checkpoint
+from hetplan.runtime.launch import RankExit, killed_from_outside
 from hetplan.runtime.nodes import NodeGroup, Report
 from hetplan.units import format_time
 
@@ -70,11 +70,11 @@ def check_elastic_flags(args: argparse.Namespace) -> None:
         raise HetplanError("--elastic supervises the processes it starts on this machine; drop --print (or --elastic)")
 
 
-def lost_devices(exits: Sequence[Any], layout: Any) -> tuple[int, ...]:
-    """The plan devices of the ranks killed by a signal other than SIGTERM (which torchrun sends to
-    the others once one rank is gone): the ranks that died, not those stopped after them."""
-    killed = {e.rank for e in exits if e.exitcode < 0 and -e.exitcode != signal.SIGTERM}
-    return tuple(sorted(layout.position(rank).device for rank in killed))
+def lost_devices(exits: Sequence[RankExit], layout: Any) -> tuple[int, ...]:
+    """The plan devices of the ranks a signal from outside the run stopped
+    (``launch.killed_from_outside``): the ranks that died, not those stopped
+    or aborted after them."""
+    return tuple(sorted(layout.position(e.rank).device for e in killed_from_outside(exits)))
 
 
 def train_elastic(args: argparse.Namespace, launch_plan: Callable[[str, bool], Attempt],

@@ -99,6 +99,12 @@ EXITS = "exits.json"  # the ranks' exit codes and pids of a failed run (main wri
 # A rank that failed with one of these lost a peer (check_results, failure_line): what made
 # the peer go is the better message.
 PEER_LOST = ("Connection reset", "Connection closed", "killed by signal", "timed out")
+# Signals a rank gets because another one went, not because it was stopped from outside:
+# torchrun's agent sends SIGTERM to the rest once one rank is gone, and a rank whose peer
+# vanished mid-collective may abort itself (a C++ exception out of a communication thread
+# ends in std::terminate, which raises SIGABRT), at times before the agent has reaped the
+# rank that was killed. Observed in tests/distributed/test_elastic_train.py under load.
+AFTER_A_PEER = (signal.SIGTERM, signal.SIGABRT)
 
 
 def reporting_argv(num_processes: int, script: Sequence[str], directory: str,
@@ -141,7 +147,7 @@ def failure_line(exits: Sequence[RankExit], directory: str, describe: Callable[[
     sends that to the others) comes first: the others then only lost a peer."""
     if not exits or any(e.exitcode in (EXIT_USAGE, HEARTBEAT_EXIT) for e in exits):
         return ""
-    killed = [e for e in exits if e.exitcode < 0 and -e.exitcode != signal.SIGTERM]
+    killed = killed_from_outside(exits)
     if killed:
         e = killed[0]
         return (f"{_who(e, describe)} stopped: killed by {_signal_name(e.exitcode)} without an error of its own "
@@ -154,6 +160,15 @@ def failure_line(exits: Sequence[RankExit], directory: str, describe: Callable[[
         return f"{_who(e, describe)} failed: {error or f'exit status {e.exitcode}'} (traceback: {rank_log(directory, e.rank)})"
     e = exits[0]
     return f"{_who(e, describe)} stopped: {_signal_name(e.exitcode)} from outside the run (their output: {directory})"
+
+
+def killed_from_outside(exits: Sequence[RankExit]) -> list[RankExit]:
+    """The ranks a signal from outside the run stopped, in rank order: those killed
+    by a signal other than ``AFTER_A_PEER``'s; where none was, those that aborted
+    (a rank may abort on its own), never those torchrun stopped with SIGTERM.
+    The order the supervisor saw the exits in does not matter."""
+    signalled = [e for e in exits if e.exitcode < 0 and -e.exitcode != signal.SIGTERM]
+    return [e for e in signalled if -e.exitcode not in AFTER_A_PEER] or signalled
 
 
 def _who(e: RankExit, describe: Callable[[int], str]) -> str:
