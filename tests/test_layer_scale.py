@@ -17,6 +17,7 @@ import pytest
 
 from hetplan.cluster.presets import get_cluster
 from hetplan.cost.model import CostModel
+from hetplan.cost import ranges
 from hetplan.cost.ranges import RangeMax, RangeSum
 from hetplan.errors import HetplanError
 from hetplan.model.presets import gpt_decoder
@@ -60,6 +61,22 @@ def test_range_tables_equal_the_dense_matrices() -> None:
         expected = prefix[None, :] - prefix[:, None] - np.where(
             (np.arange(n + 1)[:, None] <= 0) & (np.arange(n + 1)[None, :] > n - 1), 0.5, 0.0) * bool(tied)
         assert np.array_equal(held[every, every], expected) and held[a, b] == expected[a, b]
+
+
+def test_small_tables_answer_from_the_whole_matrix_as_the_sparse_table_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to ``DENSE_LAYERS`` a RangeMax answers blocks from its whole matrix: the
+    same values as the sparse table, empty ranges included wherever their ends lie
+    (``cost/zero3.py`` asks for ``[rows + 1, cols - 1]``, which reaches -1 and L + 1)."""
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        n = int(rng.integers(1, 30))
+        values, prefix = rng.random(n) * 10, np.concatenate([[0.0], np.cumsum(rng.random(n))])
+        rows, cols = np.arange(n + 1) + 1, np.arange(n + 1) - 1
+        whole = [RangeMax(values)[rows, cols], RangeMax(prefix[1:] + values, prefix, 2.0)[rows, cols]]
+        monkeypatch.setattr(ranges, "DENSE_LAYERS", -1)
+        sparse = [RangeMax(values)[rows, cols], RangeMax(prefix[1:] + values, prefix, 2.0)[rows, cols]]
+        monkeypatch.setattr(ranges, "DENSE_LAYERS", n)
+        assert all(np.array_equal(a, b) for a, b in zip(whole, sparse))
 
 
 def _cpu(call: object) -> float:

@@ -74,10 +74,12 @@ class RangeMax:
     def _block(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The table at every (start, end) pair of the broadcast arrays."""
         if self.num_layers <= DENSE_LAYERS:
-            out = self._dense_max()[starts, ends] * self._scale
-            if self._minus is None:
-                return out
-            return np.where(ends > starts, np.maximum(out - self._minus[ends], 0.0), 0.0)
+            inside = ends > starts  # an empty range is 0, wherever its ends lie (even out of the table)
+            last = self.num_layers
+            out = self._dense_max()[np.clip(starts, 0, last), np.clip(ends, 0, last)] * self._scale
+            if self._minus is not None:
+                out = np.maximum(out - self._minus[np.clip(ends, 0, last)], 0.0)
+            return np.where(inside, out, 0.0)
         length = ends - starts
         inside = length > 0
         safe = np.where(inside, length, 1)
