@@ -75,10 +75,10 @@ class RangeMax:
         """The table at every (start, end) pair of the broadcast arrays."""
         if self.num_layers <= DENSE_LAYERS:
             inside = ends > starts  # an empty range is 0, wherever its ends lie (even out of the table)
-            last = self.num_layers
-            out = self._dense_max()[np.clip(starts, 0, last), np.clip(ends, 0, last)] * self._scale
+            n = self.num_layers
+            out = self._dense_max()[np.clip(starts, 0, n), np.clip(ends, 0, n)] * self._scale
             if self._minus is not None:
-                out = np.maximum(out - self._minus[np.clip(ends, 0, last)], 0.0)
+                out = np.maximum(out - self._minus[np.clip(ends, 0, n)], 0.0)
             return np.where(inside, out, 0.0)
         length = ends - starts
         inside = length > 0
