@@ -107,10 +107,10 @@ def test_a_plan_whose_round_trips_the_closed_form_misses_says_so() -> None:
         cost = CostModel(workload)
         plan = uniform_plan(workload, 1, 1, 2, 8)
         estimate = cost.estimate(plan)
-        over = simulated_over_closed(cost, plan, estimate)
+        over = simulated_over_closed(plan, estimate)
         closed = closed_form_pipeline_s(estimate)
         assert over == pytest.approx(makespan(simulate_plan(cost, plan, estimate)) / closed - 1)
-        notes[gbps] = (over, simulator_note(cost, plan, estimate))
+        notes[gbps] = (over, simulator_note(plan, estimate))
     assert notes[400.0][0] <= SIMULATION_TOLERANCE and notes[400.0][1] == ""
     assert notes[2.0][0] > SIMULATION_TOLERANCE and f"{notes[2.0][0]:.0%} longer" in notes[2.0][1]
 
@@ -125,4 +125,4 @@ def test_an_interleaved_plan_is_not_checked_against_a_plain_1f1b_replay() -> Non
     cost = CostModel(workload)
     plan = uniform_plan(workload, 1, 1, 2, 8, schedule="interleaved-1f1b", virtual_stages=2)
     assert makespan(simulate_plan(cost, plan)) > closed_form_pipeline_s(cost.estimate(plan)) * (1 + SIMULATION_TOLERANCE)
-    assert simulated_over_closed(cost, plan) == 0.0
+    assert simulated_over_closed(plan, cost.estimate(plan)) == 0.0

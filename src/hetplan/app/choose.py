@@ -378,7 +378,7 @@ def plan_allocation(pool: Pool, base: Workload, allocation: Allocation, planner:
     device_zones = [node_zones[d.node] for d in workload.cluster.devices]
     egress = cross_zone_bytes(best.plan, workload, device_zones)
     usd = sum(b / BYTES_PER_GB * pool.egress_usd_per_gb[z] for z, b in egress.items()) * steps
-    simulated = simulated_over_closed(CostModel(workload), best.plan, best.estimate)
+    simulated = simulated_over_closed(best.plan, best.estimate)
     return Point(allocation, workload, best, steps, egress, usd, simulated)
 
 

@@ -34,14 +34,14 @@ def model_notes(plan: Plan, estimate: Estimate, cost_model: CostModel) -> tuple[
     schedule on its links (none: an empty tuple)."""
     model = cost_model.model
     return tuple(n for n in (runtime_pipeline_note(plan, model), fine_grained_moe_note(model),
-                             simulator_note(cost_model, plan, estimate)) if n)
+                             simulator_note(plan, estimate)) if n)
 
 
-def simulator_note(cost_model: CostModel, plan: Plan, estimate: Estimate) -> str:
+def simulator_note(plan: Plan, estimate: Estimate) -> str:
     """Said when the event simulator runs the plan's pipeline more than
     ``SIMULATION_TOLERANCE`` longer than its estimate (docs/cost-model.md,
     Known limits: round trips over links comparable to the stages)."""
-    over = simulated_over_closed(cost_model, plan, estimate)
+    over = simulated_over_closed(plan, estimate)
     if over <= SIMULATION_TOLERANCE:
         return ""
     return (f"the event simulator runs this plan's pipeline {over:.0%} longer than its estimate: its schedule's "

@@ -33,7 +33,11 @@ def stage_pass_times(estimate: Estimate) -> tuple[list[float], list[float], list
 
 def simulate_plan(cost_model: CostModel, plan: Plan, estimate: Estimate | None = None) -> list[Event]:
     """Replay the plan's schedule with the cost model's stage times."""
-    estimate = estimate or cost_model.estimate(plan)
+    return simulate_estimate(plan, estimate or cost_model.estimate(plan))
+
+
+def simulate_estimate(plan: Plan, estimate: Estimate) -> list[Event]:
+    """Replay the plan's schedule with the stage times of its estimate."""
     fwd, bwd, p2p = stage_pass_times(estimate)
     return simulate(build_schedule(plan.schedule, plan.pp, plan.num_micro_batches), fwd, bwd, p2p)
 
@@ -44,7 +48,7 @@ def closed_form_pipeline_s(estimate: Estimate) -> float:
     return estimate.iteration_time_s - estimate.dp_sync_s - estimate.optimizer_s
 
 
-def simulated_over_closed(cost_model: CostModel, plan: Plan, estimate: Estimate | None = None) -> float:
+def simulated_over_closed(plan: Plan, estimate: Estimate) -> float:
     """How much longer the event simulator runs the plan's pipeline than the
     estimate's closed form, as a fraction (0 for one stage, and for interleaved
     1F1B, which the simulator replays at stage granularity as plain 1F1B: its
@@ -53,10 +57,9 @@ def simulated_over_closed(cost_model: CostModel, plan: Plan, estimate: Estimate 
     (docs/cost-model.md, Known limits)."""
     if plan.pp == 1 or plan.virtual_stages > 1 or plan.schedule not in FAITHFUL_SCHEDULES:
         return 0.0
-    estimate = estimate or cost_model.estimate(plan)
     closed = closed_form_pipeline_s(estimate)
-    return makespan(simulate_plan(cost_model, plan, estimate)) / closed - 1.0 if closed > 0 else 0.0
+    return makespan(simulate_estimate(plan, estimate)) / closed - 1.0 if closed > 0 else 0.0
 
 
 __all__ = ["SIMULATION_TOLERANCE", "Action", "Event", "build_schedule", "closed_form_pipeline_s", "format_schedule", "makespan",
-           "simulate", "simulate_plan", "simulated_over_closed", "stage_pass_times"]
+           "simulate", "simulate_estimate", "simulate_plan", "simulated_over_closed", "stage_pass_times"]
