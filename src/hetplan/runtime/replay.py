@@ -21,8 +21,9 @@ What the replay does differently from ``hetplan train``, and why:
   ("Couldn't swap Embedding.weight"); the parameters end up the same shapes,
   so the step holds the same bytes. The peak is counted over the second
   step (:data:`REPLAY_STEPS`): building the whole model is transient, and the
-  first step has no optimizer states yet; a one-stage plan makes those states
-  first and replays one step (:func:`replay_rank`).
+  first step has no optimizer states yet; a plan of one TP degree per stage
+  makes those states (and initializes its pipeline stages) first and replays
+  one step (:func:`replay_rank`).
 * host reads of device values (``float(loss)``, AdamW's step count, torch
   pipelining's warm-up vote ``result.item() == 1``) have no value on a fake
   tensor: the replay answers 1 (:data:`HOST_READ`), which decides no
@@ -71,7 +72,7 @@ import gc
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -83,7 +84,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from hetplan.errors import HetplanError
-from hetplan.plan.layout import PlanLayout
+from hetplan.plan.layout import PlanLayout, runs_heterogeneous
 from hetplan.plan.spec import Plan
 from hetplan.runtime import mixed
 from hetplan.runtime.hetero import HeteroPipeline
@@ -156,7 +157,7 @@ class LiveBytes(TorchDispatchMode):
         self.host_now = 0
         self.host_peak = 0
         self._values = WeakTensorKeyDictionary()  # fake tensors of MoE routing and their real values
-        self._valued_ids: set[int] = set()  # ids of _values' keys: one may be reused after its tensor dies
+        self._valued_ids: set[int] = set()  # ids of _values' live keys (an id is reused after its tensor dies)
         self._fake_mode: Any = None  # the fake mode under this one (set by ``under``)
 
     def under(self, fake_mode: Any) -> LiveBytes:
@@ -213,6 +214,8 @@ class LiveBytes(TorchDispatchMode):
         from host values: ``arange``, ``torch.tensor(counts)``) runs on real values too,
         so their host reads and the sizes they decide are those of a real balanced step.
         None for any other op."""
+        if func not in ROUTING_STARTS and not self._valued_ids:
+            return None  # no valued tensor alive (most ops of a dense model): no need to look at the arguments
         tensors = _tensors_in((args, kwargs))
         if func not in ROUTING_STARTS and not any(id(t) in self._valued_ids for t in tensors):
             return None  # no valued tensor among them: none of the cases below (a reused id: looked at below)
@@ -316,6 +319,7 @@ class LiveBytes(TorchDispatchMode):
         """``fake`` reads as ``value`` (``_routing``)."""
         self._values[fake] = value
         self._valued_ids.add(id(fake))
+        weakref.finalize(fake, self._valued_ids.discard, id(fake))  # the set holds live tensors' ids only
 
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
@@ -444,13 +448,14 @@ def replay_plan(plan: Plan, spec: Any, states_first: bool = True) -> PlanReplay:
     return PlanReplay(stages, time.perf_counter() - start)
 
 
-def replay_counted(plan: Plan, spec: Any, counter: Callable[[], LiveBytes],
-                   states_first: bool = True) -> list[tuple[StageReplay, LiveBytes]]:
+def replay_counted(plan: Plan, spec: Any, counter: Callable[[], LiveBytes], states_first: bool = True,
+                   stage_shapes: dict[tuple[int, int], Any] | None = None) -> list[tuple[StageReplay, LiveBytes]]:
     """Each replayed rank of ``plan`` (:func:`replayed_ranks`) with the ``counter()`` that counted its
-    bytes (``runtime/replay_micro.py`` passes one that also keeps each phase's peaks)."""
+    bytes (``runtime/replay_micro.py`` passes one that also keeps each phase's peaks, and
+    ``stage_shapes``: :class:`StageMetadata`)."""
     layout = PlanLayout.from_plan(plan, [layer.name for layer in spec.layers])
     out = []
-    with StageMetadata() as shapes, MixedViews():  # stage by stage, first to last: each receives what the one before sent
+    with StageMetadata(stage_shapes) as shapes, MixedViews(), chains_checked_once():  # stage by stage, first to last: each receives what the one before sent
         for rank, devices in replayed_ranks(layout):
             position = layout.position(rank)
             shapes.share = position.samples_per_micro_batch
@@ -478,6 +483,36 @@ def replayed_ranks(layout: PlanLayout) -> list[tuple[int, tuple[int, ...]]]:
         ordered = sorted(kinds.items(), key=lambda item: -item[0][1])  # stable: the plan's order within a degree
         out.extend((ranks[0], tuple(layout.devices[r] for r in ranks)) for _, ranks in ordered)
     return out
+
+
+@contextlib.contextmanager
+def chains_checked_once() -> Iterator[None]:
+    """The runtime's pipeline chain checks (``preflight.check_chain_early`` before the model is
+    split, ``step._check_chain_once`` in the first step: each the whole model's forward on
+    meta tensors, seconds at 70B, outside the counted step) run once per model, layer names
+    and input shapes while inside, not once per rank replayed: every rank checks the same
+    model, and the routes a check returns are data about the model. Nested uses share the
+    outer's."""
+    from hetplan.model.chain import check_chain
+    from hetplan.runtime import preflight, step
+
+    if step.check_chain is not check_chain:  # inside another: its memo holds
+        yield
+        return
+    seen: dict[tuple[Any, ...], dict[str, dict[str, str]]] = {}
+
+    def check(model: Any, names: Sequence[str], args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> Any:
+        key = (type(model), tuple(names), *((tuple(t.shape), t.dtype) for t in args),
+               *((k, tuple(v.shape), v.dtype) for k, v in sorted((kwargs or {}).items())))
+        if key not in seen:
+            seen[key] = check_chain(model, names, args, kwargs)
+        return seen[key]
+
+    step.check_chain = preflight.check_chain = check
+    try:
+        yield
+    finally:
+        step.check_chain = preflight.check_chain = check_chain
 
 
 class MixedViews:
@@ -529,12 +564,22 @@ class StageMetadata:
     fake tensor has none of. Its stages take the row count of their own link
     from the sender (``HeteroPipeline.recv_fwd``, the plan's ``dp_split``) and
     the trailing shape and dtype of what the stage before sent, as the header
-    would say."""
+    would say.
 
-    def __init__(self) -> None:
+    ``known`` (a dict, by stage index and share of a micro-batch) carries the
+    shapes torch pipelining's shape inference found (its ``_stage_meta``) from
+    one replay to another of stages with the same inputs and outputs
+    (``runtime/replay_micro.py``: a copy with fewer blocks): a stage whose
+    shapes are not there yet records them; one whose shapes are there runs in
+    torch's STATIC mode with them as its user-given shapes, which skips the
+    inference's forward and backward of a micro-batch (the step after it holds
+    the same tensors: ``tests/test_replay_micro.py``)."""
+
+    def __init__(self, known: dict[tuple[int, int], Any] | None = None) -> None:
         self._sent: dict[tuple[int, int], Any] = {}
         self._hetero_sent: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self.share = 0
+        self._known = known
 
     def __enter__(self) -> StageMetadata:
         from torch.distributed.pipelining import stage as pipeline_stage
@@ -562,7 +607,31 @@ class StageMetadata:
 
         pipeline_stage.PipelineStage._send_meta, pipeline_stage.PipelineStage._recv_meta = send, recv
         HeteroPipeline._send_header, HeteroPipeline._recv_header = send_header, recv_header  # type: ignore[method-assign]  # patched only during a replay, put back after
+        self._infra_saved = (pipeline_stage.PipelineStage._prepare_forward_infra,
+                             pipeline_stage.PipelineStage._prepare_backward_infra)
+        if self._known is not None:
+            self._hand_over_shapes(pipeline_stage, self._known)
         return self
+
+    def _hand_over_shapes(self, pipeline_stage: Any, known: dict[tuple[int, int], Any]) -> None:
+        """Record each stage's inferred shapes, or run it on those recorded (class doc)."""
+        forward, backward = self._infra_saved
+        mailbox = self
+
+        def prepare_forward(stage: Any, *args: Any, **kwargs: Any) -> Any:
+            given = known.get((stage.stage_index, mailbox.share))
+            if given is not None:
+                stage._inference_mode, stage._user_meta = pipeline_stage.InferenceMode.STATIC, given
+            return forward(stage, *args, **kwargs)
+
+        def prepare_backward(stage: Any, *args: Any, **kwargs: Any) -> Any:
+            out = backward(stage, *args, **kwargs)
+            if not stage._stage_meta.has_dtensors():  # a DTensor's shape names this replay's mesh
+                known.setdefault((stage.stage_index, mailbox.share), replace(stage._stage_meta))
+            return out
+
+        pipeline_stage.PipelineStage._prepare_forward_infra = prepare_forward
+        pipeline_stage.PipelineStage._prepare_backward_infra = prepare_backward
 
     def hetero_header(self, pipeline: Any, peer: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The (shape, dtype) header ``pipeline``'s stage would receive from ``peer`` (class doc)."""
@@ -585,6 +654,8 @@ class StageMetadata:
 
     def __exit__(self, *exc: Any) -> None:
         self._module.PipelineStage._send_meta, self._module.PipelineStage._recv_meta = self._saved
+        self._module.PipelineStage._prepare_forward_infra, self._module.PipelineStage._prepare_backward_infra = \
+            self._infra_saved
         HeteroPipeline._send_header, HeteroPipeline._recv_header = self._hetero_saved  # type: ignore[method-assign]  # patched only during a replay, put back after
 
 
@@ -592,14 +663,13 @@ def replay_rank(plan: Plan, spec: Any, rank: int, states_first: bool = True,
                 live: LiveBytes | None = None) -> tuple[int, int]:
     """The live-bytes peaks of ``rank`` over one training step (module doc), on
     its device and of its offloaded activations in host memory. ``states_first``
-    and one pipeline stage: the optimizer's states are made before the one step
-    replayed (:func:`make_optimizer_states`) and the loss the step before would
-    have left (``ctx.pending_loss``: ``step.global_loss`` of a 0-dim fp32 sum, as
-    ``step.train_step`` starts it) is made; else the step is replayed twice and
-    the peak is the second's (:data:`REPLAY_STEPS`). The peaks are the same to the
-    byte (``tests/test_replay.py``), the first in about half the operator calls.
-    A pipeline's stage always runs two: torch pipelining's first step infers and
-    sends its shapes, which raised a bf16 stage's peak above the second step's
+    (where :func:`replays_one_step`): what the step before would have left is
+    made first (:func:`steady_before_the_step`) and one step is replayed; else
+    the step is replayed twice and the peak is the second's (:data:`REPLAY_STEPS`).
+    The peaks are the same to the byte (``tests/test_replay.py``), the first in
+    about half the operator calls. A pipeline's stages must be initialized
+    before the counted step: torch pipelining's first step infers and sends its
+    shapes, which raised a bf16 stage's peak above the second step's
     (tiny-llama-bf16 pp2 x tp2: 1,396,300 B against 1,302,644 B). ``live`` counts
     the bytes (a fresh :class:`LiveBytes` unless given)."""
     import torch.distributed as dist
@@ -628,12 +698,9 @@ def replay_rank(plan: Plan, spec: Any, rank: int, states_first: bool = True,
                     model = ctx.parallelize(how.build, meta_init=False, example_inputs=how.example_inputs)
                     opt = ctx.optimizer(model, make_optimizer, name=REPLAY_OPTIMIZER)
                     ctx.loss_scaler = None  # fp16: no overflow vote to read (module doc)
-                    # one step is checked equal to two for one-stage plans of one TP degree
-                    # (tests/test_replay.py); a stage of mixed degrees keeps the two steps
-                    one_step = states_first and len(plan.stages) == 1 and plan.stages[0].replica_tp is None
+                    one_step = states_first and replays_one_step(plan)
                     if one_step:
-                        make_optimizer_states(opt, model.parameters())
-                        global_loss(ctx, torch.zeros((), device=ctx.device, dtype=torch.float32))  # the loss left
+                        steady_before_the_step(ctx, model, opt, spec, how, plan)
                     for step in range(1 if one_step else REPLAY_STEPS):
                         x, y, inputs = training_batch(spec, how, plan.global_batch_size, step, 0)
                         live.reset_peak()
@@ -647,6 +714,62 @@ def replay_rank(plan: Plan, spec: Any, rank: int, states_first: bool = True,
             if dist.is_initialized():
                 dist.destroy_process_group()
             forget_sharding_decisions()
+
+
+def replays_one_step(plan: Plan) -> bool:
+    """Whether ``plan``'s ranks are replayed in one step after :func:`steady_before_the_step`:
+    checked equal to the second of two steps (``tests/test_replay.py``) for stages of one TP
+    degree, one-stage or on torch pipelining's executor; a stage of mixed degrees or a
+    heterogeneous pipeline (``runtime/hetero.py``) keeps the two steps."""
+    return all(stage.replica_tp is None for stage in plan.stages) and \
+        (len(plan.stages) == 1 or not runs_heterogeneous(plan))
+
+
+def steady_before_the_step(ctx: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, spec: Any, how: Any,
+                           plan: Plan) -> None:
+    """Make what a first step leaves the second, without the first step's micro-batches: a
+    pipeline's stages initialized by a step that runs none (:func:`stages_initialized_only`:
+    torch pipelining's shape inference and receive buffers; the runtime's chain check), the
+    optimizer's states (:func:`make_optimizer_states`) and the loss the step before leaves
+    (``ctx.pending_loss``: ``step.global_loss`` of a 0-dim fp32 sum, as ``step.train_step``
+    starts it)."""
+    from hetplan.runtime.reference import training_batch
+
+    if len(plan.stages) > 1:
+        x, y, inputs = training_batch(spec, how, plan.global_batch_size, 0, 0)
+        with stages_initialized_only():
+            ctx.train_step(model, (x, y), how.loss, return_outputs=False, inputs=inputs)
+    make_optimizer_states(opt, model.parameters())
+    global_loss(ctx, torch.zeros((), device=ctx.device, dtype=torch.float32))
+
+
+@contextlib.contextmanager
+def stages_initialized_only() -> Iterator[None]:
+    """torch pipelining's schedules, whose ``step`` initializes their stages (the warm-up vote,
+    shape inference on the first micro-batch, receive buffers: torch 2.13 ``schedules.py``, the
+    first lines of each ``_step_microbatches``) and runs no micro-batch."""
+    from torch.distributed.pipelining import schedules
+
+    kinds = (schedules.Schedule1F1B, schedules.ScheduleGPipe, schedules.ScheduleInterleaved1F1B)
+    saved = [(kind, kind.__dict__.get("_step_microbatches")) for kind in kinds]
+
+    def initialize(self: Any, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None,
+                   losses: Any = None, return_outputs: bool = True, loss_kwargs: Any = None) -> None:
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        target = target_mbs[0] if target_mbs is not None else None
+        init = self._initialize_stages if hasattr(self, "_initialize_stages") else self._initialize_stage
+        init(arg_mbs[0], kwarg_mbs[0], target, loss_kwargs)
+
+    for kind in kinds:
+        kind._step_microbatches = initialize  # type: ignore[method-assign]  # patched only while warming, put back after
+    try:
+        yield
+    finally:
+        for kind, method in saved:
+            if method is None:
+                del kind._step_microbatches
+            else:
+                kind._step_microbatches = method  # type: ignore[method-assign]
 
 
 def make_optimizer_states(opt: torch.optim.Optimizer, params: Iterator[torch.nn.Parameter]) -> None:
