@@ -22,8 +22,9 @@ from hetplan.progress import Progress
 from hetplan.units import format_bytes
 
 # Plans ``hetplan plan`` replays by default: its three best. A replay builds one rank per pipeline stage
-# and runs two steps on fake tensors: gpt3-1.3b on one H100 (4 x 4) replays in about 12 s on this
-# project's 2-core machine (docs/cost-model.md, "The replay check"), so three stay well under a minute.
+# and runs one step on fake tensors: on this project's 2-core machine gpt3-1.3b on one H100 (8 x 2) takes
+# 3-4 CPU s, Llama-3-70B on 64 H100 26-32 s with one stage and 44-61 s with two (benchmarks/bench_replay.py,
+# docs/cost-model.md "The replay check"), so three small plans stay well under a minute.
 DEFAULT_REPLAY = 3
 REPLAY_ENV = "HETPLAN_REPLAY"  # the default number of plans to replay; "0": no replay unless asked (the tests)
 
