@@ -769,7 +769,7 @@ def stages_initialized_only() -> Iterator[None]:
             if method is None:
                 del kind._step_microbatches
             else:
-                kind._step_microbatches = method  # type: ignore[method-assign]
+                kind._step_microbatches = method  # type: ignore[method-assign]  # put back as it was
 
 
 def make_optimizer_states(opt: torch.optim.Optimizer, params: Iterator[torch.nn.Parameter]) -> None:
