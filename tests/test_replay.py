@@ -394,7 +394,8 @@ def test_a_stage_of_tp2_and_tp1_replicas_replays_each_near_its_analytic_peak() -
 # Plans whose one-step replay (optimizer states made first; a pipeline's stages initialized first) is held
 # to the two-step replay: ZeRO-1's sharded optimizer, DDP's buckets, MoE routing's valued tensors, FSDP2
 # with full recompute; pipelines of each torch pipelining schedule, bf16 pp2 x tp2 among them (its first
-# step's peak, shape inference included, was 1,396,300 B against the second's 1,302,644 B).
+# step's peak, shape inference included, was 1,396,300 B against the second's 1,302,644 B), with MoE's
+# expert parallelism and with offloaded activations (host bytes).
 ONE_STEP = {
     "dp2-zero1-bf16-2mb": NON_PIPELINED["dp2-zero1-bf16-2mb"],
     "dp2-ep2-moe": NON_PIPELINED["dp2-ep2-moe"],
@@ -405,6 +406,9 @@ ONE_STEP = {
                                                 schedule="gpipe"), "tiny-llama-bf16"),
     "pp2-interleaved": (UniformSetting(dp=1, tp=1, pp=2, micro_batch=2, schedule="interleaved-1f1b",
                                        virtual_stages=2), "tiny-gpt"),
+    "pp2-dp2-ep2-moe": (UniformSetting(dp=2, tp=1, pp=2, ep=2, micro_batch=1), "tiny-moe"),
+    "pp2-full-offload": (UniformSetting(dp=1, tp=1, pp=2, recompute="full", offload=True, micro_batch=1),
+                         "tiny-gpt"),
 }
 
 

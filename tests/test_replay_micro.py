@@ -56,7 +56,7 @@ COPIED = {
     "pp2-dp2-zero3-full-bf16": (UniformSetting(dp=2, tp=1, pp=2, zero=3, recompute="full", micro_batch=1),
                                 "llama", "local-cpu-4", 5),
     "pp3-selective-fp32": (UniformSetting(dp=1, tp=1, pp=3, recompute="selective", micro_batch=1), "gpt",
-                           "local-cpu-4", 7),
+                           "local-cpu-4", 6),
 }
 
 
