@@ -158,12 +158,13 @@ def extrapolated(plan: Plan, spec: Any, copy: tuple[Plan, Any] | None) -> tuple[
     from ``plan`` where ``copy`` is None."""
     first, second = micro_batch_samples(plan)
     slope_plan, slope_spec = copy if copy is not None else (plan, spec)
-    shapes: dict[tuple[int, int], Any] = {}  # the copy's stages' inferred shapes, the plan's own (StageMetadata)
+    # the copy's stages record their inferred shapes and hand them to the plan's (replay.StageMetadata)
+    shapes: dict[tuple[int, int], Any] | None = {} if copy is not None else None
     with chains_checked_once():
         low = None if copy is None else phase_replay(with_micro_batches(slope_plan, first), slope_spec, shapes)
-        high = phase_replay(with_micro_batches(slope_plan, second), slope_spec, shapes if copy else None)
-        base = phase_replay(with_micro_batches(plan, first), spec, shapes if copy else None)
-        low = low or base
+        high = phase_replay(with_micro_batches(slope_plan, second), slope_spec, shapes)
+        base = phase_replay(with_micro_batches(plan, first), spec, shapes)
+        low = low if low is not None else base
     steps, rest = divmod(plan.num_micro_batches - first, second - first)  # rest 0: m a multiple of pp if interleaved
     assert rest == 0, (plan.num_micro_batches, first, second)
     assert [s.rank for s, _ in base] == [s.rank for s, _ in high], "the copy replays other ranks"
