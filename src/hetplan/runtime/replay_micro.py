@@ -60,6 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from hetplan.plan.layout import runs_heterogeneous
 from hetplan.plan.spec import Plan, Stage
+from hetplan.plan.support import builtin_refusal
 from hetplan.runtime.replay import LiveBytes, PlanReplay, StageReplay, chains_checked_once, replay_counted, \
     replay_plan
 
@@ -182,9 +183,7 @@ def slope_copy(plan: Plan, spec: Any) -> tuple[Plan, Any] | None:
     blocks (module doc): 1F1B, hetplan's built-in decoder (a HF or ``pkg.mod:build`` model
     cannot be built with fewer blocks), identical blocks, one strategy per stage's blocks.
     None where it does not apply or no stage has more blocks than the copy."""
-    names = [layer.name for layer in spec.layers]
-    if plan.schedule != "1f1b" or getattr(spec, "source", None) is not None or \
-            names != ["embed", *(f"layers.{i}" for i in range(len(names) - 2)), "head"]:
+    if plan.schedule != "1f1b" or spec.source is not None or builtin_refusal(spec):
         return None
     blocks = spec.layers[1:-1]
     if any(replace(b, name=blocks[0].name) != blocks[0] for b in blocks):
@@ -195,12 +194,12 @@ def slope_copy(plan: Plan, spec: Any) -> tuple[Plan, Any] | None:
         return None
     layers, stages = [spec.layers[0]], []
     for stage, kept in zip(plan.stages, positions):
-        dropped = set(kept[COPY_BLOCKS:])
+        dropped, blocks_here = set(kept[COPY_BLOCKS:]), set(kept)
         indices, strategies = [], []
         for p, index in enumerate(stage.layers):
             if p in dropped:
                 continue
-            if 0 < index < len(spec.layers) - 1:
+            if p in blocks_here:
                 indices.append(len(layers))
                 layers.append(replace(spec.layers[index], name=f"layers.{len(layers) - 1}"))
             else:
@@ -216,8 +215,9 @@ def slope_copy(plan: Plan, spec: Any) -> tuple[Plan, Any] | None:
 
 def copy_cheaper(plan: Plan, copy: Plan) -> bool:
     """Whether the copy's two samples dispatch fewer ops than the plan's second: a replay's
-    work is about its blocks x micro-batches (module doc), each sample one more micro-batch
-    for the stages' initialization."""
+    work is about its blocks x micro-batches (module doc), counting one more micro-batch per
+    sample for the stages' initialization (an upper bound for the samples that take the
+    copy's shapes)."""
     first, second = micro_batch_samples(plan)
     blocks = sum(len(stage.layers) for stage in plan.stages)
     return sum(len(stage.layers) for stage in copy.stages) * (first + second + 2) < blocks * (second + 1)
