@@ -22,6 +22,7 @@ import pytest
 
 from hetplan.cli import main
 from hetplan.cluster.io import load_cluster
+from hetplan.cluster.spec import ClusterSpec, NodeSpec
 from hetplan.cost.model import CostModel
 from hetplan.plan.workload import Workload
 from hetplan.cost.memory import MEMORY_CATEGORIES
@@ -91,7 +92,7 @@ def test_every_section_and_chart_is_there(page: str) -> None:
 def test_every_plan_of_the_file_is_re_estimated(plan_path: Path, page: str) -> None:
     data = json.loads(plan_path.read_text())
     pf = read_plan_file(plan_path)
-    assert len(pf.plans) == len(data["plans"]) == 5
+    assert len(pf.plans) == len(data["plans"]) >= 2
     table = re.search(r'<section id="alternatives">.*?<pre>(.*?)</pre>', page, re.S).group(1)
     for k, entry in enumerate(data["plans"], 1):
         estimate = CostModel(pf.workload(k)).estimate(pf.plan(k))
@@ -140,8 +141,10 @@ def _axis(root: ET.Element) -> tuple[float, float, float]:
 @pytest.mark.parametrize("case", ["simulated-later", "table-later"])
 def test_timeline_axis_reaches_the_table_time_and_marks_it(case: str) -> None:
     workload = Workload(get_model("gpt2-amp"), load_cluster("amp-heterogeneous"), 32)
-    if case == "simulated-later":  # the default plan: simulated 256 ms, the table 222 ms (pipeline 211 ms)
-        plan = get_planner("auto").plan(workload, 1)[0].plan
+    if case == "simulated-later":  # GPipe over 1 Gbps: each phase waits on the link longer than the table charges
+        slow = ClusterSpec("two-slow", tuple(NodeSpec("A100-40GB", 1, 600.0, 1.0, name=f"n{i}") for i in range(2)), 1.0)
+        workload = Workload(get_model("tiny-gpt"), slow, 2048)
+        plan = uniform_plan(workload, 1, 1, 2, 256, schedule="gpipe")
     else:  # little pipeline, much gradient sync: the table's step ends after the simulated pipeline
         plan = uniform_plan(workload, 8, 1, 2, 1)
     root, table_s, simulated_s = _timeline(workload, plan)
@@ -285,7 +288,7 @@ def test_plan_then_report_on_the_command_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--index", "9"], "holds 5 plan(s); use --index 1..5"),
+    (["--index", "99"], "plan(s); use --index 1.."),
     (["--index", "0"], "must be positive"),
     (["--vary", "gpus=8,16"], "mixes GPU types"),
     (["--vary", "nodes=2"], "--vary takes WHAT=V1,V2"),

@@ -82,8 +82,8 @@ BOUND_ROUNDING = 1e-9
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 OBJECTIVES = ("frontier", "deadline", "budget")
 NOTE_ROUND_TRIPS = ("the event simulator runs the pipelines of {labels} {low:.0%}-{high:.0%} longer than the "
-                    "estimate: their schedules' round trips (1F1B) or one-way phases (GPipe) over links comparable "
-                    "to the stages, which the closed form does not charge (docs/cost-model.md, Known limits); "
+                    "estimate: over links comparable to the stages their schedules wait longer than the closed form "
+                    "charges (GPipe's one-way phases; docs/cost-model.md, Known limits); "
                     "their times and $ are optimistic by up to that much, and the frontier may differ")
 # The two searches ``choose`` may have run, as every output names them.
 EXACT = "exact: every allocation planned or pruned by a proven bound"

@@ -40,13 +40,13 @@ def model_notes(plan: Plan, estimate: Estimate, cost_model: CostModel) -> tuple[
 def simulator_note(plan: Plan, estimate: Estimate) -> str:
     """Said when the event simulator runs the plan's pipeline more than
     ``SIMULATION_TOLERANCE`` longer than its estimate (docs/cost-model.md,
-    Known limits: round trips over links comparable to the stages)."""
+    Known limits: GPipe's one-way phases over links comparable to the stages)."""
     over = simulated_over_closed(plan, estimate)
     if over <= SIMULATION_TOLERANCE:
         return ""
     return (f"the event simulator runs this plan's pipeline {over:.0%} longer than its estimate: its schedule's "
-            "round trips (1F1B) or one-way phases (GPipe) over links comparable to the stages, which the closed "
-            "form does not charge (docs/cost-model.md, Known limits); its time is optimistic by up to that much "
+            "waits over links comparable to its stages are longer than the closed form charges (GPipe's one-way "
+            "phases; docs/cost-model.md, Known limits); its time is optimistic by up to that much "
             "('hetplan estimate --simulate' shows both)")
 
 

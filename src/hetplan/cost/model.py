@@ -172,7 +172,8 @@ class CostModel:
         tails = [StageTail(t.back_s, t.grad_sync_s, t.post_step_s, t.optimizer_s) for t in timings]
         step = iteration_time([t.per_micro_batch_s for t in timings], p2p, tails, plan.num_micro_batches,
                               self.workload.overlap_grad_sync, max(1, plan.virtual_stages),
-                              self.kernel.overlap_slowdown, self._shared_core_pipeline(plan, timings, p2p))
+                              self.kernel.overlap_slowdown, self._shared_core_pipeline(plan, timings, p2p),
+                              plan.schedule)
         return timings, p2p, step
 
     def _shared_core_pipeline(self, plan: Plan, timings: list[SegmentTiming], p2p: list[float]) -> float | None:
@@ -207,7 +208,7 @@ class CostModel:
         p2p_total = P2P_PASSES * v * sum(p2p)
         # processes sharing cores (cost/shared_cores.py) run the pipeline faster than
         # its closed form: its parts shrink by that speed-up, as they ran
-        closed = pipeline_time(stage_times, p2p, m, v)
+        closed = pipeline_time(stage_times, p2p, m, v, plan.schedule)
         speedup = step.pipeline_s / closed if closed > 0 else 1.0
         compute, recompute, tp_comm, zero3, p2p_total, offload = (
             x * min(1.0, speedup) for x in (compute, recompute, tp_comm, zero3, p2p_total, offload))

@@ -55,7 +55,7 @@ from hetplan.search.baselines.uniform import UniformPlanner
 from hetplan.search.common.budget import WorkBudget
 from hetplan.search.common.degrees import divisors, enumerate_parallel_degrees, micro_batch_sizes
 from hetplan.search.common.expert_split import speed_expert_split
-from hetplan.search.common.partition import PartitionProblem
+from hetplan.search.common.partition import PartitionProblem, fast_partition
 from hetplan.search.common.placement import canonical_placements, count_canonical_placements, heuristic_placement
 from hetplan.search.common.stage_partition import PipelinePartitioner, PipelineSolution
 from hetplan.search.galvatron import get_variant
@@ -166,6 +166,8 @@ class _AutoSearch:
         self.best_s = math.inf
         # shapes solved without a certificate: (bound, answer, shape)
         self._open: list[tuple[float, float, PlanShape]] = []
+        # the open shapes' partitioners and options: settling solves them again on the same tables
+        self._open_solvers: dict[tuple[object, ...], tuple[PipelinePartitioner, list[list[StageOption]]]] = {}
         self._floors: dict[tuple[object, ...], np.ndarray] = {}
 
     # --- the steps -------------------------------------------------------------------------
@@ -259,18 +261,20 @@ class _AutoSearch:
                 if progress is not None:  # the rest cannot beat the best plan: done with them
                     progress.advance(len(bounded) - seen - 1)
                 break
-            if self.pipeline_bound(shape) >= self.best_s * (1 - 1e-12):
+            if self.pipeline_bound(shape, self.best_s * (1 - 1e-12)) >= self.best_s * (1 - 1e-12):
                 continue
             if not self.budget.spend():
                 stats.budget_hit = True
                 break
             stats.solves += 1
             partitioner = PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches)
-            solution = partitioner.solve(self.useful_options(shape), self.best_s)
+            options = self.useful_options(shape)
+            solution = partitioner.solve(options, self.best_s)
             if solution is not None:
                 stats.certified += solution.certified
                 if not solution.certified:
                     self._open.append((solution.lower_bound_s, solution.iteration_s, shape))
+                    self._open_solvers[shape.key] = (partitioner, options)
                 self.add(self.to_plan(shape, solution))
         self.settle_open()
         # a shape whose bound reaches the best plan holds nothing faster, certified or not
@@ -292,8 +296,10 @@ class _AutoSearch:
         for index, (bound, _, shape) in enumerate(queue):
             if bound >= self.best_s * (1 - 1e-12):
                 continue
-            partitioner = PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches)
-            solution = partitioner.solve(self.useful_options(shape), self.best_s, SETTLE_DUAL_STEPS, None, 0.0)
+            partitioner, options = self._open_solvers.get(shape.key) or (
+                PipelinePartitioner(self.cost.kernel, shape.micro_batch_size, shape.num_micro_batches),
+                self.useful_options(shape))
+            solution = partitioner.solve(options, self.best_s, SETTLE_DUAL_STEPS, None, 0.0)
             if solution is None:  # nothing of the shape beats the best plan
                 continue
             self.add(self.to_plan(shape, solution))
@@ -301,8 +307,11 @@ class _AutoSearch:
                 settled.append((solution.lower_bound_s, solution.iteration_s, shape))
                 if shape.source == GRID:
                     self._open = settled + queue[index + 1:]
-                    return
-        self._open = settled
+                    break
+        else:
+            self._open = settled
+        self._open_solvers = {key: found for key, found in self._open_solvers.items()
+                              if any(shape.key == key for _, _, shape in self._open)}
 
     def _layer_floor(self, shape: PlanShape) -> np.ndarray:
         """(stages, layers): a time per layer and stage that no option undercuts —
@@ -321,11 +330,13 @@ class _AutoSearch:
         per_stage = max(float(cheapest.sum()) / len(shape.stages), float(cheapest.max()))
         return shape.num_micro_batches * per_stage
 
-    def pipeline_bound(self, shape: PlanShape) -> float:
+    def pipeline_bound(self, shape: PlanShape, beat: float = math.inf) -> float:
         """A tighter bound, for every split with every stage at its layers'
         floors and no memory limit: ``(m − 1)`` times the smallest possible
-        bottleneck (a stage, or its outgoing link where that is slower) plus the
-        smallest possible sum of stage and link times."""
+        pace plus the smallest possible sum ``X`` of stage and link times. The
+        pace is at least the slowest stage (or its outgoing link where that is
+        slower) and, under 1F1B, the whole pipeline's round trip ``X / k``
+        (``cost.pipeline.one_f_one_b_period``'s run of every stage)."""
         floors = self._layer_floor(shape)
         k, n = floors.shape
         if k > n:
@@ -337,13 +348,18 @@ class _AutoSearch:
             pace = np.zeros((k - 1, n + 1))  # one way, by cut position: a slow link paces the pipeline
             pace[:, 1:n] = np.outer(rates, kernel.arrays.output_bytes[:n - 1]) * shape.micro_batch_size
             links = P2P_PASSES * pace[:, 1:n]
-        problem = PartitionProblem(floors, shape.num_micro_batches, links, link_pace=pace)
+        problem = PartitionProblem(floors, shape.num_micro_batches, links, link_pace=pace, one_f_one_b=True)
         least_sum = problem._min_sum(math.inf)
         if least_sum is None:
             return math.inf
         sum_part = problem.evaluate(*least_sum)
-        return (shape.num_micro_batches - 1) * problem.min_bottleneck() + sum_part.cost_s \
-            - (shape.num_micro_batches - 1) * sum_part.max_stage_s
+        w = shape.num_micro_batches - 1
+        least = sum_part.cost_s - w * sum_part.bottleneck_s
+        quick = w * max(problem.min_bottleneck(), least / k) + least
+        if quick >= beat:
+            return quick
+        best = fast_partition(problem)  # the floors' own optimum under 1F1B's pace
+        return math.inf if best is None else best.cost_s
 
     def useful_options(self, shape: PlanShape) -> list[list[StageOption]]:
         """The shape's options less those that cannot help: recomputation and

@@ -10,8 +10,9 @@ from hetplan.simulate.schedule import Action, build_schedule, format_schedule
 # A plan whose pipeline the event simulator runs this much longer than the estimate's
 # closed form is named in a note (``hetplan plan``, ``choose``): on the published runs'
 # networks the two agree within this (docs/cost-model.md, "Checked by the event
-# simulator"); links comparable to the stages (48 Gbps between nodes, a link between
-# zones) make 1F1B's round trips long, which the closed form does not charge.
+# simulator"); over links comparable to the stages (48 Gbps between nodes, a link between
+# zones) GPipe's one-way phases wait longer than the closed form charges (1F1B's round trips
+# it charges: cost.pipeline.one_f_one_b_period).
 SIMULATION_TOLERANCE = 0.05
 # The schedules the event simulator replays action by action as they run (``build_schedule``).
 FAITHFUL_SCHEDULES = ("1f1b", "gpipe")
@@ -53,8 +54,8 @@ def simulated_over_closed(plan: Plan, estimate: Estimate) -> float:
     estimate's closed form, as a fraction (0 for one stage, and for interleaved
     1F1B, which the simulator replays at stage granularity as plain 1F1B: its
     bubble would read longer than the schedule's). Where links are comparable
-    to the stages, 1F1B's round trips and GPipe's one-way phases make it large
-    (docs/cost-model.md, Known limits)."""
+    to the stages, GPipe's one-way phases make it large (docs/cost-model.md,
+    Known limits); 1F1B's round trips are in the closed form."""
     if plan.pp == 1 or plan.virtual_stages > 1 or plan.schedule not in FAITHFUL_SCHEDULES:
         return 0.0
     closed = closed_form_pipeline_s(estimate)

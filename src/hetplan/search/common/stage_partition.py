@@ -7,10 +7,12 @@ minimise :meth:`hetplan.cost.CostModel.estimate`'s iteration time::
 
     F = P + max(0, max_j (x_j − A_j)) + max_j o_j
 
-``P`` is the pipeline time ``(m − 1)·max_j max(t_j, c_j) + Σ t_j + Σ e_j`` (stage
-time per micro-batch ``t_j``, one way of its outgoing link ``c_j``, which paces
-the pipeline when it is slower than every stage, the two transfers of each
-boundary ``e_j``); ``x_j``
+``P`` is the pipeline time ``(m − 1)·pace + Σ t_j + Σ e_j`` (stage time per
+micro-batch ``t_j``, the two transfers of each boundary ``e_j = 2·c_j``); under
+1F1B the pace is the largest mean of ``t + 2c`` over every run of consecutive
+stages (``cost.pipeline.one_f_one_b_period``: the round trips a stage waits
+for), under GPipe ``max_j max(t_j, c_j)`` (a link slower than every stage
+paces it); ``x_j``
 is stage j's exposed gradient sync, ``A_j`` the backward passes and links in
 front of it; ``o_j`` its optimizer step plus (ZeRO-1/2) the all-gather of its
 updated parameters (``cost/pipeline.py``). Every number comes from the
@@ -21,7 +23,8 @@ weights ``λ ≥ 0`` summing to one, ``F >= L_λ = P + Σ_j λ_j (x_j − A_j) +
 (a Lagrangian relaxation of the max). ``L_λ`` splits into per-stage and
 per-boundary costs: stage ``i`` adds ``λ_i x_i − Λ_i back_i`` to the sum and
 its boundary carries ``2 − Λ_i`` transfers, ``Λ_i = Σ_{j>i} λ_j``. So it is the
-min-sum DP of ``fast_partition`` with a sum-only extra per stage, and the
+min-sum DP of ``fast_partition`` (under 1F1B its label DP, which carries
+the pace of every run of stages) with a sum-only extra per stage, and the
 step term is handled by a second staircase: for a bound ``Ō`` only segments
 with ``o < Ō`` are allowed; the best split under it has some ``O₁ < Ō``, and
 nothing with ``O`` in ``[O₁, Ō)`` can beat it, so the next bound is ``O₁`` —
@@ -143,6 +146,7 @@ class PipelinePartitioner:
         self.schedule = schedule
         self.overlap = kernel.workload.overlap_grad_sync
         self.slowdown = kernel.overlap_slowdown
+        self._merged: dict[tuple[tuple[StageOption, ...], ...], PartitionTables] = {}  # a shape solved again
 
     # --- tables --------------------------------------------------------------------------
     def tables(self, options: Sequence[Sequence[StageOption]]) -> PartitionTables:
@@ -185,6 +189,13 @@ class PipelinePartitioner:
         of a family share their ZeRO traffic and optimizer step and a member that
         recomputes more is slower, so the family's time is the least of its
         members' (the relaxation charges each cell its members' least cost)."""
+        key = tuple(tuple(stage) for stage in options)
+        if key not in self._merged:
+            self._merged[key] = self._merge(options)
+        return self._merged[key]
+
+    def _merge(self, options: Sequence[Sequence[StageOption]]) -> PartitionTables:
+        """:meth:`merged`, built."""
         k = len(options)
         families = tuple(_families(stage) for stage in options)
         segments, members, picks = [], [], []
@@ -242,7 +253,7 @@ class PipelinePartitioner:
                            float(tables.optimizer[c])) for c in cells]
         p2p = [float(tables.p2p[j, bounds[j + 1]]) for j in range(k - 1)]
         return iteration_time(times, p2p, tails, self.num_micro_batches, self.overlap,
-                              slowdown=self.slowdown).total_s
+                              slowdown=self.slowdown, schedule=self.schedule).total_s
 
     # --- solving --------------------------------------------------------------------------------
     def solve(self, options: Sequence[Sequence[StageOption]], incumbent: float = INF,
@@ -303,7 +314,7 @@ class PipelinePartitioner:
         best_l, best_true, best, relaxed = INF, INF, None, None
         bound = INF
         base = PartitionProblem.from_windows(tables.per_mb, m, cuts, tables.fits, relaxation.extra,
-                                             link_pace=tables.p2p)
+                                             link_pace=tables.p2p, one_f_one_b=self.schedule == "1f1b")
         for stair in itertools.count():
             problem = base.restricted(tables.fits & (step < bound)) if math.isfinite(bound) else base
             part = fast_partition(problem)
