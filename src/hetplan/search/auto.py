@@ -332,11 +332,13 @@ class _AutoSearch:
 
     def pipeline_bound(self, shape: PlanShape, beat: float = math.inf) -> float:
         """A tighter bound, for every split with every stage at its layers'
-        floors and no memory limit: ``(m − 1)`` times the smallest possible
-        pace plus the smallest possible sum ``X`` of stage and link times. The
-        pace is at least the slowest stage (or its outgoing link where that is
-        slower) and, under 1F1B, the whole pipeline's round trip ``X / k``
-        (``cost.pipeline.one_f_one_b_period``'s run of every stage)."""
+        floors and no memory limit: the least pipeline time of those floors
+        under 1F1B's pace (``fast_partition``). Solved only when a quick bound
+        is below ``beat``: ``(m − 1)`` times the least pace plus the least sum
+        ``X`` of stage and link times, the pace being at least the slowest
+        stage (or its outgoing link where that is slower) and the whole
+        pipeline's round trip ``X / k`` (``cost.pipeline.one_f_one_b_period``'s
+        run of every stage)."""
         floors = self._layer_floor(shape)
         k, n = floors.shape
         if k > n:
