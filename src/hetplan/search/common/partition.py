@@ -109,8 +109,9 @@ class Partition:
     Attributes:
         boundaries: ``(0, b_1, …, L)``; stage ``j`` runs layers ``[b_j, b_{j+1})``.
         cost_s: the objective, ``(m − 1)·max t + Σ t + Σ e``.
-        stage_times_s: ``t_j`` per stage (with ``link_pace``: the larger of
-            ``t_j`` and its outgoing link's one-way time, its bottleneck value).
+        stage_times_s: ``t_j`` per stage (with ``link_pace`` and without
+            ``one_f_one_b``: the larger of ``t_j`` and its outgoing link's
+            one-way time, its bottleneck value).
         boundary_times_s: ``e_j`` per boundary (k − 1 of them).
         options: the option each stage runs (all 0 for a problem without options).
         pace_s: 1F1B's pace (``cost.pipeline.one_f_one_b_period``) for a
