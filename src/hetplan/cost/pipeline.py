@@ -95,9 +95,8 @@ def pipeline_time(stage_times: Sequence[float], p2p_times: Sequence[float], num_
     v = max(1, virtual_stages)
     # a link busier per micro-batch than every stage sets the pace (each chunk boundary on it is crossed once per
     # micro-batch each way: v crossings of a physical link under interleaving); simulate/events.py replays it
-    slowest = max(max(stage_times), v * max(p2p_times, default=0.0))
-    if schedule == "1f1b" and v == 1:
-        slowest = max(slowest, one_f_one_b_period(stage_times, p2p_times))
+    slowest = one_f_one_b_period(stage_times, p2p_times) if schedule == "1f1b" and v == 1 else \
+        max(max(stage_times), v * max(p2p_times, default=0.0))  # 1F1B's pace holds both
     return num_micro_batches * slowest + (sum(stage_times) - slowest) / v + P2P_PASSES * v * sum(p2p_times)
 
 

@@ -307,11 +307,8 @@ class _AutoSearch:
                 settled.append((solution.lower_bound_s, solution.iteration_s, shape))
                 if shape.source == GRID:
                     self._open = settled + queue[index + 1:]
-                    break
-        else:
-            self._open = settled
-        self._open_solvers = {key: found for key, found in self._open_solvers.items()
-                              if any(shape.key == key for _, _, shape in self._open)}
+                    return
+        self._open = settled
 
     def _layer_floor(self, shape: PlanShape) -> np.ndarray:
         """(stages, layers): a time per layer and stage that no option undercuts —
