@@ -138,7 +138,7 @@ def test_egress_of_a_pipeline_across_zones_is_its_activations_both_ways(tiny):
 _PLANNED: dict[str, object] = {}
 
 
-def cached_best(planner, workload):
+def cached_best(planner, workload, beat_s=float("inf")):
     """The uniform planner's best plan, planned once per allocation for every search of this file."""
     name = workload.cluster.name
     if name not in _PLANNED:
@@ -179,6 +179,34 @@ def test_search_equals_brute_force(tiny, egress_b):
         assert labels(got.points) == labels([want] if want else [])
         pruned += got.pruned
     assert pruned > 0  # the bounds did prune
+
+
+def test_auto_told_the_time_to_beat_gives_the_brute_force_answer(tiny):
+    """``choose`` tells auto the time each allocation must beat (``useful_hours``):
+    auto prunes its own search by it and says when nothing is faster
+    (``NoPlanFaster``). Frontier, deadline and budget still equal those of
+    auto's best plan of every allocation, planned without it — and the time to
+    beat did rule allocations out inside the planner."""
+    pool = pool_from_dict(small_pool())
+    tokens = 1e9
+    steps = tokens / (tiny.global_batch_size * tiny.model.seq_len)
+    every = [plan_allocation(pool, tiny, a, get_planner("auto"), steps) for a in allocations(pool, tiny)]
+    points = [p for p in every if isinstance(p, Point)]
+    assert len(points) == 26
+
+    def labels(found):
+        return [(p.allocation.label, round(p.usd, 9), round(p.hours, 9)) for p in found]
+
+    result = choose(pool, tiny, get_planner("auto"), tokens)
+    assert labels(result.points) == labels(pareto_front(points)) and result.proven
+    outrun = result.outrun
+    hours = sorted(p.hours for p in points)
+    dollars = sorted(p.usd for p in points)
+    for objective, limit in (("deadline", hours[3]), ("budget", dollars[6])):
+        got = choose(pool, tiny, get_planner("auto"), tokens, objective, limit)
+        assert labels(got.points) == labels([best_point(points, objective, limit)])
+        outrun += got.outrun
+    assert outrun > 0
 
 
 def test_a_cut_search_says_it_is_not_proven(tiny):

@@ -27,7 +27,14 @@ The search is exact and prunes only by proven bounds:
 Allocations are planned in order of their bound ($ for the frontier and
 ``--deadline``, time for ``--budget``); one is skipped when a planned point
 already beats its bound (frontier: dominates it; deadline: cheaper; budget:
-faster) or its bound misses the deadline or budget. Nothing else is pruned:
+faster) or its bound misses the deadline or budget (``useful_hours``: the
+time to train past which that is so). The planner of one that is not skipped
+is told that time as the iteration time to beat (``beat_s``): a planner that
+prunes by it (``auto``) never solves what its bounds show cannot beat it and
+says when nothing can (``search.base.NoPlanFaster``: counted as outrun); its
+best plan when that is faster is the one it finds without being told
+(``tests/test_choose.py`` checks the answer against planning every allocation
+without it). Nothing else is pruned:
 hetplan's planners use every GPU of a cluster, so more GPUs may give a slower
 best plan and no monotonicity in counts holds. The work is counted in planner
 calls (``max_plans``); when that budget cuts the search, the answer is a
@@ -64,7 +71,7 @@ from hetplan.limits import check_at_most
 from hetplan.plan.file import workload_record
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.workload import Workload
-from hetplan.search.base import states_refusal
+from hetplan.search.base import NoPlanFaster, states_refusal
 from hetplan.simulate.plan import SIMULATION_TOLERANCE, simulated_over_closed
 
 # Allocations a pool may have (the product of nodes + 1 over its offers): each
@@ -79,8 +86,14 @@ DEFAULT_MAX_PLANS = 200
 # last bits between the vectorised bound and cost/bounds.py's (summation order)
 # can never prune an allocation the exact bound would keep.
 BOUND_ROUNDING = 1e-9
+# The time a planner is told to beat is this much above the answer's need
+# (``useful_hours``), so that a plan exactly at it (a tie the label breaks) is still found.
+BEAT_MARGIN = 1e-9
 BYTES_PER_GB = 1e9  # clouds bill egress per decimal GB
 OBJECTIVES = ("frontier", "deadline", "budget")
+# How an allocation's best plan is found: (planner, workload, beat_s) -> its best plan (``app.planning``'s
+# ``runnable_best``, ``replica_tp_best``); ``beat_s``: only plans faster matter (``search.base.NoPlanFaster``)
+BestOf = Callable[[Any, Workload, float], RankedPlan]
 NOTE_ROUND_TRIPS = ("the event simulator runs the pipelines of {labels} {low:.0%}-{high:.0%} longer than the "
                     "estimate: over links comparable to the stages their schedules wait longer than the closed form "
                     "charges (GPipe's one-way phases; docs/cost-model.md, Known limits); "
@@ -174,6 +187,8 @@ class ChooseResult:
     # the allocations the planner-call budget left unplanned (``bound_shortfall`` says how far each bound is
     # from pruning it); not written to JSON
     left_unplanned: tuple[Allocation, ...] = field(default=(), repr=False)
+    # of the planned, those whose planner proved no plan faster than the answer so far needs (``useful_hours``)
+    outrun: int = 0
 
     @property
     def proven(self) -> bool:
@@ -191,7 +206,7 @@ class ChooseResult:
     def record(self) -> dict[str, Any]:
         return {"pool": self.pool.name, "objective": self.objective, "limit": self.limit, "tokens": self.tokens,
                 "allocations": self.allocations, "planned": self.planned, "pruned": self.pruned,
-                "no_plan": self.no_plan, "unplanned": self.unplanned, "proven": self.proven, "search": self.search,
+                "no_plan": self.no_plan, "outrun": self.outrun, "unplanned": self.unplanned, "proven": self.proven, "search": self.search,
                 "notes": list(self.notes), "points": [p.record() for p in self.points]}
 
 
@@ -227,7 +242,8 @@ def summary(result: ChooseResult) -> ChooseSummary:
         for p in result.points), result.search)
 
 
-_RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "unplanned",
+_RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "outrun",
+                "unplanned",
                 "proven", "search", "notes", "points")
 _POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
                "egress_usd", "spans_zones", "simulated_pipeline_over_estimate", "egress_gb_per_step", "usd", "plan",
@@ -364,14 +380,17 @@ def _ring_bytes_per_param(kernel: CostKernel, zero: int, micro_batches: int) -> 
 
 
 def plan_allocation(pool: Pool, base: Workload, allocation: Allocation, planner: Any, steps: float,
-                    best_of: Callable[[Any, Workload], RankedPlan] = runnable_best) -> Point | str:
-    """The allocation's best plan as a Point, or why it has none (nothing fits)."""
+                    best_of: BestOf = runnable_best, beat_s: float = math.inf) -> Point | str | None:
+    """The allocation's best plan as a Point, why it has none (nothing fits),
+    or None: its planner proved no plan of it is faster than ``beat_s``."""
     workload = allocation_workload(pool, base, allocation.counts)
     why = states_refusal(workload)
     if why:
         return why
     try:
-        best = best_of(planner, workload)
+        best = best_of(planner, workload, beat_s)
+    except NoPlanFaster:
+        return None
     except HetplanError as exc:
         return str(exc)
     node_zones = allocation_zones(pool, allocation.counts)
@@ -418,14 +437,27 @@ def _bound_point(a: Allocation, steps: float) -> tuple[float, float]:
     return hours, hours * a.usd_per_hour
 
 
-def _beaten(bound: tuple[float, float], points: Sequence[Point], objective: str, limit: float | None) -> bool:
-    """Whether no plan of an allocation with this bound can be in the answer."""
-    hours, usd = bound
+def useful_hours(usd_per_hour: float, points: Sequence[Point], objective: str, limit: float | None) -> float:
+    """The time to train past which no plan of an allocation at this price
+    can be in the answer, given these points (each a plan that runs): the
+    frontier's ``max(q.hours, q.usd / price)`` of a point ``q`` (slower and,
+    egress being >= 0, dearer than ``q``), a deadline's limit and a cheaper
+    point within it, or a budget's limit and a faster point within it."""
+    def at_price(usd: float) -> float:
+        return usd / usd_per_hour if usd_per_hour > 0 else math.inf
+
     if objective == "deadline" and limit is not None:
-        return hours > limit or any(p.hours <= limit and p.usd < usd for p in points)
+        return min([limit] + [at_price(p.usd) for p in points if p.hours <= limit])
     if objective == "budget" and limit is not None:
-        return usd > limit or any(p.usd <= limit and p.hours < hours for p in points)
-    return any(p.hours <= hours and p.usd <= usd and (p.hours < hours or p.usd < usd) for p in points)
+        return min([at_price(limit)] + [p.hours for p in points if p.usd <= limit])
+    return min((max(p.hours, at_price(p.usd)) for p in points), default=math.inf)
+
+
+def _beaten(allocation: Allocation, points: Sequence[Point], objective: str, limit: float | None,
+            steps: float) -> bool:
+    """Whether no plan of the allocation can be in the answer: its bound is past ``useful_hours``."""
+    hours, _ = _bound_point(allocation, steps)
+    return hours > useful_hours(allocation.usd_per_hour, points, objective, limit)
 
 
 def bound_shortfall(allocation: Allocation, points: Sequence[Point], steps: float) -> float:
@@ -450,7 +482,7 @@ def search_order(candidates: Sequence[Allocation], objective: str, steps: float)
 
 def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: str = "frontier",
            limit: float | None = None, max_plans: int = DEFAULT_MAX_PLANS,
-           best_of: Callable[[Any, Workload], RankedPlan] = runnable_best) -> ChooseResult:
+           best_of: BestOf = runnable_best) -> ChooseResult:
     """The answer of ``hetplan choose`` (module docstring): ``objective``
     "frontier", "deadline" (``limit``: hours) or "budget" (``limit``: $);
     ``base``: the workload (model, global batch, settings) on any cluster."""
@@ -462,18 +494,21 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     candidates = allocations(pool, base)
     points: list[Point] = []
     reasons: list[str] = []
-    planned = pruned = 0
+    planned = pruned = outrun = 0
     left: list[Allocation] = []
     for allocation in search_order(candidates, objective, steps):
-        if _beaten(_bound_point(allocation, steps), points, objective, limit):
+        if _beaten(allocation, points, objective, limit, steps):
             pruned += 1
             continue
         if planned >= max_plans:
             left.append(allocation)
             continue
         planned += 1
-        found = plan_allocation(pool, base, allocation, planner, steps, best_of)
-        if isinstance(found, str):
+        beat_s = useful_hours(allocation.usd_per_hour, points, objective, limit) * SECONDS_PER_HOUR / steps
+        found = plan_allocation(pool, base, allocation, planner, steps, best_of, beat_s * (1 + BEAT_MARGIN))
+        if found is None:
+            outrun += 1
+        elif isinstance(found, str):
             reasons.append(found)
         else:
             points.append(found)
@@ -491,7 +526,7 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
                      f"having planned the allocations of least bound; {len(left)} allocations were not planned, so "
                      "the answer is the best found, not proven (docs/choose.md: its measured quality)")
     return ChooseResult(pool, objective, limit, tokens, tuple(chosen), len(candidates), planned, pruned,
-                        len(reasons), len(left), tuple(notes), tuple(left))
+                        len(reasons), len(left), tuple(notes), tuple(left), outrun)
 
 
 # --- exports ------------------------------------------------------------------------

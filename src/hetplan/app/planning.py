@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -27,22 +28,30 @@ from hetplan.export.target import ANY, RUNTIME, TargetResult, default_notes, ref
 DEFAULT_TOP = 5  # plans ``hetplan plan`` shows
 
 
-def run_planner(planner: Any, workload: Workload, top_k: int, auto_batch: bool) -> list[RankedPlan]:
+def run_planner(planner: Any, workload: Workload, top_k: int, auto_batch: bool,
+                beat_s: float = math.inf) -> list[RankedPlan]:
     """The planner's ``top_k`` best plans; ``auto_batch``: it chooses the global
-    batch too (a planner that does not search it is refused in one line)."""
+    batch too (a planner that does not search it is refused in one line).
+    ``beat_s``: only plans faster matter, told to a planner that ``prunes_by_beat``
+    (it may then raise ``NoPlanFaster``); another planner ignores it."""
     if auto_batch and not getattr(planner, "searches_batch_size", False):
         raise HetplanError(f"planner {planner.name!r} does not search the batch size; "
                            "give --global-batch N or use a galvatron planner")
     try:
-        return planner.plan_auto_batch(workload, top_k) if auto_batch else planner.plan(workload, top_k)
+        if auto_batch:
+            return planner.plan_auto_batch(workload, top_k)
+        if beat_s < math.inf and getattr(planner, "prunes_by_beat", False):
+            return planner.plan(workload, top_k, beat_s=beat_s)
+        return planner.plan(workload, top_k)
     except OutOfMemoryError as exc:
         raise _seq_len_hint(exc, workload.model) from None
 
 
-def runnable_best(planner: Any, workload: Workload) -> RankedPlan:
+def runnable_best(planner: Any, workload: Workload, beat_s: float = math.inf) -> RankedPlan:
     """The planner's best plan the default target runs (hetplan's runtime, for
-    a model it builds: ``hetplan.export.target.plan_target``)."""
-    found, _ = search_for_target(lambda k: run_planner(planner, workload, k, False), workload,
+    a model it builds: ``hetplan.export.target.plan_target``); ``beat_s`` as
+    ``run_planner`` takes it."""
+    found, _ = search_for_target(lambda k: run_planner(planner, workload, k, False, beat_s), workload,
                                  workload.target or None, 1, planner.name)
     return found[0]
 
@@ -53,12 +62,13 @@ def runnable_best(planner: Any, workload: Workload) -> RankedPlan:
 REPLICA_TP_CANDIDATES = 8
 
 
-def replica_tp_best(planner: Any, workload: Workload) -> RankedPlan:
+def replica_tp_best(planner: Any, workload: Workload, beat_s: float = math.inf) -> RankedPlan:
     """The best of the planner's plans with the replicas of stages that hold
     several GPU types at their own TP degree where that is faster, and of one
     stage over every GPU so regrouped (``search.common.replica_tp.widen``).
     The runtime trains such stages at ZeRO 0 (``runtime/mixed.py``) and
-    refuses them with ZeRO > 0 in one line (``plan.layout``)."""
+    refuses them with ZeRO > 0 in one line (``plan.layout``). ``beat_s`` is
+    not told to the planner: regrouping may bring a plan slower than it under it."""
     ranked = run_planner(planner, workload, REPLICA_TP_CANDIDATES, False)
     return widen(CostModel(workload), ranked, 1)[0]
 

@@ -32,7 +32,8 @@ def choose_header(result: ChooseResult) -> str:
     else:
         asked = "the frontier of time to train vs $"
     return (f"choose   {asked}, {format_count(result.tokens)} tokens, pool {result.pool.name!r}\n"
-            f"search   {result.allocations} allocations: {result.planned} planned ({result.no_plan} without a plan), "
+            f"search   {result.allocations} allocations: {result.planned} planned ({result.no_plan} without a plan, "
+            f"{result.outrun} outrun: no plan faster than the answer needs), "
             f"{result.pruned} pruned by bounds, {result.unplanned} left unplanned "
             f"({'proven' if result.proven else 'not proven'})\n"
             f"method   {result.search}")

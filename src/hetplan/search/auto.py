@@ -49,7 +49,7 @@ from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.progress import Progress
 from hetplan.plan.support import NO_LIMITS, SearchLimits, search_limits
 from hetplan.search.amp import AMPPlanner
-from hetplan.search.base import Planner, cost_model_for, no_fit_error
+from hetplan.search.base import NoPlanFaster, Planner, cost_model_for, no_fit_error
 from hetplan.search.baselines.megatron import MegatronPlanner
 from hetplan.search.baselines.uniform import UniformPlanner
 from hetplan.search.common.budget import WorkBudget
@@ -148,22 +148,34 @@ class AutoPlanner:
         self.max_placements = max_placements
         self.stats = AutoStats()
 
-    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
+    # ``plan`` takes ``beat_s``: it prunes by it (``search.base.NoPlanFaster``)
+    prunes_by_beat = True
+
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None,
+             beat_s: float = math.inf) -> list[RankedPlan]:
+        """The ``top_k`` best plans; with a finite ``beat_s``, only plans faster
+        than it matter (a caller that has a plan that good elsewhere:
+        ``hetplan choose``): it starts as the best plan's time, so the shapes
+        whose bounds reach it are never solved, and the answer is the plans
+        faster than it or ``NoPlanFaster`` — the same best plan as without it
+        whenever that plan is faster than ``beat_s``, as the bounds that prune
+        are the ones that prune against the best plan found."""
         self.stats = AutoStats()
-        return _AutoSearch(self, workload, cost_model_for(workload, cost)).run(top_k)
+        return _AutoSearch(self, workload, cost_model_for(workload, cost), beat_s).run(top_k)
 
 
 class _AutoSearch:
     """One run of the auto planner."""
 
-    def __init__(self, planner: AutoPlanner, workload: Workload, cost: CostModel) -> None:
+    def __init__(self, planner: AutoPlanner, workload: Workload, cost: CostModel, beat_s: float = math.inf) -> None:
         self.planner = planner
         self.workload = workload
         self.cost = cost
         self.budget = WorkBudget(planner.max_solves, "exact shape solves")
         self.pool: dict[tuple[object, ...], tuple[tuple[int, float, str], Plan]] = {}
         self.errors: list[str] = []
-        self.best_s = math.inf
+        self.beat_s = beat_s
+        self.best_s = beat_s  # the time to beat: the best plan's, or the caller's where that is faster
         # shapes solved without a certificate: (bound, answer, shape)
         self._open: list[tuple[float, float, PlanShape]] = []
         # the open shapes' partitioners and options: settling solves them again on the same tables
@@ -178,7 +190,7 @@ class _AutoSearch:
             shapes = self.shapes(seeds)
             progress.expect(len(shapes))  # one step per shape, those the bounds rule out at once
             self.solve_all(shapes, progress)
-            if stats.budget_hit or stats.grid_uncertified or not self.pool:
+            if stats.budget_hit or stats.grid_uncertified or not self.pool and self.beat_s == math.inf:
                 stats.ran_contained = True
                 progress.expect(len(self.planner.contained))
                 self.seed(progress, self.planner.contained)
@@ -415,6 +427,12 @@ class _AutoSearch:
             self.best_s = min(self.best_s, time_s)
 
     def ranked(self, top_k: int) -> list[RankedPlan]:
+        if self.beat_s < math.inf:
+            faster = {key: item for key, item in self.pool.items() if not item[0][0] and item[0][1] < self.beat_s}
+            if not faster:
+                raise NoPlanFaster(f"auto: no plan of {self.workload.cluster.name} is faster than "
+                                   f"{self.beat_s * 1e3:.6g} ms per step")
+            self.pool = faster
         if not self.pool:
             # the uniform planner's reason is the plainest (e.g. a batch no dp divides)
             plainest = sorted(self.errors, key=lambda e: not e.startswith("uniform:"))

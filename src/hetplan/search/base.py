@@ -25,6 +25,11 @@ class Planner(Protocol):
     def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]: ...
 
 
+class NoPlanFaster(HetplanError):
+    """A planner given a time to beat (``plan(..., beat_s=...)``, where its
+    ``prunes_by_beat``) proved that no plan of its space is faster."""
+
+
 def cost_model_for(workload: Workload, cost: CostModel | None) -> CostModel:
     """A CostModel for ``workload``: ``cost`` itself if it is for it, one sharing
     its kernel's tables if only the global batch differs, else a new one.

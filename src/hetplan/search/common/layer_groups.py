@@ -42,6 +42,7 @@ search then costs what it costs on ``SEARCH_GROUPS`` layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields, replace
 from typing import Callable, Sequence
 
@@ -175,23 +176,33 @@ class GroupedPlanner:
         self.limit = limit
         self.companions = companions
         self.searches_batch_size = getattr(inner, "searches_batch_size", False)
+        self.prunes_by_beat = getattr(inner, "prunes_by_beat", False)
 
-    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None) -> list[RankedPlan]:
-        return self._run(workload, top_k, cost, lambda w, k, c: self.inner.plan(w, k, c))
+    def plan(self, workload: Workload, top_k: int = 5, cost: CostModel | None = None,
+             beat_s: float = math.inf) -> list[RankedPlan]:
+        """The inner planner's plans; ``beat_s`` (where it ``prunes_by_beat``)
+        reaches it only on the real model: a grouped model's times are not
+        the real plans' times, so a search in groups is never pruned by it."""
+        def search(w: Workload, k: int, c: CostModel | None, beat: float) -> list[RankedPlan]:
+            if beat < math.inf and self.prunes_by_beat:
+                return self.inner.plan(w, k, c, beat_s=beat)  # type: ignore[call-arg]  # prunes_by_beat: it takes one
+            return self.inner.plan(w, k, c)
+        return self._run(workload, top_k, cost, search, beat_s)
 
     def plan_auto_batch(self, workload: Workload, top_k: int = 5) -> list[RankedPlan]:
         """The inner planner's batch-size search (Galvatron's), on the grouped model."""
         batch_search = getattr(self.inner, "plan_auto_batch")  # only on planners that search the batch size
-        return self._run(workload, top_k, None, lambda w, k, c: batch_search(w, k))
+        return self._run(workload, top_k, None, lambda w, k, c, _: batch_search(w, k))
 
     def _run(self, workload: Workload, top_k: int, cost: CostModel | None,
-             search: Callable[[Workload, int, CostModel | None], list[RankedPlan]]) -> list[RankedPlan]:
+             search: Callable[[Workload, int, CostModel | None, float], list[RankedPlan]],
+             beat_s: float = math.inf) -> list[RankedPlan]:
         groups = layer_groups(workload.model, self.limit)
         if groups is None:
-            return search(workload, top_k, cost)
+            return search(workload, top_k, cost, beat_s)
         if workload.profile is not None or workload.target == "hetplan":  # the kernel's ``runtime`` test
             if workload.model.num_layers <= MAX_UNGROUPED_LAYERS:  # as before layer groups: layer by layer
-                return search(workload, top_k, cost)
+                return search(workload, top_k, cost, beat_s)
             what = "with measured layer times" if workload.profile is not None else "for hetplan's runtime"
             change = "plan without --profile" if workload.profile is not None else "plan for a tool (--target)"
             raise HetplanError(f"planner {self.name!r} searches at most {MAX_UNGROUPED_LAYERS} layers {what}; model "
@@ -203,7 +214,7 @@ class GroupedPlanner:
                 "a group runs one strategy")
         real = cost_model_for(workload, cost)
         try:
-            found = search(replace(workload, model=grouped_model(workload.model, groups)), top_k, None)
+            found = search(replace(workload, model=grouped_model(workload.model, groups)), top_k, None, math.inf)
         except OutOfMemoryError as exc:
             if not self.companions:
                 raise OutOfMemoryError(f"{exc} (searched in groups of up to {largest} layers)") from exc
