@@ -200,6 +200,13 @@ def test_auto_told_the_time_to_beat_gives_the_brute_force_answer(tiny):
     result = choose(pool, tiny, get_planner("auto"), tokens)
     assert labels(result.points) == labels(pareto_front(points)) and result.proven
     outrun = result.outrun
+    # two at a time (--jobs 2, forked workers): the same answer; each round's second allocation is told
+    # only the points found before its round, so it may plan more, and does so the same way every run
+    paired = [choose(pool, tiny, get_planner("auto"), tokens, jobs=2) for _ in range(2)]
+    assert all(labels(p.points) == labels(result.points) and p.jobs == 2 for p in paired)
+    assert paired[0].record() == paired[1].record() and paired[0].record()["jobs"] == 2
+    assert paired[0].planned + paired[0].pruned == result.planned + result.pruned == 26
+    assert [len(r) for r in paired[0].round_cpu_s[:-1]] == [2] * (len(paired[0].round_cpu_s) - 1)
     hours = sorted(p.hours for p in points)
     dollars = sorted(p.usd for p in points)
     for objective, limit in (("deadline", hours[3]), ("budget", dollars[6])):
@@ -251,9 +258,9 @@ def test_cli_choose_writes_table_json_chart_and_point_files(tmp_path, capsys):
     out = tmp_path / "out.json"
     code = main(["choose", "--pool", str(path), "--model", "tiny-gpt", "--global-batch", "16", "--tokens", "1B",
                  "--planner", "uniform", "--json", str(out), "--chart", str(tmp_path / "f.svg"),
-                 "--out-dir", str(tmp_path / "pts"), "--price", "V100-16GB=0.5"])
+                 "--out-dir", str(tmp_path / "pts"), "--price", "V100-16GB=0.5", "--jobs", "2"])
     text = capsys.readouterr().out
-    assert code == 0 and "allocation" in text and "(proven)" in text
+    assert code == 0 and "allocation" in text and "(proven)" in text and "2 at a time" in text
     record = json.loads(out.read_text())
     assert record["points"] and record["proven"]
     assert (tmp_path / "f.svg").read_text().startswith("<svg")

@@ -57,6 +57,7 @@ import numpy as np
 
 from hetplan.app.planning import runnable_best
 from hetplan.app.records import ranked_record, write_json, write_text
+from hetplan.app.rounds import Rounds
 from hetplan.app.training import SECONDS_PER_HOUR
 from hetplan.cluster.io import dump_cluster_yaml
 from hetplan.cluster.pool import Pool, allocation_cluster, allocation_label, allocation_zones
@@ -189,6 +190,9 @@ class ChooseResult:
     left_unplanned: tuple[Allocation, ...] = field(default=(), repr=False)
     # of the planned, those whose planner proved no plan faster than the answer so far needs (``useful_hours``)
     outrun: int = 0
+    jobs: int = 1  # allocations planned at once (``app.rounds``)
+    # the CPU seconds each planned allocation took, by round (``app.rounds.Rounds.cpu_s``); not written to JSON
+    round_cpu_s: tuple[tuple[float, ...], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def proven(self) -> bool:
@@ -206,7 +210,8 @@ class ChooseResult:
     def record(self) -> dict[str, Any]:
         return {"pool": self.pool.name, "objective": self.objective, "limit": self.limit, "tokens": self.tokens,
                 "allocations": self.allocations, "planned": self.planned, "pruned": self.pruned,
-                "no_plan": self.no_plan, "outrun": self.outrun, "unplanned": self.unplanned, "proven": self.proven, "search": self.search,
+                "no_plan": self.no_plan, "outrun": self.outrun, "unplanned": self.unplanned, "jobs": self.jobs,
+                "proven": self.proven, "search": self.search,
                 "notes": list(self.notes), "points": [p.record() for p in self.points]}
 
 
@@ -243,7 +248,7 @@ def summary(result: ChooseResult) -> ChooseSummary:
 
 
 _RESULT_KEYS = ("pool", "objective", "limit", "tokens", "allocations", "planned", "pruned", "no_plan", "outrun",
-                "unplanned",
+                "unplanned", "jobs",
                 "proven", "search", "notes", "points")
 _POINT_KEYS = ("allocation", "counts", "gpus", "cluster", "usd_per_hour", "iteration_s", "steps", "hours", "gpu_usd",
                "egress_usd", "spans_zones", "simulated_pipeline_over_estimate", "egress_gb_per_step", "usd", "plan",
@@ -482,10 +487,11 @@ def search_order(candidates: Sequence[Allocation], objective: str, steps: float)
 
 def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: str = "frontier",
            limit: float | None = None, max_plans: int = DEFAULT_MAX_PLANS,
-           best_of: BestOf = runnable_best) -> ChooseResult:
+           best_of: BestOf = runnable_best, jobs: int = 1) -> ChooseResult:
     """The answer of ``hetplan choose`` (module docstring): ``objective``
     "frontier", "deadline" (``limit``: hours) or "budget" (``limit``: $);
-    ``base``: the workload (model, global batch, settings) on any cluster."""
+    ``base``: the workload (model, global batch, settings) on any cluster;
+    ``jobs``: allocations planned at once (``app.rounds``)."""
     if objective not in OBJECTIVES:
         raise HetplanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if (limit is None) != (objective == "frontier"):
@@ -496,22 +502,30 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     reasons: list[str] = []
     planned = pruned = outrun = 0
     left: list[Allocation] = []
-    for allocation in search_order(candidates, objective, steps):
-        if _beaten(allocation, points, objective, limit, steps):
-            pruned += 1
-            continue
-        if planned >= max_plans:
-            left.append(allocation)
-            continue
-        planned += 1
-        beat_s = useful_hours(allocation.usd_per_hour, points, objective, limit) * SECONDS_PER_HOUR / steps
-        found = plan_allocation(pool, base, allocation, planner, steps, best_of, beat_s * (1 + BEAT_MARGIN))
-        if found is None:
-            outrun += 1
-        elif isinstance(found, str):
-            reasons.append(found)
-        else:
-            points.append(found)
+    order = search_order(candidates, objective, steps)
+    with Rounds(lambda i, beat_s: plan_allocation(pool, base, order[i], planner, steps, best_of, beat_s),
+                jobs) as rounds:
+        index = 0
+        while index < len(order):
+            batch: list[tuple[int, float]] = []  # the next round: up to ``jobs`` allocations no point rules out
+            while index < len(order) and len(batch) < rounds.jobs:
+                allocation = order[index]
+                if _beaten(allocation, points, objective, limit, steps):
+                    pruned += 1
+                elif planned >= max_plans:
+                    left.append(allocation)
+                else:
+                    planned += 1
+                    beat_s = useful_hours(allocation.usd_per_hour, points, objective, limit) * SECONDS_PER_HOUR / steps
+                    batch.append((index, beat_s * (1 + BEAT_MARGIN)))
+                index += 1
+            for found in rounds.run(batch):
+                if found is None:
+                    outrun += 1
+                elif isinstance(found, str):
+                    reasons.append(found)
+                else:
+                    points.append(found)
     if not points and (objective == "frontier" or not pruned):  # else: the limit ruled every allocation out
         first = f": the first said: {reasons[0]}" if reasons else ""
         raise HetplanError(f"no allocation of pool {pool.name!r} has a plan{first}")
@@ -526,7 +540,8 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
                      f"having planned the allocations of least bound; {len(left)} allocations were not planned, so "
                      "the answer is the best found, not proven (docs/choose.md: its measured quality)")
     return ChooseResult(pool, objective, limit, tokens, tuple(chosen), len(candidates), planned, pruned,
-                        len(reasons), len(left), tuple(notes), tuple(left), outrun)
+                        len(reasons), len(left), tuple(notes), tuple(left), outrun, rounds.jobs,
+                        tuple(rounds.cpu_s))
 
 
 # --- exports ------------------------------------------------------------------------

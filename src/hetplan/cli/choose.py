@@ -53,6 +53,9 @@ def register(sub: Any) -> None:
     p.add_argument("--max-plans", type=positive_int, default=DEFAULT_MAX_PLANS,
                    help=f"planner calls the search may make (default {DEFAULT_MAX_PLANS}); past it the answer "
                         "is the best found, and the output says it is not proven")
+    p.add_argument("--jobs", type=positive_int, default=1,
+                   help="allocations planned at once, each in its own process (default 1; the answer is the same, "
+                        "the counts of planned and pruned allocations may differ)")
     p.add_argument("--mixed-tp", action="store_true",
                    help="also give the replicas of stages that hold several GPU types their own TP degree "
                         "(Sailor's mixed replicas; costed and exported, not yet trained by hetplan's runtime)")
@@ -72,7 +75,7 @@ def cmd_choose(args: argparse.Namespace) -> int:
         ("budget", args.budget) if args.budget is not None else ("frontier", None)
     planner = get_planner(args.planner)
     result = choose(pool, base, planner, args.tokens, objective, limit, args.max_plans,
-                    replica_tp_best if args.mixed_tp else runnable_best)
+                    replica_tp_best if args.mixed_tp else runnable_best, args.jobs)
     print(choose_text(result))
     write_json(args.json_path, result.record())
     if args.chart and result.points:

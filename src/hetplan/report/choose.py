@@ -34,7 +34,8 @@ def choose_header(result: ChooseResult) -> str:
     return (f"choose   {asked}, {format_count(result.tokens)} tokens, pool {result.pool.name!r}\n"
             f"search   {result.allocations} allocations: {result.planned} planned ({result.no_plan} without a plan, "
             f"{result.outrun} outrun: no plan faster than the answer needs), "
-            f"{result.pruned} pruned by bounds, {result.unplanned} left unplanned "
+            f"{result.pruned} pruned by bounds, {result.unplanned} left unplanned"
+            f"{f', {result.jobs} at a time' if result.jobs > 1 else ''} "
             f"({'proven' if result.proven else 'not proven'})\n"
             f"method   {result.search}")
 

@@ -17,7 +17,8 @@
    parallelism wherever tp > 1: it never costs more) that minimise the shared
    model's iteration time; the answer is certified optimal for the shape, or
    its gap to the shape's bound is known. Shapes are solved cheapest lower
-   bound first and skipped once their bound cannot beat the best plan; the
+   bound first and skipped once their bound cannot beat the best plan (or a
+   time the caller says must be beaten, ``plan(beat_s=...)``); the
    number of solves is a work budget (``max_solves``), never seconds.
 4. **Rank** everything by the shared model; the estimate carries the workload's
    lower bound (``cost/bounds.py``) and the notes say how close the plan is.
@@ -157,9 +158,11 @@ class AutoPlanner:
         than it matter (a caller that has a plan that good elsewhere:
         ``hetplan choose``): it starts as the best plan's time, so the shapes
         whose bounds reach it are never solved, and the answer is the plans
-        faster than it or ``NoPlanFaster`` — the same best plan as without it
-        whenever that plan is faster than ``beat_s``, as the bounds that prune
-        are the ones that prune against the best plan found."""
+        faster than it or ``NoPlanFaster``. The seeds run as without it; a
+        shape is skipped only by the bounds that skip it against a best plan
+        that fast, so where the shapes' solves certify, the best plan is the
+        one found without ``beat_s`` whenever that is faster than it
+        (``tests/test_choose.py`` checks a pool of allocations)."""
         self.stats = AutoStats()
         return _AutoSearch(self, workload, cost_model_for(workload, cost), beat_s).run(top_k)
 
