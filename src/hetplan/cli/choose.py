@@ -58,7 +58,8 @@ def register(sub: Any) -> None:
                         "the counts of planned and pruned allocations may differ)")
     p.add_argument("--mixed-tp", action="store_true",
                    help="also give the replicas of stages that hold several GPU types their own TP degree "
-                        "(Sailor's mixed replicas; costed and exported, not yet trained by hetplan's runtime)")
+                        "(Sailor's mixed replicas; hetplan's runtime trains them at ZeRO 0 and refuses them with ZeRO > 0, "
+                        "runtime/mixed.py)")
     p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
     p.add_argument("--chart", default=None, help="write the points as a chart of days vs $ here (.svg)")
     p.add_argument("--out-dir", default=None,

@@ -91,6 +91,10 @@ INF = float("inf")
 # repeat it). A split within it of the bound is skipped: at most this fraction of
 # the pipeline term.
 PACE_MARGIN = 1e-12
+# A prefix is dropped from that DP once its sum plus the least rest reaches the
+# cap plus this relative margin: the DP's sums and ``evaluate``'s round
+# differently, and a split at the cap within rounding must still come back.
+CAP_MARGIN = 1e-9
 
 __all__ = [
     "Partition",
@@ -335,6 +339,7 @@ class PartitionProblem:
         #: ``[j, x, y]``: the fastest allowed option's time (the only one when q = 1).
         self.window_times = self.option_times[:, 0] if self.num_options == 1 else self.option_times.min(axis=1)
         self._by_end_cache: tuple[np.ndarray, np.ndarray] | None = None
+        self._suffix_cache: np.ndarray | None = None
 
     def _stage_paced(self) -> PartitionProblem:
         """This 1F1B problem paced by its slowest stage or link instead: a pace
@@ -418,11 +423,13 @@ class PartitionProblem:
         return self.evaluate(boundaries, options).cost_s
 
     # --- building blocks of the fast solver ----------------------------------------
-    def _min_sum(self, bound: float) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    def _min_sum(self, bound: float, cap: float = INF) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Split (and options) minimising Σ sums + Σ e with every stage time
-        (1F1B: the pace) < ``bound`` (None: no such split)."""
+        (1F1B: the pace) < ``bound`` (None: no such split). Under 1F1B's pace,
+        ``cap``: the caller needs only a Σ under it, and None may also mean
+        that none is (``_min_sum_paced`` drops the prefixes that cannot)."""
         if self._outgoing is not None and bound != INF:
-            return self._min_sum_paced(bound)
+            return self._min_sum_paced(bound, cap)
         k, n = self.num_stages, self.num_layers
         span = self.span
         columns = np.arange(span)
@@ -448,7 +455,7 @@ class PartitionProblem:
             bounds.append(j + x)
         return tuple(reversed(bounds)), tuple(reversed(options))
 
-    def _min_sum_paced(self, bound: float) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    def _min_sum_paced(self, bound: float, cap: float = INF) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """``_min_sum`` under 1F1B's pace: the least Σ over splits whose every
         run of stages ``j..l`` has a mean ``t + 2c`` below ``U`` (the bound,
         less ``PACE_MARGIN``). Going stage by stage, that holds iff each stage
@@ -458,13 +465,17 @@ class PartitionProblem:
         only prefixes no other beats on both sum and ``e`` (a Pareto front per
         end: a smaller ``e`` never hurts what follows) are extended. Each stage
         extends every label to every end and option at once (numpy), then keeps
-        each end's front."""
+        each end's front. A prefix whose sum plus the least sum of any rest
+        (``_least_rest``) reaches ``cap`` (plus ``CAP_MARGIN``) is dropped, and
+        so is every prefix it beats: what is left is each front's part under
+        the cap, and the answer is the same whenever it is under the cap."""
         k, q, span = self.num_stages, self.num_options, self.span
         assert self._outgoing is not None
         limit = bound * (1.0 - PACE_MARGIN)
         ends = np.zeros(1, dtype=np.int64)  # per label: the cell where the next stage starts
         sums, excess = np.zeros(1), np.zeros(1)
         trail: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per stage: (ends, parent, option)
+        rest = self._least_rest() if cap < INF else None
         for j in range(k):
             cols = slice(span - 1, span) if j == k - 1 else slice(0, span)
             times = self.option_times[j][:, ends, cols]  # (q, labels, ends)
@@ -472,6 +483,8 @@ class PartitionProblem:
             trip = P2P_PASSES * self._outgoing[j, cols]
             total = np.where(times + excess[None, :, None] < limit,
                              sums[None, :, None] + self.option_sums[j][:, ends, cols] + cut, INF)
+            if rest is not None:  # no split through this prefix has a sum under the cap
+                total[total + rest[j + 1, cols][None, None, :] >= cap + CAP_MARGIN * abs(cap)] = INF
             after = np.maximum(0.0, excess[None, :, None] + times + trip - limit)
             rows = q * len(ends)
             total, after = total.reshape(rows, -1).T, after.reshape(rows, -1).T  # [end, row]
@@ -494,6 +507,22 @@ class PartitionProblem:
             label = int(parent[label])
             bounds.append(j + int(starts[label]))
         return tuple(reversed(bounds)), tuple(reversed(options))
+
+    def _least_rest(self) -> np.ndarray:
+        """``[j, x]``: the least sum (times, extras and cuts, memory and pace
+        ignored) of stages ``j..k−1`` when stage ``j`` starts at window cell
+        ``x``; row ``k`` is 0. A lower bound on what any split adds after a
+        prefix, computed once per problem."""
+        if self._suffix_cache is None:
+            k, span = self.num_stages, self.span
+            rest = np.zeros((k + 1, span))
+            least = self.option_sums.min(axis=1)  # [j, x, y]
+            rest[k - 1] = least[k - 1, :, span - 1]
+            for j in range(k - 2, -1, -1):
+                after = least[j] + self.cut_times[j, j + 1:j + 1 + span][None, :] + rest[j + 1][None, :]
+                rest[j] = after.min(axis=1)
+            self._suffix_cache = rest
+        return self._suffix_cache
 
     def _by_end(self) -> tuple[np.ndarray, np.ndarray]:
         """Single-option problems: times and sums indexed ``[j, y, x]`` (end cell
@@ -627,7 +656,7 @@ def fast_partition(problem: PartitionProblem) -> Partition | None:
     # invariant: no split with bottleneck >= bound beats ``best``
     bound = min(first_part.bottleneck_s, (best.cost_s - top_sum) / w)
     while bound > floor:
-        split = problem._min_sum(bound)
+        split = problem._min_sum(bound, best.cost_s - w * floor)  # a Σ at or over that ends the loop below
         if split is None:
             break
         current = problem._evaluate(*split)
