@@ -36,3 +36,21 @@ def test_pipeline_whose_first_stage_mixes_tp_degrees_trains_as_hetplan_train_doe
     resumed = run(train_worker, 1, write_plan(tmp_path, make_plan(micro=4), "one.json"), STEPS + 1,
                   dict(load_from=checkpoint_dir(ckpt, STEPS)))
     assert resumed[0]["losses"] == pytest.approx(reference(STEPS + 1)[0][STEPS:], rel=TOL)
+
+
+@pytest.mark.slow
+def test_hetplan_train_verify_runs_a_stage_of_mixed_tp_degrees(tmp_path) -> None:
+    """Issue 35 item 3 from the command line: ``hetplan train --verify`` on a
+    stage whose replicas run TP 2 and TP 1 with an uneven split (3 processes)
+    checks its losses against one process and passes."""
+    import os
+    import subprocess
+    import sys
+
+    plan = write_plan(tmp_path, mixed_plan([(range(0, 6), (2, 1), (3, 1))], micro=4))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    env = {**os.environ, "PYTHONPATH": os.path.join(root, "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "hetplan.cli", "train", "--plan", plan, "--steps", "2", "--verify"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3 processes" in proc.stdout and "verify: OK" in proc.stdout, proc.stdout
