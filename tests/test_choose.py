@@ -250,17 +250,21 @@ def test_bound_shortfall_is_the_factor_that_would_prune_an_unplanned_allocation(
     assert bound_shortfall(result.left_unplanned[0], (), steps) == float("inf")
 
 
-def test_cli_choose_writes_table_json_chart_and_point_files(tmp_path, capsys):
+def test_cli_choose_writes_table_json_chart_and_point_files(tmp_path, capsys, monkeypatch):
     data = small_pool()
     data["offers"] = data["offers"][:2]
     path = tmp_path / "pool.yaml"
     path.write_text(yaml.safe_dump(data))
     out = tmp_path / "out.json"
+    monkeypatch.setenv("HETPLAN_PROGRESS", "lines")  # a progress line per round: a log sees the search go on
+    monkeypatch.setenv("HETPLAN_PROGRESS_EVERY_S", "0")
     code = main(["choose", "--pool", str(path), "--model", "tiny-gpt", "--global-batch", "16", "--tokens", "1B",
                  "--planner", "uniform", "--json", str(out), "--chart", str(tmp_path / "f.svg"),
                  "--out-dir", str(tmp_path / "pts"), "--price", "V100-16GB=0.5", "--jobs", "2"])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert code == 0 and "allocation" in text and "(proven)" in text and "2 at a time" in text
+    assert "choose: allocations: 8/8 (100%)" in captured.err and "planned" in captured.err
     record = json.loads(out.read_text())
     assert record["points"] and record["proven"]
     assert (tmp_path / "f.svg").read_text().startswith("<svg")

@@ -72,6 +72,7 @@ from hetplan.limits import check_at_most
 from hetplan.plan.file import workload_record
 from hetplan.plan.spec import Plan, RankedPlan
 from hetplan.plan.workload import Workload
+from hetplan.progress import Progress
 from hetplan.search.base import NoPlanFaster, states_refusal
 from hetplan.simulate.plan import SIMULATION_TOLERANCE, simulated_over_closed
 
@@ -504,7 +505,7 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
     left: list[Allocation] = []
     order = search_order(candidates, objective, steps)
     with Rounds(lambda i, beat_s: plan_allocation(pool, base, order[i], planner, steps, best_of, beat_s),
-                jobs) as rounds:
+                jobs) as rounds, Progress("choose: allocations", total=len(order)) as progress:
         index = 0
         while index < len(order):
             batch: list[tuple[int, float]] = []  # the next round: up to ``jobs`` allocations no point rules out
@@ -526,6 +527,7 @@ def choose(pool: Pool, base: Workload, planner: Any, tokens: float, objective: s
                     reasons.append(found)
                 else:
                     points.append(found)
+            progress.advance(index - progress.done, note=f"{planned} planned, {pruned} pruned, {len(points)} points")
     if not points and (objective == "frontier" or not pruned):  # else: the limit ruled every allocation out
         first = f": the first said: {reasons[0]}" if reasons else ""
         raise HetplanError(f"no allocation of pool {pool.name!r} has a plan{first}")
