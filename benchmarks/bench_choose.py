@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from hetplan.app.choose import HEURISTIC, ChooseResult, Point, bound_shortfall, choose, pareto_front, plan_allocation
+from hetplan.app.rounds import critical_cpu_s
 from hetplan.app.workload import WorkloadOptions, load_workload
 from hetplan.cluster.pool import load_pool
 from hetplan.plan.workload import Workload
@@ -94,7 +95,7 @@ def row(pool_file: str, model: str, max_plans: int, heuristic_allowed: bool,
     main_cpu = time.process_time() - start  # this process alone: the workers' CPU is in round_cpu_s
     wall = time.perf_counter() - wall
     worker_cpu = sum(map(sum, result.round_cpu_s)) if result.jobs > 1 else 0.0
-    cpu = main_cpu + sum(max(r, default=0.0) for r in result.round_cpu_s) if result.jobs > 1 else main_cpu
+    cpu = main_cpu + critical_cpu_s(result.round_cpu_s) if result.jobs > 1 else main_cpu
     state = verdict(result, cpu, heuristic_allowed)
     steps = tokens / (base.global_batch_size * base.model.seq_len)
     gap = "" if result.proven else shortfall_line(result, steps)

@@ -44,6 +44,12 @@ def _in_worker(task: tuple[int, float]) -> tuple[Any, float]:
     return _measured(_STATE["plan"], task)
 
 
+def critical_cpu_s(rounds_cpu_s: Sequence[Sequence[float]]) -> float:
+    """CPU seconds of the slowest task of each round, summed: the time the
+    rounds take on ``jobs`` idle cores, whatever else the machine runs."""
+    return sum(max(round_s, default=0.0) for round_s in rounds_cpu_s)
+
+
 class Rounds:
     """Runs rounds of ``plan(index, beat_s)`` calls: in this process with one
     job, else in ``jobs`` forked workers (made at the first round of two or
@@ -68,9 +74,7 @@ class Rounds:
         return [found for found, _ in timed]
 
     def critical_cpu_s(self) -> float:
-        """CPU seconds of the slowest task of each round, summed: the time the
-        rounds take on ``jobs`` idle cores, whatever else the machine runs."""
-        return sum(max(round_s, default=0.0) for round_s in self.cpu_s)
+        return critical_cpu_s(self.cpu_s)
 
     def close(self) -> None:
         if self._workers is not None:
