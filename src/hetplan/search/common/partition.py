@@ -59,8 +59,9 @@ starts from the optimum of the same problem paced by its slowest stage or link
 (a pace never above 1F1B's: the vectorised DP, cheap), whose split is close;
 each of its steps needs only a sum under the incumbent less ``(m − 1)`` times
 the least pace, so the DP drops a prefix whose sum plus the least sum of any
-rest reaches that (``PartitionProblem._least_rest``). At 96 layers × 16 stages it takes ~20 ms; equal to brute force on random
-instances with options, extras, memory limits and links (``tests/test_partition.py``).
+rest reaches that (``PartitionProblem._least_rest``). At 96 layers × 16
+stages it takes ~20 ms; equal to brute force on random instances with
+options, extras, memory limits and links (``tests/test_partition.py``).
 
 Boundaries are returned as ``(b_0 = 0, b_1, …, b_k = L)``; stage ``j`` runs
 ``range(b_j, b_{j+1})`` (:meth:`Partition.ranges`). Ties between splits of equal
@@ -341,7 +342,7 @@ class PartitionProblem:
         #: ``[j, x, y]``: the fastest allowed option's time (the only one when q = 1).
         self.window_times = self.option_times[:, 0] if self.num_options == 1 else self.option_times.min(axis=1)
         self._by_end_cache: tuple[np.ndarray, np.ndarray] | None = None
-        self._suffix_cache: np.ndarray | None = None
+        self._least_rest_cache: np.ndarray | None = None
 
     def _stage_paced(self) -> PartitionProblem:
         """This 1F1B problem paced by its slowest stage or link instead: a pace
@@ -515,7 +516,7 @@ class PartitionProblem:
         ignored) of stages ``j..k−1`` when stage ``j`` starts at window cell
         ``x``; row ``k`` is 0. A lower bound on what any split adds after a
         prefix, computed once per problem."""
-        if self._suffix_cache is None:
+        if self._least_rest_cache is None:
             k, span = self.num_stages, self.span
             rest = np.zeros((k + 1, span))
             least = self.option_sums.min(axis=1)  # [j, x, y]
@@ -523,8 +524,8 @@ class PartitionProblem:
             for j in range(k - 2, -1, -1):
                 after = least[j] + self.cut_times[j, j + 1:j + 1 + span][None, :] + rest[j + 1][None, :]
                 rest[j] = after.min(axis=1)
-            self._suffix_cache = rest
-        return self._suffix_cache
+            self._least_rest_cache = rest
+        return self._least_rest_cache
 
     def _by_end(self) -> tuple[np.ndarray, np.ndarray]:
         """Single-option problems: times and sums indexed ``[j, y, x]`` (end cell
