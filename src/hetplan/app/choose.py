@@ -473,9 +473,10 @@ def bound_shortfall(allocation: Allocation, points: Sequence[Point], steps: floa
     without points). Below 1 it is pruned already (``_beaten``); a bound
     ``k`` times tighter would prune every allocation whose shortfall is at most
     ``k``, which is how ``benchmarks/bench_choose.py`` measures what a tighter
-    bound would buy before anyone proves one."""
-    hours, usd = _bound_point(allocation, steps)
-    return min((max(p.hours / hours, p.usd / usd) for p in points), default=math.inf)
+    bound would buy before anyone proves one: the frontier's ``useful_hours``
+    over the bound's hours."""
+    hours, _ = _bound_point(allocation, steps)
+    return useful_hours(allocation.usd_per_hour, points, "frontier", None) / hours
 
 
 def search_order(candidates: Sequence[Allocation], objective: str, steps: float) -> list[Allocation]:
